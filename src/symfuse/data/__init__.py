@@ -1,0 +1,1 @@
+"""Datasets: local JSON Lines folders, files and hub ids through the datasets library."""

@@ -1,0 +1,1 @@
+"""Evaluation: metrics, loss barriers."""

@@ -1,0 +1,1 @@
+"""Matching: find the symmetry transforms that align a model to an anchor."""

@@ -1,0 +1,1 @@
+"""Merge strategies, registered as plug-ins."""

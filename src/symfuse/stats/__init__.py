@@ -1,0 +1,1 @@
+"""Per-model statistics: input Gram matrices, diagonal Fisher."""

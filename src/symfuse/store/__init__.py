@@ -1,0 +1,1 @@
+"""Artifact store: the only package that touches fsspec / s3fs."""

@@ -1,0 +1,1 @@
+"""Exact symmetry transforms (value objects acting on module weights and on statistics)."""

@@ -1,0 +1,1 @@
+"""Thin Prefect @task wrappers over the symfuse library (URIs in, URIs out)."""

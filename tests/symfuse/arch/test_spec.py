@@ -1,0 +1,69 @@
+"""Spec coverage: every family resolves every tensor name on its tiny model, and round-trips."""
+
+import pytest
+import torch
+
+from symfuse.arch import ModuleRef, get_spec, supported_model_types
+from symfuse.arch.spec import ATTN_ROLES, FFN_ROLES
+from symfuse.errors import UnsupportedArchitecture
+from tests.tiny import FAMILIES, tiny_model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("head", ["base", "seq"])
+def test_every_module_tensor_resolves_and_round_trips(family, head):
+    model = tiny_model(family, head=head)
+    sd = model.state_dict()
+    spec = get_spec(model.config)
+    prefix = spec.detect_prefix(sd)
+    assert prefix == ("" if head == "base" else spec.base_prefix + ".")
+    geo = spec.geometry(model.config)
+    claimed = set()
+    for ref in spec.modules(model.config):
+        w = spec.read_module(sd.__getitem__, sd.__contains__, ref, model.config, prefix)
+        roles = ATTN_ROLES if ref.kind == "attn" else FFN_ROLES
+        assert set(w) <= {r for r in roles} | {r + "_bias" for r in roles}
+        if ref.kind == "attn":
+            assert w["q"].shape == (geo.n_heads * geo.head_dim, geo.d_model)
+            assert w["k"].shape == (geo.n_kv_heads * geo.head_dim, geo.d_model)
+            assert w["o"].shape == (geo.d_model, geo.n_heads * geo.head_dim)
+        else:
+            assert w["up"].shape == (geo.d_ffn, geo.d_model)
+            assert w["down"].shape == (geo.d_model, geo.d_ffn)
+        back = spec.write_module(w, ref, model.config, prefix)
+        for name, t in back.items():
+            torch.testing.assert_close(t, sd[name], rtol=0, atol=0)
+        claimed |= set(back)
+    # every weight of every layer belongs to exactly one module, a norm, or nothing else
+    for i in range(geo.n_layers):
+        layer = prefix + spec.layer.format(i=i) + "."
+        norms = tuple(spec.norm_paths(i, prefix).values())
+        rest = [k for k in sd if k.startswith(layer) and k not in claimed and not k.startswith(norms)]
+        assert rest == [], f"{family}: layer tensors no role claims: {rest}"
+
+
+def test_geometry_reads_gqa_and_rope():
+    model = tiny_model("llama")
+    geo = get_spec(model.config).geometry(model.config)
+    assert (geo.n_heads, geo.n_kv_heads, geo.group_size, geo.rope, geo.gated) == (4, 2, 2, True, True)
+
+
+def test_deberta_pos_projections_only_without_shared_key():
+    sep, shared = tiny_model("deberta-v2"), tiny_model("deberta-v2-shared")
+    spec = get_spec(sep.config)
+    assert spec.geometry(sep.config).pos_proj and not spec.geometry(shared.config).pos_proj
+    assert "pos_q" in spec.tensor_names(ModuleRef(0, "attn"), sep.config)
+    assert "pos_q" not in spec.tensor_names(ModuleRef(0, "attn"), shared.config)
+
+
+def test_unsupported_family_lists_supported():
+    with pytest.raises(UnsupportedArchitecture, match=r"supported: .*bert.*llama"):
+        get_spec("t5")
+    assert "gpt2" in supported_model_types()
+
+
+def test_module_ref_key_round_trip():
+    ref = ModuleRef(7, "ffn")
+    assert ref.key == "L07.ffn" and ModuleRef.parse(ref.key) == ref
+    with pytest.raises(ValueError, match="not a module key"):
+        ModuleRef.parse("7.ffn")

@@ -1,0 +1,97 @@
+"""Tiny random models of every family, built in-test (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers as T
+
+_SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
+
+FAMILIES = ("bert", "roberta", "distilbert", "deberta-v2", "deberta-v2-shared", "vit", "gpt2", "llama")
+
+
+def tiny_config(family: str, **overrides) -> T.PretrainedConfig:
+    """A tiny config of ``family`` (``deberta-v2-shared`` = DeBERTa with share_att_key)."""
+    if family == "bert":
+        cfg = T.BertConfig(vocab_size=64, max_position_embeddings=64, **_SMALL)
+    elif family == "roberta":
+        cfg = T.RobertaConfig(vocab_size=64, max_position_embeddings=70, pad_token_id=1, **_SMALL)
+    elif family == "distilbert":
+        cfg = T.DistilBertConfig(
+            vocab_size=64, max_position_embeddings=64, dim=32, n_layers=2, n_heads=4, hidden_dim=48
+        )
+    elif family.startswith("deberta-v2"):
+        cfg = T.DebertaV2Config(
+            vocab_size=64,
+            max_position_embeddings=64,
+            relative_attention=True,
+            pos_att_type=["p2c", "c2p"],
+            share_att_key=family.endswith("shared"),
+            position_buckets=8,
+            max_relative_positions=16,
+            norm_rel_ebd="layer_norm",
+            **_SMALL,
+        )
+    elif family == "vit":
+        cfg = T.ViTConfig(image_size=8, patch_size=4, num_channels=3, **_SMALL)
+    elif family == "gpt2":
+        cfg = T.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=48, bos_token_id=0, eos_token_id=0
+        )
+    elif family == "llama":
+        cfg = T.LlamaConfig(vocab_size=64, max_position_embeddings=64, num_key_value_heads=2, **_SMALL)
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(family: str, seed: int = 0, head: str = "base", **overrides) -> torch.nn.Module:
+    """A tiny random model in eval mode; ``head`` in base | seq | token | lm | mlm."""
+    cfg = tiny_config(family, **overrides)
+    if head in ("seq", "token"):
+        cfg.num_labels = 3
+    torch.manual_seed(seed)
+    if head == "base":
+        model = T.AutoModel.from_config(cfg)
+    elif head == "seq":
+        model = (
+            T.ViTForImageClassification(cfg)
+            if family == "vit"
+            else T.AutoModelForSequenceClassification.from_config(cfg)
+        )
+    elif head == "token":
+        model = T.AutoModelForTokenClassification.from_config(cfg)
+    elif head == "lm":
+        model = T.AutoModelForCausalLM.from_config(cfg)
+    elif head == "mlm":
+        model = T.AutoModelForMaskedLM.from_config(cfg)
+    else:
+        raise ValueError(head)
+    with torch.no_grad():  # random, non-trivial norms and biases so that transforms are really exercised
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def random_inputs(model: torch.nn.Module, batch: int = 2, seq: int = 7, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random inputs the model accepts (token ids or pixel values), with some padding."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    if cfg.model_type == "vit":
+        return {"pixel_values": torch.randn(batch, cfg.num_channels, cfg.image_size, cfg.image_size, generator=g)}
+    ids = torch.randint(2, cfg.vocab_size, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def save_tiny(folder: Path, family: str, seed: int = 0, head: str = "base", **overrides) -> Path:
+    """Save a tiny model as a safetensors ``save_pretrained`` folder and return the folder."""
+    model = tiny_model(family, seed=seed, head=head, **overrides)
+    model.save_pretrained(folder)
+    return Path(folder)
