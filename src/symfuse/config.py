@@ -1,0 +1,237 @@
+"""The run configuration shared by the CLI, tasks and flows: one pydantic model, loadable from YAML.
+
+Prefect validates ``fusion_pipeline(config: RunConfig)`` parameters against it and renders it as a form in the UI,
+so every field is typed and documented. Tasks flatten it at their boundary: library functions take plain arguments.
+
+The embedded demo (``RunConfig.demo()``) fine-tunes MiniLM on three emotion datasets and merges them; its caps are
+chosen for a 2-core CPU: full ~2000 training examples per dataset and 2 epochs (target < 15 min), quick 200
+examples and 1 epoch (target < 3 min).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+=-]*$")
+STATS_KINDS = ("gram", "fisher")
+ANCHOR_POLICIES = ("closest", "barycenter")
+
+
+def _check_name(value: str, what: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError(f"{what} {value!r}: use letters, digits and ._@+=- (it becomes part of artifact keys)")
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DatasetConfig(_Strict):
+    """One task the models are fine-tuned on (or brought for)."""
+
+    name: str = Field(description="Short name; used in artifact keys and reports (e.g. 'isear').")
+    source: str | None = Field(
+        default=None,
+        description="Where the data is: a ../shared/datasets name or folder, local files or a hub id. Default: name.",
+    )
+    task: Literal["classification", "pair_classification", "regression", "ner"] | None = Field(
+        default=None, description="Task type; default: read from the dataset's meta.json."
+    )
+    max_train_examples: int | None = Field(default=None, ge=1, description="Cap on training examples.")
+    max_eval_examples: int | None = Field(default=None, ge=1, description="Cap on test examples when evaluating.")
+    checkpoint: str | None = Field(
+        default=None,
+        description="URI or path of a fine-tuned model the user brings; fine-tuning is skipped for this dataset.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _check_name(value, "dataset name")
+
+    @property
+    def data(self) -> str:
+        """The source to load (``source`` or else ``name``)."""
+        return self.source or self.name
+
+
+class FinetuneSettings(_Strict):
+    """Fine-tuning hyper-parameters (the same for every dataset)."""
+
+    epochs: int = Field(default=2, ge=1)
+    lr: float = Field(default=5e-5, gt=0)
+    batch_size: int = Field(default=16, ge=1, description="Micro-batch; an out-of-memory retry halves it.")
+    grad_accum: int = Field(default=1, ge=1, description="Gradient accumulation; an OOM retry doubles it.")
+    max_length: int = Field(default=128, ge=8, description="Token cap per example.")
+    warmup_ratio: float = Field(default=0.1, ge=0, lt=1)
+    seed: int = 13
+
+
+class StatsSettings(_Strict):
+    """Statistics collected per model for the merge strategies that need them."""
+
+    kinds: list[Literal["gram", "fisher"]] = Field(default_factory=lambda: list(STATS_KINDS), min_length=1)
+    max_examples: int | None = Field(default=512, ge=1, description="Training examples used per model.")
+    batch_size: int = Field(default=16, ge=1)
+
+
+class EvalSettings(_Strict):
+    """Which test sets every model is evaluated on."""
+
+    in_domain: bool = Field(default=True, description="Evaluate on every training dataset's test split.")
+    out_of_domain: list[str] = Field(
+        default_factory=lambda: ["goemotions_ekman"], description="Further test sets, e.g. goemotions_ekman."
+    )
+    split: Literal["test", "validation"] = "test"
+    max_examples: int | None = Field(default=None, ge=1, description="Cap per evaluation set.")
+
+    @field_validator("out_of_domain")
+    @classmethod
+    def _names(cls, value: list[str]) -> list[str]:
+        return [_check_name(v, "evaluation dataset") for v in value]
+
+
+class RunConfig(_Strict):
+    """Everything one fusion run needs: what to fine-tune, what statistics, how to match, merge and evaluate."""
+
+    run_id: str = Field(default="demo", description="Names the run's folder in the store (runs/<run_id>/...).")
+    base_model: str = Field(default="minilm", description="Base checkpoint: 'minilm', a local folder or a hub id.")
+    datasets: list[DatasetConfig] = Field(min_length=1, description="Tasks to fine-tune on (at least 1).")
+    finetune: FinetuneSettings = Field(default_factory=FinetuneSettings)
+    stats: StatsSettings = Field(default_factory=StatsSettings)
+    symmetries: list[str] = Field(
+        default_factory=lambda: ["rotation", "scaling", "ffn-permutation"],
+        min_length=1,
+        description="Symmetries matching may use (see symfuse.match.SYMMETRIES).",
+    )
+    anchor: str = Field(
+        default="closest",
+        description="Model the others are matched onto: 'closest' (to the others), 'barycenter', or a dataset name.",
+    )
+    strategies: list[str] = Field(
+        default_factory=lambda: ["simple", "fisher", "regmean"], min_length=1, description="Merge strategies."
+    )
+    regmean_alpha: float = Field(default=0.9, ge=0, le=1, description="RegMean: scale of off-diagonal Gram terms.")
+    evaluation: EvalSettings = Field(default_factory=EvalSettings)
+    store_root: str | None = Field(
+        default=None, description="Artifact store URL (local folder, s3://bucket/prefix). Default: $SYMFUSE_STORE."
+    )
+    device: Literal["cpu", "cuda", "auto"] = Field(default="auto", description="'auto' uses CUDA when present.")
+    quick: bool = Field(default=False, description="Marks a reduced demo run (smaller caps); informational.")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        return _check_name(value, "run id")
+
+    @field_validator("symmetries", "strategies")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate entries in {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"dataset names must be unique, got {names}")
+        if self.anchor not in ANCHOR_POLICIES and self.anchor not in names:
+            raise ValueError(f"anchor {self.anchor!r}: expected 'closest', 'barycenter' or one of the datasets {names}")
+        return self
+
+    # ------------------------------------------------------------------------------------------ helpers
+    @property
+    def dataset_names(self) -> list[str]:
+        """Names of the training datasets, in order."""
+        return [d.name for d in self.datasets]
+
+    def dataset(self, name: str) -> DatasetConfig:
+        """The dataset entry called ``name``.
+
+        Raises:
+            KeyError: if no dataset has that name.
+        """
+        for d in self.datasets:
+            if d.name == name:
+                return d
+        raise KeyError(f"no dataset {name!r} in the run config (have {self.dataset_names})")
+
+    def eval_datasets(self) -> list[str]:
+        """Evaluation sets: the training datasets (if ``evaluation.in_domain``) then the out-of-domain ones."""
+        out = list(self.dataset_names) if self.evaluation.in_domain else []
+        return out + [n for n in self.evaluation.out_of_domain if n not in out]
+
+    def resolved_device(self) -> str:
+        """``cpu`` or ``cuda``: ``auto`` becomes ``cuda`` when torch sees a GPU."""
+        if self.device != "auto":
+            return self.device
+        try:
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:  # pragma: no cover - torch is a hard dependency
+            return "cpu"
+
+    def resolved_store_root(self) -> str:
+        """``store_root``, else ``$SYMFUSE_STORE``, else ``./symfuse-runs``."""
+        return self.store_root or os.environ.get("SYMFUSE_STORE") or "./symfuse-runs"
+
+    # ------------------------------------------------------------------------------------------ I/O
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> RunConfig:
+        """Load and validate a YAML file.
+
+        Raises:
+            FileNotFoundError: if the file is absent.
+            pydantic.ValidationError: if a field is unknown or invalid (the message names it).
+        """
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of RunConfig fields, got {type(data).__name__}")
+        return cls.model_validate(data)
+
+    def to_yaml(self, path: str | os.PathLike | None = None) -> str:
+        """The config as YAML text, also written to ``path`` when given."""
+        text = yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def demo(cls, quick: bool = False, **overrides) -> RunConfig:
+        """The embedded demo: MiniLM fine-tuned on dair_emotion, isear and meld, merged six ways.
+
+        Full: 2000 training examples per dataset, 2 epochs, max_length 64, stats on 256 examples, evaluation on
+        500 test examples per set (target < 15 min on a 2-core CPU). Quick: 200 examples, 1 epoch, stats on 64,
+        evaluation on 200 (target < 3 min).
+
+        Args:
+            quick: The reduced variant.
+            **overrides: RunConfig fields to replace (e.g. ``store_root``, ``run_id``).
+        """
+        n_train, n_eval, n_stats, epochs = (200, 200, 64, 1) if quick else (2000, 500, 256, 2)
+        data = {
+            "run_id": "demo-quick" if quick else "demo",
+            "base_model": "minilm",
+            "datasets": [
+                {"name": name, "max_train_examples": n_train, "max_eval_examples": n_eval}
+                for name in ("dair_emotion", "isear", "meld")
+            ],
+            "finetune": {"epochs": epochs, "lr": 1e-4, "batch_size": 16, "max_length": 64, "seed": 13},
+            "stats": {"kinds": ["gram", "fisher"], "max_examples": n_stats, "batch_size": 16},
+            "strategies": ["simple", "fisher", "regmean"],
+            "evaluation": {"in_domain": True, "out_of_domain": ["goemotions_ekman"], "max_examples": n_eval},
+            "device": "auto",
+            "quick": quick,
+        }
+        data.update(overrides)
+        return cls.model_validate(data)
