@@ -1,1 +1,35 @@
-"""Datasets: local JSON Lines folders, files and hub ids through the datasets library."""
+"""Datasets: local JSON Lines folders, files and hub ids through the datasets library.
+
+Public API: :func:`load_task_dataset` -> :class:`TaskDataset`; :func:`make_batches` (tokenised, padded batches with
+``labels``: class ids, float multi-hot, float scores, or NER tag ids on first sub-tokens and -100 elsewhere);
+the lower-level :func:`encode_split` / :func:`collate` / :func:`iter_batches`; :func:`shared_label_names` for
+out-of-domain evaluation.
+"""
+
+from symfuse.data.batches import IGNORE_INDEX, collate, encode_split, iter_batches, load_tokenizer, make_batches
+from symfuse.data.dataset import (
+    SPLITS,
+    DatasetError,
+    TaskDataset,
+    load_task_dataset,
+    shared_datasets_dir,
+    subsample_indices,
+)
+from symfuse.data.labels import EMOTION_SHARED, shared_label_names
+
+__all__ = [
+    "EMOTION_SHARED",
+    "IGNORE_INDEX",
+    "SPLITS",
+    "DatasetError",
+    "TaskDataset",
+    "collate",
+    "encode_split",
+    "iter_batches",
+    "load_task_dataset",
+    "load_tokenizer",
+    "make_batches",
+    "shared_datasets_dir",
+    "shared_label_names",
+    "subsample_indices",
+]

@@ -1,0 +1,181 @@
+"""Tokenise a :class:`TaskDataset` split and collate it into padded model batches.
+
+Batches are ``dict[str, Tensor]`` with ``input_ids`` / ``attention_mask`` (and ``token_type_ids`` when the
+tokenizer makes them), all ``(batch, seq)`` padded to the longest sequence of the batch, plus ``labels``:
+
+* single-label classification: ``(batch,)`` long class ids;
+* multi-label classification: ``(batch, num_labels)`` float multi-hot;
+* regression: ``(batch,)`` float;
+* NER: ``(batch, seq)`` long tag ids on the FIRST sub-token of each word, ``-100`` on other sub-tokens, special
+  tokens and padding (the value ``CrossEntropyLoss`` ignores).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from symfuse.data.dataset import TaskDataset, subsample_indices
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer object for a tokenizer, a checkpoint folder, ``"minilm"`` or a hub id."""
+    if not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    from symfuse.checkpoint import resolve_checkpoint
+
+    return AutoTokenizer.from_pretrained(str(resolve_checkpoint(tokenizer)))
+
+
+def encode_split(
+    dataset: TaskDataset,
+    tokenizer: Any,
+    split: str = "train",
+    max_length: int = 128,
+    max_examples: int | None = None,
+    seed: int = 13,
+) -> list[dict[str, Any]]:
+    """Tokenise one split into per-example features (python lists, unpadded).
+
+    Args:
+        dataset: The loaded task.
+        tokenizer: A (fast) tokenizer or a folder/name accepted by :func:`load_tokenizer`.
+        split: Split name.
+        max_length: Truncation length in tokens (special tokens included).
+        max_examples: Seeded random subset of this many examples (source order kept).
+        seed: Seed of that subset.
+
+    Returns:
+        One dict per example: ``input_ids``, ``attention_mask``, maybe ``token_type_ids``, and ``labels``.
+    """
+    tok = load_tokenizer(tokenizer)
+    data = dataset.split(split)
+    idx = subsample_indices(len(data), max_examples, seed)
+    if len(idx) < len(data):
+        data = data.select(idx)
+    l2i = dataset.label2id
+    feats: list[dict[str, Any]] = []
+    chunk = 1024
+    for start in range(0, len(data), chunk):
+        rows = data[start : start + chunk]  # column dict
+        if dataset.is_token_task:
+            enc = tok(rows["tokens"], is_split_into_words=True, truncation=True, max_length=max_length)
+        elif dataset.is_pair:
+            enc = tok(rows["text"], rows["text_pair"], truncation=True, max_length=max_length)
+        else:
+            enc = tok(rows["text"], truncation=True, max_length=max_length)
+        keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+        for j in range(len(enc["input_ids"])):
+            f = {k: enc[k][j] for k in keys}
+            if dataset.is_token_task:
+                tags = rows["tags"][j]
+                labels, prev = [], None
+                for w in enc.word_ids(j):
+                    labels.append(IGNORE_INDEX if w is None or w == prev else l2i[tags[w]])
+                    prev = w
+                f["labels"] = labels
+            elif dataset.task == "regression":
+                f["labels"] = float(rows["label"][j])
+            elif dataset.multi_label:
+                hot = [0.0] * len(l2i)
+                for name in rows["label"][j]:
+                    hot[l2i[name]] = 1.0
+                f["labels"] = hot
+            else:
+                f["labels"] = l2i[str(rows["label"][j])]
+            feats.append(f)
+    return feats
+
+
+def collate(features: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Pad a list of features (from :func:`encode_split`) into one batch of tensors (right padding).
+
+    Args:
+        features: Per-example features.
+        pad_token_id: Id used to pad ``input_ids``.
+
+    Returns:
+        ``input_ids`` / ``attention_mask`` / ``token_type_ids`` ``(batch, seq)``, and ``labels`` (see module doc).
+    """
+    seq = max(len(f["input_ids"]) for f in features)
+    out: dict[str, torch.Tensor] = {}
+    for key, pad in (("input_ids", pad_token_id), ("attention_mask", 0), ("token_type_ids", 0)):
+        if key in features[0]:
+            out[key] = torch.tensor([f[key] + [pad] * (seq - len(f[key])) for f in features], dtype=torch.long)
+    if "labels" in features[0]:
+        first = features[0]["labels"]
+        if isinstance(first, list) and isinstance(first[0], float):  # multi-hot (batch, num_labels)
+            out["labels"] = torch.tensor([f["labels"] for f in features], dtype=torch.float32)
+        elif isinstance(first, list):  # token labels (batch, seq)
+            rows = [f["labels"] + [IGNORE_INDEX] * (seq - len(f["labels"])) for f in features]
+            out["labels"] = torch.tensor(rows, dtype=torch.long)
+        elif isinstance(first, float):
+            out["labels"] = torch.tensor([f["labels"] for f in features], dtype=torch.float32)
+        else:
+            out["labels"] = torch.tensor([f["labels"] for f in features], dtype=torch.long)
+    return out
+
+
+def iter_batches(
+    features: Sequence[dict[str, Any]],
+    batch_size: int,
+    pad_token_id: int = 0,
+    shuffle: bool = False,
+    seed: int = 13,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Collated batches of ``batch_size`` features (the last may be smaller); seeded order when ``shuffle``."""
+    order = list(range(len(features)))
+    if shuffle:
+        random.Random(seed).shuffle(order)
+    for start in range(0, len(order), batch_size):
+        yield collate([features[i] for i in order[start : start + batch_size]], pad_token_id)
+
+
+def make_batches(
+    dataset: TaskDataset | str,
+    tokenizer: Any,
+    split: str = "train",
+    batch_size: int = 16,
+    max_length: int = 128,
+    max_examples: int | None = None,
+    seed: int = 13,
+    shuffle: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """Tokenised, padded batches of one split — the input of statistics collection and evaluation.
+
+    Args:
+        dataset: A :class:`TaskDataset` or a source for :func:`~symfuse.data.load_task_dataset`.
+        tokenizer: A tokenizer, or a checkpoint folder / ``"minilm"`` whose tokenizer to load.
+        split: ``train`` | ``validation`` | ``test``.
+        batch_size: Examples per batch.
+        max_length: Truncation length in tokens.
+        max_examples: Seeded random subset of this many examples.
+        seed: Seed of the subset and of ``shuffle``.
+        shuffle: Seeded shuffle of the example order.
+
+    Returns:
+        Batches ``{"input_ids", "attention_mask", ["token_type_ids"], "labels"}`` (see the module docstring).
+
+    Example:
+        >>> ds = load_task_dataset("dair_emotion")                          # doctest: +SKIP
+        >>> for batch in make_batches(ds, "minilm", "train", 16, 64, 256):  # doctest: +SKIP
+        ...     model(**{k: v for k, v in batch.items() if k != "labels"})
+    """
+    if isinstance(dataset, str):
+        from symfuse.data.dataset import load_task_dataset
+
+        dataset = load_task_dataset(dataset)
+    tok = load_tokenizer(tokenizer)
+    feats = encode_split(dataset, tok, split, max_length, max_examples, seed)
+    return list(iter_batches(feats, batch_size, tok.pad_token_id or 0, shuffle=shuffle, seed=seed))

@@ -1,0 +1,433 @@
+"""Task datasets: shared JSON Lines folders, local CSV/JSON files and hub ids, through one ``datasets`` code path.
+
+Sources accepted by :func:`load_task_dataset`:
+
+* a bare shared name (``"dair_emotion"``) looked up in the shared datasets folder (``$SYMFUSE_DATASETS``, else
+  ``<repo>/../shared/datasets`` or ``<repo>/shared/datasets``);
+* a folder holding ``{train,validation,test}.{jsonl,json,csv}`` (+ an optional ``meta.json``);
+* one local ``.jsonl``/``.json``/``.csv`` file (becomes every split), or ``"train=a.csv,test=b.csv"``;
+* a hub dataset id (for users online).
+
+Every local file is checked line by line before it is handed to ``datasets.load_dataset("json"|"csv", ...)``
+(which caches it as Arrow), so a bad record fails with one :class:`DatasetError` naming the file and line.
+
+Record formats (see ``shared/datasets/README.md``): ``{"text", "label"}`` (single- or multi-label, a list for
+multi-label), ``{"text", "text_pair", "label"}`` (pairs; float label = regression), ``{"tokens", "tags"}`` (NER, BIO).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from symfuse.errors import SymfuseError
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "validation", "test")
+TASKS = ("classification", "pair_classification", "regression", "ner")
+_EXTS = (".jsonl", ".json", ".csv")
+_SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "val", "dev"), "test": ("test",)}
+
+
+class DatasetError(SymfuseError, ValueError):
+    """A dataset source is missing or holds a bad record (the message names the file and line)."""
+
+
+@dataclass
+class TaskDataset:
+    """A loaded task: its splits (``datasets.Dataset`` with the canonical record columns) and label space.
+
+    Attributes:
+        name: Short name (folder or file stem, or the hub id).
+        task: ``classification`` | ``pair_classification`` | ``regression`` | ``ner``.
+        multi_label: Whether ``label`` is a list of class names (one binary output per class).
+        labels: Class names (classification), BIO tags (NER), ``[]`` (regression); the order fixes label ids.
+        splits: Split name -> ``datasets.Dataset``.
+        meta: ``meta.json`` content (or the inferred equivalent).
+        fingerprint: Hash of the data files' bytes plus the subsampling settings.
+        source: The string the dataset was loaded from.
+        files: Split name -> local file (empty for hub datasets).
+    """
+
+    name: str
+    task: str
+    multi_label: bool
+    labels: list[str]
+    splits: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""
+    source: str = ""
+    files: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def num_labels(self) -> int:
+        """Model outputs: number of classes/tags, 1 for regression."""
+        return 1 if self.task == "regression" else len(self.labels)
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        """Label name -> id."""
+        return {name: i for i, name in enumerate(self.labels)}
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        """Label id -> name (``{0: "score"}`` for regression)."""
+        return {0: "score"} if self.task == "regression" else dict(enumerate(self.labels))
+
+    @property
+    def is_token_task(self) -> bool:
+        """Whether labels are per token (NER)."""
+        return self.task == "ner"
+
+    @property
+    def is_pair(self) -> bool:
+        """Whether records carry a ``text_pair``."""
+        return self.task in ("pair_classification", "regression")
+
+    @property
+    def problem_type(self) -> str:
+        """HF problem type: ``single_label_classification``, ``multi_label_classification``, ``regression``, or NER."""
+        if self.task == "ner":
+            return "token_classification"
+        if self.task == "regression":
+            return "regression"
+        return "multi_label_classification" if self.multi_label else "single_label_classification"
+
+    def split(self, name: str) -> Any:
+        """One split, with a clear error naming the available ones.
+
+        Raises:
+            DatasetError: if the split is absent.
+        """
+        if name not in self.splits:
+            raise DatasetError(f"{self.source}: no split {name!r} (available: {sorted(self.splits)})")
+        return self.splits[name]
+
+
+# ----------------------------------------------------------------------------------------------- locating sources
+
+
+def shared_datasets_dir() -> Path | None:
+    """The shared datasets folder: ``$SYMFUSE_DATASETS``, else ``shared/datasets`` next to or inside the repo."""
+    env = os.environ.get("SYMFUSE_DATASETS")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[3]
+    for cand in (
+        repo / "shared" / "datasets",
+        repo.parent / "shared" / "datasets",
+        Path.cwd() / "shared" / "datasets",
+        Path.cwd().parent / "shared" / "datasets",
+    ):
+        if cand.is_dir():
+            return cand
+    return None
+
+
+def _split_files(folder: Path) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for split, aliases in _SPLIT_ALIASES.items():
+        for alias in aliases:
+            for ext in _EXTS:
+                if (folder / f"{alias}{ext}").is_file() and split not in found:
+                    found[split] = folder / f"{alias}{ext}"
+    return found
+
+
+def _resolve_local(source: str) -> tuple[str, dict[str, Path], dict[str, Any] | None] | None:
+    """``(name, split files, meta or None)`` for a local source, or None when it is not local."""
+    if "=" in source and all("=" in part for part in source.split(",")):
+        files = {}
+        for part in source.split(","):
+            split, _, file = part.partition("=")
+            path = Path(file.strip())
+            if not path.is_file():
+                raise DatasetError(f"{path}: data file not found (split {split.strip()!r})")
+            files[split.strip()] = path
+        return Path(next(iter(files.values()))).stem, files, None
+    path = Path(source)
+    if not path.exists() and "/" not in source and "\\" not in source:
+        shared = shared_datasets_dir()
+        if shared is not None and (shared / source).is_dir():
+            path = shared / source
+    if path.is_dir():
+        files = _split_files(path)
+        if not files:
+            raise DatasetError(f"{path}: no train/validation/test .jsonl/.json/.csv files in this folder")
+        meta_file = path / "meta.json"
+        meta = json.loads(meta_file.read_text()) if meta_file.exists() else None
+        return path.name, files, meta
+    if path.is_file():
+        if path.suffix not in _EXTS:
+            raise DatasetError(f"{path}: unsupported file type (use .jsonl, .json or .csv)")
+        return path.stem, dict.fromkeys(SPLITS, path), None
+    if source.startswith((".", "/", "~")) or path.suffix in _EXTS:
+        raise DatasetError(f"{source}: no such dataset folder or file")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- record checking
+
+
+def _read_records(file: Path) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` for each record of a JSON Lines / JSON array / CSV file.
+
+    Raises:
+        DatasetError: on a line that is not a JSON object.
+    """
+    out: list[tuple[int, dict[str, Any]]] = []
+    if file.suffix == ".csv":
+        with file.open(newline="", encoding="utf-8") as fh:
+            for i, row in enumerate(csv.DictReader(fh), start=2):
+                out.append((i, row))
+        return out
+    text = file.read_text(encoding="utf-8")
+    if file.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{file}:{exc.lineno}: not valid JSON ({exc.msg})") from exc
+        return [(i + 1, r) for i, r in enumerate(rows)]
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{file}:{lineno}: not valid JSON ({exc.msg}); fix or remove that line") from exc
+        if not isinstance(rec, dict):
+            raise DatasetError(f"{file}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        out.append((lineno, rec))
+    return out
+
+
+def _infer_task(rec: dict[str, Any]) -> tuple[str, bool]:
+    if "tokens" in rec or "tags" in rec:
+        return "ner", False
+    label = rec.get("label")
+    if isinstance(label, list):
+        return "classification", True
+    if isinstance(label, float) or (isinstance(label, int) and not isinstance(label, bool) and "text_pair" in rec):
+        return ("regression" if isinstance(label, float) else "pair_classification"), False
+    return ("pair_classification" if "text_pair" in rec else "classification"), False
+
+
+def _check_record(rec: dict[str, Any], task: str, multi_label: bool, labels: set[str] | None) -> str | None:
+    """A description of what is wrong with one record, or None."""
+    if task == "ner":
+        tokens, tags = rec.get("tokens"), rec.get("tags")
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            return "'tokens' must be a list of strings"
+        if not isinstance(tags, list) or len(tags) != len(tokens):
+            return f"'tags' must be a list with one tag per token ({len(tokens)} tokens)"
+        if labels is not None:
+            bad = [t for t in tags if t not in labels]
+            if bad:
+                return f"unknown tag {bad[0]!r} (not in meta.json tags)"
+        return None
+    if not isinstance(rec.get("text"), str):
+        return "missing or non-string 'text'"
+    if task in ("pair_classification", "regression") and not isinstance(rec.get("text_pair"), str):
+        return "missing or non-string 'text_pair'"
+    label = rec.get("label")
+    if task == "regression":
+        try:
+            float(label)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return f"label {label!r} is not a number"
+        return None
+    if multi_label:
+        if not isinstance(label, list) or not all(isinstance(x, str) for x in label):
+            return "multi-label 'label' must be a list of class names"
+        names = label
+    else:
+        if label is None or isinstance(label, (list, dict, float)):
+            return f"label {label!r} must be one class name"
+        names = [str(label)]
+    if labels is not None:
+        bad = [x for x in names if x not in labels]
+        if bad:
+            return f"unknown label {bad[0]!r} (known: {sorted(labels)})"
+    return None
+
+
+_CHECKED: dict[tuple[str, int, int, str], list[str]] = {}
+
+
+def _check_file(file: Path, task: str, multi_label: bool, labels: list[str] | None) -> list[str]:
+    """Check every record; return the label values seen (for label-space inference). Cached per file version."""
+    stat = file.stat()
+    key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, f"{task}{multi_label}{labels}")
+    if key in _CHECKED:
+        return _CHECKED[key]
+    known = set(labels) if labels else None
+    seen: set[str] = set()
+    records = _read_records(file)
+    if not records:
+        raise DatasetError(f"{file}: no records")
+    for lineno, rec in records:
+        problem = _check_record(rec, task, multi_label, known)
+        if problem:
+            raise DatasetError(f"{file}:{lineno}: bad {task} record: {problem}")
+        if task == "ner":
+            seen.update(rec["tags"])
+        elif task != "regression":
+            seen.update(rec["label"] if multi_label else [str(rec["label"])])
+    _CHECKED[key] = sorted(seen)
+    return _CHECKED[key]
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _fingerprint(files: dict[str, Path], extra: str) -> str:
+    h = hashlib.sha256(extra.encode())
+    for split in sorted(files):
+        h.update(split.encode())
+        h.update(files[split].read_bytes())
+    return h.hexdigest()[:16]
+
+
+def subsample_indices(n: int, k: int | None, seed: int) -> list[int]:
+    """Seeded subsample of ``k`` of ``range(n)`` indices, kept in source order (all when ``k`` is None or >= n)."""
+    if k is None or k >= n:
+        return list(range(n))
+    return sorted(random.Random(seed).sample(range(n), k))
+
+
+def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, source: str) -> TaskDataset:
+    from datasets import load_dataset
+
+    if meta is None:
+        first = _read_records(next(iter(files.values())))
+        if not first:
+            raise DatasetError(f"{next(iter(files.values()))}: no records")
+        task, multi = _infer_task(first[0][1])
+        meta = {"task": task, "multi_label": multi, "inferred": True}
+    task = meta.get("task")
+    if task not in TASKS:
+        raise DatasetError(f"{source}/meta.json: unknown task {task!r} (expected one of {TASKS})")
+    multi = bool(meta.get("multi_label", False))
+    declared = meta.get("tags") if task == "ner" else meta.get("labels")
+    seen: set[str] = set()
+    for file in dict.fromkeys(files.values()):
+        seen.update(_check_file(file, task, multi, declared))
+    labels = list(declared) if declared else ([] if task == "regression" else sorted(seen))
+    kind = "csv" if all(f.suffix == ".csv" for f in files.values()) else "json"
+    try:
+        dd = load_dataset(kind, data_files={s: str(f) for s, f in files.items()})
+    except Exception as exc:  # records passed the line check, so this is a schema clash between files
+        raise DatasetError(f"{source}: datasets could not read the files ({type(exc).__name__}: {exc})") from exc
+    splits = {s: dd[s] for s in dd}
+    if task == "regression":
+        from datasets import Value
+
+        splits = {s: d.cast_column("label", Value("float32")) for s, d in splits.items()}
+    elif task != "ner" and not multi:
+        splits = {s: _stringify_label(d) for s, d in splits.items()}
+    return TaskDataset(name, task, multi, labels, splits, meta, _fingerprint(files, ""), source, dict(files))
+
+
+def _stringify_label(ds: Any) -> Any:
+    from datasets import Value
+
+    return ds if ds.features["label"] == Value("string") else ds.cast_column("label", Value("string"))
+
+
+def _load_hub(source: str) -> TaskDataset:
+    from datasets import ClassLabel, Sequence, load_dataset
+
+    try:
+        dd = load_dataset(source)
+    except Exception as exc:
+        raise DatasetError(
+            f"{source}: not a shared dataset name, local folder/file, or reachable hub dataset "
+            f"({type(exc).__name__}: {exc}); shared folder searched: {shared_datasets_dir()}"
+        ) from exc
+    splits = {("validation" if s in ("val", "dev") else s): d for s, d in dd.items()}
+    first = next(iter(splits.values()))
+    feats = first.features
+    rename = {"sentence": "text", "sentence1": "text", "sentence2": "text_pair", "ner_tags": "tags"}
+    if "labels" in feats and "label" not in feats:
+        rename["labels"] = "label"
+    rename = {k: v for k, v in rename.items() if k in feats and v not in feats}
+    splits = {s: d.rename_columns(rename) for s, d in splits.items()}
+    feats = next(iter(splits.values())).features
+    labels: list[str] = []
+    if "tags" in feats:
+        task, multi = "ner", False
+        tag_feat = feats["tags"]
+        inner = tag_feat.feature if isinstance(tag_feat, Sequence) else getattr(tag_feat, "feature", None)
+        if isinstance(inner, ClassLabel):
+            labels = list(inner.names)
+            splits = {s: d.map(lambda r: {"tags": [labels[t] for t in r["tags"]]}) for s, d in splits.items()}
+    else:
+        lab = feats["label"]
+        inner = getattr(lab, "feature", None)
+        multi = inner is not None
+        if isinstance(lab, ClassLabel) or isinstance(inner, ClassLabel):
+            labels = list((inner or lab).names)
+            if multi:
+                splits = {s: d.map(lambda r: {"label": [labels[i] for i in r["label"]]}) for s, d in splits.items()}
+            else:
+                splits = {s: d.filter(lambda r: r["label"] >= 0) for s, d in splits.items()}  # unlabeled GLUE tests
+                splits = {s: d.map(lambda r: {"label": labels[r["label"]]}) for s, d in splits.items()}
+        is_float = getattr(lab, "dtype", "").startswith("float")
+        task = "regression" if is_float else ("pair_classification" if "text_pair" in feats else "classification")
+    if not labels and task != "regression":
+        col = "tags" if task == "ner" else "label"
+        vals: set[str] = set()
+        for d in splits.values():
+            for v in d[col]:
+                vals.update(v if isinstance(v, list) else [str(v)])
+        labels = sorted(vals)
+    meta = {"task": task, "multi_label": multi, "labels": labels, "hub_id": source}
+    fp = hashlib.sha256("".join(d._fingerprint for d in splits.values()).encode()).hexdigest()[:16]
+    return TaskDataset(source.replace("/", "__"), task, multi, labels, splits, meta, fp, source, {})
+
+
+def load_task_dataset(
+    source: str,
+    max_train_examples: int | None = None,
+    seed: int = 13,
+    max_eval_examples: int | None = None,
+) -> TaskDataset:
+    """Load a task dataset with its label space.
+
+    Args:
+        source: Shared dataset name (``"dair_emotion"``), dataset folder, local data file(s)
+            (``"data.csv"`` or ``"train=a.jsonl,test=b.jsonl"``), or a hub id.
+        max_train_examples: Keep a seeded random subset of this many training examples (source order kept).
+        seed: Seed of the subsampling.
+        max_eval_examples: Same for the validation and test splits.
+
+    Returns:
+        The :class:`TaskDataset`.
+
+    Raises:
+        DatasetError: if the source cannot be found or a record is bad (names file and line).
+    """
+    local = _resolve_local(str(source))
+    ds = _load_local(*local, source=str(source)) if local is not None else _load_hub(str(source))
+    for split, limit in (("train", max_train_examples), ("validation", max_eval_examples), ("test", max_eval_examples)):
+        if split in ds.splits and limit is not None and limit < len(ds.splits[split]):
+            ds.splits[split] = ds.splits[split].select(subsample_indices(len(ds.splits[split]), limit, seed))
+    if max_train_examples is not None or max_eval_examples is not None:
+        extra = f"{ds.fingerprint}:{max_train_examples}:{max_eval_examples}:{seed}"
+        ds.fingerprint = hashlib.sha256(extra.encode()).hexdigest()[:16]
+    log.info(
+        "loaded %s (%s, %d labels): %s",
+        ds.name,
+        ds.problem_type,
+        len(ds.labels),
+        {s: len(d) for s, d in ds.splits.items()},
+    )
+    return ds

@@ -1,0 +1,106 @@
+import json
+
+import pytest
+import torch
+
+from symfuse.data import DatasetError, encode_split, load_task_dataset, make_batches, shared_label_names
+from symfuse.data.batches import IGNORE_INDEX, collate
+
+
+def _write(folder, split, rows, meta=None):
+    folder.mkdir(exist_ok=True)
+    (folder / f"{split}.jsonl").write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    if meta is not None:
+        (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_bare_shared_name_and_seeded_subsample():
+    a = load_task_dataset("dair_emotion", max_train_examples=50, seed=1)
+    b = load_task_dataset("dair_emotion", max_train_examples=50, seed=1)
+    c = load_task_dataset("dair_emotion", max_train_examples=50, seed=2)
+    assert a.labels == ["anger", "fear", "joy", "love", "sadness", "surprise"]
+    assert len(a.splits["train"]) == 50 and len(a.splits["test"]) == 2000
+    assert a.splits["train"]["text"] == b.splits["train"]["text"] != c.splits["train"]["text"]
+    assert a.fingerprint == b.fingerprint != c.fingerprint
+    assert a.problem_type == "single_label_classification"
+
+
+def test_bad_record_names_file_and_line(tmp_path):
+    meta = {"task": "classification", "labels": ["joy", "anger"]}
+    good = {"text": "ok", "label": "joy"}
+    _write(tmp_path / "d", "train", [good, good, {"text": "x", "label": "love"}], meta)
+    with pytest.raises(DatasetError, match=r"train\.jsonl:3: .*unknown label 'love'"):
+        load_task_dataset(str(tmp_path / "d"))
+    _write(tmp_path / "d", "train", [good, "{not json", good], meta)
+    with pytest.raises(DatasetError, match=r"train\.jsonl:2: not valid JSON"):
+        load_task_dataset(str(tmp_path / "d"))
+    _write(tmp_path / "d", "train", [good, good, "", {"label": "joy"}], meta)
+    with pytest.raises(DatasetError, match=r"train\.jsonl:4: .*'text'"):
+        load_task_dataset(str(tmp_path / "d"))
+    ner = {"task": "ner", "tags": ["B-x", "I-x", "O"]}
+    _write(tmp_path / "n", "train", [{"tokens": ["a", "b"], "tags": ["B-x"]}], ner)
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: .*one tag per token"):
+        load_task_dataset(str(tmp_path / "n"))
+
+
+def test_local_csv_inferred(tmp_path):
+    f = tmp_path / "small.csv"
+    f.write_text("text,label\nhello,pos\nbad day,neg\nfine,pos\n")
+    ds = load_task_dataset(str(f))
+    assert ds.task == "classification" and ds.labels == ["neg", "pos"]
+    assert ds.splits["test"]["label"] == ["pos", "neg", "pos"]
+    b = make_batches(ds, "minilm", "test", batch_size=2, max_length=16)
+    assert [x["labels"].tolist() for x in b] == [[1, 0], [1]]
+
+
+def test_ner_labels_on_first_subtoken(tmp_path):
+    meta = {"task": "ner", "tags": ["B-person", "I-person", "O"]}
+    rec = {"tokens": ["Jailed", "Fatos", "Nano", "."], "tags": ["O", "B-person", "I-person", "O"]}
+    _write(tmp_path / "n", "train", [rec], meta)
+    ds = load_task_dataset(str(tmp_path / "n"))
+    from symfuse.data import load_tokenizer
+
+    tok = load_tokenizer("minilm")
+    (f,) = encode_split(ds, tok, "train", max_length=32)
+    words = tok(["Jailed", "Fatos", "Nano", "."], is_split_into_words=True).word_ids()
+    assert len(set(w for w in words if w is not None)) == 4 and len(words) > 6  # some words split in sub-tokens
+    expected, prev = [], None
+    for w in words:
+        expected.append(IGNORE_INDEX if w is None or w == prev else [2, 0, 1, 2][w])
+        prev = w
+    assert f["labels"] == expected
+    assert f["labels"][0] == IGNORE_INDEX and f["labels"][-1] == IGNORE_INDEX
+
+
+def test_multilabel_multi_hot_and_pair_regression():
+    ds = load_task_dataset("goemotions_ekman", max_train_examples=8)
+    (batch,) = make_batches(ds, "minilm", "train", batch_size=8, max_length=32)
+    assert batch["labels"].dtype == torch.float32 and batch["labels"].shape == (8, 7)
+    rows = ds.splits["train"]["label"]
+    for i, names in enumerate(rows):
+        assert {ds.labels[j] for j in torch.nonzero(batch["labels"][i]).flatten().tolist()} == set(names)
+    sts = load_task_dataset("stsb", max_train_examples=4)
+    (b,) = make_batches(sts, "minilm", "train", batch_size=4, max_length=64)
+    assert b["labels"].dtype == torch.float32
+    assert torch.allclose(b["labels"], torch.tensor(sts.splits["train"]["label"]))
+    assert (b["token_type_ids"] == 1).any()  # the pair's second segment
+
+
+def test_collate_pads_right():
+    batch = collate(
+        [
+            {"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1], "labels": [0, 1, 2]},
+            {"input_ids": [1], "attention_mask": [1], "labels": [2]},
+        ],
+        pad_token_id=0,
+    )
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [1, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[0, 1, 2], [2, -100, -100]]
+
+
+def test_shared_label_names():
+    assert shared_label_names(
+        ["anger", "fear", "joy", "love", "sadness", "surprise"],
+        ["anger", "disgust", "fear", "joy", "neutral", "sadness", "surprise"],
+    ) == ["anger", "fear", "joy", "sadness", "surprise"]
