@@ -1,0 +1,123 @@
+"""``collect_stats``: load a checkpoint and a dataset, collect Gram and/or Fisher, write one file per kind."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from symfuse.checkpoint import resolve_checkpoint
+from symfuse.stats.fisher import collect_fisher
+from symfuse.stats.gram import collect_gram
+from symfuse.stats.io import STAT_KINDS, file_fingerprint, save_stats
+
+log = logging.getLogger(__name__)
+
+
+def load_model(model: str | os.PathLike) -> nn.Module:
+    """Load a checkpoint folder with the head class named in its config (``architectures``), in eval mode."""
+    import transformers as T
+
+    folder = resolve_checkpoint(model)
+    cfg = T.AutoConfig.from_pretrained(str(folder))
+    cls = None
+    for arch in getattr(cfg, "architectures", None) or []:
+        cls = getattr(T, arch, None)
+        if cls is not None:
+            break
+    cls = cls or T.AutoModel
+    return cls.from_pretrained(str(folder)).eval()
+
+
+def model_fingerprint(folder: str | os.PathLike) -> str:
+    """Hash of a checkpoint folder's config and weight files."""
+    folder = Path(folder)
+    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
+    return file_fingerprint(*[f for f in files if f.exists()])
+
+
+def _label_map(model: nn.Module, labels: Sequence[str]) -> dict[int, int] | None:
+    """Dataset label id -> model label id, when the model names the dataset's labels in another order."""
+    l2i = {str(k): int(v) for k, v in (getattr(model.config, "label2id", None) or {}).items()}
+    if not labels or not set(labels) <= set(l2i):
+        return None
+    mapping = {i: l2i[name] for i, name in enumerate(labels)}
+    return None if all(i == j for i, j in mapping.items()) else mapping
+
+
+def collect_stats(
+    model: str | Path,
+    data: str,
+    kinds: Sequence[str],
+    out_dir: Path,
+    max_examples: int | None = None,
+    batch_size: int = 16,
+    device: str = "cpu",
+    split: str = "train",
+    max_length: int = 128,
+    fisher_mode: str = "empirical",
+    seed: int = 13,
+    progress: bool = True,
+) -> dict[str, Path]:
+    """Collect statistics of a checkpoint on a dataset and write ``<out_dir>/<kind>.safetensors``.
+
+    Args:
+        model: Checkpoint folder (or ``"minilm"`` / hub id).
+        data: Dataset source for :func:`symfuse.data.load_task_dataset` (shared name, folder, files, hub id).
+        kinds: Subset of ``("gram", "fisher")``.
+        out_dir: Output folder (created).
+        max_examples: Seeded random subset of the split.
+        batch_size: Examples per forward pass.
+        device: ``cpu`` or ``cuda`` (falls back to CPU when CUDA is absent).
+        split: Which split the statistics come from.
+        max_length: Truncation length in tokens.
+        fisher_mode: ``empirical`` or ``sampled``.
+        seed: Subset and sampling seed.
+        progress: Show progress bars.
+
+    Returns:
+        ``{kind: file}``.
+
+    Raises:
+        ValueError: on an unknown kind.
+    """
+    from symfuse.data import load_task_dataset, make_batches
+
+    unknown = [k for k in kinds if k not in STAT_KINDS]
+    if unknown:
+        raise ValueError(f"unknown statistics kind(s) {unknown}; choose from {list(STAT_KINDS)}")
+    folder = resolve_checkpoint(model)
+    net = load_model(folder)
+    ds = load_task_dataset(data)
+    batches = make_batches(ds, folder, split, batch_size, max_length, max_examples, seed)
+    common: dict[str, Any] = {
+        "model": str(folder),
+        "dataset": ds.name,
+        "split": split,
+        "model_fingerprint": model_fingerprint(folder),
+        "dataset_fingerprint": f"{ds.fingerprint}:{split}:{max_examples}:{max_length}:{seed}",
+    }
+    out_dir = Path(out_dir)
+    written: dict[str, Path] = {}
+    for kind in kinds:
+        if kind == "gram":
+            g = collect_gram(net, batches, device=device, progress=progress)
+            meta = {**common, "kind": "gram", "n_tokens": str(g.n_tokens), "n_examples": str(g.n_examples),
+                    "rows": g.rows, "conv1d": g.conv1d}
+            written[kind] = save_stats(g.grams, out_dir / "gram.safetensors", meta)
+        else:
+            f = collect_fisher(net, batches, mode=fisher_mode, seed=seed, device=device, progress=progress,
+                               label_map=_label_map(net, ds.labels))  # type: ignore[arg-type]
+            meta = {**common, "kind": "fisher", "n_tokens": str(f.n_tokens), "n_examples": str(f.n_examples),
+                    "fisher_mode": f.mode}
+            written[kind] = save_stats({k: v.float() for k, v in f.fisher.items()}, out_dir / "fisher.safetensors",
+                                       meta)
+        log.info("wrote %s statistics %s", kind, written[kind])
+    del net
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return written

@@ -1,0 +1,181 @@
+"""Diagonal Fisher information: the mean over examples of squared per-example log-likelihood gradients.
+
+``F = 1/N sum_n (d log p(y_n | x_n; theta) / d theta)^2`` with ``y_n`` either the gold label (``empirical``) or a
+sample from the model's own predictive distribution (``sampled``, the true Fisher's Monte-Carlo estimate).
+Per-example gradients are taken one example at a time (trailing padding trimmed, which leaves the
+example's outputs unchanged), so the estimate is exact and does not depend on the batch composition.
+
+Likelihoods by head (detected from the logits' shape, ``config.problem_type`` and the label tensor):
+
+* single-label classification: categorical, ``log softmax(logits)[y]``;
+* multi-label classification: independent Bernoulli per class, ``sum_j y_j log s_j + (1 - y_j) log(1 - s_j)``;
+* token classification: categorical per token, summed over labelled tokens (label != -100) of the example;
+* regression (one output): Gaussian with unit variance, ``-(y - f)^2 / 2``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from symfuse.stats.gram import model_inputs
+
+log = logging.getLogger(__name__)
+
+FisherMode = Literal["empirical", "sampled"]
+IGNORE_INDEX = -100
+
+
+@dataclass
+class FisherStats:
+    """Result of :func:`collect_fisher`: mean squared gradient per parameter name (float64) and counts."""
+
+    fisher: dict[str, torch.Tensor]
+    n_examples: int
+    n_tokens: int
+    mode: str
+
+
+def head_kind(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor | None) -> str:
+    """``single`` | ``multi`` | ``token`` | ``regression`` for a model's outputs (see the module docstring)."""
+    problem = getattr(model.config, "problem_type", None)
+    if logits.dim() == 3:
+        return "token"
+    if problem == "multi_label_classification" or (
+        labels is not None and labels.is_floating_point() and labels.dim() == 2
+    ):
+        return "multi"
+    if problem == "regression" or logits.shape[-1] == 1:
+        return "regression"
+    return "single"
+
+
+def sample_labels(kind: str, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Labels drawn from the model's predictive distribution (for the ``sampled`` Fisher)."""
+    logits = logits.detach().float().cpu()
+    if kind == "single":
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    if kind == "token":  # (1, seq, C) -> (1, seq)
+        probs = logits.softmax(-1).reshape(-1, logits.shape[-1])
+        return torch.multinomial(probs, 1, generator=generator).reshape(logits.shape[:-1])
+    if kind == "multi":
+        return torch.bernoulli(torch.sigmoid(logits), generator=generator)
+    return logits.squeeze(-1) + torch.randn(logits.shape[:-1], generator=generator)
+
+
+def log_likelihood(kind: str, logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed log-likelihood of ``labels`` under ``logits`` (one example, batch dim 1).
+
+    Args:
+        kind: From :func:`head_kind`.
+        logits: (1, C), (1, seq, C) or (1, 1).
+        labels: (1,), (1, seq), (1, C) multi-hot, or (1,) float.
+        valid: Token positions that count (token classification).
+
+    Returns:
+        A scalar.
+    """
+    if kind == "single":
+        return F.log_softmax(logits.float(), -1).gather(-1, labels.long().view(-1, 1)).sum()
+    if kind == "token":
+        lp = F.log_softmax(logits.float(), -1)  # (1, seq, C)
+        keep = valid if valid is not None else labels != IGNORE_INDEX
+        lab = labels.long().clamp_min(0)
+        return (lp.gather(-1, lab.unsqueeze(-1)).squeeze(-1) * keep).sum()
+    if kind == "multi":
+        return -F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="sum")
+    return -0.5 * ((labels.float().view(-1) - logits.float().view(-1)) ** 2).sum()
+
+
+def _remap_labels(model: nn.Module, label_map: Mapping[int, int] | None, labels: torch.Tensor) -> torch.Tensor:
+    if not label_map or labels.is_floating_point():
+        return labels
+    out = labels.clone()
+    for src, dst in label_map.items():
+        out[labels == src] = dst
+    return out
+
+
+def collect_fisher(
+    model: nn.Module,
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    mode: FisherMode = "empirical",
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    label_map: Mapping[int, int] | None = None,
+) -> FisherStats:
+    """Diagonal Fisher of every trainable parameter over a stream of labelled batches.
+
+    Args:
+        model: A transformers model with a classification / token-classification / regression head (eval
+            mode is used: no dropout). Not modified; its ``.grad`` fields are left as found (None).
+        batches: Batches with ``labels`` as built by :func:`symfuse.data.make_batches`.
+        mode: ``empirical`` (gold labels) or ``sampled`` (labels drawn from the model, seeded).
+        seed: Seed of the label sampling.
+        device: Where to run.
+        progress: Show a tqdm progress bar.
+        label_map: Dataset label id -> model label id, when the two orders differ.
+
+    Returns:
+        Mean squared per-example gradients by parameter name (float64, on CPU).
+
+    Raises:
+        ValueError: on an unknown mode, or ``empirical`` without labels.
+    """
+    if mode not in ("empirical", "sampled"):
+        raise ValueError(f"unknown Fisher mode {mode!r}; use 'empirical' or 'sampled'")
+    device = torch.device(device if torch.cuda.is_available() or str(device) == "cpu" else "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    acc = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in params.items()}
+    was_training = model.training
+    model.eval()
+    model.to(device)
+    n_examples = n_tokens = 0
+    try:
+        for batch in tqdm(batches, desc=f"fisher ({mode})", disable=not progress, unit="batch"):
+            inputs = model_inputs(batch, "cpu")
+            labels = batch.get("labels")
+            if mode == "empirical" and labels is None:
+                raise ValueError("empirical Fisher needs gold labels: the batches carry no 'labels'")
+            first = next(iter(inputs.values()))
+            mask = inputs.get("attention_mask")
+            for i in range(first.shape[0]):
+                length = int(mask[i].nonzero().max()) + 1 if mask is not None and mask[i].any() else first.shape[1]
+                ex = {k: v[i : i + 1, :length].to(device) if v.dim() >= 2 else v[i : i + 1].to(device)
+                      for k, v in inputs.items()}
+                if "pixel_values" in inputs:
+                    ex["pixel_values"] = inputs["pixel_values"][i : i + 1].to(device)
+                lab = None
+                if labels is not None:
+                    lab = labels[i : i + 1]
+                    lab = lab[:, :length] if lab.dim() == 2 and not lab.is_floating_point() else lab
+                    lab = _remap_labels(model, label_map, lab)
+                logits = model(**ex).logits
+                kind = head_kind(model, logits, lab)
+                valid = None
+                if kind == "token":
+                    valid = (lab != IGNORE_INDEX) if lab is not None else ex["attention_mask"].bool()
+                    valid = valid.to(logits.device)
+                if mode == "sampled":
+                    lab = sample_labels(kind, logits, gen)
+                ll = log_likelihood(kind, logits, lab.to(logits.device), valid)
+                grads = torch.autograd.grad(ll, list(params.values()), allow_unused=True)
+                for (n, _), g in zip(params.items(), grads, strict=True):
+                    if g is not None:
+                        acc[n] += g.detach().to("cpu", torch.float64) ** 2
+                n_examples += 1
+                n_tokens += length if mask is None else int(mask[i].sum())
+    finally:
+        model.train(was_training)
+    if n_examples == 0:
+        raise ValueError("no examples: cannot estimate a Fisher from an empty dataset")
+    return FisherStats({n: a / n_examples for n, a in acc.items()}, n_examples, n_tokens, mode)

@@ -1,0 +1,149 @@
+"""Input Gram matrices of every linear layer (the statistic RegMean needs).
+
+For a linear module ``y = x W^T`` (``nn.Linear``, ``W`` of shape (out, in)) or a GPT-2 ``Conv1D``
+(``y = x W``, ``W`` of shape (in, out)), the Gram is ``G = X^T X / n`` over the module's input rows ``X`` (n, in).
+Rows come from forward hooks. Padding positions are EXCLUDED: for inputs shaped (batch, seq, in) whose leading
+dims match the batch's ``attention_mask``, only rows with mask 1 count (the reference RegMean code includes
+padding, which makes the statistic depend on the batch composition). Inputs of other shapes (pooled heads
+(batch, in), DeBERTa relative-position tables) count every row. Accumulation is in float64.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "pixel_values", "position_ids")
+
+
+def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every ``nn.Linear`` and GPT-2 ``Conv1D`` of a model, by module name."""
+    from transformers.pytorch_utils import Conv1D
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))}
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether a module stores its weight as (in, out) (GPT-2 ``Conv1D``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
+
+
+def model_inputs(batch: Mapping[str, torch.Tensor], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The forward-pass inputs of a batch (labels and other fields dropped), on ``device``."""
+    return {k: v.to(device) for k, v in batch.items() if k in MODEL_INPUTS}
+
+
+@dataclass
+class GramStats:
+    """Result of :func:`collect_gram`.
+
+    Attributes:
+        grams: Mean ``X^T X / rows`` per module name, float64 (in, in).
+        rows: Input rows per module (non-padding tokens, or examples for pooled inputs).
+        n_tokens: Non-padding tokens seen.
+        n_examples: Examples seen.
+        conv1d: Module names stored as ``Conv1D``.
+    """
+
+    grams: dict[str, torch.Tensor]
+    rows: dict[str, int]
+    n_tokens: int
+    n_examples: int
+    conv1d: list[str] = field(default_factory=list)
+
+
+def collect_gram(
+    model: nn.Module,
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    modules: Iterable[str] | None = None,
+) -> GramStats:
+    """Mean input Gram of every linear layer over a stream of batches.
+
+    The model is neither modified nor kept in train mode: hooks are removed on exit and the forward passes
+    run under ``torch.no_grad`` in eval mode.
+
+    Args:
+        model: A transformers model (any head).
+        batches: Tokenised batches (``input_ids`` / ``attention_mask`` ... ; other keys are ignored).
+        device: Where to run the forward passes.
+        progress: Show a tqdm progress bar.
+        modules: Restrict to these module names (default: every linear layer).
+
+    Returns:
+        The Grams with their counts.
+    """
+    device = torch.device(device if torch.cuda.is_available() or str(device) == "cpu" else "cpu")
+    lins = linear_modules(model)
+    if modules is not None:
+        wanted = set(modules)
+        lins = {n: m for n, m in lins.items() if n in wanted}
+    sums: dict[str, torch.Tensor] = {}
+    rows: dict[str, int] = dict.fromkeys(lins, 0)
+    state: dict[str, object] = {"mask": None, "memo": {}}
+
+    def hook(name: str):
+        def fn(_mod: nn.Module, args: tuple, _out: object) -> None:
+            x = args[0].detach()
+            memo: dict = state["memo"]  # type: ignore[assignment]
+            key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
+            if key in memo:  # q/k/v (and similar) read the same input tensor: compute its Gram once
+                inc, n = memo[key][1], memo[key][2]
+            else:
+                mask = state["mask"]
+                if mask is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
+                    flat = x[mask.bool()]  # (n_tokens, in): padding excluded
+                else:
+                    flat = x.reshape(-1, x.shape[-1])  # (rows, in)
+                flat = flat.to(torch.float64)
+                inc, n = flat.T @ flat, flat.shape[0]  # (in, in)
+                memo[key] = (x, inc, n)  # keeping x alive keeps its data_ptr unique during this batch
+            if name in sums:
+                sums[name] += inc
+            else:
+                sums[name] = inc.clone()
+            rows[name] += n
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in lins.items()]
+    was_training = model.training
+    model.eval()
+    model.to(device)
+    n_tokens = n_examples = 0
+    try:
+        with torch.no_grad():
+            for batch in tqdm(batches, desc="gram", disable=not progress, unit="batch"):
+                inputs = model_inputs(batch, device)
+                mask = inputs.get("attention_mask")
+                state["mask"], state["memo"] = mask, {}
+                model(**inputs)
+                first = next(iter(inputs.values()))
+                n_examples += first.shape[0]
+                n_tokens += int(mask.sum()) if mask is not None else int(first.shape[0] * first.shape[1])
+    finally:
+        for h in handles:
+            h.remove()
+        state["memo"] = {}
+        model.train(was_training)
+    missing = [n for n in lins if rows[n] == 0]
+    if missing:
+        log.warning("no inputs reached %d linear module(s) (e.g. %s); they get no Gram", len(missing), missing[0])
+    grams = {n: (sums[n] / rows[n]).cpu() for n in lins if rows[n] > 0}  # (in, in) mean X^T X
+    return GramStats(
+        grams=grams,
+        rows={n: rows[n] for n in grams},
+        n_tokens=n_tokens,
+        n_examples=n_examples,
+        conv1d=[n for n in grams if is_conv1d(lins[n])],
+    )

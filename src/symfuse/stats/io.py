@@ -1,0 +1,127 @@
+"""Statistics files: one safetensors file per (model, dataset, kind).
+
+Format (read by tools outside the package, so it is kept simple):
+
+* ``gram.safetensors``: key = linear module name as in the model (``bert.encoder.layer.0.attention.self.query``,
+  GPT-2 ``transformer.h.0.attn.c_attn``), tensor ``(in_features, in_features)`` float64 holding the MEAN
+  ``X^T X / n`` over the module's input rows (non-padding tokens for token-level layers, examples for pooled heads).
+* ``fisher.safetensors``: key = parameter name (as in ``model.safetensors``), tensor of the parameter's shape
+  (float32) holding the mean over examples of the squared per-example gradient of the log-likelihood.
+* Metadata (safetensors ``__metadata__``, all strings): ``kind``, ``n_tokens``, ``n_examples``,
+  ``dataset_fingerprint``, ``model_fingerprint``, ``format_version`` and, as JSON, ``rows`` (gram: input rows
+  per module) and ``conv1d`` (gram: modules stored as GPT-2 ``Conv1D``, weight layout (in, out)); Fisher adds
+  ``fisher_mode`` (``empirical`` | ``sampled``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from symfuse.errors import MissingStats
+
+FORMAT_VERSION = "1"
+STAT_KINDS = ("gram", "fisher")
+
+
+def save_stats(tensors: Mapping[str, torch.Tensor], file: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
+    """Write a statistics file atomically (temp file + rename).
+
+    Args:
+        tensors: Statistic by key (module or parameter name).
+        file: Destination ``.safetensors`` file.
+        meta: Metadata; non-string values are JSON-encoded.
+
+    Returns:
+        The written file.
+    """
+    file = Path(file)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    strmeta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+    strmeta.setdefault("format_version", FORMAT_VERSION)
+    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=strmeta)
+        os.replace(tmp, file)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return file
+
+
+class StatsFile:
+    """Lazy reader of one statistics file: tensors are loaded one key at a time.
+
+    Args:
+        file: A file written by :func:`save_stats`.
+
+    Attributes:
+        path: The file.
+        meta: Decoded metadata (JSON values decoded, numbers as int where they parse).
+        kind: ``gram`` or ``fisher``.
+    """
+
+    def __init__(self, file: str | os.PathLike):
+        self.path = Path(file)
+        if not self.path.is_file():
+            raise MissingStats(f"{self.path}: statistics file not found; run `symfuse stats` first")
+        self._f = safe_open(str(self.path), "pt")
+        self._keys = set(self._f.keys())
+        raw = self._f.metadata() or {}
+        self.meta: dict[str, Any] = {}
+        for k, v in raw.items():
+            try:
+                self.meta[k] = json.loads(v)
+            except (json.JSONDecodeError, TypeError):
+                self.meta[k] = v
+        self.kind = str(self.meta.get("kind", ""))
+
+    def keys(self) -> list[str]:
+        """Every stored key."""
+        return sorted(self._keys)
+
+    def has(self, key: str) -> bool:
+        """Whether a key is stored."""
+        return key in self._keys
+
+    def get(self, key: str) -> torch.Tensor:
+        """Load one statistic.
+
+        Raises:
+            MissingStats: if the key is absent.
+        """
+        if key not in self._keys:
+            raise MissingStats(f"{self.path}: no {self.kind or 'statistic'} for {key!r}; recollect the statistics")
+        return self._f.get_tensor(key)
+
+    @property
+    def conv1d(self) -> set[str]:
+        """Gram keys whose module stores its weight as (in, out) (GPT-2 ``Conv1D``)."""
+        return set(self.meta.get("conv1d", []) or [])
+
+
+def load_stats(file: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load a whole statistics file: ``(tensors, metadata)``."""
+    sf = StatsFile(file)
+    return {k: sf.get(k) for k in sf.keys()}, sf.meta
+
+
+def file_fingerprint(*files: str | os.PathLike, extra: str = "") -> str:
+    """SHA-256 (first 16 hex digits) of files' bytes and an extra string."""
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    h.update(extra.encode())
+    return h.hexdigest()[:16]
