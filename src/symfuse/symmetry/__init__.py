@@ -1,1 +1,34 @@
 """Exact symmetry transforms (value objects acting on module weights and on statistics)."""
+
+from symfuse.symmetry.random import ALL_KINDS, random_module_transform, random_orthogonal, rope_rotation
+from symfuse.symmetry.transforms import (
+    FFNPermutation,
+    HeadPermutation,
+    ModuleTransform,
+    QKRotation,
+    QKScaling,
+    Transform,
+    VORotation,
+    VOScaling,
+    load_transforms,
+    register_transform,
+    save_transforms,
+)
+
+__all__ = [
+    "ALL_KINDS",
+    "FFNPermutation",
+    "HeadPermutation",
+    "ModuleTransform",
+    "QKRotation",
+    "QKScaling",
+    "Transform",
+    "VORotation",
+    "VOScaling",
+    "load_transforms",
+    "random_module_transform",
+    "random_orthogonal",
+    "register_transform",
+    "rope_rotation",
+    "save_transforms",
+]
