@@ -1,0 +1,105 @@
+"""What every task shares: the store, a scratch folder, timing, the retry settings and the task decorator.
+
+Each task follows one pattern: build its key (``symfuse.store.layout``) and content key (config + input manifests),
+return the URI at once when the store already holds that content, else download its inputs, call ONE library
+function, upload the result with a manifest (data first, manifest last) and return the URI. Only URIs and small
+configs cross task boundaries, never tensors or modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from symfuse.config import RunConfig
+from symfuse.store import ArtifactStore, content_key, layout
+from tasks.policy import RETRIES, RETRY_DELAYS, maybe_inject_fault, retry_transient
+
+__all__ = [
+    "ArtifactStore",
+    "content_key",
+    "layout",
+    "logger",
+    "maybe_inject_fault",
+    "open_store",
+    "scratch",
+    "symfuse_task",
+    "timed",
+]
+
+
+def symfuse_task(name: str, task_run_name: str, gpu: bool = False) -> Callable:
+    """The ``@task`` of every pipeline task: transient-only retries, no Prefect result cache (content keys instead).
+
+    Args:
+        name: Task name (what ``SYMFUSE_FAIL_ONCE`` matches, besides the run name).
+        task_run_name: Template over the task's parameters, e.g. ``"finetune-{dataset}"``.
+        gpu: Tag the task ``gpu`` (work that runs on the accelerator; the tag's concurrency limit caps fan-out).
+    """
+    return task(
+        name=name,
+        task_run_name=task_run_name,
+        tags=["gpu"] if gpu else [],
+        retries=RETRIES,
+        retry_delay_seconds=RETRY_DELAYS,
+        retry_condition_fn=retry_transient,
+        cache_policy=NO_CACHE,
+        persist_result=False,
+    )
+
+
+def logger() -> logging.Logger | logging.LoggerAdapter:
+    """The Prefect run logger inside a run, else this module's logger (``.fn()`` calls in tests)."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("tasks")
+
+
+def open_store(config: RunConfig) -> ArtifactStore:
+    """The run's artifact store."""
+    return ArtifactStore(config.resolved_store_root())
+
+
+@contextlib.contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """A temporary local folder, removed afterwards (outputs are uploaded from it)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"symfuse-{prefix}-"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class timed:
+    """``with timed() as t: ...`` then ``t.seconds``."""
+
+    def __enter__(self) -> timed:
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = round(time.perf_counter() - self.start, 3)
+
+
+def stage_meta(stage: str, name: str, seconds: float, **extra: Any) -> dict[str, Any]:
+    """Manifest ``meta`` every task writes: its stage, task-run name and seconds of work (the report's timings)."""
+    return {"stage": stage, "name": name, "seconds": seconds, **extra}
+
+
+def manifests(store: ArtifactStore, uris: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Name -> manifest of each input artifact (for :func:`content_key`)."""
+    return {name: store.manifest(uri) for name, uri in uris.items()}

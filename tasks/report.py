@@ -1,0 +1,81 @@
+"""``report``: gather evaluations, matching distances and timings from the store; write and publish the report."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
+from symfuse.config import RunConfig
+from symfuse.report import build_report
+from tasks.common import content_key, layout, logger, manifests, open_store, scratch, stage_meta, symfuse_task, timed
+
+
+def _artifact_key(text: str) -> str:
+    """Prefect artifact keys: lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+
+
+@symfuse_task("report", "report-{config.run_id}")
+def report(
+    config: RunConfig, evaluations: Sequence[str], matched: Sequence[str], merged: Sequence[str], others: Sequence[str]
+) -> str:
+    """Build ``report/report.md``, ``metrics.csv`` and plots; publish markdown, table and link artifacts.
+
+    Args:
+        config: The run.
+        evaluations: Eval artifacts (JSON records written by the ``evaluate`` task).
+        matched: Matched-model artifacts (their manifests hold the distances before/after matching).
+        merged: Merged-model artifacts (linked from the Prefect UI).
+        others: Every other artifact of the run (models, stats, transforms), for the timings table.
+
+    Returns:
+        The report's URI.
+    """
+    store = open_store(config)
+    inputs = {f"input{i}": uri for i, uri in enumerate([*evaluations, *matched, *merged, *others])}
+    key = layout.report_key(config.run_id)
+    ck = content_key({"report": 1}, manifests(store, inputs))
+    if not store.exists(key, ck):
+        _build(config, store, key, ck, inputs, evaluations, matched)
+    return _publish(config, store, key, merged)
+
+
+def _build(config, store, key, ck, inputs, evaluations, matched) -> None:
+    """Gather the records from the store and write the report artifact."""
+    records = [store.get_json(uri) for uri in evaluations]
+    metas = {uri: store.manifest(uri).get("meta", {}) for uri in inputs.values()}
+    distances = [d for uri in matched for d in metas[uri].get("distances", [])]
+    timings = [{k: m[k] for k in ("stage", "name", "seconds")} for m in metas.values() if "seconds" in m]
+    facts = {
+        "run": config.run_id,
+        "base model": config.base_model,
+        "datasets": ", ".join(config.dataset_names),
+        "symmetries": ", ".join(config.symmetries),
+        "store": store.uri(layout.run_prefix(config.run_id)),
+    }
+    with scratch("report") as tmp:
+        with timed() as t:
+            built = build_report(records, distances, timings, tmp, title=f"symfuse run {config.run_id}", facts=facts)
+        store.put_dir(key, tmp, "report", inputs, ck, stage_meta("report", f"report-{config.run_id}", t.seconds))
+    logger().info("report metrics (%s):\n%s", built.metric, built.table.round(4).to_string())
+
+
+def _publish(config: RunConfig, store, key: str, merged: Sequence[str]) -> str:
+    """Prefect artifacts for the UI: the report (markdown), the metrics (table), links to the merged models."""
+    import pandas as pd
+
+    folder = store.local_cache(key)
+    markdown = (folder / "report.md").read_text()
+    table = pd.read_csv(folder / "metrics.csv")
+    run = _artifact_key(config.run_id)
+    create_markdown_artifact(markdown, key=f"{run}-report", description=f"symfuse report, {store.uri(key)}")
+    create_table_artifact(
+        table.fillna("").to_dict(orient="records"), key=f"{run}-metrics", description="every metric (long form)"
+    )
+    for uri in merged:
+        name = "-".join(store.key(uri).split("/")[-2:])  # strategy-variant
+        create_link_artifact(uri, link_text=name, key=f"{run}-merged-{_artifact_key(name)}", description="merged model")
+    logger().info("report: %s", store.uri(key))
+    return store.uri(key)

@@ -1,0 +1,49 @@
+"""``collect_stats``: statistics of one model on its dataset, one task per (model, kind)."""
+
+from __future__ import annotations
+
+import symfuse.stats
+from symfuse.config import RunConfig
+from tasks.common import content_key, layout, manifests, open_store, scratch, stage_meta, symfuse_task, timed
+from tasks.policy import batch_settings, maybe_inject_fault
+
+
+def stats_settings(config: RunConfig, dataset: str, kind: str) -> dict:
+    """What changes a statistics file besides the model: kind, data, caps, sequence length."""
+    return {
+        "kind": kind,
+        "data": config.dataset(dataset).data,
+        "max_examples": config.stats.max_examples,
+        "batch_size": config.stats.batch_size,  # nominal; an OOM retry splits it without changing the sums
+        "max_length": config.finetune.max_length,
+        "seed": config.finetune.seed,
+    }
+
+
+@symfuse_task("collect_stats", "stats-{model}-{kind}", gpu=True)
+def collect_stats(config: RunConfig, model: str, model_uri: str, kind: str, dataset: str | None = None) -> str:
+    """Collect ``kind`` statistics (gram | fisher) of a model on its training data; return the stats URI.
+
+    Args:
+        config: The run.
+        model: The model's name in keys (a dataset name, or ``<dataset>.matched`` for a matched model).
+        model_uri: The checkpoint artifact.
+        kind: ``gram`` or ``fisher``.
+        dataset: Dataset the statistics come from (default: ``model``).
+    """
+    store, dataset = open_store(config), dataset or model
+    key = layout.stats_key(config.run_id, model, dataset, kind)
+    ck = content_key(stats_settings(config, dataset, kind), manifests(store, {"model": model_uri}))
+    if store.exists(key, ck):
+        return store.uri(key)
+    maybe_inject_fault()
+    micro, _ = batch_settings(config.stats.batch_size)
+    with scratch("stats") as tmp:
+        with timed() as t:
+            files = symfuse.stats.collect_stats(
+                store.local_cache(model_uri), config.dataset(dataset).data, [kind], tmp,
+                max_examples=config.stats.max_examples, batch_size=micro, device=config.resolved_device(),
+                max_length=config.finetune.max_length, seed=config.finetune.seed, progress=False,
+            )  # fmt: skip
+        meta = stage_meta("collect_stats", f"stats-{model}-{kind}", t.seconds, kind=kind, dataset=dataset)
+        return store.put_file(key, files[kind], "collect_stats", {"model": model_uri}, ck, meta)
