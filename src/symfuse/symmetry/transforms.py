@@ -40,11 +40,12 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, override
+from typing import ClassVar
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from typing_extensions import override
 
 Weights = dict[str, torch.Tensor]
 _REGISTRY: dict[str, type[Transform]] = {}
