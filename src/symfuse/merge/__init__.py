@@ -1,1 +1,33 @@
-"""Merge strategies, registered as plug-ins."""
+"""Merge strategies, registered as plug-ins (see :mod:`symfuse.merge.checkpoints` for the head policy).
+
+Every merger class declares ``name``, ``required_stats`` (statistics kinds it reads) and ``needs_base``.
+"""
+
+from symfuse.merge.base import MergeParams, Merger, TensorInputs, weighted_mean
+from symfuse.merge.checkpoints import REPORT, StreamingReader, head_names, merge_checkpoints
+from symfuse.merge.regmean import RegMeanMerger, regmean_solve
+from symfuse.merge.simple import FisherMerger, SimpleMerger
+from symfuse.merge.task_vectors import DareMerger, TaskArithmeticMerger, TiesMerger
+
+MERGERS: dict[str, type[Merger]] = {
+    m.name: m for m in (SimpleMerger, FisherMerger, RegMeanMerger, TaskArithmeticMerger, TiesMerger, DareMerger)
+}
+
+__all__ = [
+    "MERGERS",
+    "REPORT",
+    "DareMerger",
+    "FisherMerger",
+    "MergeParams",
+    "Merger",
+    "RegMeanMerger",
+    "SimpleMerger",
+    "StreamingReader",
+    "TaskArithmeticMerger",
+    "TensorInputs",
+    "TiesMerger",
+    "head_names",
+    "merge_checkpoints",
+    "regmean_solve",
+    "weighted_mean",
+]

@@ -107,16 +107,35 @@ def collect_stats(
     for kind in kinds:
         if kind == "gram":
             g = collect_gram(net, batches, device=device, progress=progress)
-            meta = {**common, "kind": "gram", "n_tokens": str(g.n_tokens), "n_examples": str(g.n_examples),
-                    "rows": g.rows, "conv1d": g.conv1d}
+            meta = {
+                **common,
+                "kind": "gram",
+                "n_tokens": str(g.n_tokens),
+                "n_examples": str(g.n_examples),
+                "rows": g.rows,
+                "conv1d": g.conv1d,
+            }
             written[kind] = save_stats(g.grams, out_dir / "gram.safetensors", meta)
         else:
-            f = collect_fisher(net, batches, mode=fisher_mode, seed=seed, device=device, progress=progress,
-                               label_map=_label_map(net, ds.labels))  # type: ignore[arg-type]
-            meta = {**common, "kind": "fisher", "n_tokens": str(f.n_tokens), "n_examples": str(f.n_examples),
-                    "fisher_mode": f.mode}
-            written[kind] = save_stats({k: v.float() for k, v in f.fisher.items()}, out_dir / "fisher.safetensors",
-                                       meta)
+            f = collect_fisher(
+                net,
+                batches,
+                mode=fisher_mode,
+                seed=seed,
+                device=device,
+                progress=progress,
+                label_map=_label_map(net, ds.labels),
+            )  # type: ignore[arg-type]
+            meta = {
+                **common,
+                "kind": "fisher",
+                "n_tokens": str(f.n_tokens),
+                "n_examples": str(f.n_examples),
+                "fisher_mode": f.mode,
+            }
+            written[kind] = save_stats(
+                {k: v.float() for k, v in f.fisher.items()}, out_dir / "fisher.safetensors", meta
+            )
         log.info("wrote %s statistics %s", kind, written[kind])
     del net
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -70,7 +70,9 @@ def sample_labels(kind: str, logits: torch.Tensor, generator: torch.Generator) -
     return logits.squeeze(-1) + torch.randn(logits.shape[:-1], generator=generator)
 
 
-def log_likelihood(kind: str, logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def log_likelihood(
+    kind: str, logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Summed log-likelihood of ``labels`` under ``logits`` (one example, batch dim 1).
 
     Args:
@@ -150,8 +152,10 @@ def collect_fisher(
             mask = inputs.get("attention_mask")
             for i in range(first.shape[0]):
                 length = int(mask[i].nonzero().max()) + 1 if mask is not None and mask[i].any() else first.shape[1]
-                ex = {k: v[i : i + 1, :length].to(device) if v.dim() >= 2 else v[i : i + 1].to(device)
-                      for k, v in inputs.items()}
+                ex = {
+                    k: v[i : i + 1, :length].to(device) if v.dim() >= 2 else v[i : i + 1].to(device)
+                    for k, v in inputs.items()
+                }
                 if "pixel_values" in inputs:
                     ex["pixel_values"] = inputs["pixel_values"][i : i + 1].to(device)
                 lab = None

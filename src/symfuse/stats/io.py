@@ -24,13 +24,62 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from symfuse.errors import MissingStats
 
 FORMAT_VERSION = "1"
 STAT_KINDS = ("gram", "fisher")
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class SafetensorsFile:
+    """Reads tensors of a safetensors file with plain ``read`` calls, one tensor at a time.
+
+    Unlike ``safe_open`` (mmap), the pages read stay in the page cache, not in this process's resident set,
+    so a merge that streams K models' tensors keeps its RSS at the size of the tensors it holds.
+
+    Args:
+        file: A ``.safetensors`` file.
+    """
+
+    def __init__(self, file: str | os.PathLike):
+        self.path = Path(file)
+        with open(self.path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        self._data_start = 8 + n
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.header: dict[str, dict[str, Any]] = header
+
+    def keys(self) -> list[str]:
+        """Tensor names in the file."""
+        return list(self.header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of one tensor, without reading it."""
+        return tuple(self.header[name]["shape"])
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor into a new CPU tensor."""
+        info = self.header[name]
+        start, end = info["data_offsets"]
+        buf = torch.empty(end - start, dtype=torch.uint8)
+        with open(self.path, "rb") as fh:
+            fh.seek(self._data_start + start)
+            fh.readinto(memoryview(buf.numpy()))
+        return buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 def save_stats(tensors: Mapping[str, torch.Tensor], file: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
@@ -75,9 +124,9 @@ class StatsFile:
         self.path = Path(file)
         if not self.path.is_file():
             raise MissingStats(f"{self.path}: statistics file not found; run `symfuse stats` first")
-        self._f = safe_open(str(self.path), "pt")
+        self._f = SafetensorsFile(self.path)
         self._keys = set(self._f.keys())
-        raw = self._f.metadata() or {}
+        raw = self._f.metadata
         self.meta: dict[str, Any] = {}
         for k, v in raw.items():
             try:
@@ -102,7 +151,7 @@ class StatsFile:
         """
         if key not in self._keys:
             raise MissingStats(f"{self.path}: no {self.kind or 'statistic'} for {key!r}; recollect the statistics")
-        return self._f.get_tensor(key)
+        return self._f.get(key)
 
     @property
     def conv1d(self) -> set[str]:
@@ -113,7 +162,7 @@ class StatsFile:
 def load_stats(file: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load a whole statistics file: ``(tensors, metadata)``."""
     sf = StatsFile(file)
-    return {k: sf.get(k) for k in sf.keys()}, sf.meta
+    return {k: sf.get(k) for k in sf.keys()}  # noqa: SIM118, sf.meta
 
 
 def file_fingerprint(*files: str | os.PathLike, extra: str = "") -> str:

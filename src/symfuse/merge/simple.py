@@ -1,0 +1,49 @@
+"""Weighted averaging, and Fisher-weighted averaging (Matena & Raffel, 2022)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from symfuse.merge.base import MergeParams, Merger, TensorInputs, weighted_mean
+
+log = logging.getLogger(__name__)
+
+
+class SimpleMerger(Merger):
+    """``theta = sum_i w_i theta_i``."""
+
+    name = "simple"
+
+    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
+        """Weighted mean of the K tensors."""
+        return weighted_mean(t.tensors, t.weights)
+
+
+class FisherParams(MergeParams):
+    """Fisher merging parameters."""
+
+    epsilon: float = 1e-8  # floor on each Fisher entry, so that entries no example touched still average
+
+
+class FisherMerger(Merger):
+    """``theta = sum_i w_i F_i theta_i / sum_i w_i F_i`` with ``F_i`` floored at ``epsilon`` (diagonal Fisher)."""
+
+    name = "fisher"
+    required_stats = frozenset({"fisher"})
+    Params = FisherParams
+
+    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
+        """Fisher-weighted mean; tensors without a Fisher (buffers) are averaged with the model weights."""
+        if t.fisher is None:
+            self.count("no_fisher_averaged")
+            return weighted_mean(t.tensors, t.weights)
+        eps = self.params.epsilon  # type: ignore[attr-defined]
+        num = torch.zeros(t.tensors[0].shape, dtype=torch.float64)
+        den = torch.zeros_like(num)
+        for x, f, w in zip(t.tensors, t.fisher, t.weights, strict=True):
+            fw = w * f.to(torch.float64).clamp_min(eps)
+            num += fw * x.to(torch.float64)
+            den += fw
+        return (num / den).to(t.tensors[0].dtype)

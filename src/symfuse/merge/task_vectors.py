@@ -1,0 +1,138 @@
+"""Task-vector mergers against a base model: task arithmetic, TIES, DARE.
+
+Task vectors ``tau_i = theta_i - theta_base``.
+
+* ``task-arithmetic`` (Ilharco et al., 2023): ``theta = base + lam * sum_i tau_i`` (``lam`` defaults to 1/K, i.e.
+  the base plus the mean task vector).
+* ``ties`` (Yadav et al., 2023): keep the top ``density`` fraction of each ``tau_i`` by magnitude (trim), elect a
+  sign per entry (sign of the summed trimmed vectors), average the trimmed entries that agree with it (disjoint
+  mean); ``theta = base + lam * tau`` with ``lam`` default 1.
+* ``dare`` (Yu et al., 2024): drop each task-vector entry with probability ``drop`` and rescale the kept ones by
+  ``1 / (1 - drop)`` (seeded per tensor and model, so a merge is reproducible whatever the order), then combine
+  with ``combine`` = ``task-arithmetic`` or ``ties``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from symfuse.merge.base import MergeParams, Merger, TensorInputs
+
+
+def task_vectors(t: TensorInputs) -> list[torch.Tensor]:
+    """``theta_i - theta_base`` in float64."""
+    assert t.base is not None
+    base = t.base.to(torch.float64)
+    return [x.to(torch.float64) - base for x in t.tensors]
+
+
+def trim_top(tau: torch.Tensor, density: float) -> torch.Tensor:
+    """Keep the ``density`` fraction of entries with the largest magnitude (ties at the threshold kept)."""
+    if density >= 1.0:
+        return tau.clone()
+    k = max(1, round(density * tau.numel()))
+    thresh = tau.abs().flatten().kthvalue(tau.numel() - k + 1).values
+    return torch.where(tau.abs() >= thresh, tau, torch.zeros_like(tau))
+
+
+def ties_combine(taus: Sequence[torch.Tensor], weights: Sequence[float], density: float) -> torch.Tensor:
+    """TIES: trim, elect sign, disjoint (weighted) mean of the agreeing entries."""
+    trimmed = [trim_top(t, density) for t in taus]
+    stacked = torch.stack(trimmed)  # (K, ...)
+    w = torch.tensor(list(weights), dtype=torch.float64).view(-1, *([1] * trimmed[0].dim()))
+    sign = torch.sign((stacked * w).sum(0))
+    agree = (torch.sign(stacked) == sign) & (stacked != 0)
+    num = (stacked * w * agree).sum(0)
+    den = (w * agree).sum(0)
+    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
+
+
+def dare_drop(tau: torch.Tensor, drop: float, seed: int, name: str, index: int) -> torch.Tensor:
+    """Drop entries with probability ``drop`` and rescale the rest by ``1 / (1 - drop)`` (seeded by tensor, model)."""
+    if drop <= 0.0:
+        return tau.clone()
+    if drop >= 1.0:
+        raise ValueError(f"dare drop rate must be < 1, got {drop}")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) * 31 + index)
+    keep = torch.rand(tau.shape, generator=g) >= drop
+    return torch.where(keep, tau / (1.0 - drop), torch.zeros_like(tau))
+
+
+class TaskArithmeticParams(MergeParams):
+    """Task arithmetic parameters."""
+
+    lam: float | None = None  # scale of the summed task vectors; None = 1/K
+
+
+class TaskArithmeticMerger(Merger):
+    """``base + lam * sum_i w_i K tau_i`` (with uniform weights: ``base + lam * sum_i tau_i``)."""
+
+    name = "task-arithmetic"
+    needs_base = True
+    Params = TaskArithmeticParams
+
+    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
+        """Base plus scaled summed task vectors."""
+        self.check_inputs(t)
+        taus = task_vectors(t)
+        k = len(taus)
+        lam = self.params.lam if self.params.lam is not None else 1.0 / k  # type: ignore[attr-defined]
+        total = sum(w * k * tau for w, tau in zip(t.weights, taus, strict=True))
+        return (t.base.to(torch.float64) + lam * total).to(t.tensors[0].dtype)  # type: ignore[union-attr]
+
+
+class TiesParams(MergeParams):
+    """TIES parameters."""
+
+    density: float = 0.2  # fraction of each task vector kept
+    lam: float = 1.0
+
+
+class TiesMerger(Merger):
+    """TIES merging (trim, elect sign, disjoint mean)."""
+
+    name = "ties"
+    needs_base = True
+    Params = TiesParams
+
+    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
+        """Base plus the TIES-combined task vector."""
+        self.check_inputs(t)
+        p = self.params
+        tau = ties_combine(task_vectors(t), t.weights, p.density)  # type: ignore[attr-defined]
+        return (t.base.to(torch.float64) + p.lam * tau).to(t.tensors[0].dtype)  # type: ignore[union-attr,attr-defined]
+
+
+class DareParams(MergeParams):
+    """DARE parameters."""
+
+    drop: float = 0.9  # drop probability of each task-vector entry
+    seed: int = 0
+    combine: Literal["task-arithmetic", "ties"] = "task-arithmetic"
+    lam: float | None = None  # task-arithmetic: None = 1/K; ties: None = 1
+    density: float = 1.0  # ties trim after the drop (1 = no further trim)
+
+
+class DareMerger(Merger):
+    """DARE drop-and-rescale of each task vector, then task arithmetic or TIES."""
+
+    name = "dare"
+    needs_base = True
+    Params = DareParams
+
+    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
+        """Base plus the combined dropped-and-rescaled task vectors."""
+        self.check_inputs(t)
+        p = self.params
+        taus = [dare_drop(tau, p.drop, p.seed, t.name, i) for i, tau in enumerate(task_vectors(t))]  # type: ignore[attr-defined]
+        k = len(taus)
+        if p.combine == "ties":  # type: ignore[attr-defined]
+            tau = ties_combine(taus, t.weights, p.density) * (p.lam if p.lam is not None else 1.0)  # type: ignore[attr-defined]
+        else:
+            lam = p.lam if p.lam is not None else 1.0 / k  # type: ignore[attr-defined]
+            tau = lam * sum(w * k * x for w, x in zip(t.weights, taus, strict=True))
+        return (t.base.to(torch.float64) + tau).to(t.tensors[0].dtype)  # type: ignore[union-attr]
