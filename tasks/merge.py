@@ -1,0 +1,65 @@
+"""``merge``: one task per (strategy, variant).
+
+Variant ``plain`` merges the fine-tuned models; ``matched`` merges the anchor with the others matched onto it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+from symfuse.checkpoint import resolve_checkpoint
+from symfuse.config import RunConfig
+from symfuse.merge import MERGERS, REPORT, merge_checkpoints
+from symfuse.stats import model_fingerprint
+from tasks.common import content_key, layout, manifests, open_store, scratch, stage_meta, symfuse_task, timed
+from tasks.policy import maybe_inject_fault
+
+
+def strategy_params(config: RunConfig, strategy: str) -> dict:
+    """The strategy's parameters from the run config (flattened at the task boundary)."""
+    return {"alpha": config.regmean_alpha} if strategy == "regmean" else {}
+
+
+@symfuse_task("merge", "merge-{strategy}-{variant}")
+def merge(
+    config: RunConfig, strategy: str, variant: str, models: Mapping[str, str], stats: Mapping[str, Sequence[str]]
+) -> str:
+    """Merge ``models`` (dataset -> checkpoint URI, in merge order) with ``strategy``; return the merged URI.
+
+    Args:
+        config: The run.
+        strategy: A key of ``symfuse.merge.MERGERS``.
+        variant: ``plain`` or ``matched`` (names the artifact).
+        models: Dataset name -> checkpoint URI.
+        stats: Dataset name -> statistics URIs of the kinds the strategy needs (may be empty).
+
+    Returns:
+        URI of ``runs/{run}/merged/{strategy}/{variant}``; its manifest ``meta.heads`` maps each dataset to the
+        sub-folder holding the merged body with that dataset's head.
+    """
+    store, merger = open_store(config), MERGERS[strategy]
+    key, params = layout.merged_key(config.run_id, strategy, variant), strategy_params(config, strategy)
+    stats_uris = [u for name in models for u in stats.get(name, [])] if merger.required_stats else []
+    inputs = {f"model.{n}": u for n, u in models.items()} | {f"stats{i}": u for i, u in enumerate(stats_uris)}
+    base = resolve_checkpoint(config.base_model) if merger.needs_base else None
+    extra = {"base": model_fingerprint(base)} if base is not None else {}
+    ck = content_key({"strategy": strategy, "params": params, "order": list(models)}, manifests(store, inputs) | extra)
+    if store.exists(key, ck):
+        return store.uri(key)
+    maybe_inject_fault()
+    with scratch("merge") as tmp:
+        links = tmp / "in"  # name each local model folder after its dataset: the merger names heads by folder
+        links.mkdir()
+        for name, uri in models.items():
+            (links / name).symlink_to(store.local_cache(uri), target_is_directory=True)
+        files = [store.get_file(u) for u in stats_uris]
+        with timed() as t:
+            out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
+                                    base=base, **params)  # fmt: skip
+        folders = json.loads((out / REPORT).read_text())["heads"].get("folders") or {}
+        heads = dict(zip(models, folders.values(), strict=True)) if folders else dict.fromkeys(models, ".")
+        digests = [layout.manifest_digest(store.manifest(u)) for u in models.values()]  # read by watch_checkpoints
+        meta = stage_meta("merge", f"merge-{strategy}-{variant}", t.seconds, strategy=strategy, variant=variant,
+                          heads=heads, model_digests=digests)  # fmt: skip
+        return store.put_dir(key, out, "merge", inputs, ck, meta)
