@@ -1,0 +1,179 @@
+"""Closed-form solvers: orthogonal Procrustes (dense and RoPE-restricted), quartic scaling, assignment.
+
+Notation: for one KV group, ``A`` (dh, n) is the source's stacked query-side columns and ``B`` (dh, m) its
+key-side columns (or value-side / output-side for VO), ``A*`` / ``B*`` the anchor's. Cross matrices
+``Ma = A* A^T`` and ``Mb = B* B^T`` (dh, dh) are all a solver needs besides norms: the rotation ``R`` maximises
+``tr(R^T (Ma + Mb))`` (minimising ``||R [A|B] - [A*|B*]||``), and the scale ``a`` minimises
+``||a R A - A*||² + ||R B / a - B*||²``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+
+
+def procrustes(m: torch.Tensor) -> torch.Tensor:
+    """Orthogonal ``R`` maximising ``tr(R^T M)``: ``U V^T`` for ``M = U S V^T`` (float64, batched (..., d, d))."""
+    u, _, vh = torch.linalg.svd(m.to(torch.float64))
+    return u @ vh
+
+
+def rope_procrustes(m: torch.Tensor) -> torch.Tensor:
+    """Best rotation commuting with RoPE (rotate_half pairs ``(i, i + d/2)``), maximising ``tr(R^T M)``.
+
+    On each pair the 2x2 block ``[[c, -s], [s, c]]`` maximises ``c (M_ii + M_jj) + s (M_ji - M_ij)``:
+    ``(c, s)`` is the unit vector along ``(M_ii + M_jj, M_ji - M_ij)``. Reflections do not commute with RoPE.
+    """
+    m = m.to(torch.float64)
+    h = m.shape[-1] // 2
+    i = torch.arange(h)
+    x = m[..., i, i] + m[..., i + h, i + h]
+    y = m[..., i + h, i] - m[..., i, i + h]
+    norm = torch.sqrt(x * x + y * y)
+    c = torch.where(norm > 0, x / norm.clamp_min(1e-300), torch.ones_like(x))
+    s = torch.where(norm > 0, y / norm.clamp_min(1e-300), torch.zeros_like(y))
+    r = torch.zeros_like(m)
+    r[..., i, i] = c
+    r[..., i + h, i + h] = c
+    r[..., i, i + h] = -s
+    r[..., i + h, i] = s
+    return r
+
+
+def block_sum(x: torch.Tensor, rope: bool) -> torch.Tensor:
+    """Sum per-row values (..., dh) over scale blocks: the whole head, or RoPE pairs -> (..., 1 | dh/2)."""
+    if rope:
+        h = x.shape[-1] // 2
+        return x[..., :h] + x[..., h:]
+    return x.sum(-1, keepdim=True)
+
+
+def block_expand(a: torch.Tensor, dh: int, rope: bool) -> torch.Tensor:
+    """Inverse shape of :func:`block_sum`: per-block values to per-row (..., dh)."""
+    if rope:
+        return torch.cat([a, a], dim=-1)
+    return a.expand(*a.shape[:-1], dh)
+
+
+def solve_scale(aa: torch.Tensor, ab: torch.Tensor, bb: torch.Tensor, bab: torch.Tensor) -> torch.Tensor:
+    """Positive ``a`` minimising ``f(a) = a²|A|² − 2a<A,A*> + |B|²/a² − 2<B,B*>/a`` (elementwise, batched).
+
+    ``f'(a) = 0`` times ``a³/2`` is the quartic ``|A|² a⁴ − <A,A*> a³ + <B,B*> a − |B|² = 0``; among its real
+    positive roots the one with the lowest ``f`` wins (polished by Newton steps). Degenerate blocks (zero norms)
+    get ``a = 1``.
+
+    Args:
+        aa: ``|A|²`` (any shape, float64).
+        ab: ``<A, A*>`` (same shape).
+        bb: ``|B|²`` (same shape).
+        bab: ``<B, B*>`` (same shape).
+    """
+    shape = aa.shape
+    aa_, ab_, bb_, bab_ = (t.reshape(-1).double().numpy() for t in (aa, ab, bb, bab))
+    out = np.ones_like(aa_)
+    ok = (aa_ > 1e-300) & (bb_ > 1e-300)
+    if ok.any():
+        a4, a3, a1, a0 = aa_[ok], -ab_[ok], bab_[ok], -bb_[ok]
+        n = a4.size
+        comp = np.zeros((n, 4, 4))
+        comp[:, 0, 0] = -a3 / a4
+        comp[:, 0, 2] = -a1 / a4
+        comp[:, 0, 3] = -a0 / a4
+        comp[:, 1, 0] = comp[:, 2, 1] = comp[:, 3, 2] = 1.0
+        roots = np.linalg.eigvals(comp)  # (n, 4)
+        real = roots.real.copy()
+        good = (np.abs(roots.imag) <= 1e-6 * np.maximum(1.0, np.abs(roots))) & (real > 0)
+        real = np.where(good, real, 1.0)
+        for _ in range(3):  # Newton on the quartic
+            p = ((a4[:, None] * real + a3[:, None]) * real * real + a1[:, None]) * real + a0[:, None]
+            dp = (4 * a4[:, None] * real + 3 * a3[:, None]) * real * real + a1[:, None]
+            real = np.where(good & (np.abs(dp) > 0), real - p / np.where(dp == 0, 1, dp), real)
+            real = np.where(real > 0, real, 1.0)
+
+        def f(x: np.ndarray) -> np.ndarray:
+            return x * x * aa_[ok, None] - 2 * x * ab_[ok, None] + bb_[ok, None] / (x * x) - 2 * bab_[ok, None] / x
+
+        obj = np.where(good, f(real), np.inf)
+        best = np.argmin(obj, axis=1)
+        pick = real[np.arange(n), best]
+        out[ok] = np.where(np.isfinite(obj[np.arange(n), best]), pick, 1.0)
+    return torch.from_numpy(out).reshape(shape)
+
+
+def scale_objective(
+    a: torch.Tensor, aa: torch.Tensor, ab: torch.Tensor, bb: torch.Tensor, bab: torch.Tensor
+) -> torch.Tensor:
+    """``f(a)`` of :func:`solve_scale` (without the constant ``|A*|² + |B*|²``)."""
+    return a * a * aa - 2 * a * ab + bb / (a * a) - 2 * bab / a
+
+
+def fit_rotation_scale(
+    ma: torch.Tensor,
+    mb: torch.Tensor,
+    na: torch.Tensor,
+    nb: torch.Tensor,
+    rotate: bool,
+    scale: bool,
+    rope: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotation (then scale) aligning source blocks to anchor blocks, batched over leading axes.
+
+    Args:
+        ma: (..., dh, dh) ``A* A^T``.
+        mb: (..., dh, dh) ``B* B^T``.
+        na: (..., dh) squared row norms of ``A`` (source).
+        nb: (..., dh) squared row norms of ``B`` (source).
+        rotate: Solve for ``R`` (else identity).
+        scale: Solve for the scale (else 1).
+        rope: Restrict ``R`` to RoPE-commuting rotations and scales to frequency pairs.
+
+    Returns:
+        ``R`` (..., dh, dh), per-row scale (..., dh), and the objective without anchor norms (...,): the residual
+        ``||a R A − A*||² + ||R B / a − B*||²`` minus ``|A*|² + |B*|²``.
+    """
+    dh = ma.shape[-1]
+    if rotate:
+        r = rope_procrustes(ma + mb) if rope else procrustes(ma + mb)
+    else:
+        r = torch.eye(dh, dtype=torch.float64).expand_as(ma)
+    # per-row <R A, A*>_r = sum_c R_rc (A* A^T)_rc ; block rotations keep per-block row norms
+    ab = block_sum((r * ma).sum(-1), rope)
+    bab = block_sum((r * mb).sum(-1), rope)
+    aa = block_sum(na.double(), rope)
+    bb = block_sum(nb.double(), rope)
+    a = solve_scale(aa, ab, bb, bab) if scale else torch.ones_like(aa)
+    obj = scale_objective(a, aa, ab, bb, bab).sum(-1)
+    return r, block_expand(a, dh, rope), obj
+
+
+def assign_max(sim: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Permutation ``perm`` maximising ``sum_j sim[perm[j], j]`` (rows: source, columns: anchor).
+
+    Fast exact path: when every row's argmax is a different column, taking each row's maximum is optimal
+    (no assignment can beat a per-row maximum in every row), so the Hungarian step is skipped. Likewise for
+    columns. Otherwise scipy's ``linear_sum_assignment`` runs on a float64 copy (negated in place, no more copies).
+
+    Args:
+        sim: (n, n) similarity, any float dtype (consumed: do not reuse it for anything else).
+
+    Returns:
+        ``perm`` (n,) int64 (anchor position j takes source row ``perm[j]``), and whether Hungarian ran.
+    """
+    n = sim.shape[0]
+    col_of_row = sim.argmax(dim=1)
+    if torch.bincount(col_of_row, minlength=n).max() == 1:
+        perm = torch.empty(n, dtype=torch.long)
+        perm[col_of_row] = torch.arange(n)
+        return perm, False
+    row_of_col = sim.argmax(dim=0)
+    if torch.bincount(row_of_col, minlength=n).max() == 1:
+        return row_of_col.long(), False
+    cost = sim.to(torch.float64)
+    del sim
+    cost.neg_()
+    rows, cols = linear_sum_assignment(cost.numpy())
+    perm = torch.empty(n, dtype=torch.long)
+    perm[torch.from_numpy(cols)] = torch.from_numpy(rows).long()
+    return perm, True

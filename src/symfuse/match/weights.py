@@ -1,0 +1,203 @@
+"""Weight-based matching of one module (closed form): the transform mapping SOURCE's weights onto ANCHOR's.
+
+Attention, per KV group ``g`` (float64): query side ``A_g = [q_h | b_q,h | pos_q,h | ...]`` over the group's query
+heads ``h``, key side ``B_g = [k_g | b_k,g | pos_k,g | ...]`` (QK), and ``A_g = [v_g | b_v,g]``,
+``B_g = [o_h^T ...]`` (VO). Order: head permutation (Hungarian on the per-pair residual after optimal rotation and
+scaling), then Procrustes rotations (RoPE-restricted for QK under RoPE), then quartic scales.
+FFN: Hungarian on ``W_in W_in*^T + b b*^T (+ W_gate W_gate*^T) + W_out^T W_out*`` in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, MutableMapping, Sequence
+
+import torch
+
+from symfuse.arch import Geometry, ModuleRef
+from symfuse.match.closed_form import assign_max, fit_rotation_scale
+from symfuse.symmetry.transforms import (
+    FFNPermutation,
+    HeadPermutation,
+    ModuleTransform,
+    QKRotation,
+    QKScaling,
+    Transform,
+    VORotation,
+    VOScaling,
+)
+
+log = logging.getLogger(__name__)
+
+SYMMETRIES = ("rotation", "scaling", "ffn-permutation", "head-permutation")
+DEFAULT_SYMMETRIES = ("rotation", "scaling", "ffn-permutation")
+Timings = MutableMapping[str, float]
+
+
+def check_symmetries(symmetries: Sequence[str]) -> tuple[str, ...]:
+    """Validate symmetry names.
+
+    Raises:
+        ValueError: naming the unknown ones and the accepted names.
+    """
+    bad = [s for s in symmetries if s not in SYMMETRIES]
+    if bad:
+        raise ValueError(f"unknown symmetries {bad}; accepted: {', '.join(SYMMETRIES)}")
+    return tuple(symmetries)
+
+
+def _tick(timings: Timings | None, name: str, t0: float) -> float:
+    now = time.perf_counter()
+    if timings is not None:
+        timings[name] = timings.get(name, 0.0) + now - t0
+    return now
+
+
+def _heads(w: torch.Tensor, n_kv: int, dh: int) -> torch.Tensor:
+    """Rows of a per-head weight (heads*dh, cols) or bias (heads*dh,) -> (n_kv, dh, G*cols) float64."""
+    w = w.to(torch.float64)
+    cols = 1 if w.dim() == 1 else w.shape[1]
+    g = w.shape[0] // (n_kv * dh)
+    return w.reshape(n_kv, g, dh, cols).permute(0, 2, 1, 3).reshape(n_kv, dh, g * cols)
+
+
+def attention_blocks(w: Mapping[str, torch.Tensor], geo: Geometry) -> dict[str, torch.Tensor]:
+    """Per-group stacked blocks ``{"q": A, "k": B, "v": A, "o": B}``, each (n_kv, dh, cols) float64."""
+    n, dh = geo.n_kv_heads, geo.head_dim
+
+    def stack(roles: Sequence[str]) -> torch.Tensor:
+        return torch.cat([_heads(w[r], n, dh) for r in roles if r in w], dim=-1)
+
+    return {
+        "q": stack(("q", "q_bias", "pos_q", "pos_q_bias")),
+        "k": stack(("k", "k_bias", "pos_k", "pos_k_bias")),
+        "v": stack(("v", "v_bias")),
+        "o": _heads(w["o"].t(), n, dh),
+    }
+
+
+def _cross(src: torch.Tensor, anc: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """``A* A^T`` per group (n, dh, dh) or for every (source i, anchor j) pair (n, n, dh, dh)."""
+    if pairs:
+        return torch.einsum("jan,ibn->ijab", anc, src)
+    return anc @ src.transpose(-1, -2)
+
+
+def match_attention(
+    src: Mapping[str, torch.Tensor],
+    anc: Mapping[str, torch.Tensor],
+    geo: Geometry,
+    symmetries: Sequence[str],
+    key: str = "",
+    timings: Timings | None = None,
+) -> ModuleTransform:
+    """Transform mapping the source attention module onto the anchor's (see the module docstring).
+
+    Args:
+        src: Source canonical weights.
+        anc: Anchor canonical weights (same shapes).
+        geo: Geometry (heads, head size, RoPE).
+        symmetries: Subset of :data:`SYMMETRIES`.
+        key: Module key recorded in the result.
+        timings: Accumulates seconds under ``svd``, ``scaling``, ``head_perm``.
+    """
+    rotate, scale = "rotation" in symmetries, "scaling" in symmetries
+    rope = geo.rope
+    t0 = time.perf_counter()
+    sb, ab = attention_blocks(src, geo), attention_blocks(anc, geo)
+    parts: list[Transform] = []
+    if "head-permutation" in symmetries and geo.n_kv_heads > 1:
+        cost = torch.zeros(geo.n_kv_heads, geo.n_kv_heads, dtype=torch.float64)
+        for a_role, b_role, use_rope in (("q", "k", rope), ("v", "o", False)):
+            ma, mb = _cross(sb[a_role], ab[a_role], True), _cross(sb[b_role], ab[b_role], True)
+            na = (sb[a_role] ** 2).sum(-1)[:, None].expand(-1, geo.n_kv_heads, -1)
+            nb = (sb[b_role] ** 2).sum(-1)[:, None].expand(-1, geo.n_kv_heads, -1)
+            _, _, obj = fit_rotation_scale(ma, mb, na, nb, rotate, scale, use_rope)
+            cost += obj  # anchor norms are the same for every source head: omitted
+        perm, _ = assign_max(-cost)
+        hp = HeadPermutation(perm)
+        parts.append(hp)
+        sb = {r: t[perm] for r, t in sb.items()}
+        t0 = _tick(timings, "head_perm", t0)
+    if rotate or scale:
+        fits = {}
+        for name, a_role, b_role, use_rope in (("qk", "q", "k", rope), ("vo", "v", "o", False)):
+            ma, mb = _cross(sb[a_role], ab[a_role], False), _cross(sb[b_role], ab[b_role], False)
+            na, nb = (sb[a_role] ** 2).sum(-1), (sb[b_role] ** 2).sum(-1)
+            fits[name] = fit_rotation_scale(ma, mb, na, nb, rotate, scale, use_rope)
+        t0 = _tick(timings, "svd", t0)
+        if rotate:
+            parts += [QKRotation(fits["qk"][0].contiguous()), VORotation(fits["vo"][0].contiguous())]
+        if scale:
+            parts += [QKScaling(fits["qk"][1].contiguous()), VOScaling(fits["vo"][1].contiguous())]
+        _tick(timings, "scaling", t0)
+    return ModuleTransform(key, tuple(parts))
+
+
+def ffn_similarity(src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``S[i, j]`` = <source neuron i, anchor neuron j> over up (+gate) rows, biases and down columns, float32."""
+    f32 = torch.float32
+    sim = src["up"].to(f32) @ anc["up"].to(f32).T  # (d_ffn, d_ffn)
+    if "gate" in src:
+        sim.addmm_(src["gate"].to(f32), anc["gate"].to(f32).T)
+    for b in ("up_bias", "gate_bias"):
+        if b in src:
+            sim.addr_(src[b].to(f32), anc[b].to(f32))
+    sim.addmm_(src["down"].to(f32).T, anc["down"].to(f32))
+    return sim
+
+
+def match_ffn(
+    src: Mapping[str, torch.Tensor],
+    anc: Mapping[str, torch.Tensor],
+    symmetries: Sequence[str],
+    key: str = "",
+    timings: Timings | None = None,
+) -> ModuleTransform:
+    """Transform mapping the source FFN onto the anchor's (neuron permutation by Hungarian, exact fast path)."""
+    if "ffn-permutation" not in symmetries:
+        return ModuleTransform(key, ())
+    t0 = time.perf_counter()
+    sim = ffn_similarity(src, anc)
+    t0 = _tick(timings, "ffn_cost", t0)
+    perm, ran = assign_max(sim)
+    _tick(timings, "hungarian", t0)
+    log.debug("%s: ffn permutation (%s)", key, "hungarian" if ran else "argmax fast path")
+    return ModuleTransform(key, (FFNPermutation(perm),))
+
+
+def match_module_weights(
+    ref: ModuleRef | str,
+    src: Mapping[str, torch.Tensor],
+    anc: Mapping[str, torch.Tensor],
+    geo: Geometry,
+    symmetries: Sequence[str] = DEFAULT_SYMMETRIES,
+    timings: Timings | None = None,
+) -> ModuleTransform:
+    """Match one module given its canonical weights (in memory).
+
+    Args:
+        ref: The module (or its key).
+        src: Source canonical weights.
+        anc: Anchor canonical weights.
+        geo: Geometry of both models.
+        symmetries: Subset of :data:`SYMMETRIES`.
+        timings: Accumulates seconds per stage.
+
+    Returns:
+        The :class:`ModuleTransform` with ``transform.apply(src) ≈ anc``.
+    """
+    ref = ModuleRef.parse(ref) if isinstance(ref, str) else ref
+    check_symmetries(symmetries)
+    if ref.kind == "attn":
+        return match_attention(src, anc, geo, symmetries, ref.key, timings)
+    return match_ffn(src, anc, symmetries, ref.key, timings)
+
+
+def module_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """Frobenius distance over the roles both share (float64 accumulation, role by role)."""
+    total = 0.0
+    for r in a.keys() & b.keys():
+        total += float(((a[r].to(torch.float32) - b[r].to(torch.float32)).double() ** 2).sum())
+    return total**0.5
