@@ -1,1 +1,2 @@
 """Import every command module so that each registers its commands on the app."""
+from symfuse.cli import merge, stats  # noqa: F401

@@ -1,0 +1,43 @@
+"""``symfuse stats``: collect Gram / Fisher statistics of a checkpoint on a dataset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from symfuse.cli import app
+
+
+@app.command()
+def stats(
+    model: Annotated[str, typer.Argument(help="Checkpoint folder (or 'minilm' / hub id).")],
+    data: Annotated[str, typer.Option("--data", help="Shared dataset name, folder of JSONL splits, or hub id.")],
+    out: Annotated[Path, typer.Option("--out", help="Output folder (<kind>.safetensors).")],
+    kind: Annotated[str, typer.Option("--kind", help="Comma-separated kinds: gram,fisher.")] = "gram",
+    max_examples: Annotated[int | None, typer.Option("--max-examples", help="Seeded subset size.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 16,
+    split: Annotated[str, typer.Option("--split")] = "train",
+    max_length: Annotated[int, typer.Option("--max-length")] = 128,
+    fisher_mode: Annotated[str, typer.Option("--fisher-mode", help="empirical or sampled.")] = "empirical",
+    device: Annotated[str, typer.Option("--device")] = "cpu",
+) -> None:
+    """Collect per-layer input Grams and/or diagonal Fisher of MODEL on DATASET."""
+    from symfuse.stats import collect_stats
+
+    kinds = [k.strip() for k in kind.split(",") if k.strip()]
+    written = collect_stats(
+        model,
+        data,
+        kinds,
+        out,
+        max_examples=max_examples,
+        batch_size=batch_size,
+        device=device,
+        split=split,
+        max_length=max_length,
+        fisher_mode=fisher_mode,
+    )
+    for k, path in written.items():
+        typer.echo(f"{k}: {path}")
