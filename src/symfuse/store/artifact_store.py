@@ -289,6 +289,8 @@ class ArtifactStore:
         """Upload every file under ``local_dir`` as the artifact ``key``: data first, manifest last.
 
         Any artifact already under ``key`` is removed first (manifest before data), so readers never see a mix.
+        A top-level ``manifest.json`` in ``local_dir`` is the store's own (``local_dir`` came from
+        :meth:`local_cache` of a local store) and is not uploaded.
 
         Args:
             key: Key or URI.
@@ -308,8 +310,9 @@ class ArtifactStore:
         if not src.is_dir():
             raise FileNotFoundError(f"cannot store {src} as {self.uri(key)}: not a folder")
         files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
-        if MANIFEST in files:
-            raise ValueError(f"{src / MANIFEST}: the name {MANIFEST} is reserved for the store")
+        if MANIFEST in files:  # src is itself an artifact (local_cache of a local store): its manifest is not data
+            log.info("not uploading %s: %s is the store's own file", src / MANIFEST, MANIFEST)
+            files = [f for f in files if f != MANIFEST and not (f.startswith(f".{MANIFEST}.") and f.endswith(".tmp"))]
         self.delete(key)
         sizes, sha = {}, {}
         for rel in files:

@@ -1,0 +1,209 @@
+"""Conformance suite of ArtifactStore, run on every backend (memory://, local folder, moto S3)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from symfuse.store import ArtifactNotFound, ArtifactStore, CorruptArtifact, layout
+
+KEY = "runs/r1/models/isear"
+
+
+def make_dir(folder: Path, payload: bytes = b"weights" * 100) -> Path:
+    """A small checkpoint-like folder with a nested file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text('{"model_type": "bert"}')
+    (folder / "model.safetensors").write_bytes(payload)
+    (folder / "sub").mkdir(exist_ok=True)
+    (folder / "sub" / "notes.txt").write_text("nested")
+    return folder
+
+
+def read_all(folder: Path) -> dict[str, bytes]:
+    """Every file under a folder but the store's own manifest (present when a local store is read in place)."""
+    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    files.pop("manifest.json", None)
+    return files
+
+
+def test_put_get_dir_round_trip(store: ArtifactStore, tmp_path):
+    src = make_dir(tmp_path / "src")
+    uri = store.put_dir(KEY, src, producer="finetune", inputs={"base": "minilm"}, content_key="abc")
+    assert uri == store.uri(KEY)
+    assert uri.startswith(store.root + "/") and uri.endswith(KEY)
+    out = store.get_dir(uri, tmp_path / "out")  # the URI works wherever a key does
+    assert read_all(out) == read_all(src)
+    man = store.manifest(KEY)
+    assert man["files"] == ["config.json", "model.safetensors", "sub/notes.txt"]
+    assert man["sizes"]["model.safetensors"] == 700
+    assert man["sha256"]["sub/notes.txt"] == hashlib.sha256(b"nested").hexdigest()
+    assert (man["producer"], man["inputs"], man["content_key"]) == ("finetune", {"base": "minilm"}, "abc")
+    assert man["created"].endswith("Z")
+
+
+def test_exists_only_with_manifest_and_matching_content_key(store: ArtifactStore, tmp_path):
+    assert not store.exists(KEY)
+    store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t", content_key="k1")
+    assert store.exists(KEY)
+    assert store.exists(store.uri(KEY))
+    assert store.exists(KEY, content_key="k1")
+    assert not store.exists(KEY, content_key="k2")
+
+
+def test_data_without_manifest_does_not_exist(store: ArtifactStore, tmp_path):
+    # a writer that died after its data files, before its manifest
+    store.fs.pipe_file(store._path(KEY, "model.safetensors"), b"partial")
+    assert not store.exists(KEY)
+    assert store.list("runs") == []
+    with pytest.raises(FileNotFoundError, match="runs/r1/models/isear") as info:
+        store.get_dir(KEY, tmp_path / "out")
+    assert isinstance(info.value, ArtifactNotFound)
+    assert info.value.__cause__ is not None
+    with pytest.raises(ArtifactNotFound):
+        store.manifest(KEY)
+    with pytest.raises(ArtifactNotFound):
+        store.local_cache(KEY)
+
+
+def test_sha256_catches_same_size_corruption(store: ArtifactStore, tmp_path):
+    store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
+    store.fs.pipe_file(store._path(KEY, "model.safetensors"), b"X" * 700)  # same size, other bytes
+    with pytest.raises(CorruptArtifact, match=r"model\.safetensors: sha256"):
+        store.get_dir(KEY, tmp_path / "out")
+
+
+def test_size_check_catches_truncation_in_local_cache(store: ArtifactStore, tmp_path):
+    store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
+    store.fs.pipe_file(store._path(KEY, "model.safetensors"), b"short")
+    with pytest.raises(CorruptArtifact, match=r"model\.safetensors"):
+        store.local_cache(KEY)
+    assert isinstance(CorruptArtifact("x"), OSError)
+
+
+def test_rewrite_replaces_files_and_hides_old_manifest_during_upload(store: ArtifactStore, tmp_path, monkeypatch):
+    store.put_dir(KEY, make_dir(tmp_path / "v1"), producer="t")
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "only.bin").write_bytes(b"v2")
+    seen = []
+    real_put = store.fs.put_file
+
+    def spy(lpath, rpath, **kwargs):
+        seen.append(store.exists(KEY))  # what a concurrent reader sees mid-upload
+        return real_put(lpath, rpath, **kwargs)
+
+    monkeypatch.setattr(store.fs, "put_file", spy)
+    store.put_dir(KEY, v2, producer="t2")
+    assert seen == [False]
+    assert store.manifest(KEY)["files"] == ["only.bin"]
+    assert read_all(store.get_dir(KEY, tmp_path / "out")) == {"only.bin": b"v2"}
+
+
+def test_put_file_get_file(store: ArtifactStore, tmp_path):
+    file = tmp_path / "L00.attn.safetensors"
+    file.write_bytes(b"\x00\x01transform")
+    key = layout.transform_key("r1", "isear", "L00.attn")
+    store.put_file(key, file, producer="match")
+    got = store.get_file(key)
+    assert got.name == file.name and got.read_bytes() == file.read_bytes()
+    got2 = store.get_file(key, tmp_path / "dl")
+    assert got2 == tmp_path / "dl" / file.name and got2.read_bytes() == file.read_bytes()
+    store.put_dir("runs/r1/two", make_dir(tmp_path / "src"), producer="t")
+    with pytest.raises(ValueError, match="3 files"):
+        store.get_file("runs/r1/two")
+
+
+def test_put_get_json(store: ArtifactStore):
+    key = layout.eval_key("r1", "simple-plain", "isear")
+    store.put_json(key, {"accuracy": 0.5, "n": 3}, producer="evaluate", inputs={"model": "x"})
+    assert store.get_json(key) == {"accuracy": 0.5, "n": 3}
+    store.fs.pipe_file(store._path(key, "data.json"), json.dumps({"accuracy": 0.9}).encode())
+    with pytest.raises(CorruptArtifact):
+        store.get_json(key)
+
+
+def test_list_shows_only_complete_artifacts(store: ArtifactStore, tmp_path):
+    src = make_dir(tmp_path / "src")
+    for ds in ("meld", "isear"):
+        store.put_dir(layout.model_key("r1", ds), src, producer="t")
+    store.put_json(layout.eval_key("r1", "simple-plain", "meld"), {"a": 1}, producer="t")
+    store.fs.pipe_file(store._path("runs/r1/models/half", "model.safetensors"), b"no manifest yet")
+    assert store.list(layout.models_prefix("r1")) == ["runs/r1/models/isear", "runs/r1/models/meld"]
+    assert store.list("runs/r1") == [
+        "runs/r1/eval/simple-plain/meld",
+        "runs/r1/models/isear",
+        "runs/r1/models/meld",
+    ]
+    assert store.list("") == store.list("runs")
+    assert store.list("runs/nothing-here") == []
+
+
+def test_delete(store: ArtifactStore, tmp_path):
+    store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
+    store.delete(KEY)
+    assert not store.exists(KEY)
+    assert store.list("runs") == []
+    assert not store.fs.exists(store._path(KEY, "model.safetensors"))
+    store.delete(KEY)  # nothing there: no error
+
+
+def test_local_cache_downloads_once_per_content(store: ArtifactStore, tmp_path):
+    store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
+    first = store.local_cache(KEY)
+    assert read_all(first) == read_all(tmp_path / "src")
+    assert store.local_cache(KEY) == first
+    if store.is_local:
+        assert first == Path(store._path(KEY))  # local stores are read in place
+        return
+    assert first.parent == store.cache_dir
+    (first / "marker").write_text("cached")  # a second call does not download again
+    assert (store.local_cache(KEY) / "marker").exists()
+    store.put_dir(KEY, make_dir(tmp_path / "src2", payload=b"other"), producer="t")
+    second = store.local_cache(KEY)
+    assert second != first
+    assert (second / "model.safetensors").read_bytes() == b"other"
+
+
+def test_keys_are_checked(store: ArtifactStore, tmp_path):
+    for bad in ("", "runs/../etc", "runs//x", "/"):
+        with pytest.raises(ValueError, match="artifact key"):
+            store.uri(bad)
+    with pytest.raises(ValueError, match="not inside the store root"):
+        store.key("s3://elsewhere/runs/x" if not store.root.startswith("s3://") else "memory://elsewhere/x")
+    assert store.key(store.uri(KEY)) == KEY
+    assert store.key("/" + KEY + "/") == KEY
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        store.put_dir(KEY, tmp_path / "absent", producer="t")
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        store.put_file(KEY, tmp_path / "absent.bin", producer="t")
+
+
+def test_copy_artifact_through_local_cache(store: ArtifactStore, tmp_path):
+    # e.g. a user-brought checkpoint re-stored under the run's model key
+    store.put_dir(KEY, make_dir(tmp_path / "src"), producer="user")
+    copy = layout.model_key("r2", "isear")
+    store.put_dir(copy, store.local_cache(KEY), producer="import", inputs={"source": store.uri(KEY)})
+    assert store.manifest(copy)["files"] == store.manifest(KEY)["files"]
+    assert layout.manifest_digest(store.manifest(copy)) == layout.manifest_digest(store.manifest(KEY))
+
+
+def test_default_root_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("SYMFUSE_STORE", str(tmp_path / "env-store"))
+    store = ArtifactStore()
+    assert store.root == f"file://{tmp_path / 'env-store'}"
+    monkeypatch.delenv("SYMFUSE_STORE")
+    monkeypatch.chdir(tmp_path)
+    assert ArtifactStore().root == f"file://{tmp_path / 'symfuse-runs'}"
+
+
+def test_s3_endpoint_from_aws_env(monkeypatch, s3_server, s3_bucket, tmp_path):
+    # what a worker process sees: only AWS_* variables, no storage options
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    store = ArtifactStore(f"s3://{s3_bucket}/from-env", cache_dir=tmp_path / "cache")
+    store.put_json("runs/r/report", {"ok": True}, producer="t")
+    assert store.get_json(store.uri("runs/r/report")) == {"ok": True}

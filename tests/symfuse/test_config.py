@@ -1,0 +1,113 @@
+"""RunConfig: the demo defaults, YAML round trip, strict validation, a schema the Prefect UI can render."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from symfuse.config import RunConfig
+
+DATASETS = ["dair_emotion", "isear", "meld"]
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_demo_defaults(quick):
+    cfg = RunConfig.demo(quick=quick)
+    assert cfg.base_model == "minilm"
+    assert cfg.dataset_names == DATASETS
+    assert cfg.stats.kinds == ["gram", "fisher"]
+    assert cfg.strategies == ["simple", "fisher", "regmean"]
+    assert cfg.symmetries == ["rotation", "scaling", "ffn-permutation"]
+    assert cfg.eval_datasets() == [*DATASETS, "goemotions_ekman"]
+    assert cfg.anchor == "closest" and cfg.quick is quick
+    n_train = 200 if quick else 2000
+    assert all(d.max_train_examples == n_train and d.checkpoint is None for d in cfg.datasets)
+    assert cfg.finetune.epochs == (1 if quick else 2)
+    assert cfg.finetune.max_length == 64
+    assert cfg.evaluation.max_examples == (200 if quick else 500)
+
+
+def test_demo_overrides_and_helpers(tmp_path, monkeypatch):
+    cfg = RunConfig.demo(quick=True, run_id="t1", store_root="memory://x", device="cpu")
+    assert (cfg.run_id, cfg.resolved_store_root(), cfg.resolved_device()) == ("t1", "memory://x", "cpu")
+    assert cfg.dataset("isear").data == "isear"
+    with pytest.raises(KeyError, match="nope"):
+        cfg.dataset("nope")
+    monkeypatch.setenv("SYMFUSE_STORE", str(tmp_path))
+    assert RunConfig.demo().resolved_store_root() == str(tmp_path)
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = RunConfig.demo(quick=True)
+    cfg.datasets[1].checkpoint = "s3://bucket/my-isear"
+    path = tmp_path / "run.yaml"
+    cfg.to_yaml(path)
+    assert RunConfig.from_yaml(path) == cfg
+
+
+def test_minimal_yaml_gets_defaults(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run_id: mine\ndatasets:\n  - name: sst2\n    source: ../shared/datasets/sst2\n")
+    cfg = RunConfig.from_yaml(path)
+    assert cfg.dataset("sst2").data == "../shared/datasets/sst2"
+    assert cfg.finetune.epochs == 2 and cfg.device == "auto" and cfg.regmean_alpha == 0.9
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"unknown_field": 1}, "Extra inputs are not permitted"),
+        ({"finetune": {"epochs": 1, "learning_rate": 1e-4}}, "learning_rate"),
+        ({"anchor": "nowhere"}, "anchor 'nowhere'"),
+        ({"run_id": "a/b"}, "run id"),
+        ({"datasets": []}, "at least 1"),
+        ({"datasets": [{"name": "a"}, {"name": "a"}]}, "unique"),
+        ({"device": "tpu"}, "device"),
+        ({"stats": {"kinds": ["hessian"]}}, "kinds"),
+        ({"strategies": ["simple", "simple"]}, "duplicate"),
+        ({"regmean_alpha": 1.5}, "regmean_alpha"),
+    ],
+)
+def test_invalid_configs_are_refused(change, message):
+    with pytest.raises(ValidationError, match=message):
+        RunConfig.demo(**change)
+
+
+def test_anchor_may_name_a_dataset():
+    assert RunConfig.demo(anchor="meld").anchor == "meld"
+
+
+def test_yaml_must_be_a_mapping(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping"):
+        RunConfig.from_yaml(path)
+
+
+def test_json_schema_is_a_typed_form():
+    schema = RunConfig.model_json_schema()
+    props = schema["properties"]
+    assert props["device"]["enum"] == ["cpu", "cuda", "auto"]
+    assert "datasets" in schema["required"]
+    assert schema["additionalProperties"] is False
+    dataset = schema["$defs"]["DatasetConfig"]
+    assert set(dataset["properties"]) == {
+        "name",
+        "source",
+        "task",
+        "max_train_examples",
+        "max_eval_examples",
+        "checkpoint",
+    }
+
+
+def test_prefect_renders_it_as_a_flow_parameter():
+    from prefect.utilities.callables import parameter_schema
+
+    def fusion_pipeline(config: RunConfig) -> str:
+        return config.run_id
+
+    schema = parameter_schema(fusion_pipeline).model_dump()
+    ref = schema["properties"]["config"]
+    assert ref.get("$ref", "").endswith("RunConfig") or ref.get("allOf")
+    assert "RunConfig" in schema["definitions"] and "DatasetConfig" in schema["definitions"]
