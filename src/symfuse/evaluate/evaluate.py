@@ -1,0 +1,115 @@
+"""Evaluate a checkpoint with a task head on a dataset split; write the metrics JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from symfuse.checkpoint import resolve_checkpoint
+from symfuse.data import iter_batches, load_task_dataset
+from symfuse.data.batches import encode_split
+from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, resolve_device, run_model
+from symfuse.evaluate.scoring import score_logits
+
+log = logging.getLogger(__name__)
+
+
+def write_json_atomic(data: Any, file: Path) -> Path:
+    """Write JSON to ``file`` through a temporary file and a rename."""
+    file = Path(file)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2)
+    os.replace(tmp, file)
+    return file
+
+
+def evaluate_model(
+    model: str | Path,
+    data: str,
+    split: str = "test",
+    labels_from: str | None = None,
+    max_examples: int | None = None,
+    device: str = "cpu",
+    batch_size: int = 64,
+    max_length: int = 128,
+    seed: int = 13,
+    out_file: Path | None = None,
+) -> dict:
+    """Metrics of a task model on a dataset split, written as JSON.
+
+    Classes are matched by name between the head (``config.id2label``, or the labels of ``labels_from``) and the
+    dataset; out-of-domain emotion data is scored over the shared classes only (rule in
+    :mod:`symfuse.evaluate.scoring`).
+
+    Args:
+        model: Checkpoint folder with a sequence- or token-classification head.
+        data: Dataset source (see :func:`symfuse.data.load_task_dataset`).
+        split: ``test`` | ``validation`` | ``train``.
+        labels_from: Dataset whose label list names the head's outputs (for heads saved without names).
+        max_examples: Seeded random subset of the split.
+        device: ``cpu`` or ``cuda[:i]``.
+        batch_size: Evaluation batch size.
+        max_length: Truncation length in tokens.
+        seed: Seed of the subset.
+        out_file: Where to write the JSON (default ``<model>/eval_<dataset>_<split>.json``).
+
+    Returns:
+        The metrics (``macro_f1`` / ``f1`` / ``accuracy`` / ``matthews`` / ``pearson`` ... per task, ``loss`` when the
+        label spaces are identical, ``primary``, ``n``, ``seconds`` and the settings).
+    """
+    t0 = time.perf_counter()
+    path = resolve_checkpoint(model)
+    ds = load_task_dataset(data)
+    net, tok = load_task_model(path, device)
+    head_problem = head_problem_type(net.config)
+    head_labels = head_label_names(net.config)
+    if labels_from is not None:
+        names = load_task_dataset(labels_from).labels
+        if len(names) != len(head_labels):
+            raise ValueError(f"{path}: head has {len(head_labels)} outputs but {labels_from} has {len(names)} labels")
+        head_labels = names
+    if (head_problem == "token_classification") != ds.is_token_task:
+        raise ValueError(f"{path}: a {head_problem} head cannot be evaluated on {ds.name} ({ds.problem_type})")
+    feats = encode_split(ds, tok, split, max_length, max_examples, seed)
+    batches = iter_batches(feats, batch_size, tok.pad_token_id or 0)
+    dev = resolve_device(device)
+    same_space = head_labels == ds.labels and head_problem == ds.problem_type
+    loss_problem = ds.problem_type if same_space or ds.problem_type == "regression" else None
+    logits, labels, loss = run_model(net, batches, loss_problem, dev, amp=dev.type == "cuda")
+    metrics = score_logits(ds, head_labels, head_problem, logits, labels)
+    if same_space or ds.problem_type == "regression":
+        metrics["loss"] = loss
+    metrics.update(
+        {
+            "model": str(model),
+            "data": str(data),
+            "dataset": ds.name,
+            "split": split,
+            "labels_from": labels_from,
+            "head_labels": head_labels,
+            "max_examples": max_examples,
+            "max_length": max_length,
+            "data_fingerprint": ds.fingerprint,
+            "seconds": time.perf_counter() - t0,
+        }
+    )
+    out_file = Path(out_file) if out_file else path / f"eval_{ds.name}_{split}.json"
+    write_json_atomic(metrics, out_file)
+    metrics["metrics_file"] = str(out_file)
+    log.info(
+        "%s on %s/%s: %s = %.4f (n=%d)",
+        path,
+        ds.name,
+        split,
+        metrics["primary"],
+        metrics[metrics["primary"]],
+        metrics["n"],
+    )
+    return metrics

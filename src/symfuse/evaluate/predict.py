@@ -1,0 +1,134 @@
+"""Model loading, task losses and the batched prediction loop shared by fine-tuning, evaluation and barriers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from symfuse.data.batches import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def resolve_device(device: str = "cpu") -> torch.device:
+    """``device`` as a torch device, falling back to CPU (with a warning) when CUDA is asked for but absent."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        log.warning("CUDA not available; using CPU")
+        return torch.device("cpu")
+    return dev
+
+
+def head_problem_type(config: Any) -> str:
+    """``token_classification`` | ``regression`` | ``multi_label_classification`` | ``single_label_classification``."""
+    archs = getattr(config, "architectures", None) or []
+    if any("TokenClassification" in a for a in archs):
+        return "token_classification"
+    if getattr(config, "problem_type", None):
+        return config.problem_type
+    return "regression" if config.num_labels == 1 else "single_label_classification"
+
+
+def head_label_names(config: Any) -> list[str]:
+    """The head's class names in output order (``config.id2label``)."""
+    return [str(config.id2label[i]) for i in range(config.num_labels)]
+
+
+def load_task_model(model: str | Path, device: str = "cpu") -> tuple[torch.nn.Module, Any]:
+    """Load a fine-tuned (or merged) checkpoint with its task head, in eval mode, and its tokenizer.
+
+    The head class follows ``config.architectures`` (``...ForTokenClassification`` -> token head, else a
+    sequence-classification head).
+
+    Raises:
+        CheckpointError: if the folder is not a checkpoint.
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    from symfuse.checkpoint import resolve_checkpoint
+    from symfuse.data.batches import load_tokenizer
+
+    path = resolve_checkpoint(model)
+    config = AutoConfig.from_pretrained(str(path))
+    cls = (
+        AutoModelForTokenClassification
+        if head_problem_type(config) == "token_classification"
+        else AutoModelForSequenceClassification
+    )
+    net = cls.from_pretrained(str(path)).to(resolve_device(device)).eval()
+    return net, load_tokenizer(path)
+
+
+def task_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> tuple[torch.Tensor, int]:
+    """Summed loss of a batch and the number of terms it sums, so that ``sum / count`` is the mean loss.
+
+    Summing (not averaging) lets gradient accumulation weight micro-batches exactly like one large batch.
+
+    Args:
+        logits: ``(batch, classes)``, ``(batch, 1)`` (regression) or ``(batch, seq, tags)`` (NER).
+        labels: As produced by :func:`symfuse.data.collate`.
+        problem_type: See :func:`head_problem_type`.
+
+    Returns:
+        ``(loss_sum, count)``: cross-entropy / BCE-with-logits (per class) / MSE summed over its terms.
+    """
+    logits = logits.float()
+    if problem_type == "token_classification":
+        flat = labels.reshape(-1)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss, int((flat != IGNORE_INDEX).sum())
+    if problem_type == "regression":
+        return F.mse_loss(logits.reshape(-1), labels.float().reshape(-1), reduction="sum"), labels.numel()
+    if problem_type == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="sum"), labels.numel()
+    return F.cross_entropy(logits, labels, reduction="sum"), labels.shape[0]
+
+
+def forward_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Logits of one batch (only the inputs the model takes are passed)."""
+    inputs = {k: v.to(device) for k, v in batch.items() if k in MODEL_INPUTS}
+    if "token_type_ids" in inputs and getattr(model.config, "type_vocab_size", 2) in (0, None):
+        inputs.pop("token_type_ids")
+    return model(**inputs).logits
+
+
+@torch.no_grad()
+def run_model(
+    model: torch.nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    problem_type: str | None,
+    device: str | torch.device = "cpu",
+    amp: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """Logits, labels and mean task loss over batches (eval mode; the model's train/eval flag is restored).
+
+    ``problem_type=None`` skips the loss (NaN), for labels that do not index the head's outputs.
+
+    Returns:
+        ``(logits per batch (CPU, float32), labels per batch, mean loss)``.
+    """
+    dev = torch.device(device) if isinstance(device, str) else device
+    was_training = model.training
+    model.eval()
+    all_logits, all_labels, total, count = [], [], 0.0, 0
+    try:
+        for batch in batches:
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp and dev.type == "cuda"):
+                logits = forward_logits(model, batch, dev)
+            logits = logits.float().cpu()
+            if problem_type is not None:
+                loss, n = task_loss(logits, batch["labels"], problem_type)
+                total += float(loss)
+                count += n
+            all_logits.append(logits)
+            all_labels.append(batch["labels"])
+    finally:
+        model.train(was_training)
+    return all_logits, all_labels, total / count if count else float("nan")

@@ -1,0 +1,127 @@
+"""Turn a head's logits into dataset metrics, mapping the head's label space onto the dataset's by NAME.
+
+Label-space rule (in-domain and out-of-domain alike):
+
+* The head's classes are ``config.id2label`` (or the labels of ``--labels-from``); the dataset's come from its
+  ``meta.json``. Classes are matched by name, never by id.
+* Same class set (in-domain): every class is scored (ids may be in any order).
+* Different sets (out-of-domain emotion): only the shared classes are scored — the six Ekman emotions (anger,
+  disgust, fear, joy, sadness, surprise) that both sides have. Predictions are restricted to the shared classes
+  (argmax over those logits only; sigmoid > 0.5 of those columns for a multi-label head); gold is restricted to
+  them too: single-label examples whose gold class is not shared are dropped, multi-label examples keep only their
+  shared labels and are dropped when none is left. Macro-F1 is the mean F1 of the shared classes that occur in gold
+  or predictions.
+* NER: tags are matched by name; entity types the other side lacks become ``O`` in gold and are never predicted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from symfuse.data.batches import IGNORE_INDEX
+from symfuse.data.dataset import DatasetError, TaskDataset
+from symfuse.data.labels import shared_label_names
+from symfuse.evaluate import metrics as M
+
+log = logging.getLogger(__name__)
+
+
+def _entity_type(tag: str) -> str | None:
+    return None if tag == "O" else tag.split("-", 1)[-1]
+
+
+def score_logits(
+    dataset: TaskDataset,
+    head_labels: Sequence[str],
+    head_problem: str,
+    logits: Sequence[torch.Tensor],
+    labels: Sequence[torch.Tensor],
+) -> dict:
+    """Metrics of a head's logits against a dataset's gold labels (see the module docstring for the label rule).
+
+    Args:
+        dataset: The evaluated dataset (gold label ids index ``dataset.labels``).
+        head_labels: The head's class names in output order.
+        head_problem: The head's problem type (see :func:`~symfuse.evaluate.predict.head_problem_type`).
+        logits: Per-batch logits.
+        labels: Per-batch gold labels (as collated).
+
+    Returns:
+        Metrics (floats), ``n`` (scored examples), ``classes`` (the scored class names), ``primary`` (metric name).
+
+    Raises:
+        DatasetError: if head and dataset share no class.
+    """
+    problem = dataset.problem_type
+    primary = M.primary_metric(dataset.name, problem)
+    if problem == "regression":
+        pred = torch.cat([x.reshape(-1) for x in logits]).numpy()
+        gold = torch.cat([y.reshape(-1) for y in labels]).numpy()
+        mse = float(np.mean((pred - gold) ** 2))
+        return {**M.pearson_spearman(pred, gold), "mse": mse, "n": len(gold), "primary": primary}
+    if problem == "token_classification":
+        return _score_ner(dataset, list(head_labels), logits, labels, primary)
+    in_domain = set(head_labels) == set(dataset.labels)
+    classes = list(dataset.labels) if in_domain else shared_label_names(dataset.labels, head_labels)
+    if not classes:
+        classes = shared_label_names(dataset.labels, head_labels, restrict=None)
+    if not classes:
+        raise DatasetError(
+            f"{dataset.name}: the model's classes {list(head_labels)} share none with the dataset's "
+            f"{dataset.labels}; pass --labels-from with the dataset the head was trained on"
+        )
+    h_idx = [list(head_labels).index(c) for c in classes]
+    g_idx = [dataset.labels.index(c) for c in classes]
+    z = torch.cat(logits)[:, h_idx]  # (n, shared)
+    y = torch.cat(labels)
+    if head_problem == "multi_label_classification":
+        pred = (torch.sigmoid(z) > 0.5).numpy()
+    else:
+        pred = np.eye(len(classes), dtype=bool)[z.argmax(-1).numpy()]
+    if dataset.multi_label:
+        gold = y[:, g_idx].numpy().astype(bool)
+        keep = gold.any(1) if not in_domain else np.ones(len(gold), dtype=bool)
+    else:
+        lookup = {g: i for i, g in enumerate(g_idx)}
+        ids = np.array([lookup.get(int(t), -1) for t in y])
+        keep = ids >= 0
+        gold = np.zeros((len(ids), len(classes)), dtype=bool)
+        gold[np.flatnonzero(keep), ids[keep]] = True
+    pred, gold = pred[keep], gold[keep]
+    out = {
+        "macro_f1": M.macro_f1(pred, gold),
+        "micro_f1": M.micro_f1(pred, gold),
+        "accuracy": M.accuracy(pred, gold),
+        "per_class_f1": dict(zip(classes, map(float, M.per_class_f1(pred, gold)), strict=True)),
+    }
+    if not dataset.multi_label and head_problem != "multi_label_classification":
+        out["matthews"] = M.matthews(pred.argmax(1), gold.argmax(1))
+    out.update({"n": int(keep.sum()), "classes": classes, "in_domain": in_domain, "primary": primary})
+    return out
+
+
+def _score_ner(dataset: TaskDataset, head_tags: list[str], logits, labels, primary: str) -> dict:
+    head_types = {_entity_type(t) for t in head_tags} - {None}
+    data_types = {_entity_type(t) for t in dataset.labels} - {None}
+    shared = head_types & data_types
+    if not shared:
+        raise DatasetError(f"{dataset.name}: the model's entity types {sorted(head_types)} share none with the data")
+    allowed = [i for i, t in enumerate(head_tags) if t == "O" or _entity_type(t) in shared]
+    pred_seqs, gold_seqs = [], []
+    for z, y in zip(logits, labels, strict=True):
+        masked = torch.full_like(z, float("-inf"))
+        masked[..., allowed] = z[..., allowed]
+        p = masked.argmax(-1)  # (batch, seq)
+        for row_p, row_y in zip(p, y, strict=True):
+            pos = row_y != IGNORE_INDEX
+            gold = [dataset.labels[i] for i in row_y[pos].tolist()]
+            gold_seqs.append([t if _entity_type(t) in shared else "O" for t in gold])
+            pred_seqs.append([head_tags[i] for i in row_p[pos].tolist()])
+    out = M.entity_f1(pred_seqs, gold_seqs)
+    out.update({"n": len(gold_seqs), "entity_types": sorted(shared), "in_domain": head_types == data_types})
+    out["primary"] = primary
+    return out
