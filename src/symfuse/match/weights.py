@@ -136,7 +136,12 @@ def match_attention(
 
 
 def ffn_similarity(src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """``S[i, j]`` = <source neuron i, anchor neuron j> over up (+gate) rows, biases and down columns, float32."""
+    """``S[i, j] = <s_i, a_j> - ½|s_i|² - ½|a_j|²`` over up (+gate) rows, biases and down columns (float32).
+
+    ``s_i`` / ``a_j``: source / anchor neuron features. Maximising ``sum_j S[perm[j], j]`` over permutations is
+    the Hungarian problem on ``W_in W_in*^T + b b*^T + W_out^T W_out*`` (the norm terms are constant per row or
+    column, so they do not change the optimum).
+    """
     f32 = torch.float32
     sim = src["up"].to(f32) @ anc["up"].to(f32).T  # (d_ffn, d_ffn)
     if "gate" in src:
@@ -145,7 +150,21 @@ def ffn_similarity(src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tens
         if b in src:
             sim.addr_(src[b].to(f32), anc[b].to(f32))
     sim.addmm_(src["down"].to(f32).T, anc["down"].to(f32))
+    # -½|s_i|² and -½|a_j|²: row / column constants leave the assignment optimum unchanged, and make
+    # sim = -½||s_i - a_j||², whose row argmax is the nearest neighbour (so the exact fast path fires when planted)
+    sim.sub_(0.5 * _neuron_sqnorms(src)[:, None]).sub_(0.5 * _neuron_sqnorms(anc)[None, :])
     return sim
+
+
+def _neuron_sqnorms(w: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    f32 = torch.float32
+    n = (w["up"].to(f32) ** 2).sum(1) + (w["down"].to(f32) ** 2).sum(0)
+    if "gate" in w:
+        n += (w["gate"].to(f32) ** 2).sum(1)
+    for b in ("up_bias", "gate_bias"):
+        if b in w:
+            n += w[b].to(f32) ** 2
+    return n
 
 
 def match_ffn(

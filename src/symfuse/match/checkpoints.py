@@ -1,0 +1,371 @@
+"""Checkpoint-level matching: per-module matching from folders (lazy), assembling the matched folder, disguise.
+
+Memory is O(one module) per worker: modules are read one at a time with :meth:`CheckpointReader.read_module`
+and the matched checkpoint is streamed by :func:`symfuse.checkpoint.write_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from symfuse.arch import ModuleRef
+from symfuse.checkpoint import CheckpointReader, atomic_dir, write_checkpoint
+from symfuse.errors import CheckpointError
+from symfuse.match.weights import DEFAULT_SYMMETRIES, check_symmetries, match_module_weights, module_distance
+from symfuse.symmetry.random import ALL_KINDS, random_module_transform
+from symfuse.symmetry.transforms import ModuleTransform, load_transforms, save_transforms
+
+log = logging.getLogger(__name__)
+
+TRANSFORMS_FILE = "transforms.safetensors"
+REPORT_FILE = "symfuse_report.json"
+_LOCK = threading.Lock()
+
+
+def _reader(x: str | os.PathLike | CheckpointReader) -> CheckpointReader:
+    return x if isinstance(x, CheckpointReader) else CheckpointReader(x)
+
+
+def _read(reader: CheckpointReader, ref: ModuleRef) -> dict[str, torch.Tensor]:
+    with _LOCK:  # one safetensors handle per file is shared by the worker threads
+        return reader.read_module(ref)
+
+
+def check_compatible(src: CheckpointReader, anc: CheckpointReader) -> None:
+    """Raise :class:`CheckpointError` (naming both folders) unless the two models share family and shapes."""
+    if src.spec.family != anc.spec.family:
+        raise CheckpointError(
+            f"{src.path} is a {src.spec.family} model but {anc.path} is a {anc.spec.family} model; "
+            "matching needs two models of one family"
+        )
+    if src.geometry != anc.geometry:
+        raise CheckpointError(f"{src.path} and {anc.path} have different shapes: {src.geometry} vs {anc.geometry}")
+
+
+def _check_shapes(ref: ModuleRef, s: Mapping[str, torch.Tensor], a: Mapping[str, torch.Tensor], where: str) -> None:
+    for role in s.keys() | a.keys():
+        if role not in s or role not in a or s[role].shape != a[role].shape:
+            shape_s = tuple(s[role].shape) if role in s else None
+            shape_a = tuple(a[role].shape) if role in a else None
+            raise CheckpointError(f"{where}: module {ref.key} role {role!r}: shapes {shape_s} vs {shape_a}")
+
+
+def save_transform(t: ModuleTransform, file: Path) -> Path:
+    """Save one module transform (safetensors; the module key is kept)."""
+    return save_transforms({t.key: t}, file)
+
+
+def load_transform(file: Path) -> ModuleTransform:
+    """Load one module transform written by :func:`save_transform`."""
+    ts = load_transforms(file)
+    if len(ts) != 1:
+        raise CheckpointError(f"{file}: holds {len(ts)} module transforms, expected one")
+    return next(iter(ts.values()))
+
+
+def match_module(
+    source: str | Path,
+    anchor: str | Path,
+    module_key: str,
+    symmetries: Sequence[str] = DEFAULT_SYMMETRIES,
+) -> ModuleTransform:
+    """The transform mapping SOURCE's module ``module_key`` onto ANCHOR's (reads only that module's tensors).
+
+    Args:
+        source: Source checkpoint (folder, ``"minilm"`` or hub id).
+        anchor: Anchor checkpoint of the same family and shapes.
+        module_key: ``ModuleRef.key``, e.g. ``L03.attn``.
+        symmetries: Subset of :data:`symfuse.match.SYMMETRIES`.
+
+    Raises:
+        CheckpointError: different families / shapes, missing or non-finite tensors.
+    """
+    check_symmetries(symmetries)
+    ref = ModuleRef.parse(module_key)
+    with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
+        check_compatible(src, anc)
+        s, a = src.read_module(ref), anc.read_module(ref)
+        _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
+        return match_module_weights(ref, s, a, src.geometry, symmetries)
+
+
+def _strip(name: str, prefix: str) -> str:
+    return name[len(prefix) :] if prefix and name.startswith(prefix) else name
+
+
+def _logit_diff(a: Path, b: Path, seed: int = 0) -> float:
+    """Max |Δ| of the outputs (logits, else last hidden state) of two checkpoints on random inputs, fp32."""
+    import transformers
+
+    def load(path: Path) -> torch.nn.Module:
+        cfg = transformers.AutoConfig.from_pretrained(str(path))
+        arch = (getattr(cfg, "architectures", None) or [None])[0]
+        cls = getattr(transformers, arch, None) if arch else None
+        cls = cls or transformers.AutoModel
+        return cls.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    ma, mb = load(a), load(b)
+    cfg = ma.config
+    g = torch.Generator().manual_seed(seed)
+    if cfg.model_type == "vit":
+        size = cfg.image_size
+        inputs: dict[str, torch.Tensor] = {"pixel_values": torch.randn(2, cfg.num_channels, size, size, generator=g)}
+    else:
+        ids = torch.randint(min(5, cfg.vocab_size - 1), cfg.vocab_size, (2, 12), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, -3:] = 0
+        inputs = {"input_ids": ids, "attention_mask": mask}
+    with torch.no_grad():
+        oa, ob = ma(**inputs), mb(**inputs)
+    pick = "logits" if getattr(oa, "logits", None) is not None else "last_hidden_state"
+    return float((getattr(oa, pick) - getattr(ob, pick)).abs().max())
+
+
+def _n_params(reader: CheckpointReader) -> int:
+    g = reader.geometry
+    return g.n_layers * (2 * g.d_model * g.n_heads * g.head_dim + 2 * g.d_model * g.n_kv_heads * g.head_dim) + (
+        g.n_layers * (3 if g.gated else 2) * g.d_model * g.d_ffn
+    )
+
+
+def assemble_matched(
+    source: str | Path,
+    transforms: Mapping[str, Path | ModuleTransform],
+    out: Path,
+    anchor: str | Path | None = None,
+    symmetries: Sequence[str] | None = None,
+    logit_check: bool | None = None,
+    shard_bytes: int = 512 * 1024**2,
+    extra_report: Mapping[str, Any] | None = None,
+) -> dict:
+    """Write SOURCE with every module transformed: save_pretrained folder + transforms + report.
+
+    Args:
+        source: Source checkpoint.
+        transforms: Module key -> transform (or a file from :func:`save_transform`); absent modules are kept.
+        out: Destination folder (must not exist; written atomically).
+        anchor: When given, distances to it go in the report.
+        symmetries: Recorded in the report.
+        logit_check: Compare outputs of OUT and SOURCE (fp32); None = only below 300M parameters.
+        shard_bytes: Largest shard written (bounds memory while streaming).
+        extra_report: More report fields.
+
+    Returns:
+        The report (also written as ``symfuse_report.json``).
+    """
+    t_start = time.perf_counter()
+    mts = {k: (v if isinstance(v, ModuleTransform) else load_transform(Path(v))) for k, v in transforms.items()}
+    src = CheckpointReader(source)
+    anc = CheckpointReader(anchor) if anchor is not None else None
+    if anc is not None:
+        check_compatible(src, anc)
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+    owner: dict[str, ModuleRef] = {}
+    for ref in src.modules():
+        for n in src.module_tensor_names(ref):
+            owner[n] = ref
+    cache: dict[str, torch.Tensor] = {}
+    per_module: list[dict[str, Any]] = []
+    sq = {"before": 0.0, "after": 0.0}
+    anc_names = {_strip(n, anc.prefix): n for n in anc.names()} if anc is not None else {}
+
+    def replace(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in cache:
+            return cache.pop(name)
+        ref = owner.get(name)
+        if ref is None:
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise CheckpointError(f"{src.path}: tensor {name!r} holds NaN or inf values")
+            other = anc_names.get(_strip(name, src.prefix))
+            if anc is not None and other is not None and tensor.is_floating_point():
+                b = anc.get(other)
+                if b.shape == tensor.shape and b.is_floating_point():
+                    d = float(((tensor.float() - b.float()).double() ** 2).sum())
+                    sq["before"] += d
+                    sq["after"] += d
+            return tensor
+        w = src.read_module(ref)
+        mt = mts.get(ref.key)
+        new = mt.apply(w) if mt is not None else w
+        if anc is not None:
+            a = anc.read_module(ref)
+            _check_shapes(ref, w, a, f"{src.path} vs {anc.path}")
+            before, after = module_distance(w, a), module_distance(new, a)
+            sq["before"] += before**2
+            sq["after"] += after**2
+            per_module.append({"module": ref.key, "kind": ref.kind, "distance_before": before, "distance_after": after})
+        stored = src.spec.write_module(new, ref, src.config, src.prefix)
+        cache.update(stored)
+        return cache.pop(name)
+
+    report: dict[str, Any] = {
+        "source": str(src.path),
+        "anchor": str(anc.path) if anc is not None else None,
+        "family": src.spec.family,
+        "symmetries": list(symmetries) if symmetries is not None else None,
+    }
+    with atomic_dir(out) as tmp:
+        write_checkpoint(src, tmp, replace=replace, shard_bytes=shard_bytes, overwrite=True)
+        save_transforms(mts, tmp / TRANSFORMS_FILE)
+        per_module.sort(key=lambda r: ModuleRef.parse(r["module"]))
+        if anc is not None:
+            report["distance_before"] = sq["before"] ** 0.5
+            report["distance_after"] = sq["after"] ** 0.5
+        check = logit_check if logit_check is not None else _n_params(src) < 300_000_000
+        report["max_abs_logit_diff"] = _logit_diff(tmp, src.path) if check else None
+        report["per_module"] = per_module
+        report.update(extra_report or {})
+        report["seconds"] = report.get("seconds", 0.0) + time.perf_counter() - t_start
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    src.close()
+    if anc is not None:
+        anc.close()
+    return report
+
+
+def match_all_modules(
+    src: CheckpointReader,
+    anc: CheckpointReader,
+    symmetries: Sequence[str],
+    workers: int | None = None,
+    timings: dict[str, float] | None = None,
+) -> dict[str, ModuleTransform]:
+    """Match every module of two open checkpoints (modules in parallel threads; O(module) memory each)."""
+    refs = src.modules()
+    if workers is None:  # big modules (7B widths) one at a time to bound memory
+        workers = 1 if src.geometry.d_model * src.geometry.d_ffn > 16_000_000 else min(2, os.cpu_count() or 1)
+
+    def one(ref: ModuleRef) -> ModuleTransform:
+        t0 = time.perf_counter()
+        s, a = _read(src, ref), _read(anc, ref)
+        if timings is not None:
+            timings["io"] = timings.get("io", 0.0) + time.perf_counter() - t0
+        _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
+        return match_module_weights(ref, s, a, src.geometry, symmetries, timings)
+
+    if workers <= 1:
+        results = [one(r) for r in refs]
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(one, refs))
+    return {r.key: t for r, t in zip(refs, results, strict=True)}
+
+
+def match_checkpoints(
+    source: str | Path,
+    anchor: str | Path,
+    out: Path,
+    symmetries: Sequence[str] = DEFAULT_SYMMETRIES,
+    workers: int | None = None,
+    logit_check: bool | None = None,
+) -> dict:
+    """The whole ``symfuse match``: match SOURCE onto ANCHOR module by module and write the matched folder.
+
+    Args:
+        source: Source checkpoint.
+        anchor: Anchor checkpoint (same family and shapes).
+        out: Output folder (must not exist; not created on error).
+        symmetries: Subset of :data:`symfuse.match.SYMMETRIES`.
+        workers: Threads matching modules in parallel (None: 2 for small modules, 1 for 7B widths).
+        logit_check: See :func:`assemble_matched`.
+
+    Returns:
+        The report (``distance_before``, ``distance_after``, ``max_abs_logit_diff``, ``per_module``,
+        ``seconds``, ``timings``).
+    """
+    t0 = time.perf_counter()
+    symmetries = check_symmetries(symmetries)
+    if Path(out).exists():
+        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+    timings: dict[str, float] = {}
+    with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
+        check_compatible(src, anc)
+        transforms = match_all_modules(src, anc, symmetries, workers, timings)
+    match_s = time.perf_counter() - t0
+    report = assemble_matched(
+        source,
+        transforms,
+        Path(out),
+        anchor=anchor,
+        symmetries=symmetries,
+        logit_check=logit_check,
+        extra_report={"match_seconds": match_s, "timings": timings, "seconds": match_s},
+    )
+    log.info("matched %s onto %s in %.2fs", source, anchor, report["seconds"])
+    return report
+
+
+def disguise_checkpoint(
+    source: str | Path,
+    out: Path,
+    seed: int = 0,
+    noise: float = 0.0,
+    kinds: Sequence[str] = ALL_KINDS,
+) -> Path:
+    """Write SOURCE with random exact symmetry transforms of every module (plus optional relative noise).
+
+    Args:
+        source: Source checkpoint.
+        out: Output folder (save_pretrained layout, plus the applied ``transforms.safetensors``).
+        seed: Random seed.
+        noise: Gaussian noise added to every module tensor after the transform, relative to that tensor's std
+            (0 = exactly function-preserving).
+        kinds: Symmetry kinds (see :data:`symfuse.symmetry.ALL_KINDS`).
+
+    Returns:
+        ``out``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    gn = torch.Generator().manual_seed(seed + 1_000_003)
+    with CheckpointReader(source) as src:
+        ts = {ref.key: random_module_transform(ref, src.geometry, g, kinds) for ref in src.modules()}
+
+        def fn(ref: ModuleRef, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            new = ts[ref.key].apply(w)
+            if noise > 0:
+                for r, t in new.items():
+                    if t.is_floating_point() and t.numel() > 1:
+                        tf = t.float()
+                        new[r] = (tf + noise * tf.std() * torch.randn(t.shape, generator=gn)).to(t.dtype)
+            return new
+
+        with atomic_dir(out) as tmp:
+            write_modules(src, fn, tmp)
+            save_transforms(ts, tmp / TRANSFORMS_FILE)
+            (tmp / REPORT_FILE).write_text(json.dumps({"disguise_of": str(src.path), "seed": seed, "noise": noise}))
+    return Path(out)
+
+
+def write_modules(
+    src: CheckpointReader,
+    fn: Callable[[ModuleRef, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    out: Path,
+    shard_bytes: int = 512 * 1024**2,
+) -> Path:
+    """Stream ``src`` into ``out`` (overwritten) with each module's canonical weights replaced by ``fn(ref, w)``."""
+    owner = {n: ref for ref in src.modules() for n in src.module_tensor_names(ref)}
+    cache: dict[str, torch.Tensor] = {}
+
+    def replace(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in cache:
+            return cache.pop(name)
+        ref = owner.get(name)
+        if ref is None:
+            return tensor
+        new = fn(ref, src.read_module(ref))
+        cache.update(src.spec.write_module(new, ref, src.config, src.prefix))
+        return cache.pop(name)
+
+    return write_checkpoint(src, out, replace=replace, shard_bytes=shard_bytes, overwrite=True)
