@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import symfuse.stats
 from symfuse.config import RunConfig
+from symfuse.match import TRANSFORMS_FILE
 from tasks.common import content_key, layout, manifests, open_store, scratch, stage_meta, symfuse_task, timed
 from tasks.policy import batch_settings, maybe_inject_fault
 
@@ -47,3 +48,35 @@ def collect_stats(config: RunConfig, model: str, model_uri: str, kind: str, data
             )  # fmt: skip
         meta = stage_meta("collect_stats", f"stats-{model}-{kind}", t.seconds, kind=kind, dataset=dataset)
         return store.put_file(key, files[kind], "collect_stats", {"model": model_uri}, ck, meta)
+
+
+@symfuse_task("follow_stats", "follow-stats-{model}-{kind}", gpu=True)
+def follow_stats(config: RunConfig, model: str, matched_uri: str, stats_uri: str, kind: str) -> str:
+    """Statistics of a matched model; return the URI of ``stats/<model>.matched/<model>/<kind>``.
+
+    The source's statistics are transformed exactly where the library can (Gram); otherwise (diagonal Fisher under a
+    rotation) they are recollected on the matched model.
+    """
+    store, name = open_store(config), f"{model}.matched"
+    key = layout.stats_key(config.run_id, name, model, kind)
+    inputs = {"matched": matched_uri, "stats": stats_uri}
+    ck = content_key(stats_settings(config, model, kind) | {"follow": 1}, manifests(store, inputs))
+    if store.exists(key, ck):
+        return store.uri(key)
+    maybe_inject_fault()
+    matched = store.local_cache(matched_uri)
+    with scratch("follow") as tmp:
+        with timed() as t:
+            out = symfuse.stats.transform_stats(store.get_file(stats_uri), matched / TRANSFORMS_FILE, matched,
+                                                tmp / f"{kind}.safetensors")  # fmt: skip
+        how = "transformed" if out is not None else "recollected"
+        if out is None:  # the library says this kind cannot follow the transform exactly
+            micro, _ = batch_settings(config.stats.batch_size)
+            with timed() as t:
+                out = symfuse.stats.collect_stats(
+                    matched, config.dataset(model).data, [kind], tmp,
+                    max_examples=config.stats.max_examples, batch_size=micro, device=config.resolved_device(),
+                    max_length=config.finetune.max_length, seed=config.finetune.seed, progress=False,
+                )[kind]  # fmt: skip
+        meta = stage_meta("follow_stats", f"follow-stats-{model}-{kind}", t.seconds, kind=kind, how=how)
+        return store.put_file(key, out, "follow_stats", inputs, ck, meta)

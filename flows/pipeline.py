@@ -1,0 +1,124 @@
+"""``fusion_pipeline``: fine-tune, collect statistics, match, merge, evaluate, report — one Prefect flow.
+
+Read it top to bottom: each stage fans out over its inputs and hands URIs (never tensors) to the next. Every task is
+idempotent by content, so re-running the flow (or retrying it) recomputes nothing already in the store.
+
+    python -m flows.pipeline [--quick] [--config run.yaml] [--store DIR] [--run-id ID]
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from prefect import flow, unmapped
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from symfuse.config import RunConfig
+from symfuse.merge import MERGERS
+from tasks.evaluate import evaluate
+from tasks.finetune import bring_checkpoint, finetune
+from tasks.match import assemble_matched, choose_anchor, list_modules, match_module
+from tasks.merge import merge
+from tasks.report import report
+from tasks.stats import collect_stats, follow_stats
+
+VARIANTS = ("plain", "matched")
+
+
+def workers() -> int:
+    """Threads of the task runner: ``$SYMFUSE_WORKERS``, else 4 (tasks are torch-bound; torch threads share cores)."""
+    return int(os.environ.get("SYMFUSE_WORKERS", "4"))
+
+
+def needed_kinds(config: RunConfig) -> list[str]:
+    """Statistics kinds the configured strategies read (and the config allows), in config order."""
+    wanted = set().union(*(MERGERS[s].required_stats for s in config.strategies))
+    return [k for k in config.stats.kinds if k in wanted]
+
+
+@flow(name="fusion-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=workers()), log_prints=True)
+def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
+    """Fine-tune → statistics → match (one task per module) → merge (strategies × plain/matched) → evaluate → report.
+
+    Args:
+        config: The run (Prefect renders it as a form; YAML via ``RunConfig.from_yaml``).
+
+    Returns:
+        ``{"report": URI, "merged": {name: URI}, "evaluations": [URI, ...]}``.
+    """
+    names = config.dataset_names
+    unknown = [s for s in config.strategies if s not in MERGERS]
+    if unknown:
+        raise ValueError(f"unknown merge strategies {unknown}; choose from {sorted(MERGERS)}")
+
+    # 1. One model per dataset: fine-tuned from the base, or the checkpoint the user brings.
+    trained = [n for n in names if config.dataset(n).checkpoint is None]
+    brought = [n for n in names if n not in trained]
+    models = dict(zip(trained, finetune.map(unmapped(config), trained), strict=True))
+    models |= dict(zip(brought, bring_checkpoint.map(unmapped(config), brought), strict=True))
+
+    # 2. Statistics the strategies need, one task per model × kind.
+    kinds = needed_kinds(config)
+    stats = {(n, k): collect_stats.submit(config, n, models[n], k) for n in names for k in kinds}
+
+    # 3. Matching onto the anchor: one task per attention / FFN module per other model, then the matched checkpoints.
+    anchor = choose_anchor.submit(config, models).result()
+    others = [n for n in names if n != anchor]
+    modules = list_modules.submit(config, anchor, models[anchor]).result()
+    transforms = {
+        n: match_module.map(unmapped(config), unmapped(n), unmapped(models[n]), unmapped(models[anchor]), modules)
+        for n in others
+    }
+    matched = {
+        n: assemble_matched.submit(config, n, models[n], models[anchor], dict(zip(modules, transforms[n], strict=True)))
+        for n in others
+    }
+
+    # 4. Statistics follow matching: Gram transformed exactly, Fisher recollected on the matched model if needed.
+    matched_stats = {(n, k): follow_stats.submit(config, n, matched[n], stats[n, k], k) for n in others for k in kinds}
+
+    # 5. Merge every strategy on the plain and on the matched models.
+    inputs = {
+        "plain": (models, stats),
+        "matched": ({n: (models[n] if n == anchor else matched[n]) for n in names},
+                    {(n, k): (stats[n, k] if n == anchor else matched_stats[n, k]) for n in names for k in kinds}),
+    }  # fmt: skip
+    pairs = [(s, v) for s in config.strategies for v in VARIANTS]
+    merged = dict(zip(
+        [f"{s}-{v}" for s, v in pairs],
+        merge.map(
+            unmapped(config), [s for s, _ in pairs], [v for _, v in pairs],
+            [inputs[v][0] for _, v in pairs],
+            [{n: [inputs[v][1][n, k] for k in kinds if k in MERGERS[s].required_stats] for n in names}
+             for s, v in pairs],
+        ),
+        strict=True,
+    ))  # fmt: skip
+
+    # 6. Evaluate every merged model (and each fine-tuned model, for reference) on every evaluation set.
+    evaluated = {**{n: models[n] for n in names}, **merged}
+    eval_sets = config.eval_datasets()
+    grid = [(m, d) for m in evaluated for d in eval_sets]
+    evaluations = evaluate.map(
+        unmapped(config), [m for m, _ in grid], [evaluated[m] for m, _ in grid], [d for _, d in grid]
+    )
+
+    # 7. Report: report.md + metrics.csv + plots in the store, markdown / table / link artifacts in Prefect.
+    others_uris = [*models.values(), *stats.values(), *matched_stats.values()]
+    others_uris += [f for fs in transforms.values() for f in fs]
+    report_uri = report.submit(config, evaluations, list(matched.values()), list(merged.values()), others_uris)
+    return {
+        "report": report_uri.result(),
+        "anchor": anchor,
+        "merged": {name: f.result() for name, f in merged.items()},
+        "evaluations": [f.result() for f in evaluations],
+    }
+
+
+if __name__ == "__main__":
+    import sys
+
+    from flows.cli import main
+
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""``finetune`` (one task per dataset) and ``bring_checkpoint`` (a model the user brings instead)."""
+
+from __future__ import annotations
+
+from symfuse.checkpoint import resolve_checkpoint
+from symfuse.config import RunConfig
+from symfuse.stats import model_fingerprint
+from symfuse.train import FinetuneConfig
+from symfuse.train import finetune as finetune_model
+from tasks.common import content_key, layout, open_store, scratch, stage_meta, symfuse_task, timed
+from tasks.policy import batch_settings, maybe_inject_fault
+
+
+def finetune_settings(config: RunConfig, dataset: str) -> FinetuneConfig:
+    """The library's fine-tuning config for one dataset (nominal micro-batch; see :func:`batch_settings`)."""
+    ds, ft = config.dataset(dataset), config.finetune
+    return FinetuneConfig(
+        epochs=ft.epochs, lr=ft.lr, batch_size=ft.batch_size, grad_accum=ft.grad_accum, max_length=ft.max_length,
+        warmup_ratio=ft.warmup_ratio, seed=ft.seed, max_train_examples=ds.max_train_examples,
+        max_eval_examples=ds.max_eval_examples, progress=False,
+    )  # fmt: skip
+
+
+@symfuse_task("finetune", "finetune-{dataset}", gpu=True)
+def finetune(config: RunConfig, dataset: str) -> str:
+    """Fine-tune the base model on ``dataset``; return the checkpoint's URI (``runs/{run}/models/{dataset}``)."""
+    store, cfg = open_store(config), finetune_settings(config, dataset)
+    key = layout.model_key(config.run_id, dataset)
+    base = resolve_checkpoint(config.base_model)
+    ck = content_key({"finetune": cfg, "data": config.dataset(dataset).data}, {"base": model_fingerprint(base)})
+    if store.exists(key, ck):
+        return store.uri(key)
+    maybe_inject_fault()
+    micro, accum = batch_settings(cfg.batch_size, cfg.grad_accum)  # halved / doubled after an OOM: same updates
+    with scratch("finetune") as tmp:
+        with timed() as t:
+            out = finetune_model(base, config.dataset(dataset).data, tmp / "model",
+                                 cfg.model_copy(update={"batch_size": micro, "grad_accum": accum}),
+                                 device=config.resolved_device())  # fmt: skip
+        meta = stage_meta("finetune", f"finetune-{dataset}", t.seconds, dataset=dataset, micro_batch=micro)
+        return store.put_dir(key, out, "finetune", {"base": str(config.base_model)}, ck, meta)
+
+
+@symfuse_task("bring_checkpoint", "bring-{dataset}")
+def bring_checkpoint(config: RunConfig, dataset: str) -> str:
+    """Put the checkpoint the user brings for ``dataset`` (store URI or local folder) under the run's model key."""
+    store, source = open_store(config), config.dataset(dataset).checkpoint
+    if source is None:
+        raise ValueError(f"dataset {dataset!r} has no checkpoint to bring; fine-tune it instead")
+    key, inside = layout.model_key(config.run_id, dataset), _inside(store, source)
+    folder = None if inside else resolve_checkpoint(source)
+    ck = content_key(
+        {"bring": dataset}, {"checkpoint": store.manifest(source) if inside else model_fingerprint(folder)}
+    )
+    if store.exists(key, ck):
+        return store.uri(key)
+    maybe_inject_fault()
+    with timed() as t:
+        folder = store.local_cache(source) if inside else folder
+    meta = stage_meta("bring_checkpoint", f"bring-{dataset}", t.seconds, dataset=dataset)
+    return store.put_dir(key, folder, "bring_checkpoint", {"checkpoint": source}, ck, meta)
+
+
+def _inside(store, source: str) -> bool:
+    """Whether ``source`` names an artifact of ``store`` (a URI under its root, or a key with a manifest)."""
+    try:
+        store.key(source)
+    except ValueError:
+        return False
+    return store.exists(source)

@@ -1,0 +1,120 @@
+"""Matching tasks: anchor choice, module list, ONE ``match_module`` per module per model, ``assemble_matched``.
+
+``match_module`` runs once per attention / FFN module of every non-anchor model and reads only that module's tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+import symfuse.match
+from symfuse.checkpoint import CheckpointReader
+from symfuse.config import RunConfig
+from symfuse.match.weights import module_distance
+from tasks.common import (
+    content_key,
+    layout,
+    logger,
+    manifests,
+    open_store,
+    scratch,
+    stage_meta,
+    symfuse_task,
+    timed,
+)
+from tasks.policy import maybe_inject_fault
+
+
+@symfuse_task("choose_anchor", "choose-anchor")
+def choose_anchor(config: RunConfig, models: Mapping[str, str]) -> str:
+    """The dataset whose model the others are matched onto.
+
+    ``config.anchor`` names a dataset, or is ``closest``: the model closest to the plain average of all models (the
+    rule of ``symfuse.match.match_many``), measured module by module with ``module_distance``.
+
+    Raises:
+        ValueError: for ``barycenter``, which is no single model (use ``symfuse match`` / ``match_many``).
+    """
+    if config.anchor in models:
+        return config.anchor
+    if config.anchor != "closest":
+        raise ValueError(
+            f"anchor {config.anchor!r}: the pipeline matches onto one of its models; use 'closest' or a dataset name "
+            "(a barycenter anchor is available from symfuse.match.match_many)"
+        )
+    store = open_store(config)
+    readers = {name: CheckpointReader(store.local_cache(uri)) for name, uri in models.items()}
+    sq = dict.fromkeys(models, 0.0)
+    for ref in next(iter(readers.values())).modules():
+        ws = {name: r.read_module(ref) for name, r in readers.items()}
+        mean = {role: torch.stack([w[role].double() for w in ws.values()]).mean(0) for role in next(iter(ws.values()))}
+        for name, w in ws.items():
+            sq[name] += module_distance(w, mean) ** 2
+    for r in readers.values():
+        r.close()
+    best = min(sq, key=sq.__getitem__)
+    logger().info("anchor: %s (squared distances to the average: %s)", best, sq)
+    return best
+
+
+@symfuse_task("list_modules", "modules-{model}")
+def list_modules(config: RunConfig, model: str, model_uri: str) -> list[str]:
+    """Keys (``L00.attn``, ``L00.ffn``, ...) of every attention and FFN module of a checkpoint."""
+    with CheckpointReader(open_store(config).local_cache(model_uri)) as reader:
+        return [ref.key for ref in reader.modules()]
+
+
+@symfuse_task("match_module", "match-{model}-{module}")
+def match_module(config: RunConfig, model: str, model_uri: str, anchor_uri: str, module: str) -> str:
+    """Match one module of ``model`` onto the anchor; return the transform's URI (reads only that module)."""
+    store = open_store(config)
+    key = layout.transform_key(config.run_id, model, module)
+    ck = content_key({"module": module, "symmetries": config.symmetries},
+                     manifests(store, {"model": model_uri, "anchor": anchor_uri}))  # fmt: skip
+    if store.exists(key, ck):
+        return store.uri(key)
+    maybe_inject_fault()
+    source, anchor = store.local_cache(model_uri), store.local_cache(anchor_uri)
+    with scratch("match") as tmp:
+        with timed() as t:
+            transform = symfuse.match.match_module(source, anchor, module, config.symmetries)
+        file = symfuse.match.save_transform(transform, tmp / f"{module}.safetensors")
+        meta = stage_meta("match_module", f"match-{model}-{module}", t.seconds, module=module)
+        return store.put_file(key, file, "match_module", {"model": model_uri, "anchor": anchor_uri}, ck, meta)
+
+
+@symfuse_task("assemble_matched", "assemble-{model}")
+def assemble_matched(
+    config: RunConfig, model: str, model_uri: str, anchor_uri: str, transforms: Mapping[str, str]
+) -> str:
+    """Apply every module's transform to ``model``; return the matched checkpoint's URI.
+
+    The manifest's ``meta.distances`` holds, per module, the distance to the anchor before and after matching.
+    """
+    store = open_store(config)
+    key = layout.matched_key(config.run_id, model)
+    inputs = {"model": model_uri, "anchor": anchor_uri} | {f"transform.{m}": u for m, u in transforms.items()}
+    ck = content_key({"assemble": sorted(transforms)}, manifests(store, inputs))
+    if store.exists(key, ck):
+        return store.uri(key)
+    maybe_inject_fault()
+    files = {module: store.get_file(uri) for module, uri in transforms.items()}
+    with scratch("assemble") as tmp:
+        with timed() as t:
+            report = symfuse.match.assemble_matched(store.local_cache(model_uri), files, tmp / "matched",
+                                                    anchor=store.local_cache(anchor_uri),
+                                                    symmetries=config.symmetries)  # fmt: skip
+        meta = stage_meta("assemble_matched", f"assemble-{model}", t.seconds, distances=distances(model, report),
+                          distance_before=report.get("distance_before"), distance_after=report.get("distance_after"),
+                          max_abs_logit_diff=report.get("max_abs_logit_diff"))  # fmt: skip
+        return store.put_dir(key, tmp / "matched", "assemble_matched", inputs, ck, meta)
+
+
+def distances(model: str, report: Mapping) -> list[dict]:
+    """Per-module ``{model, module, before, after}`` records from ``assemble_matched``'s report."""
+    return [
+        {"model": model, "module": r["module"], "before": r["distance_before"], "after": r["distance_after"]}
+        for r in report.get("per_module", [])
+    ]

@@ -1,0 +1,70 @@
+"""Flow tests: ONE Prefect test harness for the session, a tiny BERT base with the MiniLM tokenizer, run configs."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from symfuse.checkpoint import default_base_model
+from symfuse.config import RunConfig
+from tests.tiny import save_tiny
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_harness():
+    """A temporary Prefect database and server for every flow test (started once: ~15-30 s here)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory) -> Path:
+    """A tiny random BERT (2 layers, d=32) that reads MiniLM's tokenizer (vocab 30522): a stand-in base model."""
+    folder = save_tiny(tmp_path_factory.mktemp("tiny-base") / "bert", "bert", seed=0, vocab_size=30522,
+                       max_position_embeddings=64)  # fmt: skip
+    minilm = default_base_model()
+    for name in TOKENIZER_FILES:
+        shutil.copy2(minilm / name, folder / name)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    """Downloads of remote artifacts go to a per-test cache; no fault injected unless a test sets it."""
+    monkeypatch.setenv("SYMFUSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SYMFUSE_FAIL_ONCE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def tiny_config(base: Path, store_root: str, **overrides) -> RunConfig:
+    """Three emotion datasets, a handful of examples each, every strategy plain and matched."""
+    data = {
+        "run_id": "t",
+        "base_model": str(base),
+        "datasets": [
+            {"name": n, "max_train_examples": 32, "max_eval_examples": 24} for n in ("isear", "meld", "dair_emotion")
+        ],
+        "finetune": {"epochs": 1, "lr": 1e-3, "batch_size": 16, "max_length": 24},
+        "stats": {"kinds": ["gram", "fisher"], "max_examples": 16, "batch_size": 8},
+        "strategies": ["simple", "fisher", "regmean"],
+        "evaluation": {"out_of_domain": ["goemotions_ekman"], "max_examples": 24},
+        "anchor": "isear",
+        "device": "cpu",
+        "store_root": store_root,
+    }
+    data.update(overrides)
+    return RunConfig.model_validate(data)
+
+
+@pytest.fixture
+def memory_root() -> str:
+    """A fresh memory:// store root."""
+    return f"memory://symfuse-{uuid.uuid4().hex[:10]}"
