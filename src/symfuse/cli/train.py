@@ -1,0 +1,54 @@
+"""``symfuse finetune``: fine-tune a base model on a task dataset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from symfuse.cli import app
+
+
+@app.command()
+def finetune(
+    base: Annotated[str, typer.Argument(help="Base checkpoint folder, 'minilm', or a hub id.")],
+    data: Annotated[
+        str, typer.Option("--data", help="Dataset: shared name (dair_emotion), folder, file(s) or hub id.")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Output folder (save_pretrained layout + symfuse_train.json).")],
+    epochs: Annotated[int, typer.Option("--epochs")] = 3,
+    max_train_examples: Annotated[int | None, typer.Option("--max-train-examples")] = None,
+    max_eval_examples: Annotated[int | None, typer.Option("--max-eval-examples", help="Subsample validation.")] = None,
+    lr: Annotated[float, typer.Option("--lr")] = 1e-5,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 16,
+    grad_accum: Annotated[int, typer.Option("--grad-accum")] = 1,
+    max_length: Annotated[int, typer.Option("--max-length")] = 128,
+    seed: Annotated[int, typer.Option("--seed")] = 13,
+    device: Annotated[str, typer.Option("--device")] = "cpu",
+    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+) -> None:
+    """Fine-tune BASE on a dataset and write the fine-tuned checkpoint."""
+    from symfuse.train import TRAIN_REPORT, FinetuneConfig
+    from symfuse.train import finetune as run
+
+    cfg = FinetuneConfig(
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        max_length=max_length,
+        max_train_examples=max_train_examples,
+        max_eval_examples=max_eval_examples,
+        seed=seed,
+    )
+    folder = run(base, data, out, cfg, device=device, overwrite=overwrite)
+    report = json.loads((folder / TRAIN_REPORT).read_text())
+    for e in report["epochs"]:
+        primary = e["primary"]
+        typer.echo(
+            f"epoch {e['epoch']}: train loss {e['train_loss']:.4f}  val loss {e['val_loss']:.4f}  "
+            f"{primary} {e[primary]:.4f}{'  (best)' if e.get('best') else ''}"
+        )
+    typer.echo(f"wrote {folder} ({report['seconds']:.1f}s)")
