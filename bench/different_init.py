@@ -156,7 +156,9 @@ def pretrain(args: argparse.Namespace) -> None:
     def progress(step: int) -> float:
         return max(step / steps, (time.time() - t0) / budget)
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, progress(s) / 0.05 + 1e-3) * max(0.02, 1 - progress(s)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, progress(s) / 0.05 + 1e-3) * max(0.02, 1 - progress(s))
+    )
     order = torch.randperm(len(data), generator=g)
     pos, history = 0, []
     for step in range(steps):
@@ -182,8 +184,16 @@ def pretrain(args: argparse.Namespace) -> None:
                     for i in range(0, len(held_in), 64)
                 ) / math.ceil(len(held_in) / 64)
             history.append({"step": step, "seconds": round(elapsed, 1), "train_loss": loss.item(), "held_loss": hl})
-            log.info("seed %d step %d (%.0fs, %.2f step/s): train %.3f held %.3f lr %.2e",
-                     args.seed, step, elapsed, (step + 1) / elapsed, loss.item(), hl, sched.get_last_lr()[0])
+            log.info(
+                "seed %d step %d (%.0fs, %.2f step/s): train %.3f held %.3f lr %.2e",
+                args.seed,
+                step,
+                elapsed,
+                (step + 1) / elapsed,
+                loss.item(),
+                hl,
+                sched.get_last_lr()[0],
+            )
             model.save_pretrained(out)
             tok.save_pretrained(out)
             (out / "history.json").write_text(json.dumps(history, indent=1))

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from symfuse.arch.spec import ArchSpec, AttentionSpec, FFNSpec, NormSpec
+from symfuse.arch.spec import ArchSpec, AttentionSpec, FFNSpec, HeadSpec, NormSpec
 from symfuse.errors import UnsupportedArchitecture
 
 _FAMILIES = Path(__file__).parent / "families"
@@ -31,6 +31,7 @@ def _parse(path: Path) -> ArchSpec:
         "conv1d",
         "relative_embeddings",
         "relative_norm",
+        "heads",
         "extra",
     }
     unknown = set(raw) - known
@@ -51,6 +52,7 @@ def _parse(path: Path) -> ArchSpec:
         conv1d=bool(raw.get("conv1d", False)),
         relative_embeddings=raw.get("relative_embeddings"),
         relative_norm=raw.get("relative_norm"),
+        heads=tuple(HeadSpec(**h) for h in raw.get("heads", ())),
         extra=raw.get("extra", {}),
     )
 

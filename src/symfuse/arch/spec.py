@@ -114,6 +114,21 @@ class NormSpec:
 
 
 @dataclass(frozen=True)
+class HeadSpec:
+    """A tensor outside the layers that reads or writes the residual stream (pooler, classifier, LM head, ...).
+
+    ``path`` is relative to the whole model; ``{base}`` stands for the base-model prefix (``""`` or ``"bert."``).
+    ``kind`` says how a residual-stream change of basis reaches it: ``in`` (a Linear reading the stream:
+    input columns), ``in_out`` (a d->d Linear whose output is read by an ``in`` entry or a tied decoder, followed
+    only by elementwise maps or norms: rows, columns and bias), ``norm`` (weight and bias). Entries absent from a
+    checkpoint are skipped.
+    """
+
+    path: str
+    kind: Literal["in", "in_out", "norm"]
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """One architecture family, parsed from its YAML file.
 
@@ -132,6 +147,7 @@ class ArchSpec:
         conv1d: Weights stored as (in, out) (GPT-2 ``Conv1D``).
         relative_embeddings: DeBERTa relative position embedding table, if any.
         relative_norm: Norm applied to the relative embeddings, if any.
+        heads: Pooler / task-head / LM-head tensors touching the residual stream (see :class:`HeadSpec`).
     """
 
     family: str
@@ -148,6 +164,7 @@ class ArchSpec:
     conv1d: bool = False
     relative_embeddings: str | None = None
     relative_norm: str | None = None
+    heads: tuple[HeadSpec, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- shapes
@@ -236,6 +253,10 @@ class ArchSpec:
         """Module paths of one layer's norms, by sublayer (``attn`` / ``ffn``)."""
         base = prefix + self.layer.format(i=layer)
         return {"attn": self._join(base, self.norm.attn), "ffn": self._join(base, self.norm.ffn)}
+
+    def head_paths(self, prefix: str = "") -> list[HeadSpec]:
+        """:attr:`heads` with ``{base}`` resolved to ``prefix`` (module paths, without ``.weight``)."""
+        return [HeadSpec(h.path.replace("{base}", prefix), h.kind) for h in self.heads]
 
     # ----------------------------------------------------- canonical weights
     def read_module(
