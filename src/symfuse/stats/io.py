@@ -162,7 +162,8 @@ class StatsFile:
 def load_stats(file: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load a whole statistics file: ``(tensors, metadata)``."""
     sf = StatsFile(file)
-    return {k: sf.get(k) for k in sf.keys()}  # noqa: SIM118, sf.meta
+    tensors = {k: sf.get(k) for k in sf.keys()}  # noqa: SIM118
+    return tensors, sf.meta
 
 
 def file_fingerprint(*files: str | os.PathLike, extra: str = "") -> str:
