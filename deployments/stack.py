@@ -1,0 +1,299 @@
+"""A local Prefect stack for symfuse: server on 127.0.0.1, pool ``gpu``, tag limit, deployments, automations, workers.
+
+Usage (from anywhere; paths are resolved against the repository)::
+
+    python deployments/stack.py start [--port 4200] [--gpus 0,1] [--home DIR]   # or deployments/local_stack.sh
+    python deployments/stack.py status
+    python deployments/stack.py stop                                           # workers first, then the server
+    python deployments/stack.py automations                                    # (re)apply automations.yaml
+
+``start`` runs ``prefect server start --host 127.0.0.1`` in the background (PREFECT_HOME and its sqlite database
+under ``--home``, default ``$SYMFUSE_STACK_DIR`` or ``symfuse-runs/.stack``), creates the process work pool ``gpu``,
+sets the task concurrency limit on tag ``gpu`` (one slot per GPU), runs ``prefect deploy`` on
+``deployments/prefect.yaml``, applies ``deployments/automations.yaml`` and starts one worker per GPU, each with
+``CUDA_VISIBLE_DEVICES`` set to its GPU (one worker without it when there is no GPU). Workers inherit this shell's
+environment: set ``SYMFUSE_STORE`` (and ``AWS_*`` for an ``s3://`` store) before starting.
+
+``stop`` stops the workers BEFORE the server: a worker whose server is gone retries and hangs on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
+AUTOMATIONS_FILE = REPO / "deployments" / "automations.yaml"
+POOL = "gpu"
+GPU_TAG = "gpu"
+HOST = "127.0.0.1"
+
+
+def stack_home(home: str | os.PathLike | None = None) -> Path:
+    """Folder holding the stack's PREFECT_HOME, database, pid files and logs."""
+    return Path(home or os.environ.get("SYMFUSE_STACK_DIR") or REPO / "symfuse-runs" / ".stack").resolve()
+
+
+def server_env(home: Path, api_url: str | None = None) -> dict[str, str]:
+    """Environment of the server, the CLI calls and the workers (PREFECT_HOME and sqlite under ``home``)."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "PREFECT_HOME": str(home / "prefect"),
+            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect' / 'prefect.db'}",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+        }
+    )
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    return env
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_pids(home: Path, pattern: str) -> list[tuple[Path, int]]:
+    out = []
+    for file in sorted(home.glob(pattern)):
+        with contextlib.suppress(ValueError):
+            out.append((file, int(file.read_text().strip())))
+    return out
+
+
+def _spawn(args: Sequence[str], env: dict[str, str], log: Path, pid_file: Path) -> int:
+    """Start a detached process (own session, so its whole group can be signalled); record its pid."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            list(args), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    pid_file.write_text(str(proc.pid))
+    return proc.pid
+
+
+def _terminate(pid: int, first: signal.Signals, grace: float) -> None:
+    """Signal a process group, wait ``grace`` seconds, then SIGKILL it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, first)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    if _alive(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def wait_healthy(api_url: str, timeout: float = 120) -> None:
+    """Poll ``<api_url>/health`` until it answers.
+
+    Raises:
+        TimeoutError: if it does not within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{api_url}/health", timeout=2) as resp:
+            if resp.status == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"prefect server at {api_url} not healthy after {timeout:.0f} s")
+
+
+# ----------------------------------------------------------------------------------------------- API set-up
+async def _setup_api(api_url: str, n_slots: int, automations: list[dict[str, Any]]) -> None:
+    """Create the process pool, the tag concurrency limit and the automations (replacing same-named ones)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.events.schemas.automations import AutomationCore
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    async with get_client() as client:
+        try:
+            await client.read_work_pool(POOL)
+        except ObjectNotFound:
+            template = ProcessWorker.get_default_base_job_template()
+            await client.create_work_pool(WorkPoolCreate(name=POOL, type="process", base_job_template=template))
+        await client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=n_slots)
+        for data in automations:
+            automation = AutomationCore.model_validate(data)
+            for old in await client.read_automations_by_name(automation.name):
+                await client.delete_automation(old.id)
+            await client.create_automation(automation)
+
+
+def load_automations(path: Path = AUTOMATIONS_FILE) -> list[dict[str, Any]]:
+    """The automations of ``automations.yaml`` (a mapping with ``automations:`` or a list)."""
+    data = yaml.safe_load(path.read_text())
+    return data["automations"] if isinstance(data, dict) else list(data)
+
+
+def apply_api_setup(api_url: str, n_slots: int = 1, automations: list[dict[str, Any]] | None = None) -> None:
+    """Pool ``gpu`` (process), limit on tag ``gpu``, automations: against the server at ``api_url``."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        asyncio.run(_setup_api(api_url, n_slots, load_automations() if automations is None else automations))
+
+
+def deployable_names(prefect_file: Path = PREFECT_FILE) -> tuple[list[str], list[str]]:
+    """Deployment names whose entrypoint file exists in the checkout, and those whose file is missing."""
+    data = yaml.safe_load(prefect_file.read_text())
+    ok, missing = [], []
+    for dep in data.get("deployments") or []:
+        file = dep["entrypoint"].split(":", 1)[0]
+        (ok if (REPO / file).is_file() else missing).append(dep["name"])
+    return ok, missing
+
+
+def deploy(env: dict[str, str], prefect_file: Path = PREFECT_FILE) -> list[str]:
+    """``prefect deploy`` every deployment of ``prefect_file`` whose entrypoint exists; returns their names.
+
+    Raises:
+        RuntimeError: if ``prefect deploy`` fails (its output is in the message).
+    """
+    names, missing = deployable_names(prefect_file)
+    if missing:
+        print(f"skipping deployments whose entrypoint file is missing: {', '.join(missing)}")
+    if not names:
+        return []
+    args = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(prefect_file)]
+    for name in names:
+        args += ["--name", name]
+    res = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"prefect deploy failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+    return names
+
+
+def detect_gpus() -> list[str]:
+    """GPU indices to start workers for: ``$CUDA_VISIBLE_DEVICES`` if set, else what torch sees (none: [])."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g for g in visible.split(",") if g.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        return []
+
+
+# ----------------------------------------------------------------------------------------------- commands
+def start(port: int = 4200, gpus: Sequence[str] | None = None, home: str | os.PathLike | None = None) -> dict:
+    """Start server, pool, limit, deployments, automations and workers; returns what it started.
+
+    Raises:
+        RuntimeError: if a stack already runs under ``home`` or a step fails (the stack is stopped again).
+    """
+    root = stack_home(home)
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    (root / "prefect").mkdir(parents=True, exist_ok=True)
+    running = [pid for _, pid in _read_pids(root, "*.pid") if _alive(pid)]
+    if running:
+        raise RuntimeError(f"a stack already runs under {root} (pids {running}); stop it first")
+    api_url = f"http://{HOST}:{port}/api"
+    env = server_env(root, api_url)
+    server_pid = _spawn(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)],
+        {k: v for k, v in env.items() if k != "PREFECT_API_URL"},
+        root / "logs" / "server.log",
+        root / "server.pid",
+    )
+    try:
+        wait_healthy(api_url)
+        gpus = detect_gpus() if gpus is None else list(gpus)
+        apply_api_setup(api_url, n_slots=max(1, len(gpus)))
+        deployed = deploy(env)
+        workers = []
+        for i, gpu in enumerate(gpus or [None]):
+            worker_env = dict(env)
+            if gpu is not None:
+                worker_env["CUDA_VISIBLE_DEVICES"] = gpu
+            name = f"{POOL}-worker-{gpu if gpu is not None else 'cpu'}"
+            args = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
+            workers.append(
+                _spawn([*args, "--name", name], worker_env, root / "logs" / f"{name}.log", root / f"worker-{i}.pid")
+            )
+    except BaseException:
+        stop(root)
+        raise
+    info = {"api_url": api_url, "ui": api_url[: -len("/api")], "home": str(root), "server_pid": server_pid,
+            "worker_pids": workers, "deployments": deployed}  # fmt: skip
+    (root / "stack.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def stop(home: str | os.PathLike | None = None, grace: float = 20) -> list[int]:
+    """Stop the workers (SIGINT, then SIGKILL), THEN the server; returns the pids stopped."""
+    root = stack_home(home)
+    stopped = []
+    for file, pid in _read_pids(root, "worker-*.pid"):
+        if _alive(pid):
+            _terminate(pid, signal.SIGINT, grace)
+            stopped.append(pid)
+        file.unlink(missing_ok=True)
+    for file, pid in _read_pids(root, "server.pid"):
+        if _alive(pid):
+            _terminate(pid, signal.SIGTERM, grace)
+            stopped.append(pid)
+        file.unlink(missing_ok=True)
+    return stopped
+
+
+def status(home: str | os.PathLike | None = None) -> dict[str, bool]:
+    """Which stack processes run: pid file name -> alive."""
+    return {file.stem: _alive(pid) for file, pid in _read_pids(stack_home(home), "*.pid")}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["start", "stop", "status", "automations"])
+    parser.add_argument("--port", type=int, default=int(os.environ.get("SYMFUSE_PREFECT_PORT", "4200")))
+    parser.add_argument("--gpus", default=None, help="comma-separated GPU indices (default: all visible)")
+    parser.add_argument("--home", default=None, help="stack folder (default $SYMFUSE_STACK_DIR or symfuse-runs/.stack)")
+    args = parser.parse_args(argv)
+    if args.command == "start":
+        gpus = None if args.gpus is None else [g for g in args.gpus.split(",") if g]
+        info = start(args.port, gpus, args.home)
+        print(f"Prefect UI: {info['ui']}   API: {info['api_url']}")
+        print(f"deployed: {', '.join(info['deployments']) or '(none)'}; workers: {info['worker_pids']}")
+        print(f"use it with: export PREFECT_API_URL={info['api_url']}; stop with: {sys.argv[0]} stop")
+    elif args.command == "stop":
+        print(f"stopped: {stop(args.home) or 'nothing was running'}")
+    elif args.command == "status":
+        print(json.dumps(status(args.home), indent=1))
+    else:
+        api_url = os.environ.get("PREFECT_API_URL") or f"http://{HOST}:{args.port}/api"
+        apply_api_setup(api_url, n_slots=max(1, len(detect_gpus())))
+        print(f"applied {AUTOMATIONS_FILE.name} to {api_url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
