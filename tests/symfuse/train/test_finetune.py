@@ -1,0 +1,105 @@
+import json
+
+import pytest
+import torch
+
+from symfuse.data import iter_batches, load_task_dataset, load_tokenizer
+from symfuse.data.batches import encode_split
+from symfuse.evaluate import evaluate_model, load_task_model, run_model
+from symfuse.train import TRAIN_REPORT, FinetuneConfig, finetune, train_model
+from symfuse.train.finetune import _build_model
+from tests.symfuse.train.helpers import save_tiny_base
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    return save_tiny_base(tmp_path_factory.mktemp("tiny") / "base")
+
+
+def _val_loss(model, ds, tok, cfg):
+    batches = list(
+        iter_batches(encode_split(ds, tok, "validation", cfg.max_length, cfg.max_eval_examples, cfg.seed), 64)
+    )
+    return run_model(model, batches, ds.problem_type)[2]
+
+
+def _finetune_reduces_val_loss(base, lr, epochs):
+    cfg = FinetuneConfig(
+        epochs=epochs, lr=lr, max_length=64, max_train_examples=200, max_eval_examples=200, progress=False
+    )
+    ds = load_task_dataset("dair_emotion", max_train_examples=200, seed=cfg.seed)
+    tok = load_tokenizer(base)
+    model = _build_model(base, ds, cfg)
+    before = _val_loss(model, ds, tok, cfg)
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    trained, history = train_model(model, ds, tok, cfg)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in snapshot.items())  # input model untouched
+    assert [h["epoch"] for h in history] == list(range(1, epochs + 1))
+    best = min(h["val_loss"] for h in history)
+    assert best < before - 0.02, (before, history)
+    assert _val_loss(trained, ds, tok, cfg) == pytest.approx(
+        next(h for h in history if h.get("best"))["val_loss"], abs=1e-5
+    )
+
+
+def test_finetune_200_dair_emotion_reduces_val_loss_tiny(tiny_base):
+    _finetune_reduces_val_loss(tiny_base, lr=1e-3, epochs=2)
+
+
+@pytest.mark.slow
+def test_finetune_200_dair_emotion_reduces_val_loss_minilm():
+    from symfuse.checkpoint import resolve_checkpoint
+
+    _finetune_reduces_val_loss(resolve_checkpoint("minilm"), lr=1e-4, epochs=2)
+
+
+def test_grad_accumulation_matches_large_batch(tiny_base):
+    ds = load_task_dataset("dair_emotion", max_train_examples=32)
+    tok = load_tokenizer(tiny_base)
+    common = dict(epochs=1, lr=1e-3, max_length=48, max_eval_examples=8, dropout=0.0, progress=False)
+    big = FinetuneConfig(batch_size=16, grad_accum=1, **common)
+    small = FinetuneConfig(batch_size=8, grad_accum=2, **common)
+    start = _build_model(tiny_base, ds, big)
+    a, ha = train_model(start, ds, tok, big)
+    b, hb = train_model(start, ds, tok, small)
+    sa, sb, s0 = a.state_dict(), b.state_dict(), start.state_dict()
+    moved = max((sa[k] - s0[k]).abs().max().item() for k in sa if sa[k].is_floating_point())
+    diff = max((sa[k] - sb[k]).abs().max().item() for k in sa if sa[k].is_floating_point())
+    assert moved > 1e-4
+    assert diff < 1e-5, diff
+    assert ha[0]["train_loss"] == pytest.approx(hb[0]["train_loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("data", "head", "problem"),
+    [
+        ("goemotions_ekman", "BertForSequenceClassification", "multi_label_classification"),
+        ("crossner_ai", "BertForTokenClassification", "token_classification"),
+    ],
+)
+def test_heads_round_trip_through_save_and_load(tiny_base, tmp_path, data, head, problem):
+    cfg = FinetuneConfig(epochs=1, lr=1e-3, max_length=48, max_train_examples=16, max_eval_examples=16, progress=False)
+    out = finetune(tiny_base, data, tmp_path / "ft", cfg)
+    report = json.loads((out / TRAIN_REPORT).read_text())
+    assert report["problem_type"] == problem and len(report["epochs"]) == 1 and report["data_fingerprint"]
+    assert report["config"]["max_train_examples"] == 16
+    ds = load_task_dataset(data, max_train_examples=16)
+    loaded, tok = load_task_model(out)
+    assert type(loaded).__name__ == head
+    assert [loaded.config.id2label[i] for i in range(loaded.config.num_labels)] == ds.labels
+    # the same seeded run in memory gives the same weights as the saved folder (deterministic on CPU)
+    again, _ = train_model(_build_model(tiny_base, ds, cfg), ds, tok, cfg)
+    saved = loaded.state_dict()
+    for k, v in again.state_dict().items():
+        torch.testing.assert_close(saved[k], v, rtol=0, atol=1e-6)
+    batch = next(iter_batches(encode_split(ds, tok, "test", 48, 8), 8))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+            again(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+        )
+    metrics = evaluate_model(out, data, max_examples=20, max_length=48, out_file=tmp_path / "m.json")
+    primary = metrics["primary"]
+    assert primary == ("f1" if problem == "token_classification" else "macro_f1")
+    assert 0.0 <= metrics[primary] <= 1.0 and metrics["n"] == 20
+    assert json.loads((tmp_path / "m.json").read_text())[primary] == metrics[primary]
