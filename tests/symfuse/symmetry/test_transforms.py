@@ -1,0 +1,172 @@
+"""Transforms are exact: function preservation on every family, inverse / compose / save-load, Gram transport."""
+
+import pytest
+import torch
+
+from symfuse.arch import ModuleRef, get_spec
+from symfuse.symmetry import (
+    FFNPermutation,
+    HeadPermutation,
+    ModuleTransform,
+    QKRotation,
+    QKScaling,
+    VORotation,
+    VOScaling,
+    load_transforms,
+    random_module_transform,
+    random_orthogonal,
+    save_transforms,
+)
+from tests.tiny import FAMILIES, random_inputs, tiny_model
+
+
+def _modules(model):
+    sd = model.state_dict()
+    spec = get_spec(model.config)
+    prefix = spec.detect_prefix(sd)
+    return sd, spec, spec.geometry(model.config), prefix
+
+
+def _transform_model(model, transforms):
+    """A NEW model (same class) whose module weights are transformed."""
+    sd, spec, _, prefix = _modules(model)
+    new = dict(sd)
+    for ref in spec.modules(model.config):
+        w = spec.read_module(sd.__getitem__, sd.__contains__, ref, model.config, prefix)
+        new.update(spec.write_module(transforms[ref.key].apply(w), ref, model.config, prefix))
+    other = type(model)(model.config).eval()
+    other.load_state_dict(new)
+    return other
+
+
+def _outputs(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def _random_transforms(model, seed=0, kinds=("rotation", "scaling", "ffn-permutation", "head-permutation")):
+    _, spec, geo, _ = _modules(model)
+    g = torch.Generator().manual_seed(seed)
+    return {ref.key: random_module_transform(ref, geo, g, kinds) for ref in spec.modules(model.config)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_transforms_of_every_kind_preserve_function(family):
+    head = "lm" if family in ("gpt2", "llama") else "seq"
+    model = tiny_model(family, head=head)
+    inputs = random_inputs(model)
+    ts = _random_transforms(model)
+    other = _transform_model(model, ts)
+    sd_a, sd_b = model.state_dict(), other.state_dict()
+    moved = sum(float((sd_a[k].float() - sd_b[k].float()).norm()) for k in sd_a)
+    assert moved > 1.0  # the weights really changed
+    diff = (_outputs(model, inputs) - _outputs(other, inputs)).abs().max()
+    assert diff <= 1e-4, f"{family}: max |Δ| = {diff}"
+
+
+def test_rope_restriction_is_needed_and_sufficient():
+    """A generic orthogonal QK map breaks llama (position-dependent RoPE); the RoPE-commuting one does not."""
+    model = tiny_model("llama")
+    inputs = random_inputs(model, seq=9)
+    _, spec, geo, _ = _modules(model)
+    g = torch.Generator().manual_seed(3)
+    generic = {ref.key: ModuleTransform(ref.key, ()) for ref in spec.modules(model.config)}
+    generic["L00.attn"] = ModuleTransform("L00.attn", (QKRotation(random_orthogonal(geo.head_dim, geo.n_kv_heads, g)),))
+    bad = (_outputs(model, inputs) - _outputs(_transform_model(model, generic), inputs)).abs().max()
+    assert bad > 1e-3  # tiny llama has 0.02-scale weights: 1e-3 is far above fp32 round-off
+    good = (_outputs(model, inputs) - _outputs(_transform_model(model, _random_transforms(model)), inputs)).abs().max()
+    assert good <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "deberta-v2", "gpt2"])
+def test_inverse_compose_simplify_and_save_load(family, tmp_path):
+    model = tiny_model(family)
+    sd, spec, _geo, prefix = _modules(model)
+    t1, t2 = _random_transforms(model, seed=1), _random_transforms(model, seed=2)
+    for ref in spec.modules(model.config):
+        w = spec.read_module(sd.__getitem__, sd.__contains__, ref, model.config, prefix)
+        a, b = t1[ref.key], t2[ref.key]
+        back = a.inverse().apply(a.apply(w))
+        for r in w:
+            torch.testing.assert_close(back[r], w[r], rtol=0, atol=1e-5)
+        both = b.compose(a)
+        seq = b.apply(a.apply(w))
+        got = both.apply(w)
+        for r in w:
+            torch.testing.assert_close(got[r], seq[r], rtol=0, atol=1e-5)
+        # a part composed with its own inverse fuses to the identity
+        for p in a.parts:
+            fused = p.compose(p.inverse())
+            assert len(fused.parts) == 1
+            ident = fused.apply(w)
+            for r in w:
+                torch.testing.assert_close(ident[r], w[r], rtol=0, atol=1e-5)
+    file = save_transforms(t1, tmp_path / "t.safetensors")
+    loaded = load_transforms(file)
+    assert set(loaded) == set(t1)
+    for k, t in t1.items():
+        assert [type(p) for p in loaded[k].parts] == [type(p) for p in t.parts]
+        for name, x in t.tensors().items():
+            assert torch.equal(loaded[k].tensors()[name], x)
+
+
+def _input_grams(model, inputs):
+    """Grams sum_t x_t x_t^T of the inputs of every o / down projection (forward pre-hooks)."""
+    _sd, spec, _, prefix = _modules(model)
+    grams, hooks = {}, []
+    for ref in spec.modules(model.config):
+        paths = spec.module_paths(ref, model.config, prefix)
+        role = "o" if ref.kind == "attn" else "down"
+
+        def hook(_mod, args, key=ref.key):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            grams[key] = grams.get(key, 0) + x.T @ x
+
+        hooks.append(model.get_submodule(paths[role]).register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(**inputs)
+    for h in hooks:
+        h.remove()
+    return grams
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformed_gram_equals_gram_recollected_on_transformed_model(family):
+    model = tiny_model(family)
+    inputs = random_inputs(model)
+    ts = _random_transforms(model, seed=5)
+    before = _input_grams(model, inputs)
+    after = _input_grams(_transform_model(model, ts), inputs)
+    for key, g in before.items():
+        role = "o" if key.endswith("attn") else "down"
+        moved = ts[key].apply_to_gram(role, g)
+        assert (after[key] - g).abs().max() > 1e-3  # the transform really changes this Gram
+        torch.testing.assert_close(moved, after[key], rtol=1e-4, atol=1e-4)
+        # inputs of q/k/v/up (the residual stream) are untouched by per-module transforms
+        assert ts[key].apply_to_gram("q" if role == "o" else "up", g) is g
+
+
+def test_gram_parts_by_hand():
+    """Closed forms: head permutation gathers head blocks, VO rotation is R G R^T blockwise, FFN P G P^T."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 8, generator=g, dtype=torch.float64)
+    gram = x.T @ x  # 2 groups of 2 query heads of dh=2 -> n = 8
+    perm = torch.tensor([1, 0])
+    moved = HeadPermutation(perm).apply_to_gram("o", gram)
+    xp = torch.cat([x[:, 4:], x[:, :4]], dim=1)
+    torch.testing.assert_close(moved, xp.T @ xp)
+    rot = random_orthogonal(2, 2, g)
+    xr = torch.cat([x[:, 2 * h : 2 * h + 2] @ rot[h // 2].T for h in range(4)], dim=1)
+    torch.testing.assert_close(VORotation(rot).apply_to_gram("o", gram), xr.T @ xr)
+    s = torch.tensor([[2.0, 2.0], [0.5, 0.5]], dtype=torch.float64)
+    xs = x * s.repeat_interleave(2, 0).reshape(-1)
+    torch.testing.assert_close(VOScaling(s).apply_to_gram("o", gram), xs.T @ xs)
+    fp = torch.randperm(8, generator=g)
+    torch.testing.assert_close(FFNPermutation(fp).apply_to_gram("down", gram), x[:, fp].T @ x[:, fp])
+    assert QKScaling(s).apply_to_gram("o", gram) is gram
+
+
+def test_module_transform_key_and_kind():
+    t = ModuleTransform(ModuleRef(3, "ffn").key, (FFNPermutation(torch.arange(4)),))
+    assert (t.key, t.kind) == ("L03.ffn", "ffn")
