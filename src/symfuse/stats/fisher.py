@@ -163,7 +163,12 @@ def collect_fisher(
                     lab = labels[i : i + 1]
                     lab = lab[:, :length] if lab.dim() == 2 and not lab.is_floating_point() else lab
                     lab = _remap_labels(model, label_map, lab)
-                logits = model(**ex).logits
+                logits = getattr(model(**ex), "logits", None)
+                if logits is None:
+                    raise ValueError(
+                        f"{type(model).__name__} has no task head (no logits): the Fisher needs a likelihood; "
+                        "collect it on a fine-tuned checkpoint with a classification head"
+                    )
                 kind = head_kind(model, logits, lab)
                 valid = None
                 if kind == "token":

@@ -53,7 +53,9 @@ def test_gram_equals_hand_computed_xtx_over_n_without_padding():
 def test_gram_does_not_depend_on_padding():
     model = tiny_model("roberta", head="base")
     b = random_inputs(model, batch=2, seq=5, seed=3)
-    padded = {k: torch.cat([v, torch.ones(2, 4, dtype=v.dtype) * (1 if k == "input_ids" else 0)], 1) for k, v in b.items()}
+    padded = {
+        k: torch.cat([v, torch.ones(2, 4, dtype=v.dtype) * (1 if k == "input_ids" else 0)], 1) for k, v in b.items()
+    }
     g1 = collect_gram(model, [b], progress=False).grams
     g2 = collect_gram(model, [padded], progress=False).grams
     for n in g1:

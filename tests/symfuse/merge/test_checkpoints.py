@@ -1,0 +1,115 @@
+"""merge_checkpoints on saved tiny models: identity over copies, RegMean from stats files, heads, errors."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from symfuse.errors import MissingStats
+from symfuse.merge import MERGERS, merge_checkpoints, regmean_solve
+from symfuse.stats import collect_fisher, collect_gram, save_stats
+from tests.tiny import random_inputs, save_tiny, tiny_config, tiny_model
+
+PARAMS = {"ties": {"density": 1.0}, "dare": {"drop": 0.0}}
+
+
+def _weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _save_stats(model, folder, dataset, seed=0, fisher=True):
+    b = random_inputs(model, batch=4, seq=7, seed=seed)
+    b["labels"] = torch.tensor([0, 1, 2, 1])
+    g = collect_gram(model, [b], progress=False)
+    save_stats(g.grams, folder / "gram.safetensors", {"kind": "gram", "conv1d": g.conv1d, "dataset": dataset})
+    if not fisher:
+        return folder
+    f = collect_fisher(model, [b], progress=False)
+    save_stats(f.fisher, folder / "fisher.safetensors", {"kind": "fisher", "dataset": dataset})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    root = tmp_path_factory.mktemp("copies")
+    model = tiny_model("bert", seed=1, head="seq")
+    src = save_tiny(root / "m0", "bert", seed=1, head="seq")
+    folders = [src] + [shutil.copytree(src, root / f"m{i}") for i in (1, 2)]
+    stats = [_save_stats(model, root / f"s{i}", f"d{i}", seed=i) for i in range(3)]  # different data per copy
+    base = save_tiny(root / "base", "bert", seed=7, head="base")
+    return folders, stats, base
+
+
+@pytest.mark.parametrize("strategy", sorted(MERGERS))
+def test_every_merger_over_copies_returns_the_model(copies, tmp_path, strategy):
+    folders, stats, base = copies
+    out = merge_checkpoints(strategy, folders, tmp_path / "out", stats=stats, base=base, **PARAMS.get(strategy, {}))
+    got, want = _weights(out), _weights(folders[0])
+    assert set(got) == set(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    report = json.loads((out / "symfuse_report.json").read_text())
+    assert report["strategy"] == strategy and report["seconds"] >= 0 and len(report["models"]) == 3
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(str(out))
+    assert merged.config.num_labels == 3
+
+
+def test_regmean_checkpoint_matches_closed_form_and_averages_the_rest(tmp_path):
+    models, stats = [], []
+    for s in range(2):
+        m = tiny_model("gpt2", seed=s, head="base")
+        models.append(save_tiny(tmp_path / f"m{s}", "gpt2", seed=s, head="base"))
+        stats.append(_save_stats(m, tmp_path / f"s{s}", f"d{s}", seed=s, fisher=False))
+    out = merge_checkpoints("regmean", models, tmp_path / "out", stats=stats, alpha=0.9)
+    got = _weights(out)
+    ws = [_weights(m) for m in models]
+    grams = [load_file(str(s / "gram.safetensors")) for s in stats]
+    name = "h.1.mlp.c_proj"  # Conv1D (in=48, out=32): RegMean in the (in, out) layout
+    lin = [w[name + ".weight"].double().T for w in ws]  # nn.Linear layout (out, in)
+    expected, _ = regmean_solve(lin, [g[name] for g in grams], alpha=0.9)
+    torch.testing.assert_close(got[name + ".weight"].double(), expected.T, rtol=1e-5, atol=1e-6)
+    for plain in ("h.1.mlp.c_proj.bias", "wte.weight", "h.0.ln_1.weight"):
+        torch.testing.assert_close(got[plain], (ws[0][plain] + ws[1][plain]) / 2)
+
+
+def _labelled(folder, labels, seed):
+    cfg = tiny_config("bert", num_labels=len(labels))
+    cfg.id2label = dict(enumerate(labels))
+    cfg.label2id = {v: k for k, v in cfg.id2label.items()}
+    torch.manual_seed(seed)
+    transformers.BertForSequenceClassification(cfg).save_pretrained(folder)
+    return folder
+
+
+def test_different_label_sets_keep_one_head_per_dataset(tmp_path):
+    a = _labelled(tmp_path / "emotion", ["anger", "joy", "sadness"], 0)
+    b = _labelled(tmp_path / "sst2", ["negative", "positive"], 1)
+    out = merge_checkpoints("simple", [a, b], tmp_path / "out")
+    report = json.loads((out / "symfuse_report.json").read_text())
+    assert report["heads"] == {"policy": "per-dataset", "folders": {"emotion": ".", "sst2": "heads/sst2"}}
+    wa, wb = _weights(a), _weights(b)
+    m0, m1 = _weights(out), _weights(out / "heads" / "sst2")
+    for name in wa:
+        if name.startswith("classifier"):
+            assert torch.equal(m0[name], wa[name]) and torch.equal(m1[name], wb[name])
+        else:
+            torch.testing.assert_close(m0[name], (wa[name] + wb[name]) / 2)
+            assert torch.equal(m0[name], m1[name])
+    head_b = transformers.AutoModelForSequenceClassification.from_pretrained(str(out / "heads" / "sst2"))
+    assert head_b.config.id2label == {0: "negative", 1: "positive"}
+
+
+def test_missing_stats_and_base_are_clear_errors(copies, tmp_path):
+    folders, stats, _ = copies
+    with pytest.raises(MissingStats, match="--stats"):
+        merge_checkpoints("regmean", folders, tmp_path / "o1")
+    with pytest.raises(MissingStats, match="base"):
+        merge_checkpoints("ties", folders, tmp_path / "o2")
+    with pytest.raises(MissingStats, match="one stats folder"):
+        merge_checkpoints("fisher", folders, tmp_path / "o3", stats=stats[:2])
+    with pytest.raises(ValueError, match="unknown merge strategy"):
+        merge_checkpoints("average", folders, tmp_path / "o4")
+    assert not any(p.name.startswith(("o1", "o2", "o3", "o4")) for p in tmp_path.iterdir())

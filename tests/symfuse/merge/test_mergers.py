@@ -1,0 +1,69 @@
+"""Merger closed forms on small tensors: TIES, DARE, task arithmetic, Fisher."""
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from symfuse.merge import MERGERS, TensorInputs
+from symfuse.merge.task_vectors import dare_drop, ties_combine, trim_top
+
+
+def test_registry_declares_stats_and_base():
+    assert set(MERGERS) == {"simple", "fisher", "regmean", "task-arithmetic", "ties", "dare"}
+    assert MERGERS["regmean"].required_stats == frozenset({"gram"})
+    assert MERGERS["fisher"].required_stats == frozenset({"fisher"})
+    assert all(not MERGERS[n].required_stats for n in ("simple", "task-arithmetic", "ties", "dare"))
+    assert {n for n, m in MERGERS.items() if m.needs_base} == {"task-arithmetic", "ties", "dare"}
+    with pytest.raises(ValidationError):
+        MERGERS["regmean"](alhpa=0.5)  # typo: unknown parameter
+
+
+def test_ties_hand_computed():
+    t1 = torch.tensor([3.0, -1.0, 0.5, -4.0], dtype=torch.float64)
+    t2 = torch.tensor([-1.0, -2.0, 0.2, 2.0], dtype=torch.float64)
+    assert torch.equal(trim_top(t1, 0.5), torch.tensor([3.0, 0.0, 0.0, -4.0], dtype=torch.float64))
+    # density 0.5: t1 -> [3, 0, 0, -4], t2 -> [0, -2, 0, 2]; signs of sums: [+, -, 0, -]
+    # disjoint means: [3, -2, 0, -4]
+    out = ties_combine([t1, t2], [0.5, 0.5], 0.5)
+    torch.testing.assert_close(out, torch.tensor([3.0, -2.0, 0.0, -4.0], dtype=torch.float64))
+    base = torch.ones(4, dtype=torch.float64)
+    m = MERGERS["ties"](density=0.5, lam=1.0)
+    merged = m.merge_tensor(TensorInputs("x", [base + t1, base + t2], [0.5, 0.5], base=base))
+    torch.testing.assert_close(merged, base + out)
+
+
+def test_dare_drops_and_rescales_reproducibly():
+    tau = torch.randn(1000, dtype=torch.float64)
+    a = dare_drop(tau, 0.7, seed=1, name="w", index=0)
+    b = dare_drop(tau, 0.7, seed=1, name="w", index=0)
+    c = dare_drop(tau, 0.7, seed=1, name="w", index=1)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    kept = a != 0
+    torch.testing.assert_close(a[kept], tau[kept] / 0.3)
+    assert 0.2 < kept.double().mean() < 0.4
+
+
+def test_dare_composes_with_task_arithmetic_and_ties():
+    base = torch.zeros(50, dtype=torch.float64)
+    xs = [torch.randn(50, dtype=torch.float64) for _ in range(3)]
+    w = [1 / 3] * 3
+    ta = MERGERS["dare"](drop=0.5, seed=4, combine="task-arithmetic", lam=1.0)
+    out = ta.merge_tensor(TensorInputs("p", xs, w, base=base))
+    expected = sum(dare_drop(x, 0.5, 4, "p", i) for i, x in enumerate(xs))
+    torch.testing.assert_close(out, expected)
+    ti = MERGERS["dare"](drop=0.5, seed=4, combine="ties", density=1.0)
+    out = ti.merge_tensor(TensorInputs("p", xs, w, base=base))
+    torch.testing.assert_close(out, ties_combine([dare_drop(x, 0.5, 4, "p", i) for i, x in enumerate(xs)], w, 1.0))
+
+
+def test_task_arithmetic_and_fisher_closed_forms():
+    base = torch.randn(5, 3, dtype=torch.float64)
+    xs = [torch.randn(5, 3, dtype=torch.float64) for _ in range(2)]
+    ta = MERGERS["task-arithmetic"](lam=0.7)
+    out = ta.merge_tensor(TensorInputs("p", xs, [0.5, 0.5], base=base))
+    torch.testing.assert_close(out, base + 0.7 * ((xs[0] - base) + (xs[1] - base)))
+    fs = [torch.rand(5, 3, dtype=torch.float64), torch.zeros(5, 3, dtype=torch.float64)]
+    fm = MERGERS["fisher"](epsilon=1e-6)
+    out = fm.merge_tensor(TensorInputs("p", xs, [0.5, 0.5], fisher=fs))
+    expected = (fs[0] * xs[0] + 1e-6 * xs[1]) / (fs[0] + 1e-6)
+    torch.testing.assert_close(out, expected)
