@@ -1,0 +1,63 @@
+import json
+
+from typer.testing import CliRunner
+
+import symfuse.cli.evaluate
+import symfuse.cli.train  # noqa: F401  (registers finetune)
+from symfuse.cli import app
+from tests.symfuse.train.helpers import save_tiny_base
+
+
+def test_finetune_evaluate_barrier_commands(tmp_path):
+    data = tmp_path / "toy"
+    data.mkdir()
+    rows = [
+        {"text": f"i feel so {w} today", "label": lab}
+        for w, lab in [("happy", "joy"), ("angry", "anger"), ("glad", "joy"), ("furious", "anger")] * 4
+    ]
+    for split in ("train", "validation", "test"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (data / "meta.json").write_text(json.dumps({"task": "classification", "labels": ["anger", "joy"]}))
+    base = save_tiny_base(tmp_path / "base")
+    runner = CliRunner()
+    res = runner.invoke(
+        app,
+        [
+            "finetune",
+            str(base),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "ft"),
+            "--epochs",
+            "2",
+            "--lr",
+            "1e-3",
+            "--max-length",
+            "16",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "epoch 2" in res.output and (tmp_path / "ft" / "model.safetensors").exists()
+    config = json.loads((tmp_path / "ft" / "config.json").read_text())
+    assert config["id2label"] == {"0": "anger", "1": "joy"}
+    res = runner.invoke(app, ["evaluate", str(tmp_path / "ft"), "--data", str(data), "--out", str(tmp_path / "m.json")])
+    assert res.exit_code == 0, res.output
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert metrics["n"] == 16 and metrics["split"] == "test" and 0 <= metrics["macro_f1"] <= 1
+    res = runner.invoke(
+        app,
+        [
+            "barrier",
+            str(tmp_path / "ft"),
+            str(tmp_path / "ft"),
+            "--data",
+            str(data),
+            "--points",
+            "3",
+            "--out",
+            str(tmp_path / "bar"),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "bar" / "barrier.json").read_text())["barrier"] == 0.0
