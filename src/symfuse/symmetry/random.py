@@ -39,7 +39,8 @@ def rope_rotation(angles: torch.Tensor) -> torch.Tensor:
         (n, dh, dh) float64: on pair ``(i, i+h)`` the 2x2 block ``[[cos, -sin], [sin, cos]]``.
     """
     n, h = angles.shape
-    c, s = torch.cos(angles).double(), torch.sin(angles).double()
+    angles = angles.to(torch.float64)
+    c, s = torch.cos(angles), torch.sin(angles)
     r = torch.zeros(n, 2 * h, 2 * h, dtype=torch.float64)
     i = torch.arange(h)
     r[:, i, i] = c
