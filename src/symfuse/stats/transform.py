@@ -1,10 +1,113 @@
-"""Statistics follow matching (placeholder until the symmetry package lands)."""
+"""Statistics follow matching: express a model's statistics in the basis of its matched (transformed) version.
+
+* Gram: exact for every module transform, by ``ModuleTransform.apply_to_gram(role, G)`` (``T G T^T`` on the
+  layer's input; identity for layers reading the residual stream). Linear layers outside the attention / FFN
+  modules (pooler, classifier) read the residual stream, which per-module transforms leave unchanged.
+* Diagonal Fisher: exact only for transforms that map each parameter entry to ONE entry times a constant:
+  permutations (head, FFN) move entries (``F' = F[perm]``) and scalings ``w' = s w`` give ``F' = F / s^2``.
+  A rotation mixes entries, and the diagonal of ``R F R^T`` needs the off-diagonal Fisher we never stored, so
+  :func:`transform_stats` returns None: the caller RECOLLECTS the Fisher on the matched model. This is a
+  deliberate choice (exactness over an approximation such as ``diag(R diag(F) R^T)``).
+* A residual-stream permutation also changes the inputs of the heads and embeddings, which the module keys do
+  not describe: both kinds return None (recollect).
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
+import torch
 
-def transform_stats(stats_file: Path, transforms_file: Path, model: str | Path, out_file: Path) -> Path | None:
-    """Apply matching transforms to statistics (see the final version)."""
-    raise NotImplementedError
+from symfuse.checkpoint import CheckpointReader
+from symfuse.stats.io import StatsFile, save_stats
+
+log = logging.getLogger(__name__)
+
+# Part names (``Transform.name``) and how a diagonal Fisher follows them; anything else -> recollect.
+FISHER_EXACT_PARTS = ("head_perm", "ffn_perm", "qk_scale", "vo_scale")
+GRAM_UNSUPPORTED_PARTS = ("resid_perm",)
+
+
+def _fisher_part(part):
+    """The transform that maps a diagonal Fisher like ``part`` maps weights (None if not exact)."""
+    from symfuse.symmetry import QKScaling, VOScaling
+
+    if part.name in ("head_perm", "ffn_perm"):
+        return part  # entries move: the same index map
+    if part.name == "qk_scale":
+        return QKScaling(part.scale**-2)  # w' = s w  =>  F' = F / s^2 (q side), k side gets s^2
+    if part.name == "vo_scale":
+        return VOScaling(part.scale**-2)
+    return None
+
+
+def transform_stats(
+    stats_file: Path,
+    transforms_file: Path,
+    model: str | Path,
+    out_file: Path,
+) -> Path | None:
+    """Apply matching transforms to a statistics file.
+
+    Args:
+        stats_file: ``gram.safetensors`` or ``fisher.safetensors`` of the SOURCE model.
+        transforms_file: ``transforms.safetensors`` from matching (module key -> transform).
+        model: The source (or matched) checkpoint: gives the architecture, config and tensor names.
+        out_file: Where to write the transformed statistics (atomic).
+
+    Returns:
+        ``out_file``, or None when the statistics cannot follow the transforms exactly (diagonal Fisher under a
+        rotation, any kind under a residual permutation): recollect them on the matched model instead.
+
+    Raises:
+        ValueError: if the file is not a Gram or Fisher statistics file.
+    """
+    from symfuse.symmetry import load_transforms
+
+    sf = StatsFile(stats_file)
+    transforms = load_transforms(transforms_file)
+    parts = {p.name for mt in transforms.values() for p in mt.parts}
+    reader = CheckpointReader(model)
+    spec, cfg, prefix = reader.spec, reader.config, reader.prefix
+    if sf.kind not in ("gram", "fisher"):
+        raise ValueError(f"{stats_file}: kind {sf.kind!r} is neither 'gram' nor 'fisher'")
+    if parts & set(GRAM_UNSUPPORTED_PARTS):
+        log.warning(
+            "%s: residual permutation in %s; recollect %s on the matched model", stats_file, transforms_file, sf.kind
+        )
+        return None
+    out: dict[str, torch.Tensor] = {}
+    if sf.kind == "gram":
+        owner = {}
+        for ref in reader.modules():
+            for role, path in spec.module_paths(ref, cfg, prefix).items():
+                owner[path] = (ref.key, role)
+        for key in sf.keys():  # noqa: SIM118
+            g = sf.get(key)
+            hit = owner.get(key)
+            if hit is not None and hit[0] in transforms:
+                g = transforms[hit[0]].apply_to_gram(hit[1], g)
+            out[key] = g.contiguous()
+    else:
+        inexact = sorted(parts - set(FISHER_EXACT_PARTS))
+        if inexact:
+            log.info(
+                "%s: diagonal Fisher cannot follow %s exactly; recollect it on the matched model", stats_file, inexact
+            )
+            return None
+        out = {k: sf.get(k) for k in sf.keys()}  # noqa: SIM118
+        for ref in reader.modules():
+            mt = transforms.get(ref.key)
+            if mt is None or not mt.parts:
+                continue
+            fisher = spec.read_module(out.__getitem__, out.__contains__, ref, cfg, prefix)
+            for part in mt.parts:
+                fisher = _fisher_part(part).apply(fisher)
+            out.update(spec.write_module(fisher, ref, cfg, prefix))
+    meta = dict(sf.meta)
+    meta["transforms"] = str(transforms_file)
+    meta["transformed_from"] = str(stats_file)
+    reader.close()
+    return save_stats(out, os.fspath(out_file), meta)
