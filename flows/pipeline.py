@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from prefect import flow, unmapped
+from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from symfuse.config import RunConfig
@@ -35,6 +36,18 @@ def needed_kinds(config: RunConfig) -> list[str]:
     """Statistics kinds the configured strategies read (and the config allows), in config order."""
     wanted = set().union(*(MERGERS[s].required_stats for s in config.strategies))
     return [k for k in config.stats.kinds if k in wanted]
+
+
+def raise_first_failure(futures: list[PrefectFuture]) -> None:
+    """Wait for every task; raise the exception of the first failed one, in pipeline order.
+
+    So a failed run reports its real cause, not a downstream task's "not ready".
+    """
+    for f in futures:
+        f.wait()
+    for f in futures:
+        if f.state.is_failed() or f.state.is_crashed():
+            f.result()  # re-raises the task's exception
 
 
 @flow(name="fusion-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=workers()), log_prints=True)
@@ -108,6 +121,8 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     others_uris = [*models.values(), *stats.values(), *matched_stats.values()]
     others_uris += [f for fs in transforms.values() for f in fs]
     report_uri = report.submit(config, evaluations, list(matched.values()), list(merged.values()), others_uris)
+    every = [*models.values(), *stats.values(), *(f for fs in transforms.values() for f in fs), *matched.values()]
+    raise_first_failure([*every, *matched_stats.values(), *merged.values(), *evaluations, report_uri])
     return {
         "report": report_uri.result(),
         "anchor": anchor,

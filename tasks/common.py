@@ -12,6 +12,7 @@ import contextlib
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -93,6 +94,30 @@ class timed:
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = round(time.perf_counter() - self.start, 3)
+
+
+_FETCH_LOCKS: dict[str, threading.Lock] = {}
+_FETCH_GUARD = threading.Lock()
+
+
+def fetch(store: ArtifactStore, uri: str) -> Path:
+    """Local folder of an artifact (``store.local_cache``), one download at a time per artifact in this process.
+
+    Tasks of one flow run share a process (thread pool): a model read by many tasks is downloaded once, and two
+    threads never read the same remote file at once (fsspec's memory:// files share one read position).
+    """
+    with _FETCH_GUARD:
+        lock = _FETCH_LOCKS.setdefault(store.uri(uri), threading.Lock())
+    with lock:
+        return store.local_cache(uri)
+
+
+def fetch_file(store: ArtifactStore, uri: str) -> Path:
+    """Local path of a one-file artifact (see :func:`fetch`)."""
+    files = store.manifest(uri)["files"]
+    if len(files) != 1:
+        raise ValueError(f"{store.uri(uri)} holds {len(files)} files, expected one")
+    return fetch(store, uri) / files[0]
 
 
 def stage_meta(stage: str, name: str, seconds: float, **extra: Any) -> dict[str, Any]:

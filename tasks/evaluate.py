@@ -9,7 +9,7 @@ from symfuse.config import RunConfig
 from symfuse.data import load_task_dataset
 from symfuse.data.labels import shared_label_names
 from symfuse.evaluate import evaluate_model
-from tasks.common import content_key, layout, manifests, open_store, scratch, stage_meta, symfuse_task, timed
+from tasks.common import content_key, fetch, layout, manifests, open_store, scratch, stage_meta, symfuse_task, timed
 from tasks.policy import batch_settings, maybe_inject_fault
 
 
@@ -54,7 +54,7 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
     if store.exists(key, ck):
         return store.uri(key)
     maybe_inject_fault()
-    folder = store.local_cache(model_uri)
+    folder = fetch(store, model_uri)
     head_dir, head = pick_head(folder, store.manifest(model_uri).get("meta", {}).get("heads"), dataset, data)
     micro, _ = batch_settings(64)
     with scratch("eval") as tmp, timed() as t:  # out_file: never write into the (possibly local) store's folder

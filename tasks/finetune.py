@@ -7,7 +7,7 @@ from symfuse.config import RunConfig
 from symfuse.stats import model_fingerprint
 from symfuse.train import FinetuneConfig
 from symfuse.train import finetune as finetune_model
-from tasks.common import content_key, layout, open_store, scratch, stage_meta, symfuse_task, timed
+from tasks.common import content_key, fetch, layout, open_store, scratch, stage_meta, symfuse_task, timed
 from tasks.policy import batch_settings, maybe_inject_fault
 
 
@@ -56,7 +56,7 @@ def bring_checkpoint(config: RunConfig, dataset: str) -> str:
         return store.uri(key)
     maybe_inject_fault()
     with timed() as t:
-        folder = store.local_cache(source) if inside else folder
+        folder = fetch(store, source) if inside else folder
     meta = stage_meta("bring_checkpoint", f"bring-{dataset}", t.seconds, dataset=dataset)
     return store.put_dir(key, folder, "bring_checkpoint", {"checkpoint": source}, ck, meta)
 

@@ -15,6 +15,8 @@ from symfuse.config import RunConfig
 from symfuse.match.weights import module_distance
 from tasks.common import (
     content_key,
+    fetch,
+    fetch_file,
     layout,
     logger,
     manifests,
@@ -45,7 +47,7 @@ def choose_anchor(config: RunConfig, models: Mapping[str, str]) -> str:
             "(a barycenter anchor is available from symfuse.match.match_many)"
         )
     store = open_store(config)
-    readers = {name: CheckpointReader(store.local_cache(uri)) for name, uri in models.items()}
+    readers = {name: CheckpointReader(fetch(store, uri)) for name, uri in models.items()}
     sq = dict.fromkeys(models, 0.0)
     for ref in next(iter(readers.values())).modules():
         ws = {name: r.read_module(ref) for name, r in readers.items()}
@@ -62,7 +64,7 @@ def choose_anchor(config: RunConfig, models: Mapping[str, str]) -> str:
 @symfuse_task("list_modules", "modules-{model}")
 def list_modules(config: RunConfig, model: str, model_uri: str) -> list[str]:
     """Keys (``L00.attn``, ``L00.ffn``, ...) of every attention and FFN module of a checkpoint."""
-    with CheckpointReader(open_store(config).local_cache(model_uri)) as reader:
+    with CheckpointReader(fetch(open_store(config), model_uri)) as reader:
         return [ref.key for ref in reader.modules()]
 
 
@@ -76,7 +78,7 @@ def match_module(config: RunConfig, model: str, model_uri: str, anchor_uri: str,
     if store.exists(key, ck):
         return store.uri(key)
     maybe_inject_fault()
-    source, anchor = store.local_cache(model_uri), store.local_cache(anchor_uri)
+    source, anchor = fetch(store, model_uri), fetch(store, anchor_uri)
     with scratch("match") as tmp:
         with timed() as t:
             transform = symfuse.match.match_module(source, anchor, module, config.symmetries)
@@ -100,11 +102,11 @@ def assemble_matched(
     if store.exists(key, ck):
         return store.uri(key)
     maybe_inject_fault()
-    files = {module: store.get_file(uri) for module, uri in transforms.items()}
+    files = {module: fetch_file(store, uri) for module, uri in transforms.items()}
     with scratch("assemble") as tmp:
         with timed() as t:
-            report = symfuse.match.assemble_matched(store.local_cache(model_uri), files, tmp / "matched",
-                                                    anchor=store.local_cache(anchor_uri),
+            report = symfuse.match.assemble_matched(fetch(store, model_uri), files, tmp / "matched",
+                                                    anchor=fetch(store, anchor_uri),
                                                     symmetries=config.symmetries)  # fmt: skip
         meta = stage_meta("assemble_matched", f"assemble-{model}", t.seconds, distances=distances(model, report),
                           distance_before=report.get("distance_before"), distance_after=report.get("distance_after"),

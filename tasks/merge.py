@@ -12,7 +12,18 @@ from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
 from symfuse.merge import MERGERS, REPORT, merge_checkpoints
 from symfuse.stats import model_fingerprint
-from tasks.common import content_key, layout, manifests, open_store, scratch, stage_meta, symfuse_task, timed
+from tasks.common import (
+    content_key,
+    fetch,
+    fetch_file,
+    layout,
+    manifests,
+    open_store,
+    scratch,
+    stage_meta,
+    symfuse_task,
+    timed,
+)
 from tasks.policy import maybe_inject_fault
 
 
@@ -52,8 +63,8 @@ def merge(
         links = tmp / "in"  # name each local model folder after its dataset: the merger names heads by folder
         links.mkdir()
         for name, uri in models.items():
-            (links / name).symlink_to(store.local_cache(uri), target_is_directory=True)
-        files = [store.get_file(u) for u in stats_uris]
+            (links / name).symlink_to(fetch(store, uri), target_is_directory=True)
+        files = [fetch_file(store, u) for u in stats_uris]
         with timed() as t:
             out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
                                     base=base, **params)  # fmt: skip

@@ -9,7 +9,18 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 
 from symfuse.config import RunConfig
 from symfuse.report import build_report
-from tasks.common import content_key, layout, logger, manifests, open_store, scratch, stage_meta, symfuse_task, timed
+from tasks.common import (
+    content_key,
+    fetch,
+    layout,
+    logger,
+    manifests,
+    open_store,
+    scratch,
+    stage_meta,
+    symfuse_task,
+    timed,
+)
 
 
 def _artifact_key(text: str) -> str:
@@ -66,7 +77,7 @@ def _publish(config: RunConfig, store, key: str, merged: Sequence[str]) -> str:
     """Prefect artifacts for the UI: the report (markdown), the metrics (table), links to the merged models."""
     import pandas as pd
 
-    folder = store.local_cache(key)
+    folder = fetch(store, key)
     markdown = (folder / "report.md").read_text()
     table = pd.read_csv(folder / "metrics.csv")
     run = _artifact_key(config.run_id)

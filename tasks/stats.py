@@ -5,7 +5,18 @@ from __future__ import annotations
 import symfuse.stats
 from symfuse.config import RunConfig
 from symfuse.match import TRANSFORMS_FILE
-from tasks.common import content_key, layout, manifests, open_store, scratch, stage_meta, symfuse_task, timed
+from tasks.common import (
+    content_key,
+    fetch,
+    fetch_file,
+    layout,
+    manifests,
+    open_store,
+    scratch,
+    stage_meta,
+    symfuse_task,
+    timed,
+)
 from tasks.policy import batch_settings, maybe_inject_fault
 
 
@@ -42,7 +53,7 @@ def collect_stats(config: RunConfig, model: str, model_uri: str, kind: str, data
     with scratch("stats") as tmp:
         with timed() as t:
             files = symfuse.stats.collect_stats(
-                store.local_cache(model_uri), config.dataset(dataset).data, [kind], tmp,
+                fetch(store, model_uri), config.dataset(dataset).data, [kind], tmp,
                 max_examples=config.stats.max_examples, batch_size=micro, device=config.resolved_device(),
                 max_length=config.finetune.max_length, seed=config.finetune.seed, progress=False,
             )  # fmt: skip
@@ -64,10 +75,10 @@ def follow_stats(config: RunConfig, model: str, matched_uri: str, stats_uri: str
     if store.exists(key, ck):
         return store.uri(key)
     maybe_inject_fault()
-    matched = store.local_cache(matched_uri)
+    matched = fetch(store, matched_uri)
     with scratch("follow") as tmp:
         with timed() as t:
-            out = symfuse.stats.transform_stats(store.get_file(stats_uri), matched / TRANSFORMS_FILE, matched,
+            out = symfuse.stats.transform_stats(fetch_file(store, stats_uri), matched / TRANSFORMS_FILE, matched,
                                                 tmp / f"{kind}.safetensors")  # fmt: skip
         how = "transformed" if out is not None else "recollected"
         if out is None:  # the library says this kind cannot follow the transform exactly

@@ -1,0 +1,98 @@
+"""New checkpoints in the store trigger a re-merge.
+
+``watch_checkpoints`` (scheduled) lists ``runs/<run>/incoming`` and emits ``symfuse.checkpoint.arrived`` for the
+checkpoints no merged model was made from yet; ``remerge`` (the deployment trigger on that event, see
+``deployments/prefect.yaml``) runs the pipeline for the current set of models — the configured datasets plus every
+incoming checkpoint — and reuses every artifact already in the store through content keys.
+
+Drop a checkpoint in with ``ArtifactStore.put_dir(layout.incoming_key(run, name), folder, producer, meta={"dataset":
+"<dataset it was fine-tuned on>"})``; without ``meta.dataset`` the name is taken as the dataset.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+from prefect.events import emit_event
+from prefect.logging import get_run_logger
+
+from symfuse.config import DatasetConfig, RunConfig
+from symfuse.store import ArtifactStore, layout
+from symfuse.store.layout import manifest_digest
+
+EVENT = "symfuse.checkpoint.arrived"
+
+
+def merged_digests(store: ArtifactStore, run: str) -> set[str]:
+    """Content digests of every model some merged artifact of ``run`` was made from."""
+    prefix = f"{layout.run_prefix(run)}/merged"
+    return {d for key in store.list(prefix) for d in store.manifest(key).get("meta", {}).get("model_digests", [])}
+
+
+def pending_checkpoints(store: ArtifactStore, run: str, prefix: str | None = None) -> list[str]:
+    """URIs of the checkpoints under ``prefix`` (default ``runs/<run>/incoming``) that no merge has used yet."""
+    done = merged_digests(store, run)
+    keys = store.list(prefix or layout.incoming_prefix(run))
+    return [store.uri(k) for k in keys if manifest_digest(store.manifest(k)) not in done]
+
+
+@flow(name="watch-checkpoints", log_prints=True)
+def watch_checkpoints(config: RunConfig, prefix: str | None = None) -> list[str]:
+    """Emit ``symfuse.checkpoint.arrived`` (resource ``symfuse.run.<run_id>``) if unmerged checkpoints arrived.
+
+    Args:
+        config: The run whose store and run id are watched (sent on to ``remerge`` in the event payload).
+        prefix: Store prefix to list (default ``runs/<run_id>/incoming``).
+
+    Returns:
+        The new checkpoints' URIs (empty: no event).
+    """
+    store = ArtifactStore(config.resolved_store_root())
+    new = pending_checkpoints(store, config.run_id, prefix)
+    log = get_run_logger()
+    if not new:
+        log.info("no new checkpoints under %s", store.uri(prefix or layout.incoming_prefix(config.run_id)))
+        return []
+    emit_event(
+        event=EVENT,
+        resource={"prefect.resource.id": f"symfuse.run.{config.run_id}", "prefect.resource.name": config.run_id},
+        payload={"config": config.model_dump(mode="json"), "checkpoints": new},
+    )
+    log.info("emitted %s for %d checkpoint(s): %s", EVENT, len(new), new)
+    return new
+
+
+def with_checkpoints(config: RunConfig, store: ArtifactStore, checkpoints: list[str]) -> RunConfig:
+    """``config`` whose datasets also bring each checkpoint (replacing the fine-tuned model of the same name)."""
+    datasets = [d.model_copy() for d in config.datasets]
+    by_name = {d.name: d for d in datasets}
+    for uri in checkpoints:
+        name = store.key(uri).rsplit("/", 1)[-1]
+        if name in by_name:
+            by_name[name].checkpoint = uri
+        else:
+            source = store.manifest(uri).get("meta", {}).get("dataset") or name
+            by_name[name] = DatasetConfig(name=name, source=source, checkpoint=uri)
+            datasets.append(by_name[name])
+    return config.model_copy(update={"datasets": datasets})
+
+
+@flow(name="remerge", log_prints=True)
+def remerge(config: RunConfig, checkpoints: list[str]) -> dict[str, Any]:
+    """Stats → match → merge → evaluate → report for the configured models plus every incoming checkpoint.
+
+    Args:
+        config: The run (from the event payload).
+        checkpoints: URIs of the checkpoints that triggered this run; every other checkpoint already under
+            ``runs/<run_id>/incoming`` joins too.
+
+    Returns:
+        The pipeline's result (report URI, merged models, evaluations).
+    """
+    from flows.pipeline import fusion_pipeline
+
+    store = ArtifactStore(config.resolved_store_root())
+    current = sorted({*checkpoints, *(store.uri(k) for k in store.list(layout.incoming_prefix(config.run_id)))})
+    get_run_logger().info("re-merging with %d incoming checkpoint(s): %s", len(current), current)
+    return fusion_pipeline(with_checkpoints(config, store, current))

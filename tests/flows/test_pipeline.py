@@ -1,0 +1,133 @@
+"""fusion_pipeline end to end on tiny models: faults retried, re-runs recompute nothing, bad input fails at once."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+import symfuse.match
+import symfuse.stats
+import tasks.evaluate
+import tasks.finetune
+import tasks.merge
+import tasks.report
+from flows.pipeline import fusion_pipeline
+from symfuse.store import ArtifactStore, layout
+from tests.flows.conftest import tiny_config
+
+# Library entry points the tasks call, by (module, attribute): each call is one executed stage.
+ENTRY_POINTS = [
+    (tasks.finetune, "finetune_model"),
+    (symfuse.stats, "collect_stats"),
+    (symfuse.stats, "transform_stats"),
+    (symfuse.match, "match_module"),
+    (symfuse.match, "assemble_matched"),
+    (tasks.merge, "merge_checkpoints"),
+    (tasks.evaluate, "evaluate_model"),
+    (tasks.report, "build_report"),
+]
+
+
+class Calls:
+    """Counts the library calls made by tasks (thread-safe: tasks run in a thread pool)."""
+
+    def __init__(self, monkeypatch):
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        for module, name in ENTRY_POINTS:
+            monkeypatch.setattr(module, name, self._spy(name, getattr(module, name)))
+
+    def _spy(self, name, fn):
+        def spy(*args, **kwargs):
+            with self._lock:
+                self.counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return spy
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def task_runs(flow_run_id) -> dict[str, object]:
+    """Task-run name -> task run (every task of one flow run, subflows excluded)."""
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name: r for r in runs}
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_base, tmp_path_factory):
+    """One full pipeline run on a memory:// store with transient faults injected into four tasks."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SYMFUSE_CACHE", str(tmp_path_factory.mktemp("cache")))
+    mp.setenv("SYMFUSE_FAIL_ONCE", "finetune-isear:oom,match-meld-L00.attn,stats-dair_emotion-gram,merge-simple-plain")
+    calls = Calls(mp)
+    config = tiny_config(tiny_base, f"memory://pipeline-{tmp_path_factory.mktemp('x').name}", anchor="closest")
+    state = fusion_pipeline(config, return_state=True)
+    mp.undo()
+    return config, state, calls
+
+
+def test_pipeline_completes_after_injected_faults(first_run):
+    config, state, calls = first_run
+    assert state.is_completed(), state.message
+    result = state.result()
+    runs = task_runs(state.state_details.flow_run_id)
+    for name in ("finetune-isear", "match-meld-L00.attn", "stats-dair_emotion-gram", "merge-simple-plain"):
+        assert runs[name].run_count == 2, name  # failed once (transient), retried, completed
+        assert runs[name].state.is_completed()
+    assert runs["finetune-meld"].run_count == 1
+    store = ArtifactStore(config.resolved_store_root())
+    # the OOM retry halved the micro-batch (and doubled accumulation): same effective batch
+    assert store.manifest(layout.model_key("t", "isear"))["meta"]["micro_batch"] == 8
+    assert store.manifest(layout.model_key("t", "meld"))["meta"]["micro_batch"] == 16
+    # one match task per module per non-anchor model
+    anchor = result["anchor"]
+    n_modules = 4  # 2 layers x (attn, ffn)
+    assert sum(1 for n in runs if n.startswith("match-")) == 2 * n_modules
+    assert not any(n.startswith(f"match-{anchor}-") for n in runs)
+    assert calls.counts["match_module"] == 2 * n_modules
+    assert calls.counts["finetune_model"] == 3
+    # 3 strategies x {plain, matched}, evaluated with the 3 fine-tuned models on 3 in-domain + 1 OOD set
+    assert set(result["merged"]) == {f"{s}-{v}" for s in ("simple", "fisher", "regmean") for v in ("plain", "matched")}
+    assert len(result["evaluations"]) == (6 + 3) * 4
+    folder = store.local_cache(result["report"])
+    text = (folder / "report.md").read_text()
+    for name in ("simple", "fisher", "regmean", "goemotions_ekman", "before / after matching", "Timings"):
+        assert name in text
+    assert (folder / "metrics.csv").stat().st_size > 0 and (folder / "metrics.png").exists()
+    record = store.get_json(layout.eval_key("t", "regmean-matched", "goemotions_ekman"))
+    assert record["domain"] == "out" and record["head"] in config.dataset_names
+
+
+def test_second_run_recomputes_nothing(first_run, monkeypatch):
+    config, state, _ = first_run
+    store = ArtifactStore(config.resolved_store_root())
+    before = {k: store.manifest(k) for k in store.list(layout.run_prefix("t"))}
+    calls = Calls(monkeypatch)
+    again = fusion_pipeline(config, return_state=True)
+    assert again.is_completed(), again.message
+    assert calls.total() == 0, calls.counts
+    assert {k: store.manifest(k) for k in store.list(layout.run_prefix("t"))} == before
+    assert again.result()["report"] == state.result()["report"]
+
+
+def test_deterministic_error_fails_without_retry(tiny_base, memory_root, monkeypatch):
+    config = tiny_config(
+        tiny_base,
+        memory_root,
+        datasets=[{"name": "nosuch", "source": "no_such_dataset_anywhere", "max_train_examples": 8}],
+        strategies=["simple"],
+        anchor="closest",
+    )
+    state = fusion_pipeline(config, return_state=True)
+    assert state.is_failed()
+    run = task_runs(state.state_details.flow_run_id)["finetune-nosuch"]
+    assert run.state.is_failed() and run.run_count == 1  # no retry of a deterministic error
+    with pytest.raises(Exception, match="no_such_dataset_anywhere"):
+        state.result()
