@@ -204,8 +204,16 @@ def detect_gpus() -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- commands
-def start(port: int = 4200, gpus: Sequence[str] | None = None, home: str | os.PathLike | None = None) -> dict:
+def start(
+    port: int = 4200, gpus: Sequence[str] | None = None, home: str | os.PathLike | None = None, workers: bool = True
+) -> dict:
     """Start server, pool, limit, deployments, automations and workers; returns what it started.
+
+    Args:
+        port: Server port on 127.0.0.1.
+        gpus: GPU indices, one worker each (default :func:`detect_gpus`; empty: one worker without a GPU).
+        home: Stack folder (default :func:`stack_home`).
+        workers: Start the workers (False: runs stay Scheduled until a worker joins the pool).
 
     Raises:
         RuntimeError: if a stack already runs under ``home`` or a step fails (the stack is stopped again).
@@ -229,21 +237,21 @@ def start(port: int = 4200, gpus: Sequence[str] | None = None, home: str | os.Pa
         gpus = detect_gpus() if gpus is None else list(gpus)
         apply_api_setup(api_url, n_slots=max(1, len(gpus)))
         deployed = deploy(env)
-        workers = []
-        for i, gpu in enumerate(gpus or [None]):
+        pids = []
+        for i, gpu in enumerate((gpus or [None]) if workers else []):
             worker_env = dict(env)
             if gpu is not None:
                 worker_env["CUDA_VISIBLE_DEVICES"] = gpu
             name = f"{POOL}-worker-{gpu if gpu is not None else 'cpu'}"
             args = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
-            workers.append(
+            pids.append(
                 _spawn([*args, "--name", name], worker_env, root / "logs" / f"{name}.log", root / f"worker-{i}.pid")
             )
     except BaseException:
         stop(root)
         raise
     info = {"api_url": api_url, "ui": api_url[: -len("/api")], "home": str(root), "server_pid": server_pid,
-            "worker_pids": workers, "deployments": deployed}  # fmt: skip
+            "worker_pids": pids, "deployments": deployed}  # fmt: skip
     (root / "stack.json").write_text(json.dumps(info, indent=1))
     return info
 
@@ -277,10 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=int(os.environ.get("SYMFUSE_PREFECT_PORT", "4200")))
     parser.add_argument("--gpus", default=None, help="comma-separated GPU indices (default: all visible)")
     parser.add_argument("--home", default=None, help="stack folder (default $SYMFUSE_STACK_DIR or symfuse-runs/.stack)")
+    parser.add_argument("--no-workers", action="store_true", help="start no worker (runs wait in the pool)")
     args = parser.parse_args(argv)
     if args.command == "start":
         gpus = None if args.gpus is None else [g for g in args.gpus.split(",") if g]
-        info = start(args.port, gpus, args.home)
+        info = start(args.port, gpus, args.home, workers=not args.no_workers)
         print(f"Prefect UI: {info['ui']}   API: {info['api_url']}")
         print(f"deployed: {', '.join(info['deployments']) or '(none)'}; workers: {info['worker_pids']}")
         print(f"use it with: export PREFECT_API_URL={info['api_url']}; stop with: {sys.argv[0]} stop")
