@@ -131,8 +131,8 @@ class CheckpointReader:
         self._files = _weight_files(self.path)
         self._handles: dict[Path, Any] = {}
         self._stack = ExitStack()
-        self.spec: ArchSpec = get_spec(self.config)
-        self.prefix = self.spec.detect_prefix(self._files)
+        self.spec: ArchSpec
+        self.spec, self.prefix = get_spec(self.config).for_checkpoint(self._files)
         self.geometry: Geometry = self.spec.geometry(self.config)
 
     def close(self) -> None:

@@ -32,11 +32,20 @@ def _parse(path: Path) -> ArchSpec:
         "relative_embeddings",
         "relative_norm",
         "heads",
+        "checkpoint_layout",
         "extra",
     }
     unknown = set(raw) - known
     if unknown:  # a spec field nobody reads is a bug, not a comment
         raise ValueError(f"{path.name}: unknown keys {sorted(unknown)}")
+    return _build(raw)
+
+
+def _build(raw: dict[str, Any]) -> ArchSpec:
+    # `checkpoint_layout`: overrides giving the names save_pretrained writes when they differ from the
+    # in-memory module names (transformers 5 renames some families on save/load, e.g. ViT)
+    layout = raw.get("checkpoint_layout")
+    variants = (_build({**{k: v for k, v in raw.items() if k != "checkpoint_layout"}, **layout}),) if layout else ()
     return ArchSpec(
         family=raw["family"],
         model_types=tuple(raw["model_types"]),
@@ -53,6 +62,7 @@ def _parse(path: Path) -> ArchSpec:
         relative_embeddings=raw.get("relative_embeddings"),
         relative_norm=raw.get("relative_norm"),
         heads=tuple(HeadSpec(**h) for h in raw.get("heads", ())),
+        checkpoint_variants=variants,
         extra=raw.get("extra", {}),
     )
 

@@ -148,6 +148,8 @@ class ArchSpec:
         relative_embeddings: DeBERTa relative position embedding table, if any.
         relative_norm: Norm applied to the relative embeddings, if any.
         heads: Pooler / task-head / LM-head tensors touching the residual stream (see :class:`HeadSpec`).
+        checkpoint_variants: The same family under the names ``save_pretrained`` writes, where those differ from
+            the in-memory module names (``checkpoint_layout`` in the YAML); readers pick the one that matches.
     """
 
     family: str
@@ -165,6 +167,7 @@ class ArchSpec:
     relative_embeddings: str | None = None
     relative_norm: str | None = None
     heads: tuple[HeadSpec, ...] = ()
+    checkpoint_variants: tuple[ArchSpec, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- shapes
@@ -206,6 +209,20 @@ class ArchSpec:
         return [ModuleRef(i, kind) for i in range(n) for kind in ("attn", "ffn")]
 
     # ------------------------------------------------------------------ names
+    def for_checkpoint(self, names: Iterable[str]) -> tuple[ArchSpec, str]:
+        """The spec (this one or a checkpoint variant) whose names a checkpoint uses, with its prefix.
+
+        Raises:
+            SymfuseError: if neither layout matches (the message of :meth:`detect_prefix`).
+        """
+        names = set(names)
+        for variant in self.checkpoint_variants:
+            try:
+                return variant, variant.detect_prefix(names)
+            except SymfuseError:
+                continue
+        return self, self.detect_prefix(names)
+
     def detect_prefix(self, names: Iterable[str]) -> str:
         """Find the prefix before base-model names in a checkpoint (``""`` or ``"bert."``).
 
