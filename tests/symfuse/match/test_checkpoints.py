@@ -1,0 +1,112 @@
+"""Checkpoint-level matching: matched folders keep SOURCE's function, disguises are undone, multi-model anchors."""
+
+import json
+
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file
+
+from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
+from symfuse.match import (
+    REPORT_FILE,
+    SYMMETRIES,
+    TRANSFORMS_FILE,
+    assemble_matched,
+    disguise_checkpoint,
+    load_transform,
+    match_checkpoints,
+    match_many,
+    match_module,
+    save_transform,
+)
+from symfuse.symmetry import load_transforms
+from tests.tiny import FAMILIES, random_inputs, save_tiny
+
+
+def _head(family):
+    return "lm" if family in ("gpt2", "llama") else "seq"
+
+
+def _load(folder):
+    cfg = T.AutoConfig.from_pretrained(folder)
+    return getattr(T, cfg.architectures[0]).from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _norm(folder):
+    with CheckpointReader(folder) as r:
+        return sum(float((t.double() ** 2).sum()) for _, t in r.iter_tensors() if t.is_floating_point()) ** 0.5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matched_model_computes_what_source_computes(family, tmp_path):
+    src = save_tiny(tmp_path / "src", family, seed=1, head=_head(family))
+    anc = save_tiny(tmp_path / "anc", family, seed=2, head=_head(family))
+    report = match_checkpoints(src, anc, tmp_path / "out", symmetries=SYMMETRIES)
+    out = tmp_path / "out"
+    assert report["max_abs_logit_diff"] <= 1e-4
+    assert report["distance_after"] < report["distance_before"]
+    assert {r["module"] for r in report["per_module"]} == {f"L{i:02d}.{k}" for i in range(2) for k in ("attn", "ffn")}
+    assert all(r["distance_after"] <= r["distance_before"] + 1e-6 for r in report["per_module"])
+    assert json.loads((out / REPORT_FILE).read_text())["distance_after"] == report["distance_after"]
+    assert set(load_transforms(out / TRANSFORMS_FILE)) == {r["module"] for r in report["per_module"]}
+    a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+    # independent check of function preservation, on other inputs than the report's
+    ma, mb = _load(src), _load(out)
+    inputs = random_inputs(ma, batch=3, seq=9, seed=4)
+    with torch.no_grad():
+        ya, yb = ma(**inputs).logits, mb(**inputs).logits
+    assert (ya - yb).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["bert", "llama", "deberta-v2"])
+def test_disguised_checkpoint_is_recovered(family, tmp_path):
+    src = save_tiny(tmp_path / "src", family, seed=3, head=_head(family))
+    disguise_checkpoint(src, tmp_path / "d", seed=11)
+    report = match_checkpoints(tmp_path / "d", src, tmp_path / "m", symmetries=SYMMETRIES)
+    assert report["distance_before"] > 1.0
+    assert report["distance_after"] <= 1e-5 * _norm(src)
+    assert report["max_abs_logit_diff"] <= 1e-4
+
+
+def test_assemble_from_transform_files_equals_match(tmp_path):
+    src = save_tiny(tmp_path / "src", "gpt2", seed=1, head="lm")
+    anc = save_tiny(tmp_path / "anc", "gpt2", seed=2, head="lm")
+    files = {}
+    for key in ("L00.attn", "L00.ffn", "L01.attn", "L01.ffn"):
+        t = match_module(src, anc, key, SYMMETRIES)
+        files[key] = save_transform(t, tmp_path / f"{key}.safetensors")
+        assert load_transform(files[key]).key == key
+    report = assemble_matched(src, files, tmp_path / "a", anchor=anc)
+    match_checkpoints(src, anc, tmp_path / "b", symmetries=SYMMETRIES)
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    assert report["max_abs_logit_diff"] <= 1e-4
+
+
+def test_real_minilm_disguise_and_match(tmp_path):
+    minilm = resolve_checkpoint("minilm")
+    disguise_checkpoint("minilm", tmp_path / "d", seed=1)
+    report = match_checkpoints(tmp_path / "d", "minilm", tmp_path / "m", symmetries=SYMMETRIES)
+    assert report["family"] == "bert"
+    assert report["max_abs_logit_diff"] <= 1e-4
+    assert report["distance_after"] <= 1e-5 * _norm(minilm) < report["distance_before"]
+    assert (tmp_path / "m" / "vocab.txt").exists() or (tmp_path / "m" / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("mode", ["closest", "barycenter"])
+def test_match_many_aligns_disguised_copies(mode, tmp_path):
+    base = save_tiny(tmp_path / "base", "bert", seed=5)
+    models = [base] + [disguise_checkpoint(base, tmp_path / f"d{i}", seed=i) for i in (1, 2)]
+    res = match_many(models, anchor=mode, symmetries=SYMMETRIES)
+    assert res["anchor"] == ("barycenter" if mode == "barycenter" else res["anchor"])
+    outs = [
+        assemble_matched(m, res["transforms"][i], tmp_path / f"o{i}", logit_check=True) for i, m in enumerate(models)
+    ]
+    assert all(o["max_abs_logit_diff"] <= 1e-4 for o in outs)
+    w = [load_file(tmp_path / f"o{i}" / "model.safetensors") for i in range(3)]
+    for k in w[0]:
+        for other in w[1:]:
+            torch.testing.assert_close(other[k], w[0][k], rtol=0, atol=1e-4)
