@@ -162,6 +162,7 @@ def train_model(
             sched.step()
             bar.set_postfix(loss=f"{run_loss / run_n:.4f}")
         bar.close()
+        train_seconds = time.perf_counter() - t0
         logits, labels, val_loss = run_model(model, val_batches, data.problem_type, dev, amp)
         metrics = score_logits(data, data.labels, data.problem_type, logits, labels)
         record = {
@@ -170,6 +171,8 @@ def train_model(
             "val_loss": val_loss,
             "split": val_split,
             **_scalars(metrics),
+            "train_seconds": train_seconds,
+            "train_examples_per_s": len(train_feats) / train_seconds,
             "seconds": time.perf_counter() - t0,
         }
         history.append(record)
