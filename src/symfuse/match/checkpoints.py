@@ -21,7 +21,13 @@ import torch
 from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, atomic_dir, write_checkpoint
 from symfuse.errors import CheckpointError
-from symfuse.match.weights import DEFAULT_SYMMETRIES, check_symmetries, match_module_weights, module_distance
+from symfuse.match.weights import (
+    DEFAULT_SYMMETRIES,
+    check_symmetries,
+    match_module_weights,
+    module_distance,
+    sq_distance,
+)
 from symfuse.symmetry.random import ALL_KINDS, random_module_transform
 from symfuse.symmetry.transforms import ModuleTransform, load_transforms, save_transforms
 
@@ -145,7 +151,7 @@ def assemble_matched(
     anchor: str | Path | None = None,
     symmetries: Sequence[str] | None = None,
     logit_check: bool | None = None,
-    shard_bytes: int = 512 * 1024**2,
+    shard_bytes: int = 256 * 1024**2,
     extra_report: Mapping[str, Any] | None = None,
 ) -> dict:
     """Write SOURCE with every module transformed: save_pretrained folder + transforms + report.
@@ -186,13 +192,13 @@ def assemble_matched(
             return cache.pop(name)
         ref = owner.get(name)
         if ref is None:
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise CheckpointError(f"{src.path}: tensor {name!r} holds NaN or inf values")
             other = anc_names.get(_strip(name, src.prefix))
             if anc is not None and other is not None and tensor.is_floating_point():
                 b = anc.get(other)
                 if b.shape == tensor.shape and b.is_floating_point():
-                    d = float(((tensor.float() - b.float()).double() ** 2).sum())
+                    d = sq_distance(tensor, b)
                     sq["before"] += d
                     sq["after"] += d
             return tensor

@@ -214,9 +214,17 @@ def match_module_weights(
     return match_ffn(src, anc, symmetries, ref.key, timings)
 
 
-def module_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
-    """Frobenius distance over the roles both share (float64 accumulation, role by role)."""
+def sq_distance(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 22) -> float:
+    """``||a - b||²`` accumulated in float64, in row chunks (bounded memory for big half-precision tensors)."""
+    a2, b2 = (t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1) for t in (a, b))
+    rows = max(1, chunk // max(1, a2.shape[1]))
     total = 0.0
-    for r in a.keys() & b.keys():
-        total += float(((a[r].to(torch.float32) - b[r].to(torch.float32)).double() ** 2).sum())
-    return total**0.5
+    for i in range(0, a2.shape[0], rows):
+        d = a2[i : i + rows].to(torch.float64) - b2[i : i + rows].to(torch.float64)
+        total += float((d * d).sum())
+    return total
+
+
+def module_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """Frobenius distance over the roles both share (float64 accumulation, chunked)."""
+    return sum(sq_distance(a[r], b[r]) for r in a.keys() & b.keys()) ** 0.5
