@@ -2,7 +2,7 @@
 
 AdamW, linear warm-up (``warmup_ratio`` of the optimizer steps) then linear decay to 0, evaluation on the
 validation split after each epoch, the best epoch (by the dataset's primary metric) kept. Seeded and deterministic
-on CPU; bf16 autocast on CUDA when ``amp``.
+on CPU; mixed precision on CUDA when ``amp`` (bf16 autocast, or fp16 with loss scaling on GPUs without bf16).
 
 Gradient accumulation: the optimizer step sees ``batch_size * grad_accum`` examples, drawn in the same seeded order
 whatever the split into micro-batches, and each micro-batch's SUMMED loss is divided by the term count of the whole
@@ -113,6 +113,8 @@ def train_model(
 
     dev = resolve_device(device)
     amp = cfg.amp and dev.type == "cuda"
+    amp_dtype = torch.bfloat16 if amp and torch.cuda.is_bf16_supported() else torch.float16
+    scaler = torch.amp.GradScaler("cuda", enabled=amp and amp_dtype == torch.float16)
     model = copy.deepcopy(model).to(dev)
     pad = tokenizer.pad_token_id or 0
     train_feats = encode_split(data, tokenizer, "train", cfg.max_length)
@@ -150,15 +152,17 @@ def train_model(
             denom = max(sum(counts), 1)
             opt.zero_grad(set_to_none=True)
             for batch in micro:
-                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+                with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
                     logits = forward_logits(model, batch, dev)
                 loss_sum, _ = task_loss(logits, batch["labels"].to(dev), data.problem_type)
-                (loss_sum / denom).backward()
+                scaler.scale(loss_sum / denom).backward()
                 run_loss += float(loss_sum.detach())
             run_n += denom
+            scaler.unscale_(opt)
             if cfg.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             sched.step()
             bar.set_postfix(loss=f"{run_loss / run_n:.4f}")
         bar.close()
