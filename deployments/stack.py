@@ -6,6 +6,7 @@ Usage (from anywhere; paths are resolved against the repository)::
     python deployments/stack.py status
     python deployments/stack.py stop                                           # workers first, then the server
     python deployments/stack.py automations                                    # (re)apply automations.yaml
+    python deployments/stack.py setup      # against $PREFECT_API_URL: pool, limit, automations, deploy (compose)
 
 ``start`` runs ``prefect server start --host 127.0.0.1`` in the background (PREFECT_HOME and its sqlite database
 under ``--home``, default ``$SYMFUSE_STACK_DIR`` or ``symfuse-runs/.stack``), creates the process work pool ``gpu``,
@@ -281,7 +282,7 @@ def status(home: str | os.PathLike | None = None) -> dict[str, bool]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["start", "stop", "status", "automations"])
+    parser.add_argument("command", choices=["start", "stop", "status", "automations", "setup"])
     parser.add_argument("--port", type=int, default=int(os.environ.get("SYMFUSE_PREFECT_PORT", "4200")))
     parser.add_argument("--gpus", default=None, help="comma-separated GPU indices (default: all visible)")
     parser.add_argument("--home", default=None, help="stack folder (default $SYMFUSE_STACK_DIR or symfuse-runs/.stack)")
@@ -297,10 +298,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stopped: {stop(args.home) or 'nothing was running'}")
     elif args.command == "status":
         print(json.dumps(status(args.home), indent=1))
-    else:
+    else:  # automations / setup: against a server that runs already (docker compose, a remote server)
         api_url = os.environ.get("PREFECT_API_URL") or f"http://{HOST}:{args.port}/api"
-        apply_api_setup(api_url, n_slots=max(1, len(detect_gpus())))
-        print(f"applied {AUTOMATIONS_FILE.name} to {api_url}")
+        wait_healthy(api_url)
+        n_slots = int(os.environ.get("SYMFUSE_GPU_SLOTS", "0")) or max(1, len(detect_gpus()))
+        apply_api_setup(api_url, n_slots=n_slots)
+        print(f"pool {POOL!r}, limit on tag {GPU_TAG!r} ({n_slots}), {AUTOMATIONS_FILE.name} applied to {api_url}")
+        if args.command == "setup":
+            env = {**os.environ, "PREFECT_API_URL": api_url}
+            print(f"deployed: {', '.join(deploy(env)) or '(none)'}")
     return 0
 
 
