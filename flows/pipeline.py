@@ -50,6 +50,14 @@ def raise_first_failure(futures: list[PrefectFuture]) -> None:
             f.result()  # re-raises the task's exception
 
 
+def result_of(future: PrefectFuture, upstream: list[PrefectFuture]) -> Any:
+    """The future's result, or the exception of the upstream task that kept it from running."""
+    future.wait()
+    if not future.state.is_completed():
+        raise_first_failure([*upstream, future])
+    return future.result()
+
+
 @flow(name="fusion-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=workers()), log_prints=True)
 def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     """Fine-tune → statistics → match (one task per module) → merge (strategies × plain/matched) → evaluate → report.
@@ -76,9 +84,9 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     stats = {(n, k): collect_stats.submit(config, n, models[n], k) for n in names for k in kinds}
 
     # 3. Matching onto the anchor: one task per attention / FFN module per other model, then the matched checkpoints.
-    anchor = choose_anchor.submit(config, models).result()
+    anchor = result_of(choose_anchor.submit(config, models), upstream=list(models.values()))
     others = [n for n in names if n != anchor]
-    modules = list_modules.submit(config, anchor, models[anchor]).result()
+    modules = result_of(list_modules.submit(config, anchor, models[anchor]), upstream=[models[anchor]])
     transforms = {
         n: match_module.map(unmapped(config), unmapped(n), unmapped(models[n]), unmapped(models[anchor]), modules)
         for n in others
