@@ -1,0 +1,70 @@
+"""deployments/stack.py for real: start (server, pool, limit, prefect deploy of deployments/prefect.yaml,
+automations), the remerge trigger fed by a `symfuse.checkpoint.arrived` event, then stop.
+
+Started without workers, so the triggered remerge run is created (and inspected) but not executed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+from symfuse.config import RunConfig
+from tests.integration.servers import free_port
+
+
+def test_local_stack_deploys_and_triggers_remerge(stack, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    home = tmp_path / "stack"
+    info = stack.start(port=free_port(), gpus=[], home=home, workers=False)
+    try:
+        expected, _missing = stack.deployable_names()
+        assert info["deployments"] == expected
+        assert stack.status(home) == {"server": True}
+        config = RunConfig.demo(quick=True).model_dump(mode="json")
+        checkpoints = ["s3://bucket/runs/demo-quick/incoming/ckpt-1"]
+        payload = json.dumps({"config": config, "checkpoints": checkpoints})
+        env = stack.server_env(home, info["api_url"])
+        subprocess.run(
+            [sys.executable, "-m", "prefect", "event", "emit", "symfuse.checkpoint.arrived",
+             "--resource-id", "symfuse.run.demo-quick", "--payload", payload],
+            env=env, check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+
+        async def read():
+            async with get_client() as client:
+                deps = {d.name: d for d in await client.read_deployments()}
+                autos = await client.read_automations()
+                limit = await client.read_concurrency_limit_by_tag("gpu")
+                runs = []
+                if "remerge" in deps:
+                    runs = await client.read_flow_runs(
+                        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deps["remerge"].id]))
+                    )
+                return deps, autos, limit, runs
+
+        with temporary_settings(updates={PREFECT_API_URL: info["api_url"]}):
+            deadline = time.monotonic() + 90
+            while True:
+                deps, autos, limit, runs = asyncio.run(read())
+                if runs or "remerge" not in deps or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+        assert set(deps) == set(expected)
+        assert all(d.work_pool_name == "gpu" for d in deps.values())
+        assert limit.concurrency_limit == 1
+        assert "symfuse-reschedule-crashed" in {a.name for a in autos}
+        if "remerge" in deps:
+            assert len(runs) == 1, "the event did not trigger remerge"
+            assert runs[0].parameters["checkpoints"] == checkpoints  # a list, not its text
+            assert RunConfig.model_validate(runs[0].parameters["config"]) == RunConfig.demo(quick=True)
+    finally:
+        stopped = stack.stop(home)
+    assert stopped == [info["server_pid"]]
+    assert stack.status(home) == {}
