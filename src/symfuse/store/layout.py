@@ -118,6 +118,21 @@ def merged_key(run: str, strategy: str, variant: Literal["plain", "matched"]) ->
     return f"{run_prefix(run)}/merged/{check_segment(strategy, 'strategy')}/{variant}"
 
 
+def merged_prefix(run: str) -> str:
+    """``runs/{run}/merged``: list it to find every merged model of a run."""
+    return f"{run_prefix(run)}/merged"
+
+
+def matched_prefix(run: str) -> str:
+    """``runs/{run}/matched``: list it to find every matched model of a run."""
+    return f"{run_prefix(run)}/matched"
+
+
+def eval_prefix(run: str) -> str:
+    """``runs/{run}/eval``: list it to collect every evaluation of a run."""
+    return f"{run_prefix(run)}/eval"
+
+
 def merged_name(strategy: str, variant: Literal["plain", "matched"]) -> str:
     """``{strategy}-{variant}``: the name of a merged model in eval keys and reports."""
     if variant not in VARIANTS:

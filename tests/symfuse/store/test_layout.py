@@ -20,6 +20,13 @@ def test_every_key_has_its_documented_shape():
     assert layout.eval_key("r", "regmean-plain", "goemotions_ekman") == "runs/r/eval/regmean-plain/goemotions_ekman"
     assert layout.report_key("r") == "runs/r/report"
     assert layout.models_prefix("r") == "runs/r/models"
+    assert layout.merged_prefix("r") == "runs/r/merged"
+    assert layout.matched_prefix("r") == "runs/r/matched"
+    assert layout.eval_prefix("r") == "runs/r/eval"
+    assert layout.incoming_prefix("r") == "runs/r/incoming"
+    # every key of a run lies under its prefix, and prefixes hold their keys
+    assert layout.merged_key("r", "simple", "plain").startswith(layout.merged_prefix("r") + "/")
+    assert layout.eval_key("r", "m", "d").startswith(layout.eval_prefix("r") + "/")
 
 
 def test_transform_key_takes_a_module_ref():
