@@ -152,7 +152,10 @@ class ArtifactStore:
             raise ArtifactNotFound(
                 f"no artifact at {self.uri(key)} (no {MANIFEST}): it was never written or is still being written"
             ) from exc
-        return json.loads(raw)
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise CorruptArtifact(f"{self.uri(key)}/{MANIFEST} is not valid JSON; delete and recompute it") from exc
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys of the complete artifacts under ``prefix`` (those with a manifest), sorted.
@@ -309,6 +312,8 @@ class ArtifactStore:
         src = Path(local_dir)
         if not src.is_dir():
             raise FileNotFoundError(f"cannot store {src} as {self.uri(key)}: not a folder")
+        if self.is_local and src.resolve().is_relative_to(Path(self._path(key)).resolve()):
+            raise ValueError(f"cannot store {src} as {self.uri(key)}: it is (inside) that artifact's own folder")
         files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
         if MANIFEST in files:  # src is itself an artifact (local_cache of a local store): its manifest is not data
             log.info("not uploading %s: %s is the store's own file", src / MANIFEST, MANIFEST)

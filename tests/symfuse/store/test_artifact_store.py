@@ -207,3 +207,19 @@ def test_s3_endpoint_from_aws_env(monkeypatch, s3_server, s3_bucket, tmp_path):
     store = ArtifactStore(f"s3://{s3_bucket}/from-env", cache_dir=tmp_path / "cache")
     store.put_json("runs/r/report", {"ok": True}, producer="t")
     assert store.get_json(store.uri("runs/r/report")) == {"ok": True}
+
+
+def test_damaged_manifest_is_a_corrupt_artifact(store: ArtifactStore, tmp_path):
+    store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
+    store.fs.pipe_file(store._path(KEY, "manifest.json"), b'{"files": [')
+    with pytest.raises(CorruptArtifact, match=r"manifest\.json") as info:
+        store.get_dir(KEY, tmp_path / "out")
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_rewriting_an_artifact_from_its_own_folder_is_refused(tmp_path):
+    store = ArtifactStore(tmp_path / "store", cache_dir=tmp_path / "cache")
+    store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
+    with pytest.raises(ValueError, match="own folder"):
+        store.put_dir(KEY, store.local_cache(KEY), producer="t")
+    assert store.exists(KEY)  # nothing was deleted
