@@ -1,0 +1,185 @@
+"""Activation-based matching: permutations found from paired activation statistics (all exact).
+
+Given :class:`symfuse.stats.activations.ActivationStats` of ANCHOR (``a``) and SOURCE (``b``) on the same inputs:
+
+* residual stream: ONE permutation of d_model from the correlation of the norm outputs — strategy ``first``
+  (the first site: embedding norm, or the first layer's first norm for pre-LN models), ``last`` (the last site:
+  final norm, or the last layer's second norm) or ``all`` (correlations summed over every site). Each gives one
+  global permutation, which is exact for every supported family (see :mod:`symfuse.symmetry.residual`:
+  different permutations per sublayer are never exact with an identity skip path, so they are not offered);
+* FFN neurons per layer: Hungarian on ``corr(b_i, a_j)`` of the hidden activations after the nonlinearity;
+* heads (KV groups with their query heads) per layer: Hungarian on a rotation-invariant head similarity, the
+  nuclear norm of the head pair's cross-covariance block ``||Cov(b_h, a_h')||_*`` normalised by
+  ``sqrt(tr Σ_b_h · tr Σ_a_h')`` (heads move as whole units; summed over a group's query heads under GQA).
+
+The statistics of FFN activations and head outputs do not depend on the residual permutation (every reader of the
+stream is permuted with it), so one statistics pass serves all three. Rotation and scaling inside each head are
+then found from the WEIGHTS (:func:`symfuse.match.weights.match_module_weights`) on the permuted source.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from symfuse.arch import get_spec
+from symfuse.match.closed_form import assign_max
+from symfuse.match.weights import match_module_weights, module_distance
+from symfuse.stats.activations import ActivationStats, collect_activation_stats
+from symfuse.symmetry.residual import ResidualPermutation, permute_residual
+from symfuse.symmetry.transforms import FFNPermutation, HeadPermutation, ModuleTransform, Transform
+
+log = logging.getLogger(__name__)
+
+ACTIVATION_SYMMETRIES = ("residual-permutation", "head-permutation", "ffn-permutation", "rotation", "scaling")
+ResidualStrategy = Literal["first", "last", "all"]
+
+
+def residual_permutation(stats: ActivationStats, strategy: ResidualStrategy = "all") -> torch.Tensor:
+    """The residual permutation aligning B's stream to A's (new coordinate j = old ``perm[j]``).
+
+    Args:
+        stats: Paired statistics with A = anchor, B = source.
+        strategy: ``first``, ``last`` or ``all`` (see the module docstring).
+
+    Returns:
+        ``perm`` (d_model,) int64.
+    """
+    sites = stats.residual_sites()
+    if not sites:
+        raise ValueError("no residual-stream sites in the activation statistics")
+    chosen = {"first": sites[:1], "last": sites[-1:], "all": sites}.get(strategy)
+    if chosen is None:
+        raise ValueError(f"unknown residual strategy {strategy!r}; accepted: first, last, all")
+    corr = sum(stats.sites[s].correlation() for s in chosen)  # (d, d): [i (A), j (B)]
+    perm, _ = assign_max(corr.T.contiguous())  # rows: source (B), columns: anchor (A)
+    return perm
+
+
+def ffn_permutation(stats: ActivationStats, layer: int) -> torch.Tensor:
+    """Neuron permutation of layer ``layer`` from hidden-activation correlation (Hungarian)."""
+    corr = stats.sites[f"ffn.L{layer:02d}"].correlation()  # (d_ffn, d_ffn): [A, B]
+    perm, _ = assign_max(corr.T.contiguous())
+    return perm
+
+
+def head_similarity(stats: ActivationStats, layer: int, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """Similarity of source group ``i`` and anchor group ``j`` (n_kv, n_kv), invariant to rotations inside heads."""
+    m = stats.sites[f"heads.L{layer:02d}"]
+    cov = m.cross_covariance()  # (H*dh, H*dh): [A, B]
+    va, vb = m.var_a(), m.var_b()
+    dh = cov.shape[0] // n_heads
+    blocks = cov.reshape(n_heads, dh, n_heads, dh).permute(2, 0, 1, 3)  # [h_B, h_A, dh, dh]
+    nuc = torch.linalg.matrix_norm(blocks, ord="nuc")  # (H_B, H_A)
+    ta, tb = va.reshape(n_heads, dh).sum(1), vb.reshape(n_heads, dh).sum(1)
+    sim = nuc / (torch.outer(tb, ta).sqrt() + 1e-12)
+    g = n_heads // n_kv_heads  # query head r of group i pairs with query head r of group j
+    return sim.reshape(n_kv_heads, g, n_kv_heads, g).diagonal(dim1=1, dim2=3).sum(-1)
+
+
+def head_permutation(stats: ActivationStats, layer: int, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """KV-group permutation of layer ``layer`` (query heads move with their group) from head similarity."""
+    perm, _ = assign_max(head_similarity(stats, layer, n_heads, n_kv_heads))
+    return perm
+
+
+@dataclass
+class ActivationMatch:
+    """Result of :func:`match_activations`.
+
+    Attributes:
+        residual: The residual permutation applied first (None when not requested).
+        modules: Per-module transforms applied after it (head / FFN permutations, then rotation and scaling).
+        state: The matched source's tensors (same names as the source ``state_dict``).
+        per_module: Distances to the anchor before / after, per module.
+    """
+
+    residual: ResidualPermutation | None
+    modules: dict[str, ModuleTransform]
+    state: dict[str, torch.Tensor]
+    per_module: list[dict] = field(default_factory=list)
+
+    def module_transforms(self) -> dict[str, ModuleTransform]:
+        """Per-module transforms including the module part of the residual permutation (for saving)."""
+        lead = (self.residual,) if self.residual is not None else ()
+        return {k: ModuleTransform(k, (*lead, *t.parts)) for k, t in self.modules.items()}
+
+
+def match_activations(
+    source: torch.nn.Module,
+    anchor: torch.nn.Module,
+    batches: Iterable[Mapping[str, torch.Tensor]] | None = None,
+    symmetries: Sequence[str] = ACTIVATION_SYMMETRIES,
+    residual_strategy: ResidualStrategy = "all",
+    stats: ActivationStats | None = None,
+    device: str = "cpu",
+) -> ActivationMatch:
+    """Align SOURCE to ANCHOR: permutations from activations, then weight-based rotation and scaling.
+
+    Args:
+        source: Model to align (not modified).
+        anchor: Model to align it to (same family and shapes; not modified).
+        batches: Inputs for the statistics (ignored when ``stats`` is given).
+        symmetries: Subset of :data:`ACTIVATION_SYMMETRIES`.
+        residual_strategy: ``first``, ``last`` or ``all``.
+        stats: Precomputed :func:`collect_activation_stats` with A = anchor, B = source.
+        device: Where the statistics pass runs.
+
+    Returns:
+        :class:`ActivationMatch`; load ``result.state`` into a copy of ``source`` to get the matched model, which
+        computes exactly the same function as ``source``.
+    """
+    bad = [s for s in symmetries if s not in ACTIVATION_SYMMETRIES]
+    if bad:
+        raise ValueError(f"unknown symmetries {bad}; accepted: {', '.join(ACTIVATION_SYMMETRIES)}")
+    spec = get_spec(source.config)
+    geo = spec.geometry(source.config)
+    needs_stats = {"residual-permutation", "head-permutation", "ffn-permutation"} & set(symmetries)
+    if needs_stats and stats is None:
+        if batches is None:
+            raise ValueError("activation matching needs `batches` (or precomputed `stats`)")
+        stats = collect_activation_stats(anchor, source, batches, device=device)
+    src_state = {k: v.detach().cpu() for k, v in source.state_dict().items()}
+    anc_state = {k: v.detach().cpu() for k, v in anchor.state_dict().items()}
+    prefix = spec.detect_prefix(src_state)
+    residual = None
+    state = src_state
+    if "residual-permutation" in symmetries:
+        residual = ResidualPermutation(residual_permutation(stats, residual_strategy))
+        state = permute_residual(src_state, spec, source.config, residual.perm, prefix)
+    weight_syms = tuple(s for s in ("rotation", "scaling") if s in symmetries)
+    modules, report = {}, []
+    for ref in spec.modules(source.config):
+        s = spec.read_module(state.__getitem__, state.__contains__, ref, source.config, prefix)
+        a = spec.read_module(anc_state.__getitem__, anc_state.__contains__, ref, anchor.config, prefix)
+        parts: list[Transform] = []
+        if ref.kind == "ffn" and "ffn-permutation" in symmetries:
+            parts.append(FFNPermutation(ffn_permutation(stats, ref.layer)))
+        if ref.kind == "attn" and "head-permutation" in symmetries and geo.n_kv_heads > 1:
+            parts.append(HeadPermutation(head_permutation(stats, ref.layer, geo.n_heads, geo.n_kv_heads)))
+        t = ModuleTransform(ref.key, tuple(parts))
+        moved = t.apply(s)
+        if ref.kind == "attn" and weight_syms:
+            t = match_module_weights(ref, moved, a, geo, weight_syms).compose(t)
+            t = ModuleTransform(ref.key, t.parts)
+            moved = t.apply(s)
+        modules[ref.key] = t
+        state.update(spec.write_module(moved, ref, source.config, prefix))
+        before = module_distance(
+            spec.read_module(src_state.__getitem__, src_state.__contains__, ref, source.config, prefix), a
+        )
+        report.append({"module": ref.key, "kind": ref.kind, "before": before, "after": module_distance(moved, a)})
+    return ActivationMatch(residual, modules, state, report)
+
+
+def matched_model(source: torch.nn.Module, result: ActivationMatch) -> torch.nn.Module:
+    """A NEW module: a deep copy of ``source`` holding ``result.state``."""
+    import copy
+
+    new = copy.deepcopy(source)
+    new.load_state_dict(result.state)
+    return new.eval()

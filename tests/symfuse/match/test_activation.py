@@ -1,0 +1,123 @@
+"""Activation-based matching: streaming statistics, function preservation, disguise recovery."""
+
+import copy
+
+import pytest
+import torch
+
+from symfuse.arch import get_spec
+from symfuse.match.activation import (
+    head_similarity,
+    match_activations,
+    matched_model,
+    residual_permutation,
+)
+from symfuse.stats.activations import PairedMoments, collect_activation_stats
+from symfuse.symmetry.random import random_module_transform
+from symfuse.symmetry.residual import permute_residual
+from tests.tiny import random_inputs, tiny_model
+
+CASES = [("bert", "mlm"), ("roberta", "seq"), ("gpt2", "lm"), ("llama", "lm")]
+
+
+def _model(family, head, seed):
+    return tiny_model(family, seed=seed, head=head, **({"pad_token_id": 0} if family in ("gpt2", "llama") else {}))
+
+
+def _batches(model, n=3):
+    return [random_inputs(model, batch=4, seq=16, seed=s) for s in range(n)]
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def _disguise(model, seed):
+    """Random residual permutation + per-module head / FFN permutations + QK / VO rotations (same function)."""
+    spec, cfg = get_spec(model.config), model.config
+    geo = spec.geometry(cfg)
+    g = torch.Generator().manual_seed(seed)
+    state = permute_residual(model.state_dict(), spec, cfg, torch.randperm(geo.d_model, generator=g))
+    prefix = spec.detect_prefix(state)
+    for ref in spec.modules(cfg):
+        t = random_module_transform(ref, geo, g, kinds=("head-permutation", "ffn-permutation", "rotation"))
+        w = spec.read_module(state.__getitem__, state.__contains__, ref, cfg, prefix)
+        state.update(spec.write_module(t.apply(w), ref, cfg, prefix))
+    out = copy.deepcopy(model)
+    out.load_state_dict(state)
+    return out.eval()
+
+
+def _rel_distance(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    num = sum(float(((sa[k].double() - sb[k].double()) ** 2).sum()) for k in sa if sa[k].is_floating_point())
+    den = sum(float((sa[k].double() ** 2).sum()) for k in sa if sa[k].is_floating_point())
+    return (num / den) ** 0.5
+
+
+def test_paired_moments_stream_equals_batch():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(100, 5, generator=g), torch.randn(100, 3, generator=g)
+    b[:, 0] = 2 * a[:, 1] + 1
+    m = PairedMoments()
+    for i in range(0, 100, 30):
+        m.update(a[i : i + 30], b[i : i + 30])
+    ref = torch.corrcoef(torch.cat([a, b], 1).T.double())[:5, 5:]
+    torch.testing.assert_close(m.correlation(), ref, rtol=0, atol=1e-10)
+    assert abs(float(m.correlation()[1, 0]) - 1) < 1e-10
+
+
+def test_statistics_skip_padding_and_see_every_site():
+    model = _model("bert", "mlm", 0)
+    other = _model("bert", "mlm", 1)
+    stats = collect_activation_stats(model, other, _batches(model, 1))
+    n_tokens = int(random_inputs(model, batch=4, seq=16, seed=0)["attention_mask"].sum())
+    assert {m.n for m in stats.sites.values()} == {n_tokens}
+    assert stats.residual_sites() == ["resid.emb", "resid.L00.attn", "resid.L00.ffn", "resid.L01.attn", "resid.L01.ffn"]
+    assert stats.sites["ffn.L00"].cross.shape == (48, 48) and stats.sites["heads.L01"].cross.shape == (32, 32)
+
+
+@pytest.mark.parametrize(("family", "head"), CASES)
+def test_matching_two_different_models_preserves_function(family, head):
+    source, anchor = _model(family, head, 1), _model(family, head, 2)
+    result = match_activations(source, anchor, _batches(source))
+    matched = matched_model(source, result)
+    for seed in (5, 6):
+        inputs = random_inputs(source, batch=3, seq=9, seed=seed)
+        torch.testing.assert_close(_logits(matched, inputs), _logits(source, inputs), rtol=0, atol=1e-4)
+    perm = result.residual.perm
+    assert not torch.equal(perm, torch.arange(len(perm)))
+    assert sum(r["after"] for r in result.per_module) < sum(r["before"] for r in result.per_module)
+
+
+@pytest.mark.parametrize(("family", "head"), CASES)
+def test_disguise_is_recovered_from_activations(family, head):
+    model = _model(family, head, 3)
+    disguised = _disguise(model, seed=11)
+    assert _rel_distance(disguised, model) > 0.1
+    inputs = random_inputs(model, batch=2, seq=9, seed=9)
+    torch.testing.assert_close(_logits(disguised, inputs), _logits(model, inputs), rtol=0, atol=1e-4)
+    result = match_activations(disguised, model, _batches(model), residual_strategy="all")
+    assert _rel_distance(matched_model(disguised, result), model) <= 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["first", "last", "all"])
+def test_every_residual_strategy_recovers_a_planted_permutation(strategy):
+    model = _model("gpt2", "lm", 4)
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(2))
+    spec = get_spec(model.config)
+    moved = copy.deepcopy(model)
+    moved.load_state_dict(permute_residual(model.state_dict(), spec, model.config, perm))
+    stats = collect_activation_stats(model, moved.eval(), _batches(model, 2))
+    assert torch.equal(residual_permutation(stats, strategy), torch.argsort(perm))  # undoes the planted one
+
+
+def test_head_similarity_is_one_for_rotated_copies():
+    model = _model("bert", "mlm", 5)
+    disguised = _disguise(model, seed=1)
+    stats = collect_activation_stats(model, disguised, _batches(model, 2))
+    sim = head_similarity(stats, 0, 4, 4)  # [source group, anchor group]
+    best = sim.max(dim=0).values
+    torch.testing.assert_close(best, torch.ones(4, dtype=torch.float64), rtol=0, atol=1e-6)
+    assert float(sim.max()) <= 1 + 1e-9
