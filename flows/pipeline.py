@@ -17,6 +17,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from symfuse.config import RunConfig
 from symfuse.merge import MERGERS
+from tasks.common import warm_imports
 from tasks.evaluate import evaluate
 from tasks.finetune import bring_checkpoint, finetune
 from tasks.match import assemble_matched, choose_anchor, list_modules, match_module
@@ -69,6 +70,7 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
         ``{"report": URI, "merged": {name: URI}, "evaluations": [URI, ...]}``.
     """
     names = config.dataset_names
+    warm_imports(config.base_model)  # transformers' lazy imports are not thread-safe: resolve them before fan-out
     unknown = [s for s in config.strategies if s not in MERGERS]
     if unknown:
         raise ValueError(f"unknown merge strategies {unknown}; choose from {sorted(MERGERS)}")

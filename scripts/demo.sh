@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The main job. Until the pipeline lands: match the real MiniLM against a disguised copy of itself.
+# The main job: fusion_pipeline on the embedded demo (MiniLM fine-tuned on dair_emotion, isear, meld; Gram + Fisher
+# statistics; matching; simple / fisher / regmean x plain / matched; in-domain + goemotions_ekman evaluation).
+# Ephemeral Prefect, local store ($SYMFUSE_STORE or ./symfuse-runs). Prints the metrics table at the end.
+#   scripts/demo.sh            full demo (target < 15 min on 2 CPU cores)
+#   scripts/demo.sh --quick    reduced demo (target < 3 min)
+# Other options: --config run.yaml, --store DIR, --run-id ID (see `python -m flows.pipeline --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-out=${SYMFUSE_DEMO_DIR:-symfuse-runs/demo-match}
-rm -rf "$out"
-.venv/bin/symfuse disguise minilm --out "$out/disguised" --seed 1
-.venv/bin/symfuse match "$out/disguised" minilm --out "$out/matched"
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120
+export SYMFUSE_STORE=${SYMFUSE_STORE:-symfuse-runs}
+exec .venv/bin/python -m flows.pipeline "$@"

@@ -58,6 +58,34 @@ def symfuse_task(name: str, task_run_name: str, gpu: bool = False) -> Callable:
     )
 
 
+def warm_imports(base_model: str) -> None:
+    """Resolve transformers' lazy attributes (auto classes, the base model's modeling and tokenizer modules) once.
+
+    ``transformers`` imports its classes lazily on first attribute access, which is not thread-safe: tasks starting
+    together in the thread pool can fail with "cannot import name 'AutoTokenizer'". Call this before fanning out.
+    """
+    import transformers as T
+
+    from symfuse.checkpoint import resolve_checkpoint
+
+    for name in ("AutoConfig", "AutoTokenizer", "AutoModel", "AutoModelForSequenceClassification",
+                 "AutoModelForTokenClassification", "PreTrainedTokenizerFast"):  # fmt: skip
+        getattr(T, name)
+    folder = resolve_checkpoint(base_model)
+    cfg = T.AutoConfig.from_pretrained(str(folder))
+    for mapping in (
+        T.MODEL_MAPPING,
+        T.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+        T.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+    ):
+        with contextlib.suppress(KeyError, ValueError):
+            mapping[type(cfg)]
+    for arch in getattr(cfg, "architectures", None) or []:
+        getattr(T, arch, None)
+    with contextlib.suppress(Exception):  # a base without tokenizer files fails later, with the library's message
+        T.AutoTokenizer.from_pretrained(str(folder))
+
+
 def logger() -> logging.Logger | logging.LoggerAdapter:
     """The Prefect run logger inside a run, else this module's logger (``.fn()`` calls in tests)."""
     from prefect.exceptions import MissingContextError

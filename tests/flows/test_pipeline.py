@@ -2,75 +2,11 @@
 
 from __future__ import annotations
 
-import collections
-import threading
-
 import pytest
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-import symfuse.match
-import symfuse.stats
-import tasks.evaluate
-import tasks.finetune
-import tasks.merge
-import tasks.report
 from flows.pipeline import fusion_pipeline
 from symfuse.store import ArtifactStore, layout
-from tests.flows.conftest import tiny_config
-
-# Library entry points the tasks call, by (module, attribute): each call is one executed stage.
-ENTRY_POINTS = [
-    (tasks.finetune, "finetune_model"),
-    (symfuse.stats, "collect_stats"),
-    (symfuse.stats, "transform_stats"),
-    (symfuse.match, "match_module"),
-    (symfuse.match, "assemble_matched"),
-    (tasks.merge, "merge_checkpoints"),
-    (tasks.evaluate, "evaluate_model"),
-    (tasks.report, "build_report"),
-]
-
-
-class Calls:
-    """Counts the library calls made by tasks (thread-safe: tasks run in a thread pool)."""
-
-    def __init__(self, monkeypatch):
-        self.counts: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
-        for module, name in ENTRY_POINTS:
-            monkeypatch.setattr(module, name, self._spy(name, getattr(module, name)))
-
-    def _spy(self, name, fn):
-        def spy(*args, **kwargs):
-            with self._lock:
-                self.counts[name] += 1
-            return fn(*args, **kwargs)
-
-        return spy
-
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-
-def task_runs(flow_run_id) -> dict[str, object]:
-    """Task-run name -> task run (every task of one flow run, subflows excluded)."""
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {r.name: r for r in runs}
-
-
-@pytest.fixture(scope="module")
-def first_run(tiny_base, tmp_path_factory):
-    """One full pipeline run on a memory:// store with transient faults injected into four tasks."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SYMFUSE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    mp.setenv("SYMFUSE_FAIL_ONCE", "finetune-isear:oom,match-meld-L00.attn,stats-dair_emotion-gram,merge-simple-plain")
-    calls = Calls(mp)
-    config = tiny_config(tiny_base, f"memory://pipeline-{tmp_path_factory.mktemp('x').name}", anchor="closest")
-    state = fusion_pipeline(config, return_state=True)
-    mp.undo()
-    return config, state, calls
+from tests.flows.conftest import Calls, task_runs, tiny_config
 
 
 def test_pipeline_completes_after_injected_faults(first_run):
