@@ -6,7 +6,7 @@ Sources accepted by :func:`load_task_dataset`:
   ``<repo>/../shared/datasets`` or ``<repo>/shared/datasets``);
 * a folder holding ``{train,validation,test}.{jsonl,json,csv}`` (+ an optional ``meta.json``);
 * one local ``.jsonl``/``.json``/``.csv`` file (becomes every split), or ``"train=a.csv,test=b.csv"``;
-* a hub dataset id (for users online).
+* a hub dataset id ``owner/name`` or ``hf:<id>`` (for users online; a bare name must be a shared dataset).
 
 Every local file is checked line by line before it is handed to ``datasets.load_dataset("json"|"csv", ...)``
 (which caches it as Arrow), so a bad record fails with one :class:`DatasetError` naming the file and line.
@@ -18,6 +18,7 @@ multi-label), ``{"text", "text_pair", "label"}`` (pairs; float label = regressio
 from __future__ import annotations
 
 import csv
+import difflib
 import hashlib
 import json
 import logging
@@ -404,7 +405,7 @@ def load_task_dataset(
 
     Args:
         source: Shared dataset name (``"dair_emotion"``), dataset folder, local data file(s)
-            (``"data.csv"`` or ``"train=a.jsonl,test=b.jsonl"``), or a hub id.
+            (``"data.csv"`` or ``"train=a.jsonl,test=b.jsonl"``), or a hub id (``owner/name`` or ``hf:<id>``).
         max_train_examples: Keep a seeded random subset of this many training examples (source order kept).
         seed: Seed of the subsampling.
         max_eval_examples: Same for the validation and test splits.
@@ -415,8 +416,22 @@ def load_task_dataset(
     Raises:
         DatasetError: if the source cannot be found or a record is bad (names file and line).
     """
-    local = _resolve_local(str(source))
-    ds = _load_local(*local, source=str(source)) if local is not None else _load_hub(str(source))
+    source = str(source)
+    if source.startswith("hf:"):
+        ds = _load_hub(source[3:])
+    elif (local := _resolve_local(source)) is not None:
+        ds = _load_local(*local, source=source)
+    elif "/" not in source:  # a bare name that is not a shared dataset: fail fast instead of asking the hub
+        shared = shared_datasets_dir()
+        names = sorted(p.name for p in shared.iterdir() if p.is_dir()) if shared else []
+        close = difflib.get_close_matches(source, names, n=3)
+        raise DatasetError(
+            f"{source}: no shared dataset of that name in {shared}"
+            + (f" (did you mean {', '.join(close)}?)" if close else f" (available: {', '.join(names)})")
+            + "; for a hub dataset give its owner/name id or hf:<id>"
+        )
+    else:
+        ds = _load_hub(source)
     for split, limit in (("train", max_train_examples), ("validation", max_eval_examples), ("test", max_eval_examples)):
         if split in ds.splits and limit is not None and limit < len(ds.splits[split]):
             ds.splits[split] = ds.splits[split].select(subsample_indices(len(ds.splits[split]), limit, seed))

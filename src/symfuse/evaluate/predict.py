@@ -48,12 +48,13 @@ def load_task_model(model: str | Path, device: str = "cpu") -> tuple[torch.nn.Mo
     sequence-classification head).
 
     Raises:
-        CheckpointError: if the folder is not a checkpoint.
+        CheckpointError: if the folder is not a checkpoint or lacks the head's weights (a bare encoder).
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     from symfuse.checkpoint import resolve_checkpoint
     from symfuse.data.batches import load_tokenizer
+    from symfuse.errors import CheckpointError
 
     path = resolve_checkpoint(model)
     config = AutoConfig.from_pretrained(str(path))
@@ -62,8 +63,14 @@ def load_task_model(model: str | Path, device: str = "cpu") -> tuple[torch.nn.Mo
         if head_problem_type(config) == "token_classification"
         else AutoModelForSequenceClassification
     )
-    net = cls.from_pretrained(str(path)).to(resolve_device(device)).eval()
-    return net, load_tokenizer(path)
+    net, info = cls.from_pretrained(str(path), output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise CheckpointError(
+            f"{path}: no trained task head ({len(missing)} weights missing, e.g. {missing[:3]}); evaluate a fine-tuned "
+            "or merged folder that holds its classifier weights"
+        )
+    return net.to(resolve_device(device)).eval(), load_tokenizer(path)
 
 
 def task_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> tuple[torch.Tensor, int]:

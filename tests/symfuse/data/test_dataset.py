@@ -104,3 +104,8 @@ def test_shared_label_names():
         ["anger", "fear", "joy", "love", "sadness", "surprise"],
         ["anger", "disgust", "fear", "joy", "neutral", "sadness", "surprise"],
     ) == ["anger", "fear", "joy", "sadness", "surprise"]
+
+
+def test_unknown_bare_name_fails_fast_with_suggestion():
+    with pytest.raises(DatasetError, match="did you mean dair_emotion"):
+        load_task_dataset("dair_emotoin")

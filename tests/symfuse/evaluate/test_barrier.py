@@ -51,3 +51,11 @@ def test_barrier_of_a_model_with_itself_is_zero(tmp_path):
     assert r["barrier"] == 0.0 and len(r["losses"]) == 5 and len(set(r["losses"])) == 1
     assert json.loads((tmp_path / "out" / "barrier.json").read_text())["barrier"] == 0.0
     assert (tmp_path / "out" / "barrier.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bare_encoder_is_refused_for_evaluation():
+    from symfuse.errors import CheckpointError
+    from symfuse.evaluate import load_task_model
+
+    with pytest.raises(CheckpointError, match="no trained task head"):
+        load_task_model("minilm")
