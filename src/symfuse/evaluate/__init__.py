@@ -15,6 +15,7 @@ from symfuse.evaluate.evaluate import evaluate_model
 from symfuse.evaluate.metrics import accuracy, entity_f1, macro_f1, matthews, pearson_spearman, primary_metric
 from symfuse.evaluate.predict import head_problem_type, load_task_model, run_model, task_loss
 from symfuse.evaluate.scoring import score_logits
+from symfuse.evaluate.table import metrics_table
 
 __all__ = [
     "accuracy",
@@ -29,6 +30,7 @@ __all__ = [
     "loss_barrier",
     "macro_f1",
     "matthews",
+    "metrics_table",
     "pearson_spearman",
     "plot_barrier",
     "primary_metric",

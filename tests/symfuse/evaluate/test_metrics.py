@@ -99,3 +99,29 @@ def test_ner_scoring_maps_tags_by_name():
     m = score_logits(data, head, "token_classification", [z], [gold])
     # location is not a dataset type and song not a head type: both ignored -> the person entity is all that counts
     assert m["entity_types"] == ["person"] and m["f1"] == 1.0
+
+
+def test_metrics_table(tmp_path):
+    import json
+
+    from symfuse.evaluate import metrics_table
+
+    f = tmp_path / "b.json"
+    f.write_text(
+        json.dumps(
+            {
+                "model": "m1",
+                "dataset": "meld",
+                "split": "test",
+                "primary": "macro_f1",
+                "macro_f1": 0.25,
+                "n": 4,
+                "per_class_f1": {"joy": 0.5},
+            }
+        )
+    )
+    a = {"model": "m2", "dataset": "cola", "split": "test", "primary": "matthews", "matthews": 0.1, "n": 3}
+    df = metrics_table([f, a])
+    assert list(df["dataset"]) == ["cola", "meld"] and list(df["score"]) == [0.1, 0.25]
+    assert list(df.columns[:6]) == ["model", "dataset", "split", "primary", "score", "n"]
+    assert "per_class_f1" not in df.columns
