@@ -1,8 +1,9 @@
 """Fine-tune a base encoder on one task dataset: plain torch loop over a ``transformers`` task head.
 
 AdamW, linear warm-up (``warmup_ratio`` of the optimizer steps) then linear decay to 0, evaluation on the
-validation split after each epoch, the best epoch (by the dataset's primary metric) kept. Seeded and deterministic
-on CPU; mixed precision on CUDA when ``amp`` (bf16 autocast, or fp16 with loss scaling on GPUs without bf16).
+validation split after each epoch, the best epoch (by the dataset's primary metric, ties by validation loss) kept.
+Seeded and deterministic on CPU; mixed precision on CUDA when ``amp`` (bf16 autocast, or fp16 with loss scaling on
+GPUs without bf16).
 
 Gradient accumulation: the optimizer step sees ``batch_size * grad_accum`` examples, drawn in the same seeded order
 whatever the split into micro-batches, and each micro-batch's SUMMED loss is divided by the term count of the whole
@@ -136,7 +137,7 @@ def train_model(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, math.ceil(cfg.warmup_ratio * total)))
     history: list[dict[str, Any]] = []
-    best_state, best_score = None, -math.inf
+    best_state, best_score = None, (-math.inf, -math.inf)
     _seed_all(cfg.seed)
     for epoch in range(1, cfg.epochs + 1):
         t0 = time.perf_counter()
@@ -188,7 +189,7 @@ def train_model(
             metrics["primary"],
             metrics[metrics["primary"]],
         )
-        score = metrics[metrics["primary"]]
+        score = (metrics[metrics["primary"]], -val_loss)  # ties on the metric: lower validation loss wins
         if cfg.keep_best and score > best_score:
             best_score = score
             best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
