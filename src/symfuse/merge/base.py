@@ -82,9 +82,19 @@ class Merger:
             raise MissingStats(f"{self.name}: no base tensor for {t.name}; pass --base")
 
 
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype for elementwise merging: float64 for float64 inputs, else float32.
+
+    A weighted sum of K float32 values in float32 is accurate to a few ulps; float64 copies of a large embedding
+    matrix would double the merge's peak memory.
+    """
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """``sum_i w_i t_i`` computed in float64 (weights already sum to 1), returned in the inputs' dtype."""
-    acc = torch.zeros(tensors[0].shape, dtype=torch.float64)
+    """``sum_i w_i t_i`` (weights already sum to 1), returned in the inputs' dtype."""
+    dt = acc_dtype(tensors[0])
+    acc = torch.zeros(tensors[0].shape, dtype=dt)
     for t, w in zip(tensors, weights, strict=True):
-        acc += w * t.to(torch.float64)
+        acc.add_(t.to(dt), alpha=w)
     return acc.to(tensors[0].dtype)

@@ -150,7 +150,7 @@ def merge_checkpoints(
         for r in readers[1:]
     )
     body = [n for n in r0.names() if not (separate and n in heads)]
-    for i, r in enumerate(readers[1:], start=1):
+    for r in readers[1:]:
         rbody = {n for n in r.names() if not (separate and n in head_names(r))}
         if rbody != set(body):
             diff = sorted(rbody.symmetric_difference(body))[:5]
@@ -158,7 +158,6 @@ def merge_checkpoints(
         for n in body:
             if r.shape(n) != r0.shape(n):
                 raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, model 0 has {r0.shape(n)}")
-        del i
 
     grams, fishers = files.get("gram"), files.get("fisher")
 
@@ -193,7 +192,7 @@ def merge_checkpoints(
         return merger.merge_tensor(TensorInputs(name, tensors, weights, b, fisher, gram, conv1d))
 
     names: dict[str, str] = {}
-    for i, (m, r) in enumerate(zip(models, readers, strict=True)):
+    for i, m in enumerate(models):
         ds = None
         for kind_files in files.values():
             ds = kind_files[i].meta.get("dataset")
@@ -201,7 +200,6 @@ def merge_checkpoints(
         while name in names:
             name = f"{name}-{i}"
         names[name] = "." if i == 0 else f"heads/{name}"
-        del r
     out = Path(out)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True)

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from symfuse.merge.base import MergeParams, Merger, TensorInputs, weighted_mean
+from symfuse.merge.base import MergeParams, Merger, TensorInputs, acc_dtype, weighted_mean
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,11 @@ class FisherMerger(Merger):
             self.count("no_fisher_averaged")
             return weighted_mean(t.tensors, t.weights)
         eps = self.params.epsilon  # type: ignore[attr-defined]
-        num = torch.zeros(t.tensors[0].shape, dtype=torch.float64)
+        dt = acc_dtype(t.tensors[0])
+        num = torch.zeros(t.tensors[0].shape, dtype=dt)
         den = torch.zeros_like(num)
         for x, f, w in zip(t.tensors, t.fisher, t.weights, strict=True):
-            fw = w * f.to(torch.float64).clamp_min(eps)
-            num += fw * x.to(torch.float64)
+            fw = f.to(dt).clamp_min(eps).mul_(w)
             den += fw
-        return (num / den).to(t.tensors[0].dtype)
+            num += fw.mul_(x.to(dt))
+        return num.div_(den).to(t.tensors[0].dtype)
