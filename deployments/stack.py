@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -109,14 +110,25 @@ def _terminate(pid: int, first: signal.Signals, grace: float) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-def wait_healthy(api_url: str, timeout: float = 120) -> None:
+def wait_healthy(api_url: str, timeout: float = 120, pid: int | None = None) -> None:
     """Poll ``<api_url>/health`` until it answers.
 
+    Args:
+        api_url: The server's API URL.
+        timeout: Seconds to wait.
+        pid: The server process started here (a child): give up at once if it exits.
+
     Raises:
-        TimeoutError: if it does not within ``timeout`` seconds.
+        TimeoutError: if it does not answer within ``timeout`` seconds.
+        RuntimeError: if the process ``pid`` exited.
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if pid is not None:
+            with contextlib.suppress(ChildProcessError):
+                done, code = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    raise RuntimeError(f"prefect server (pid {pid}) exited with status {code} before answering")
         with contextlib.suppress(OSError), urllib.request.urlopen(f"{api_url}/health", timeout=2) as resp:
             if resp.status == 200:
                 return
@@ -225,6 +237,11 @@ def start(
     running = [pid for _, pid in _read_pids(root, "*.pid") if _alive(pid)]
     if running:
         raise RuntimeError(f"a stack already runs under {root} (pids {running}); stop it first")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError as exc:
+            raise RuntimeError(f"port {port} on {HOST} is taken: pass --port or stop what listens there") from exc
     api_url = f"http://{HOST}:{port}/api"
     env = server_env(root, api_url)
     server_pid = _spawn(
@@ -234,7 +251,10 @@ def start(
         root / "server.pid",
     )
     try:
-        wait_healthy(api_url)
+        try:
+            wait_healthy(api_url, pid=server_pid)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; see {root / 'logs' / 'server.log'}") from exc
         gpus = detect_gpus() if gpus is None else list(gpus)
         apply_api_setup(api_url, n_slots=max(1, len(gpus)))
         deployed = deploy(env)

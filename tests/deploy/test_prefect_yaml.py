@@ -154,3 +154,15 @@ def test_stack_stop_terminates_workers_before_the_server(tmp_path, monkeypatch):
     assert stack.stop(tmp_path) == [200, 201, 100]
     assert order == [200, 201, 100]
     assert not list(tmp_path.glob("*.pid"))
+
+
+def test_stack_start_refuses_a_taken_port(tmp_path):
+    import socket
+
+    stack = stack_module()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        with pytest.raises(RuntimeError, match="is taken"):
+            stack.start(port=sock.getsockname()[1], gpus=[], home=tmp_path, workers=False)
+    assert stack.status(tmp_path) == {}
