@@ -126,7 +126,7 @@ def first_run(tiny_base, tmp_path_factory):
     """One full pipeline run on a memory:// store with transient faults injected into four tasks."""
     mp = pytest.MonkeyPatch()
     mp.setenv("SYMFUSE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    mp.setenv("SYMFUSE_FAIL_ONCE", "finetune-isear:oom,match-meld-L00.attn,stats-dair_emotion-gram,merge-simple-plain")
+    mp.setenv("SYMFUSE_FAIL_ONCE", "finetune-isear:oom,match-*-L01.ffn,stats-dair_emotion-gram,merge-simple-plain")
     calls = Calls(mp)
     config = tiny_config(tiny_base, f"memory://pipeline-{tmp_path_factory.mktemp('x').name}", anchor="closest")
     from flows.pipeline import fusion_pipeline
