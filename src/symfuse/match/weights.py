@@ -17,6 +17,7 @@ import torch
 
 from symfuse.arch import Geometry, ModuleRef
 from symfuse.match.closed_form import assign_max, fit_rotation_scale
+from symfuse.match.sketch import certified_nearest
 from symfuse.symmetry.transforms import (
     FFNPermutation,
     HeadPermutation,
@@ -173,11 +174,25 @@ def match_ffn(
     symmetries: Sequence[str],
     key: str = "",
     timings: Timings | None = None,
+    sketch: bool = True,
 ) -> ModuleTransform:
-    """Transform mapping the source FFN onto the anchor's (neuron permutation by Hungarian, exact fast path)."""
+    """Transform mapping the source FFN onto the anchor's: the neuron permutation solving the Hungarian problem.
+
+    Exact fast paths, tried in order: certified nearest neighbours from a sketch (:mod:`symfuse.match.sketch`;
+    no full cost matrix), then row / column argmax of the full cost matrix (:func:`assign_max`); else Hungarian.
+    """
     if "ffn-permutation" not in symmetries:
         return ModuleTransform(key, ())
     t0 = time.perf_counter()
+    nn = certified_nearest(src, anc) if sketch else None
+    t0 = _tick(timings, "ffn_sketch", t0)
+    if nn is not None and torch.bincount(nn, minlength=nn.numel()).max() == 1:
+        # every source neuron's exact nearest anchor neuron is distinct: each row of the Hungarian problem
+        # sits at its maximum, so this permutation is optimal
+        perm = torch.empty_like(nn)
+        perm[nn] = torch.arange(nn.numel())
+        log.debug("%s: ffn permutation certified from the sketch", key)
+        return ModuleTransform(key, (FFNPermutation(perm),))
     sim = ffn_similarity(src, anc)
     t0 = _tick(timings, "ffn_cost", t0)
     perm, ran = assign_max(sim)

@@ -72,3 +72,33 @@ def test_assignment_fast_path_is_exact_and_hungarian_otherwise():
     rows, cols = linear_sum_assignment(-dense.double().numpy())
     assert ran
     assert np.isclose(float(dense[got, torch.arange(n)].sum()), float(dense.numpy()[rows, cols].sum()), atol=1e-4)
+
+
+def test_sketch_certificate_agrees_with_full_hungarian():
+    from symfuse.match.sketch import certified_nearest
+    from symfuse.match.weights import ffn_similarity, match_ffn
+    from symfuse.symmetry import FFNPermutation
+
+    g = torch.Generator().manual_seed(4)
+    n, d = 300, 40
+    anc = {
+        "up": torch.randn(n, d, generator=g),
+        "gate": torch.randn(n, d, generator=g),
+        "up_bias": torch.randn(n, generator=g),
+        "down": torch.randn(d, n, generator=g),
+    }
+    perm = torch.randperm(n, generator=g)
+    src = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in FFNPermutation(perm).apply(anc).items()}
+    nn = certified_nearest(src, anc, k=16)
+    assert nn is not None and torch.equal(nn, ffn_similarity(src, anc).argmax(1))  # exact row argmax
+    fast = match_ffn(src, anc, ["ffn-permutation"]).parts[0].perm
+    rows, cols = linear_sum_assignment(-ffn_similarity(src, anc).double().numpy())
+    assert torch.equal(fast[torch.from_numpy(cols)], torch.from_numpy(rows))
+    assert torch.equal(perm[fast], torch.arange(n))
+    # independent models: no certificate, the full Hungarian path answers (same optimum as scipy)
+    other = {k: torch.randn(v.shape, generator=g) for k, v in anc.items()}
+    assert certified_nearest(other, anc, k=16) is None
+    slow = match_ffn(other, anc, ["ffn-permutation"]).parts[0].perm
+    sim = ffn_similarity(other, anc)
+    rows, cols = linear_sum_assignment(-sim.double().numpy())
+    assert np.isclose(float(sim[slow, torch.arange(n)].sum()), float(sim.numpy()[rows, cols].sum()), rtol=1e-5)
