@@ -167,6 +167,12 @@ class PrefectServer:
         self._workers.append(proc)
         return proc
 
+    def stop_worker(self, proc: subprocess.Popen, grace: float = 20) -> None:
+        """Stop one worker started by :meth:`start_worker` (e.g. at the end of a module-scoped fixture)."""
+        if proc in self._workers:
+            self._workers.remove(proc)
+        _stop(proc, grace)
+
     def stop_workers(self, grace: float = 20) -> None:
         """Stop every worker started here (SIGINT, then SIGKILL of its process group)."""
         while self._workers:

@@ -56,8 +56,9 @@ def deployed(prefect_server, s3, stack, tmp_path_factory):
     stack.apply_api_setup(prefect_server.api_url, n_slots=1)
     prefect_server.cli("deploy", "--all", "--prefect-file", str(project / "prefect.yaml"), cwd=project)
     env = {**s3.env, "CUDA_VISIBLE_DEVICES": "0", "PREFECT_WORKER_QUERY_SECONDS": "2"}
-    prefect_server.start_worker("gpu", env=env, cwd=project, name="gpu-worker-0")
-    return s3.make_bucket()
+    worker = prefect_server.start_worker("gpu", env=env, cwd=project, name="gpu-worker-0")
+    yield s3.make_bucket()
+    prefect_server.stop_worker(worker)  # later modules start their own workers on the same pool
 
 
 def _store(s3, bucket) -> ArtifactStore:
