@@ -128,6 +128,7 @@ class PrefectServer:
         Raises:
             AssertionError: if ``check`` and the command fails (the message holds its output).
         """
+        args = tuple(a for a in args if a != "--no-prompt")  # added once below; prefect refuses it twice
         res = subprocess.run(
             [*PREFECT, "--no-prompt", *args],
             cwd=cwd,
