@@ -24,16 +24,35 @@ def match(
     out: Annotated[Path, typer.Option("--out", help="Output folder (must not exist).")],
     symmetries: Annotated[
         str,
-        typer.Option("--symmetries", help="Comma-separated: rotation, scaling, ffn-permutation, head-permutation."),
+        typer.Option(
+            "--symmetries", help="Comma-separated: rotation, scaling, ffn-/head-permutation, residual-permutation."
+        ),
     ] = "rotation,scaling,ffn-permutation",
     workers: Annotated[int | None, typer.Option("--workers", help="Modules matched in parallel.")] = None,
+    # --- activation-based matching (issue 5) ---
+    data: Annotated[
+        str | None,
+        typer.Option("--data", help="Dataset whose texts feed both models: activation-based permutations."),
+    ] = None,
+    max_examples: Annotated[int, typer.Option("--max-examples", help="Examples for the statistics.")] = 512,
 ) -> None:
-    """Align SOURCE to ANCHOR by exact symmetries; write OUT (checkpoint, transforms, report) and print the report."""
+    """Align SOURCE to ANCHOR by exact symmetries; write OUT (checkpoint, transforms, report) and print the report.
+
+    With --data, permutations (residual-permutation, head-permutation, ffn-permutation) come from activation
+    correlations on the dataset's texts; rotation and scaling are then fitted on the weights.
+    """
     from symfuse.match import match_checkpoints
 
     names = [s.strip() for s in symmetries.split(",") if s.strip()]
     try:
-        report = match_checkpoints(source, anchor, out, symmetries=names, workers=workers)
+        if data is not None or "residual-permutation" in names:
+            if data is None:
+                raise ValueError("residual-permutation is found from activations: give --data DATASET")
+            from symfuse.match.activation import match_activation_checkpoints
+
+            report = match_activation_checkpoints(source, anchor, out, data, names, max_examples)
+        else:
+            report = match_checkpoints(source, anchor, out, symmetries=names, workers=workers)
     except (SymfuseError, ValueError, FileExistsError, OSError) as exc:
         _fail(exc)
         return

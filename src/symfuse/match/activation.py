@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from tempfile import TemporaryDirectory
 from typing import Literal
 
 import torch
@@ -105,8 +107,11 @@ class ActivationMatch:
 
     def module_transforms(self) -> dict[str, ModuleTransform]:
         """Per-module transforms including the module part of the residual permutation (for saving)."""
-        lead = (self.residual,) if self.residual is not None else ()
-        return {k: ModuleTransform(k, (*lead, *t.parts)) for k, t in self.modules.items()}
+
+        def lead() -> tuple:  # a fresh tensor per module: safetensors refuses shared storage
+            return (ResidualPermutation(self.residual.perm.clone()),) if self.residual is not None else ()
+
+        return {k: ModuleTransform(k, (*lead(), *t.parts)) for k, t in self.modules.items()}
 
 
 def match_activations(
@@ -183,3 +188,117 @@ def matched_model(source: torch.nn.Module, result: ActivationMatch) -> torch.nn.
     new = copy.deepcopy(source)
     new.load_state_dict(result.state)
     return new.eval()
+
+
+def _load_model(path: Path) -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(str(path))
+    arch = (getattr(cfg, "architectures", None) or [None])[0]
+    cls = (getattr(transformers, arch, None) if arch else None) or transformers.AutoModel
+    return cls.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _state_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    total = 0.0
+    for k in a.keys() & b.keys():
+        if a[k].is_floating_point() and a[k].shape == b[k].shape:
+            total += float(((a[k].double() - b[k].double()) ** 2).sum())
+    return total**0.5
+
+
+def _logit_diff_in_memory(a: torch.nn.Module, b: torch.nn.Module, seed: int = 0) -> float:
+    """Max |Δ| of the outputs (logits, else last hidden state) on random token inputs with padding, fp32."""
+    cfg = a.config
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(min(5, cfg.vocab_size - 1), cfg.vocab_size, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0
+    with torch.no_grad():
+        oa, ob = a(input_ids=ids, attention_mask=mask), b(input_ids=ids, attention_mask=mask)
+    pick = "logits" if getattr(oa, "logits", None) is not None else "last_hidden_state"
+    return float((getattr(oa, pick) - getattr(ob, pick)).abs().max())
+
+
+def match_activation_checkpoints(
+    source: str | Path,
+    anchor: str | Path,
+    out: str | Path,
+    data: str,
+    symmetries: Sequence[str] = ACTIVATION_SYMMETRIES,
+    max_examples: int | None = 512,
+    residual_strategy: ResidualStrategy = "all",
+    batch_size: int = 16,
+    max_length: int = 128,
+    device: str = "cpu",
+) -> dict:
+    """``symfuse match --data``: activation-based matching of two checkpoints, written like ``symfuse match``.
+
+    Args:
+        source: Source checkpoint folder (or ``"minilm"`` / hub id).
+        anchor: Anchor checkpoint of the same family and shapes.
+        out: Output folder (must not exist; written atomically): the matched checkpoint (SOURCE's tensor names),
+            ``transforms.safetensors`` (per-module transforms with the residual part first, plus ``residual``)
+            and ``symfuse_report.json``.
+        data: Dataset whose training texts feed both models (any :func:`symfuse.data.load_task_dataset` source).
+        symmetries: Subset of :data:`ACTIVATION_SYMMETRIES`.
+        max_examples: Examples used for the statistics.
+        residual_strategy: ``first``, ``last`` or ``all``.
+        batch_size: Examples per forward pass.
+        max_length: Truncation length in tokens.
+        device: Where the models run.
+
+    Returns:
+        The report (``distance_before``, ``distance_after``, ``max_abs_logit_diff``, ``per_module``, ``seconds``).
+    """
+    import json
+    import time
+
+    from symfuse.checkpoint import CheckpointReader, resolve_checkpoint, write_checkpoint
+    from symfuse.data import make_batches
+    from symfuse.match.checkpoints import REPORT_FILE, TRANSFORMS_FILE, check_compatible
+    from symfuse.symmetry.transforms import save_transforms
+
+    t0 = time.perf_counter()
+    if Path(out).exists():
+        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+    src_path, anc_path = resolve_checkpoint(source), resolve_checkpoint(anchor)
+    with CheckpointReader(src_path) as src, CheckpointReader(anc_path) as anc:
+        check_compatible(src, anc)
+    src_model, anc_model = _load_model(src_path), _load_model(anc_path)
+    batches = make_batches(data, src_path, "train", batch_size, max_length, max_examples)
+    batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
+    result = match_activations(
+        src_model, anc_model, batches, symmetries, residual_strategy=residual_strategy, device=device
+    )
+    transforms = result.module_transforms()
+    if result.residual is not None:
+        transforms["residual"] = ModuleTransform("residual", (ResidualPermutation(result.residual.perm.clone()),))
+    anc_state = anc_model.state_dict()
+    report = {
+        "source": str(src_path),
+        "anchor": str(anc_path),
+        "symmetries": list(symmetries),
+        "mode": "activation",
+        "data": data,
+        "max_examples": max_examples,
+        "residual_strategy": residual_strategy,
+        "distance_before": _state_distance(src_model.state_dict(), anc_state),
+        "distance_after": _state_distance(result.state, anc_state),
+        "per_module": result.per_module,
+    }
+    report["max_abs_logit_diff"] = _logit_diff_in_memory(src_model, matched_model(src_model, result))
+    report["seconds"] = time.perf_counter() - t0
+    with CheckpointReader(src_path) as reader, TemporaryDirectory() as tmp:
+        tfile = save_transforms(transforms, Path(tmp) / TRANSFORMS_FILE)
+        replace = {n: result.state[n] for n in reader.names() if n in result.state}
+        extra = {TRANSFORMS_FILE: tfile.read_bytes(), REPORT_FILE: json.dumps(report, indent=2).encode()}
+        write_checkpoint(reader, out, replace=replace, extra_files=extra)
+    log.info(
+        "activation matching %s -> %s: distance %.4g -> %.4g",
+        source,
+        anchor,
+        report["distance_before"],
+        report["distance_after"],
+    )
+    return report
