@@ -3,7 +3,7 @@
 Every merger class declares ``name``, ``required_stats`` (statistics kinds it reads) and ``needs_base``.
 """
 
-from symfuse.merge.base import MergeParams, Merger, TensorInputs, weighted_mean
+from symfuse.merge.base import LazyTensors, MergeParams, Merger, TensorInputs, weighted_mean
 from symfuse.merge.checkpoints import REPORT, StreamingReader, head_names, merge_checkpoints
 from symfuse.merge.regmean import RegMeanMerger, regmean_solve
 from symfuse.merge.simple import FisherMerger, SimpleMerger
@@ -18,6 +18,7 @@ __all__ = [
     "REPORT",
     "DareMerger",
     "FisherMerger",
+    "LazyTensors",
     "MergeParams",
     "Merger",
     "RegMeanMerger",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,9 +20,31 @@ class MergeParams(BaseModel):
     weights: list[float] | None = None  # per-model weights (normalised to sum 1); default uniform
 
 
+class LazyTensors(Sequence[torch.Tensor]):
+    """K tensors loaded on access (each access reads again), so a merger that walks them once holds one at a time.
+
+    Args:
+        loaders: One zero-argument function per model returning its tensor.
+    """
+
+    def __init__(self, loaders: Sequence[Callable[[], torch.Tensor]]):
+        self._loaders = list(loaders)
+
+    def __len__(self) -> int:
+        return len(self._loaders)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [f() for f in self._loaders[i]]
+        return self._loaders[i]()
+
+
 @dataclass
 class TensorInputs:
     """One tensor of K models and what a merger may need to merge it.
+
+    ``tensors``, ``fisher`` and ``gram`` may be :class:`LazyTensors`: walk them once (``zip``, ``for``) to keep
+    memory at one model's tensor; index them once per model.
 
     Attributes:
         name: Stored tensor name (``bert.encoder.layer.0.attention.self.query.weight``).

@@ -30,7 +30,7 @@ import torch
 
 from symfuse.checkpoint import CheckpointReader, atomic_dir, write_checkpoint
 from symfuse.errors import CheckpointError, MissingStats
-from symfuse.merge.base import TensorInputs
+from symfuse.merge.base import LazyTensors, TensorInputs, weighted_mean
 from symfuse.stats.io import SafetensorsFile, StatsFile
 
 log = logging.getLogger(__name__)
@@ -170,22 +170,22 @@ def merge_checkpoints(
     def merge_one(name: str, first: torch.Tensor) -> torch.Tensor:
         if separate and name in heads:
             return first
-        tensors = [first] + [r.get(name) for r in readers[1:]]
         if not first.is_floating_point():
             return first
+        tensors = LazyTensors([lambda: first] + [lambda r=r: r.get(name) for r in readers[1:]])
         b = base_tensor(name)
         if merger.needs_base and b is None:  # e.g. a head absent from a bare base model
             merger.count("no_base_averaged")
-            return torch.stack([t.double() * w for t, w in zip(tensors, weights, strict=True)]).sum(0).to(first.dtype)
+            return weighted_mean(tensors, weights)
         fisher = None
         if fishers is not None and all(f.has(name) for f in fishers):
-            fisher = [f.get(name) for f in fishers]
+            fisher = LazyTensors([lambda f=f: f.get(name) for f in fishers])
         gram, conv1d = None, False
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if grams is not None and module is not None and first.dim() == 2:
             have = [g.has(module) for g in grams]
             if all(have):
-                gram = [g.get(module) for g in grams]
+                gram = LazyTensors([lambda g=g: g.get(module) for g in grams])
                 conv1d = module in grams[0].conv1d
             elif any(have):
                 raise MissingStats(f"Gram of {module} is missing from some models' statistics; recollect them")

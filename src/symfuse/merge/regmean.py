@@ -38,9 +38,11 @@ def regmean_solve(
     alpha: float = 0.9,
     conv1d: bool = False,
     dtype: torch.dtype = torch.float64,
-    factor: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Merge one linear layer's weights with RegMean.
+
+    Walks ``weights`` and ``grams`` once, so lazy sequences keep one model's Gram in memory at a time.
 
     Args:
         weights: K weights, (out, in) (``nn.Linear``) or (in, out) (``conv1d``).
@@ -49,48 +51,51 @@ def regmean_solve(
         alpha: Off-diagonal scale in [0, 1].
         conv1d: Weights are stored (in, out).
         dtype: Compute precision.
-        factor: Cholesky factor of the summed scaled Gram, reused from a layer with the same Grams.
+        cache: ``(summed scaled Gram, its Cholesky factor)`` of a previous layer; reused when the summed Gram is
+            identical (q / k / v read the same input).
 
     Returns:
-        ``(merged weight in the input layout and dtype, Cholesky factor or None after the lstsq fallback)``.
+        ``(merged weight in the input layout and dtype, (summed Gram, factor) or None after the lstsq fallback)``.
 
     Raises:
         ValueError: if shapes disagree (the message names them).
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"regmean alpha must be in [0, 1], got {alpha}")
-    k = len(weights)
-    mw = list(model_weights) if model_weights is not None else [1.0] * k
-    n_in = grams[0].shape[0]
-    a = None if factor is not None else torch.zeros(n_in, n_in, dtype=dtype)
-    b = None
-    for w, g, c in zip(weights, grams, mw, strict=True):
+    mw = list(model_weights) if model_weights is not None else [1.0] * len(weights)
+    a = b = None
+    out_dtype = None
+    for w, g, c in zip(weights, grams, mw, strict=True):  # one model's weight and Gram in memory at a time
+        out_dtype = w.dtype
+        n_in = g.shape[0]
         wt = w.to(dtype) if conv1d else w.to(dtype).T  # (in, out)
         if wt.shape[0] != n_in or g.shape != (n_in, n_in):
             raise ValueError(f"regmean: weight {tuple(w.shape)} does not match Gram {tuple(g.shape)}")
-        gs = g.to(dtype)
+        gs = g.to(dtype, copy=True)  # never modify the caller's Gram
+        del g
         if alpha != 1.0:
             diag = gs.diagonal().clone()
-            gs = gs * alpha
+            gs.mul_(alpha)
             gs.diagonal().copy_(diag)  # diag(G') = diag(G): only off-diagonals are scaled
         if c != 1.0:
-            gs = gs * c
-        if a is not None:
-            a += gs
+            gs.mul_(c)
+        a = gs.clone() if a is None else a.add_(gs)
         term = gs @ wt  # (in, out)
+        del gs
         b = term if b is None else b.add_(term)
-    assert b is not None
-    if factor is None:
-        assert a is not None
+    assert a is not None and b is not None and out_dtype is not None
+    if cache is not None and cache[0].shape == a.shape and torch.equal(cache[0], a):
+        factor = cache[1]
+    else:
         factor, info = torch.linalg.cholesky_ex(a)
         if int(info) != 0:
-            log.warning("regmean: summed Gram (%d x %d) is not positive definite; solving by lstsq", n_in, n_in)
+            log.warning("regmean: summed Gram (%d x %d) is not positive definite; solving by lstsq", *a.shape)
             x = torch.linalg.lstsq(a.to(torch.float64), b.to(torch.float64)).solution.to(dtype)
             out = x if conv1d else x.T
-            return out.to(weights[0].dtype).contiguous(), None
+            return out.to(out_dtype).contiguous(), None
     x = torch.cholesky_solve(b, factor)  # (in, out)
     out = x if conv1d else x.T
-    return out.to(weights[0].dtype).contiguous(), factor
+    return out.to(out_dtype).contiguous(), (a, factor)
 
 
 class RegMeanMerger(Merger):
@@ -102,32 +107,26 @@ class RegMeanMerger(Merger):
 
     def __init__(self, **params):
         super().__init__(**params)
-        self._cache: tuple[Sequence[torch.Tensor], torch.Tensor] | None = None
+        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
         """RegMean solve for a linear weight with Grams, weighted mean otherwise."""
         if t.gram is None:
             return weighted_mean(t.tensors, t.weights)
         p = self.params
-        factor = None
-        if self._cache is not None and all(
-            a.shape == b.shape and torch.equal(a, b) for a, b in zip(self._cache[0], t.gram, strict=True)
-        ):
-            factor = self._cache[1]  # q / k / v share their input: factor the summed Gram once
-            self.count("factor_reused")
-        out, factor = regmean_solve(
+        previous = self._cache
+        out, self._cache = regmean_solve(
             t.tensors,
             t.gram,
             t.weights,
             alpha=p.alpha,  # type: ignore[attr-defined]
             conv1d=t.conv1d,
             dtype=getattr(torch, p.dtype),  # type: ignore[attr-defined]
-            factor=factor,
+            cache=previous,
         )
-        if factor is None:
+        if self._cache is None:
             self.count("lstsq_fallback")
-            self._cache = None
-        else:
-            self._cache = (t.gram, factor)
+        elif previous is not None and self._cache[1] is previous[1]:
+            self.count("factor_reused")
         self.count("regmean_solves")
         return out

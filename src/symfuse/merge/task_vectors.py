@@ -78,11 +78,14 @@ class TaskArithmeticMerger(Merger):
     def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
         """Base plus scaled summed task vectors."""
         self.check_inputs(t)
-        taus = task_vectors(t)
-        k = len(taus)
+        assert t.base is not None
+        k = len(t.weights)
         lam = self.params.lam if self.params.lam is not None else 1.0 / k  # type: ignore[attr-defined]
-        total = sum(w * k * tau for w, tau in zip(t.weights, taus, strict=True))
-        return (t.base.to(torch.float64) + lam * total).to(t.tensors[0].dtype)  # type: ignore[union-attr]
+        base = t.base.to(torch.float64)
+        out = base.clone()
+        for w, x in zip(t.weights, t.tensors, strict=True):  # one model in memory at a time
+            out.add_(x.to(torch.float64) - base, alpha=lam * w * k)
+        return out.to(t.base.dtype)
 
 
 class TiesParams(MergeParams):
