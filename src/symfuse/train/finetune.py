@@ -138,6 +138,7 @@ def train_model(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, math.ceil(cfg.warmup_ratio * total)))
     history: list[dict[str, Any]] = []
     best_state, best_score = None, (-math.inf, -math.inf)
+    best_epoch = cfg.epochs
     _seed_all(cfg.seed)
     for epoch in range(1, cfg.epochs + 1):
         t0 = time.perf_counter()
@@ -193,7 +194,9 @@ def train_model(
         if cfg.keep_best and score > best_score:
             best_score = score
             best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-            record["best"] = True
+            best_epoch = epoch
+    for record in history:  # exactly one record is flagged: the epoch whose weights are returned
+        record["best"] = record["epoch"] == (best_epoch if cfg.keep_best else len(history))
     if best_state is not None and cfg.keep_best:
         model.load_state_dict(best_state)
     return model.cpu().eval(), history
@@ -251,7 +254,7 @@ def finetune(
         "config": cfg.model_dump(),
         "device": str(resolve_device(device)),
         "epochs": history,
-        "best_epoch": next((h["epoch"] for h in reversed(history) if h.get("best")), len(history)),
+        "best_epoch": next(h["epoch"] for h in history if h["best"]),
         "seconds": time.perf_counter() - t0,
     }
     with atomic_dir(out, overwrite=overwrite) as tmp:

@@ -35,6 +35,7 @@ def _finetune_reduces_val_loss(base, lr, epochs):
     trained, history = train_model(model, ds, tok, cfg)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in snapshot.items())  # input model untouched
     assert [h["epoch"] for h in history] == list(range(1, epochs + 1))
+    assert sum(h["best"] for h in history) == 1
     best = min(h["val_loss"] for h in history)
     assert best < before - 0.02, (before, history)
     assert _val_loss(trained, ds, tok, cfg) == pytest.approx(
