@@ -241,9 +241,12 @@ def build_report(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    distances, timings = list(distances), list(timings)
+    evaluations, distances, timings = list(evaluations), list(distances), list(timings)
     long = metrics_frame(evaluations)
-    metric = primary_metric(long)
+    # the metric the evaluations name as their primary (e.g. macro_f1), when every dataset reports it
+    declared = [ev["metrics"].get("primary") for ev in evaluations if isinstance(ev["metrics"].get("primary"), str)]
+    preferred = tuple(dict.fromkeys([*sorted(set(declared), key=declared.count, reverse=True), *PRIMARY_METRICS]))
+    metric = primary_metric(long, preferred)
     table = metrics_table(long, metric)
     dist = distances_table(distances)
     times = timings_table(timings)

@@ -67,6 +67,14 @@ def test_build_report_writes_files(tmp_path):
     assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_declared_primary_metric_is_the_headline(tmp_path):
+    evals = _evals()
+    for ev in evals:
+        ev["metrics"]["primary"] = "macro_f1"
+    rep = build_report(evals, [], [], tmp_path)
+    assert rep.metric == "macro_f1" and "## macro_f1 per strategy" in rep.markdown
+
+
 def test_build_report_needs_evaluations(tmp_path):
     with pytest.raises(ValueError, match="no evaluation"):
         build_report([], [], [], tmp_path)
