@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from symfuse.config import RunConfig
-from symfuse.report import build_report
+from symfuse.report import build_report, metrics_table, primary_metric
 from tasks.common import (
     content_key,
     fetch,
@@ -21,6 +21,7 @@ from tasks.common import (
     symfuse_task,
     timed,
 )
+from tasks.policy import maybe_inject_fault
 
 
 def _artifact_key(text: str) -> str:
@@ -49,6 +50,7 @@ def report(
     key = layout.report_key(config.run_id)
     ck = content_key({"report": 1}, manifests(store, inputs))
     if not store.exists(key, ck):
+        maybe_inject_fault()
         _build(config, store, key, ck, inputs, evaluations, matched)
     return _publish(config, store, key, merged)
 
@@ -69,7 +71,8 @@ def _build(config, store, key, ck, inputs, evaluations, matched) -> None:
     with scratch("report") as tmp:
         with timed() as t:
             built = build_report(records, distances, timings, tmp, title=f"symfuse run {config.run_id}", facts=facts)
-        store.put_dir(key, tmp, "report", inputs, ck, stage_meta("report", f"report-{config.run_id}", t.seconds))
+        meta = stage_meta("report", f"report-{config.run_id}", t.seconds, metric=built.metric)
+        store.put_dir(key, tmp, "report", inputs, ck, meta)
     logger().info("report metrics (%s):\n%s", built.metric, built.table.round(4).to_string())
 
 
@@ -79,11 +82,15 @@ def _publish(config: RunConfig, store, key: str, merged: Sequence[str]) -> str:
 
     folder = fetch(store, key)
     markdown = (folder / "report.md").read_text()
-    table = pd.read_csv(folder / "metrics.csv")
+    long = pd.read_csv(folder / "metrics.csv")
+    metric = store.manifest(key)["meta"].get("metric") or primary_metric(long)
+    headline = metrics_table(long, metric).round(4).reset_index()
     run = _artifact_key(config.run_id)
     create_markdown_artifact(markdown, key=f"{run}-report", description=f"symfuse report, {store.uri(key)}")
     create_table_artifact(
-        table.fillna("").to_dict(orient="records"), key=f"{run}-metrics", description="every metric (long form)"
+        headline.astype(object).where(headline.notna(), "").to_dict(orient="records"),
+        key=f"{run}-metrics",
+        description=f"{metric} per strategy x {{plain, matched}} and evaluation set",
     )
     for uri in merged:
         name = "-".join(store.key(uri).split("/")[-2:])  # strategy-variant
