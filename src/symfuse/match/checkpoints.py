@@ -44,7 +44,11 @@ def _reader(x: str | os.PathLike | CheckpointReader) -> CheckpointReader:
 
 def _read(reader: CheckpointReader, ref: ModuleRef) -> dict[str, torch.Tensor]:
     with _LOCK:  # one safetensors handle per file is shared by the worker threads
-        return reader.read_module(ref)
+        w = reader.read_module(ref)
+        # unmap the files: touched mmap pages count as resident memory, so keeping every shard mapped would
+        # make peak RSS grow with depth (handles reopen lazily, cheaply: a header parse)
+        reader.close()
+        return w
 
 
 def check_compatible(src: CheckpointReader, anc: CheckpointReader) -> None:
@@ -201,6 +205,7 @@ def assemble_matched(
                     d = sq_distance(tensor, b)
                     sq["before"] += d
                     sq["after"] += d
+                anc.close()
             return tensor
         w = src.read_module(ref)
         mt = mts.get(ref.key)
@@ -212,8 +217,10 @@ def assemble_matched(
             sq["before"] += before**2
             sq["after"] += after**2
             per_module.append({"module": ref.key, "kind": ref.kind, "distance_before": before, "distance_after": after})
+            anc.close()  # unmap (see _read)
         stored = src.spec.write_module(new, ref, src.config, src.prefix)
         cache.update(stored)
+        src.close()
         return cache.pop(name)
 
     report: dict[str, Any] = {
@@ -372,6 +379,7 @@ def write_modules(
             return tensor
         new = fn(ref, src.read_module(ref))
         cache.update(src.spec.write_module(new, ref, src.config, src.prefix))
+        src.close()  # unmap (see _read)
         return cache.pop(name)
 
     return write_checkpoint(src, out, replace=replace, shard_bytes=shard_bytes, overwrite=True)
