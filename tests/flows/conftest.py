@@ -114,11 +114,21 @@ class Calls:
         return sum(self.counts.values())
 
 
-def task_runs(flow_run_id) -> dict[str, object]:
-    """Task-run name -> task run (every task of one flow run, subflows excluded)."""
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {r.name: r for r in runs}
+def task_runs(flow_run_id, expect=(), timeout: float = 60) -> dict[str, object]:
+    """Task-run name -> task run of one flow run; waits until the ``expect``ed names are recorded in a final state
+    (task runs reach the API through events, a moment after the flow returns)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        found = {r.name: r for r in runs}
+        if all(n in found and found[n].state and found[n].state.is_final() for n in expect):
+            return found
+        if time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")

@@ -13,15 +13,16 @@ def test_pipeline_completes_after_injected_faults(first_run):
     config, state, calls = first_run
     assert state.is_completed(), state.message
     result = state.result()
-    runs = task_runs(state.state_details.flow_run_id)
     anchor = result["anchor"]
     others = [n for n in config.dataset_names if n != anchor]
-    for name in (
+    retried = [
         "finetune-isear",
         "stats-dair_emotion-gram",
         "merge-simple-plain",
         *(f"match-{n}-L01.ffn" for n in others),
-    ):
+    ]
+    runs = task_runs(state.state_details.flow_run_id, expect=[*retried, "finetune-meld", "report-t"])
+    for name in retried:
         assert runs[name].run_count == 2, name  # failed once (transient), retried, completed
         assert runs[name].state.is_completed()
     assert runs["finetune-meld"].run_count == 1
@@ -69,7 +70,7 @@ def test_deterministic_error_fails_without_retry(tiny_base, memory_root, monkeyp
     )
     state = fusion_pipeline(config, return_state=True)
     assert state.is_failed()
-    run = task_runs(state.state_details.flow_run_id)["finetune-nosuch"]
+    run = task_runs(state.state_details.flow_run_id, expect=["finetune-nosuch"])["finetune-nosuch"]
     assert run.state.is_failed() and run.run_count == 1  # no retry of a deterministic error
     assert "no_such_dataset" in run.state.message
     with pytest.raises(Exception) as err:
