@@ -5,7 +5,8 @@ For a linear module ``y = x W^T`` (``nn.Linear``, ``W`` of shape (out, in)) or a
 Rows come from forward hooks. Padding positions are EXCLUDED: for inputs shaped (batch, seq, in) whose leading
 dims match the batch's ``attention_mask``, only rows with mask 1 count (the reference RegMean code includes
 padding, which makes the statistic depend on the batch composition). Inputs of other shapes (pooled heads
-(batch, in), DeBERTa relative-position tables) count every row. Accumulation is in float64.
+(batch, in), DeBERTa relative-position tables) count every row. Each batch's product is computed in
+``matmul_dtype`` (float32 by default) and accumulated in float64.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def collect_gram(
     device: str | torch.device = "cpu",
     progress: bool = True,
     modules: Iterable[str] | None = None,
+    matmul_dtype: torch.dtype = torch.float32,
 ) -> GramStats:
     """Mean input Gram of every linear layer over a stream of batches.
 
@@ -79,6 +81,8 @@ def collect_gram(
         device: Where to run the forward passes.
         progress: Show a tqdm progress bar.
         modules: Restrict to these module names (default: every linear layer).
+        matmul_dtype: Precision of each batch's ``X^T X`` product (float32: about 3x faster on CPU, relative
+            error ~1e-7 per batch); the running sums are float64 either way.
 
     Returns:
         The Grams with their counts.
@@ -105,8 +109,8 @@ def collect_gram(
                     flat = x[mask.bool()]  # (n_tokens, in): padding excluded
                 else:
                     flat = x.reshape(-1, x.shape[-1])  # (rows, in)
-                flat = flat.to(torch.float64)
-                inc, n = flat.T @ flat, flat.shape[0]  # (in, in)
+                flat = flat.to(matmul_dtype)
+                inc, n = (flat.T @ flat).to(torch.float64), flat.shape[0]  # (in, in), float64 running sum
                 memo[key] = (x, inc, n)  # keeping x alive keeps its data_ptr unique during this batch
             if name in sums:
                 sums[name] += inc

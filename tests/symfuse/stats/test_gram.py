@@ -40,10 +40,13 @@ def test_gram_equals_hand_computed_xtx_over_n_without_padding():
         for n in names:
             x = seen[n][0].double()
             rows[n].append(x[mask] if x.dim() == 3 else x)  # token rows (padding dropped) / pooled rows
-    g = collect_gram(model, batches, progress=False)
+    g = collect_gram(model, batches, progress=False, matmul_dtype=torch.float64)
+    fast = collect_gram(model, batches, progress=False)  # default: float32 products, float64 sums
     for n in names:
         x = torch.cat(rows[n])
         torch.testing.assert_close(g.grams[n], x.T @ x / x.shape[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(fast.grams[n], x.T @ x / x.shape[0], rtol=1e-5, atol=1e-6)
+        assert fast.grams[n].dtype == torch.float64
         assert g.rows[n] == x.shape[0]
     assert g.n_tokens == sum(int(b["attention_mask"].sum()) for b in batches)
     assert g.rows["classifier"] == g.n_examples == 9
@@ -68,7 +71,7 @@ def test_gram_gpt2_conv1d_layout_and_shapes():
     n = "h.0.attn.c_attn"
     seen = _captured_inputs(model, b, [n])
     x = seen[n][0].double()[b["attention_mask"].bool()]
-    g = collect_gram(model, [b], progress=False)
+    g = collect_gram(model, [b], progress=False, matmul_dtype=torch.float64)
     torch.testing.assert_close(g.grams[n], x.T @ x / x.shape[0], rtol=1e-12, atol=1e-12)
     assert n in g.conv1d and g.grams[n].shape == (32, 32)
     assert g.grams["h.0.mlp.c_proj"].shape == (48, 48)  # Conv1D (in=d_ffn, out=d): Gram over inputs
