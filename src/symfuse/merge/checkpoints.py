@@ -36,7 +36,7 @@ from symfuse.stats.io import SafetensorsFile, StatsFile
 log = logging.getLogger(__name__)
 
 REPORT = "symfuse_report.json"
-SHARD_BYTES = 256 * 1024**2
+SHARD_BYTES = 128 * 1024**2
 
 
 class StreamingReader(CheckpointReader):
