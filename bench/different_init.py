@@ -348,10 +348,8 @@ def evaluate(args: argparse.Namespace) -> None:
         fa = finetune(WORK / "pretrain_seed0", WORK / "ft_seed0", 0, tok, args)
         fb = finetune(WORK / "pretrain_seed1", WORK / "ft_seed1", 1, tok, args)
         vx, vy, _ = _emotion("validation", tok, args.ft_eval)
-        ft_batches = [
-            {k: v[i : i + 32] for k, v in _emotion("train", tok, args.stat_blocks * 2)[0].items()}
-            for i in range(0, args.stat_blocks * 2, 32)
-        ]
+        sx = _emotion("train", tok, args.stat_blocks * 2)[0]  # statistics inputs: emotion training texts
+        ft_batches = [{k: v[i : i + 32] for k, v in sx.items()} for i in range(0, len(sx["input_ids"]), 32)]
         ft = {"acc_A": accuracy(fa, vx, vy), "acc_B": accuracy(fb, vx, vy), "midpoint": {}}
         for m in METHODS:
             st = align(m, fb, fa, ft_batches)
