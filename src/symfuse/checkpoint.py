@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -91,6 +92,38 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
             f"{path_or_id}: not a local folder and could not be fetched from the hub ({type(exc).__name__}: {exc}); "
             "pass a local save_pretrained folder"
         ) from exc
+
+
+# transformers 5 builds models inside context managers (no_init_weights, no_tie_weights, ...) that swap
+# class attributes of PreTrainedModel and restore them on exit. Two threads loading at once can restore each
+# other's stand-ins, leaving weight tying (and initialisation) disabled for the whole process. Prefect's thread
+# task runner loads models concurrently, so every model construction in symfuse goes through this lock.
+HF_LOAD_LOCK = threading.RLock()
+
+
+def load_hf_model(path_or_id: str | os.PathLike, cls: Any = None, **kwargs: Any) -> torch.nn.Module:
+    """Load a checkpoint as a transformers model, thread-safely, in eval mode.
+
+    Args:
+        path_or_id: Folder or hub id (see :func:`resolve_checkpoint`).
+        cls: Model class (e.g. ``AutoModelForSequenceClassification``); default: the class named in
+            ``config.architectures``, else ``AutoModel``.
+        **kwargs: Passed to ``from_pretrained`` (``dtype``, ``config``, ``output_loading_info``, ...).
+
+    Returns:
+        The model (or ``(model, loading_info)`` when ``output_loading_info=True``).
+    """
+    import transformers  # noqa: PLC0415 - heavy import
+
+    path = resolve_checkpoint(path_or_id)
+    with HF_LOAD_LOCK:
+        if cls is None:
+            config = transformers.AutoConfig.from_pretrained(str(path))
+            arch = (getattr(config, "architectures", None) or [None])[0]
+            cls = (getattr(transformers, arch, None) if arch else None) or transformers.AutoModel
+        out = cls.from_pretrained(str(path), **kwargs)
+    (out[0] if isinstance(out, tuple) else out).eval()
+    return out
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:

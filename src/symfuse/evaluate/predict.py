@@ -52,7 +52,7 @@ def load_task_model(model: str | Path, device: str = "cpu") -> tuple[torch.nn.Mo
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    from symfuse.checkpoint import resolve_checkpoint
+    from symfuse.checkpoint import load_hf_model, resolve_checkpoint
     from symfuse.data.batches import load_tokenizer
     from symfuse.errors import CheckpointError
 
@@ -63,7 +63,7 @@ def load_task_model(model: str | Path, device: str = "cpu") -> tuple[torch.nn.Mo
         if head_problem_type(config) == "token_classification"
         else AutoModelForSequenceClassification
     )
-    net, info = cls.from_pretrained(str(path), output_loading_info=True)
+    net, info = load_hf_model(path, cls, output_loading_info=True)
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise CheckpointError(

@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 from symfuse.arch import get_spec
+from symfuse.checkpoint import load_hf_model
 from symfuse.match.closed_form import assign_max
 from symfuse.match.weights import match_module_weights, module_distance
 from symfuse.stats.activations import ActivationStats, collect_activation_stats
@@ -191,12 +192,7 @@ def matched_model(source: torch.nn.Module, result: ActivationMatch) -> torch.nn.
 
 
 def _load_model(path: Path) -> torch.nn.Module:
-    import transformers
-
-    cfg = transformers.AutoConfig.from_pretrained(str(path))
-    arch = (getattr(cfg, "architectures", None) or [None])[0]
-    cls = (getattr(transformers, arch, None) if arch else None) or transformers.AutoModel
-    return cls.from_pretrained(str(path), dtype=torch.float32).eval()
+    return load_hf_model(path, dtype=torch.float32)
 
 
 def _state_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from symfuse.arch import ModuleRef
-from symfuse.checkpoint import CheckpointReader, atomic_dir, write_checkpoint
+from symfuse.checkpoint import CheckpointReader, atomic_dir, load_hf_model, write_checkpoint
 from symfuse.errors import CheckpointError
 from symfuse.match.weights import (
     DEFAULT_SYMMETRIES,
@@ -115,16 +115,7 @@ def _strip(name: str, prefix: str) -> str:
 
 def _logit_diff(a: Path, b: Path, seed: int = 0) -> float:
     """Max |Δ| of the outputs (logits, else last hidden state) of two checkpoints on random inputs, fp32."""
-    import transformers
-
-    def load(path: Path) -> torch.nn.Module:
-        cfg = transformers.AutoConfig.from_pretrained(str(path))
-        arch = (getattr(cfg, "architectures", None) or [None])[0]
-        cls = getattr(transformers, arch, None) if arch else None
-        cls = cls or transformers.AutoModel
-        return cls.from_pretrained(str(path), dtype=torch.float32).eval()
-
-    ma, mb = load(a), load(b)
+    ma, mb = load_hf_model(a, dtype=torch.float32), load_hf_model(b, dtype=torch.float32)
     cfg = ma.config
     g = torch.Generator().manual_seed(seed)
     if cfg.model_type == "vit":

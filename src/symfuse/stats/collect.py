@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from symfuse.checkpoint import resolve_checkpoint
+from symfuse.checkpoint import load_hf_model, resolve_checkpoint
 from symfuse.stats.fisher import collect_fisher
 from symfuse.stats.gram import collect_gram
 from symfuse.stats.io import STAT_KINDS, file_fingerprint, save_stats
@@ -21,17 +21,7 @@ log = logging.getLogger(__name__)
 
 def load_model(model: str | os.PathLike) -> nn.Module:
     """Load a checkpoint folder with the head class named in its config (``architectures``), in eval mode."""
-    import transformers as T
-
-    folder = resolve_checkpoint(model)
-    cfg = T.AutoConfig.from_pretrained(str(folder))
-    cls = None
-    for arch in getattr(cfg, "architectures", None) or []:
-        cls = getattr(T, arch, None)
-        if cls is not None:
-            break
-    cls = cls or T.AutoModel
-    return cls.from_pretrained(str(folder)).eval()
+    return load_hf_model(model)
 
 
 def model_fingerprint(folder: str | os.PathLike) -> str:

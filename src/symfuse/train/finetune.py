@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from symfuse.checkpoint import atomic_dir, resolve_checkpoint
+from symfuse.checkpoint import atomic_dir, load_hf_model, resolve_checkpoint
 from symfuse.data import TaskDataset, collate, encode_split, iter_batches, load_task_dataset, load_tokenizer
 from symfuse.evaluate.predict import forward_logits, resolve_device, run_model, task_loss
 from symfuse.evaluate.scoring import score_logits
@@ -79,7 +79,7 @@ def _build_model(base: Path, data: TaskDataset, cfg: FinetuneConfig) -> torch.nn
                 setattr(config, key, cfg.dropout)
     cls = AutoModelForTokenClassification if data.is_token_task else AutoModelForSequenceClassification
     _seed_all(cfg.seed)  # the new head's initialisation
-    return cls.from_pretrained(str(base), config=config, ignore_mismatched_sizes=True)
+    return load_hf_model(base, cls, config=config, ignore_mismatched_sizes=True)
 
 
 def _lr_lambda(total: int, warmup: int):
