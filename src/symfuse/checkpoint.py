@@ -113,7 +113,7 @@ def load_hf_model(path_or_id: str | os.PathLike, cls: Any = None, **kwargs: Any)
     Returns:
         The model (or ``(model, loading_info)`` when ``output_loading_info=True``).
     """
-    import transformers  # noqa: PLC0415 - heavy import
+    import transformers
 
     path = resolve_checkpoint(path_or_id)
     with HF_LOAD_LOCK:
