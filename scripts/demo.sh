@@ -9,5 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120
+# no telemetry: this machine reaches package registries only
+export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 export SYMFUSE_STORE=${SYMFUSE_STORE:-symfuse-runs}
 exec .venv/bin/python -m flows.pipeline "$@"

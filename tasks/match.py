@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
-
 import symfuse.match
 from symfuse.checkpoint import CheckpointReader
 from symfuse.config import RunConfig
-from symfuse.match.weights import module_distance
+from symfuse.match.many import squared_distances_to_mean
 from tasks.common import (
     content_key,
     fetch,
@@ -47,15 +45,12 @@ def choose_anchor(config: RunConfig, models: Mapping[str, str]) -> str:
             "(a barycenter anchor is available from symfuse.match.match_many)"
         )
     store = open_store(config)
-    readers = {name: CheckpointReader(fetch(store, uri)) for name, uri in models.items()}
-    sq = dict.fromkeys(models, 0.0)
-    for ref in next(iter(readers.values())).modules():
-        ws = {name: r.read_module(ref) for name, r in readers.items()}
-        mean = {role: torch.stack([w[role].double() for w in ws.values()]).mean(0) for role in next(iter(ws.values()))}
-        for name, w in ws.items():
-            sq[name] += module_distance(w, mean) ** 2
-    for r in readers.values():
-        r.close()
+    readers = [CheckpointReader(fetch(store, uri)) for uri in models.values()]
+    try:
+        sq = dict(zip(models, squared_distances_to_mean(readers), strict=True))
+    finally:
+        for r in readers:
+            r.close()
     best = min(sq, key=sq.__getitem__)
     logger().info("anchor: %s (squared distances to the average: %s)", best, sq)
     return best

@@ -31,6 +31,24 @@ def _norm(w: Mapping[str, torch.Tensor]) -> float:
     return float(sum((t.double() ** 2).sum() for t in w.values())) ** 0.5
 
 
+def squared_distances_to_mean(readers: Sequence[CheckpointReader]) -> list[float]:
+    """Squared Frobenius distance of each model to the plain average, summed module by module.
+
+    Args:
+        readers: Open checkpoints of one architecture (memory O(one module x len(readers))).
+
+    Returns:
+        One value per reader; the smallest marks the model closest to the plain average (the ``closest`` anchor).
+    """
+    sq = [0.0] * len(readers)
+    for ref in readers[0].modules():
+        ws = [r.read_module(ref) for r in readers]
+        mean = _mean(ws)
+        for i, w in enumerate(ws):
+            sq[i] += module_distance(w, mean) ** 2
+    return sq
+
+
 def match_many(
     models: Sequence[str | Path],
     anchor: str = "closest",
@@ -65,13 +83,7 @@ def match_many(
             check_compatible(readers[0], r)
         refs = readers[0].modules()
         geo = readers[0].geometry
-        # closest model to the plain average, summed over modules
-        sq = [0.0] * len(readers)
-        for ref in refs:
-            ws = [r.read_module(ref) for r in readers]
-            mean = _mean(ws)
-            for i, w in enumerate(ws):
-                sq[i] += module_distance(w, mean) ** 2
+        sq = squared_distances_to_mean(readers)
         best = min(range(len(readers)), key=sq.__getitem__)
         log.info("closest to the plain average: model %d (%s)", best, models[best])
         out: list[dict[str, ModuleTransform]] = [{} for _ in readers]
