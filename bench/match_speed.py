@@ -7,9 +7,13 @@ Cases (each prepared, then measured in its own subprocess so peak RSS is the mat
   llama7b-2 / -4       llama with 7B widths (d 4096, 32 q / 8 kv heads, FFN 11008, vocab 32000), 2 or 4 layers,
                        bf16, sharded (one shard per layer), written streaming; vs its disguise + 1 % noise
 
-"match s" = reading modules + closed-form solves (the matching itself); "write s" = streaming the matched
-checkpoint (with per-module distances). "match cpu s" = process CPU time of the matching (a fairer number than
-wall time when other jobs share the cores). Breakdown columns are wall seconds summed over modules (threads overlap).
+Timed region ("match s"): ``match_all_modules`` on two already-open ``CheckpointReader`` s, i.e. reading every
+module's tensors (safetensors mmap, page faults included), their finiteness checks and the closed-form solves (the
+matching itself). Not timed: Python imports and opening the readers (config.json parse, safetensors index), done
+just before. "write s" = streaming the matched checkpoint (with per-module distances), not part of "match s".
+"match cpu s" = process CPU time of the timed region (a fairer number than wall time when other jobs share the
+cores). Breakdown columns are wall seconds summed over modules (threads overlap, so they can exceed "match s").
+"rss gib" = the process's peak RSS over matching AND writing (ru_maxrss, GiB).
 
 Usage: python bench/match_speed.py [--cases minilm,roberta-planted,...] [--workdir DIR] [--workers N]
 """
@@ -146,12 +150,12 @@ def run(case: str, work: Path, workers: int | None) -> dict:
     out = work / f"{case}-matched"
     shutil.rmtree(out, ignore_errors=True)
     timings: dict[str, float] = {}
-    c0 = time.process_time()
-    t0 = time.perf_counter()
     with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
         transforms = match_all_modules(src, anc, DEFAULT, workers, timings)
-    t_match = time.perf_counter() - t0
-    cpu_match = time.process_time() - c0
+        t_match = time.perf_counter() - t0
+        cpu_match = time.process_time() - c0
     t1 = time.perf_counter()
     report = assemble_matched(source, transforms, out, anchor=anchor, logit_check=False)
     t_write = time.perf_counter() - t1

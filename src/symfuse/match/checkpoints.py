@@ -21,6 +21,7 @@ import torch
 from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, atomic_dir, load_hf_model, write_checkpoint
 from symfuse.errors import CheckpointError
+from symfuse.match.closed_form import torch_threads
 from symfuse.match.weights import (
     DEFAULT_SYMMETRIES,
     check_symmetries,
@@ -44,11 +45,23 @@ def _reader(x: str | os.PathLike | CheckpointReader) -> CheckpointReader:
 
 def _read(reader: CheckpointReader, ref: ModuleRef) -> dict[str, torch.Tensor]:
     with _LOCK:  # one safetensors handle per file is shared by the worker threads
-        w = reader.read_module(ref)
+        w = reader.read_module(ref, check_finite=False)
         # unmap the files: touched mmap pages count as resident memory, so keeping every shard mapped would
         # make peak RSS grow with depth (handles reopen lazily, cheaply: a header parse)
         reader.close()
-        return w
+    check_finite(w, f"{reader.path}: {ref.key}")
+    return w
+
+
+def check_finite(weights: Mapping[str, torch.Tensor], where: str) -> None:
+    """Raise :class:`CheckpointError` naming ``where`` and the role if a tensor holds NaN or inf.
+
+    One reduction per tensor: a sum is finite only if every element is (NaN and inf propagate); only a
+    non-finite sum (NaN / inf, or a finite overflow) is checked element by element.
+    """
+    for role, t in weights.items():
+        if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
+            raise CheckpointError(f"{where} {role} holds NaN or inf values; fix or re-export the checkpoint")
 
 
 def check_compatible(src: CheckpointReader, anc: CheckpointReader) -> None:
@@ -259,11 +272,16 @@ def match_all_modules(
         _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
         return match_module_weights(ref, s, a, src.geometry, symmetries, timings)
 
+    def one_single_threaded(ref: ModuleRef) -> ModuleTransform:
+        # parallel workers: one torch thread each (no oversubscription; torch thread counts are per thread)
+        with torch_threads(1):
+            return one(ref)
+
     if workers <= 1:
         results = [one(r) for r in refs]
     else:
         with ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(one, refs))
+            results = list(pool.map(one_single_threaded, refs))
     return {r.key: t for r, t in zip(refs, results, strict=True)}
 
 

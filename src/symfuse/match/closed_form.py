@@ -9,14 +9,41 @@ key-side columns (or value-side / output-side for VO), ``A*`` / ``B*`` the ancho
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
 
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch intra-op threads, then restore the previous count.
+
+    The count is per calling thread (OpenMP / MKL thread-local settings), so worker threads may lower it without
+    touching the main thread. Used for tiny LAPACK calls: MKL's threaded SVD of small matrices is 10-50x slower
+    than the sequential one (thread start-up and barriers dominate), worse still when other processes share
+    the cores.
+    """
+    prev = torch.get_num_threads()
+    if prev == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def procrustes(m: torch.Tensor) -> torch.Tensor:
-    """Orthogonal ``R`` maximising ``tr(R^T M)``: ``U V^T`` for ``M = U S V^T`` (float64, batched (..., d, d))."""
-    u, _, vh = torch.linalg.svd(m.to(torch.float64))
+    """Orthogonal ``R`` maximising ``tr(R^T M)``: ``U V^T`` for ``M = U S V^T`` (float64, batched (..., d, d)).
+
+    One batched LAPACK call for all heads, run single-threaded (see :func:`torch_threads`).
+    """
+    with torch_threads(1):
+        u, _, vh = torch.linalg.svd(m.to(torch.float64))
     return u @ vh
 
 

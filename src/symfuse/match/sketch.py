@@ -47,15 +47,31 @@ def _project(w: Mapping[str, torch.Tensor], coords: torch.Tensor) -> torch.Tenso
     return torch.cat(parts, dim=1)
 
 
-def _row_sqdist(src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tensor], cols: torch.Tensor) -> torch.Tensor:
-    """``||s_i - a_cols[i]||²`` for every source row i (float64 accumulation)."""
-    total = torch.zeros(cols.numel(), dtype=torch.float64)
-    for role, transposed, _ in _dims(src):
+def _row_sqdist(
+    src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tensor], cols: torch.Tensor, chunk: int = 1 << 21
+) -> torch.Tensor:
+    """``||s_i - a_cols[i]||²`` for every source row i (float32 differences, float64 accumulation).
+
+    Transposed roles (``down``) are gathered along their stored rows (``a[:, cols]``, contiguous reads) and the
+    work runs in neuron chunks of ``chunk`` elements, so float32 temporaries stay small for half-precision inputs.
+    """
+    n = cols.numel()
+    total = torch.zeros(n, dtype=torch.float64)
+    f32 = torch.float32
+    for role, transposed, d in _dims(src):
         s, a = src[role], anc[role]
-        if transposed:
-            s, a = s.T, a.T
-        d = s.to(torch.float32) - a[cols].to(torch.float32)
-        total += (d * d).reshape(d.shape[0], -1).sum(1).double()
+        step = max(1, chunk // d)
+        for i in range(0, n, step):
+            c = cols[i : i + step]
+            if s.dim() == 1:
+                diff = s[i : i + step].to(f32) - a[c].to(f32)
+                total[i : i + step] += (diff * diff).double()
+            elif transposed:  # (d, n): neurons are columns
+                diff = s[:, i : i + step].to(f32) - a[:, c].to(f32)
+                total[i : i + step] += diff.square().sum(0).double()
+            else:
+                diff = s[i : i + step].to(f32) - a[c].to(f32)
+                total[i : i + step] += diff.square().sum(1).double()
     return total
 
 
@@ -102,19 +118,20 @@ def certified_nearest(
     coords = torch.sort(torch.randperm(total, generator=g)[:k]).values
     ps, pa = _project(src, coords), _project(anc, coords)  # (n, k)
     n = ps.shape[0]
-    na = (pa * pa).sum(1)
+    na, ns = (pa * pa).sum(1), (ps * ps).sum(1)
     best = torch.empty(n, dtype=torch.long)
     second = torch.empty(n, dtype=torch.float32)
+    pat = pa.T.contiguous()
     for i in range(0, n, chunk):
-        blk = ps[i : i + chunk]
-        d2 = (blk * blk).sum(1)[:, None] + na[None, :] - 2 * blk @ pa.T  # (chunk, n) sketch dist²
+        # (chunk, n) |a_j|² - 2 <s_i, a_j>: the sketch dist² less the row constant |s_i|² (same row order)
+        d2 = torch.addmm(na[None, :], ps[i : i + chunk], pat, alpha=-2)
         vals, idx = torch.topk(d2, 2, dim=1, largest=False)
-        best[i : i + chunk], second[i : i + chunk] = idx[:, 0], vals[:, 1]
+        best[i : i + chunk], second[i : i + chunk] = idx[:, 0], vals[:, 1] + ns[i : i + chunk]
     if torch.bincount(best, minlength=n).max() > 1:
         return None
     exact = _row_sqdist(src, anc, best)
     # float32 sketch distances carry ~1e-6 relative round-off of |ps|² + |pa|²: keep a margin above it
-    slack = 1e-4 * ((ps * ps).sum(1) + na.max()).double()
+    slack = 1e-4 * (ns + na.max()).double()
     ok = second.double() - slack > exact * (1 + 1e-4)
     bad = (~ok).nonzero().flatten()
     if bad.numel() > max_exact_rows * n:

@@ -85,6 +85,57 @@ def _cross(src: torch.Tensor, anc: torch.Tensor, pairs: bool) -> torch.Tensor:
     return anc @ src.transpose(-1, -2)
 
 
+_SIDES = {
+    "q": ("q", "q_bias", "pos_q", "pos_q_bias"),
+    "k": ("k", "k_bias", "pos_k", "pos_k_bias"),
+    "v": ("v", "v_bias"),
+    "o": ("o",),
+}
+
+
+def _group_view(w: torch.Tensor, role: str, n_kv: int, dh: int) -> torch.Tensor:
+    """A role's per-head rows as a (n_kv, G, dh, cols) VIEW (no copy, stored dtype); ``o`` is read transposed."""
+    t = w.t() if role == "o" else w
+    if t.dim() == 1:
+        t = t[:, None]
+    return t.reshape(n_kv, -1, dh, t.shape[-1])
+
+
+def side_stats(
+    src: Mapping[str, torch.Tensor],
+    anc: Mapping[str, torch.Tensor],
+    side: str,
+    geo: Geometry,
+    chunk: int = 1 << 21,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross matrix ``A* A^T`` (n_kv, dh, dh) and source row norms ``|A_r|²`` (n_kv, dh) of one side, float64.
+
+    Equal to ``_cross`` / ``**2`` of :func:`attention_blocks` (same float64 products), but streamed role by role
+    and over chunks of groups: no float64 copy of a whole weight, no concatenation (memory O(``chunk``)).
+
+    Args:
+        src: Source canonical weights.
+        anc: Anchor canonical weights.
+        side: ``q``, ``k``, ``v`` or ``o`` (roles in :data:`_SIDES`).
+        geo: Geometry.
+        chunk: Float64 elements converted at once (per model).
+    """
+    n, dh = geo.n_kv_heads, geo.head_dim
+    f64 = torch.float64
+    cross = torch.zeros(n, dh, dh, dtype=f64)
+    norms = torch.zeros(n, dh, dtype=f64)
+    for role in _SIDES[side]:
+        if role not in src:
+            continue
+        s, a = _group_view(src[role], role, n, dh), _group_view(anc[role], role, n, dh)
+        step = max(1, chunk // max(1, s[0].numel()))
+        for i in range(0, n, step):
+            sd, ad = s[i : i + step].to(f64), a[i : i + step].to(f64)  # (c, G, dh, cols)
+            cross[i : i + step] += (ad @ sd.transpose(-1, -2)).sum(1)
+            norms[i : i + step] += sd.square().sum(-1).sum(1)
+    return cross, norms
+
+
 def match_attention(
     src: Mapping[str, torch.Tensor],
     anc: Mapping[str, torch.Tensor],
@@ -106,9 +157,9 @@ def match_attention(
     rotate, scale = "rotation" in symmetries, "scaling" in symmetries
     rope = geo.rope
     t0 = time.perf_counter()
-    sb, ab = attention_blocks(src, geo), attention_blocks(anc, geo)
     parts: list[Transform] = []
     if "head-permutation" in symmetries and geo.n_kv_heads > 1:
+        sb, ab = attention_blocks(src, geo), attention_blocks(anc, geo)
         cost = torch.zeros(geo.n_kv_heads, geo.n_kv_heads, dtype=torch.float64)
         for a_role, b_role, use_rope in (("q", "k", rope), ("v", "o", False)):
             ma, mb = _cross(sb[a_role], ab[a_role], True), _cross(sb[b_role], ab[b_role], True)
@@ -116,16 +167,17 @@ def match_attention(
             nb = (sb[b_role] ** 2).sum(-1)[:, None].expand(-1, geo.n_kv_heads, -1)
             _, _, obj = fit_rotation_scale(ma, mb, na, nb, rotate, scale, use_rope)
             cost += obj  # anchor norms are the same for every source head: omitted
+        del sb, ab
         perm, _ = assign_max(-cost)
         hp = HeadPermutation(perm)
         parts.append(hp)
-        sb = {r: t[perm] for r, t in sb.items()}
+        src = hp.apply(src)
         t0 = _tick(timings, "head_perm", t0)
     if rotate or scale:
+        stats = {side: side_stats(src, anc, side, geo) for side in _SIDES}
         fits = {}
         for name, a_role, b_role, use_rope in (("qk", "q", "k", rope), ("vo", "v", "o", False)):
-            ma, mb = _cross(sb[a_role], ab[a_role], False), _cross(sb[b_role], ab[b_role], False)
-            na, nb = (sb[a_role] ** 2).sum(-1), (sb[b_role] ** 2).sum(-1)
+            (ma, na), (mb, nb) = stats[a_role], stats[b_role]
             fits[name] = fit_rotation_scale(ma, mb, na, nb, rotate, scale, use_rope)
         t0 = _tick(timings, "svd", t0)
         if rotate:

@@ -1,0 +1,89 @@
+"""Fast paths equal the plain computations they replace: streamed attention statistics, batched Procrustes,
+chunked sketch distances, the one-reduction finiteness check."""
+
+import numpy as np
+import pytest
+import torch
+
+from symfuse.arch import get_spec
+from symfuse.errors import CheckpointError
+from symfuse.match.checkpoints import check_finite
+from symfuse.match.closed_form import procrustes, torch_threads
+from symfuse.match.sketch import _row_sqdist
+from symfuse.match.weights import _cross, attention_blocks, side_stats
+from symfuse.symmetry import random_module_transform
+from tests.tiny import FAMILIES, tiny_model
+
+
+def _attention_modules(family):
+    model = tiny_model(family, seed=2)
+    sd = model.state_dict()
+    spec = get_spec(model.config)
+    prefix = spec.detect_prefix(sd)
+    geo = spec.geometry(model.config)
+    for ref in spec.modules(model.config):
+        if ref.kind == "attn":
+            yield ref, geo, spec.read_module(sd.__getitem__, sd.__contains__, ref, model.config, prefix)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_side_stats_equal_the_stacked_blocks(family):
+    g = torch.Generator().manual_seed(0)
+    for ref, geo, anc in _attention_modules(family):
+        src = random_module_transform(ref, geo, g).apply(anc)
+        sb, ab = attention_blocks(src, geo), attention_blocks(anc, geo)
+        for side in ("q", "k", "v", "o"):
+            for chunk in (1, 1 << 21):  # one group per chunk, and everything at once
+                cross, norms = side_stats(src, anc, side, geo, chunk=chunk)
+                torch.testing.assert_close(cross, _cross(sb[side], ab[side], False), atol=1e-12, rtol=1e-12)
+                torch.testing.assert_close(norms, (sb[side] ** 2).sum(-1), atol=1e-12, rtol=1e-12)
+
+
+def test_batched_procrustes_equals_per_head_svd():
+    g = torch.Generator().manual_seed(1)
+    m = torch.randn(12, 64, 64, generator=g, dtype=torch.float64)
+    got = procrustes(m)
+    for h in range(m.shape[0]):
+        u, _, vh = np.linalg.svd(m[h].numpy())
+        np.testing.assert_allclose(got[h].numpy(), u @ vh, atol=1e-10, rtol=0)
+    # float32 input is promoted: the SVD runs in float64
+    assert procrustes(m.float()).dtype == torch.float64
+
+
+def test_torch_threads_restores_the_count():
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_row_sqdist_equals_the_direct_sum(dtype):
+    g = torch.Generator().manual_seed(2)
+    n, d = 50, 7
+    src = {
+        "up": torch.randn(n, d, generator=g).to(dtype),
+        "up_bias": torch.randn(n, generator=g).to(dtype),
+        "down": torch.randn(d, n, generator=g).to(dtype),
+    }
+    anc = {k: torch.randn(v.shape, generator=g).to(dtype) for k, v in src.items()}
+    cols = torch.randperm(n, generator=g)
+    want = (
+        ((src["up"].double() - anc["up"][cols].double()) ** 2).sum(1)
+        + (src["up_bias"].double() - anc["up_bias"][cols].double()) ** 2
+        + ((src["down"].double() - anc["down"][:, cols].double()) ** 2).sum(0)
+    )
+    for chunk in (1, 13, 1 << 21):
+        torch.testing.assert_close(_row_sqdist(src, anc, cols, chunk=chunk), want, rtol=1e-6, atol=1e-6)
+
+
+def test_check_finite_one_reduction_and_fallback():
+    w = {"up": torch.ones(4, 3), "perm": torch.arange(3)}
+    check_finite(w, "ckpt: L00.ffn")  # finite: passes
+    big = {"up": torch.full((4, 3), 3e38)}  # finite but the sum overflows: element check clears it
+    check_finite(big, "ckpt: L00.ffn")
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.ones(4, 3, dtype=torch.bfloat16)
+        t[1, 2] = bad
+        with pytest.raises(CheckpointError, match=r"ckpt: L00\.ffn up holds NaN or inf"):
+            check_finite({"up": t}, "ckpt: L00.ffn")
