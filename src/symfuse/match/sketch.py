@@ -52,41 +52,64 @@ def _row_sqdist(
 ) -> torch.Tensor:
     """``||s_i - a_cols[i]||²`` for every source row i (float32 differences, float64 accumulation).
 
-    Transposed roles (``down``) are gathered along their stored rows (``a[:, cols]``, contiguous reads) and the
-    work runs in neuron chunks of ``chunk`` elements, so float32 temporaries stay small for half-precision inputs.
+    Works on contiguous row blocks of ``chunk`` elements in the stored layout (``down`` (d, n): blocks of its
+    rows, gathered ``a[rows][:, cols]``), so float32 temporaries stay small for half-precision inputs.
     """
     n = cols.numel()
     total = torch.zeros(n, dtype=torch.float64)
     f32 = torch.float32
     for role, transposed, d in _dims(src):
         s, a = src[role], anc[role]
-        step = max(1, chunk // d)
-        for i in range(0, n, step):
-            c = cols[i : i + step]
-            if s.dim() == 1:
-                diff = s[i : i + step].to(f32) - a[c].to(f32)
-                total[i : i + step] += (diff * diff).double()
-            elif transposed:  # (d, n): neurons are columns
-                diff = s[:, i : i + step].to(f32) - a[:, c].to(f32)
-                total[i : i + step] += diff.square().sum(0).double()
-            else:
-                diff = s[i : i + step].to(f32) - a[c].to(f32)
+        if s.dim() == 1:
+            total += (s.to(f32) - a[cols].to(f32)).square().double()
+        elif transposed:  # (d, n): neurons are columns
+            step = max(1, chunk // n)
+            for r in range(0, d, step):
+                diff = s[r : r + step].to(f32) - a[r : r + step][:, cols].to(f32)
+                total += diff.square().sum(0).double()
+        else:
+            step = max(1, chunk // d)
+            for i in range(0, n, step):
+                diff = s[i : i + step].to(f32) - a[cols[i : i + step]].to(f32)
                 total[i : i + step] += diff.square().sum(1).double()
     return total
 
 
-def _exact_rows(src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-    """Exact nearest anchor neuron of the given source rows."""
-    dist = None
-    for role, transposed, _ in _dims(src):
-        s, a = src[role], anc[role]
-        if transposed:
-            s, a = s.T, a.T
-        s = s[rows].to(torch.float64).reshape(rows.numel(), -1)
-        a = a.to(torch.float64).reshape(a.shape[0], -1)
-        part = (s * s).sum(1)[:, None] + (a * a).sum(1)[None, :] - 2 * s @ a.T
-        dist = part if dist is None else dist + part
-    return dist.argmin(1)
+def _rows(w: Mapping[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
+    """Neurons ``lo:hi`` of FFN weights (rows of up / gate / biases, columns of down), as views."""
+    return {role: (w[role][:, lo:hi] if transposed else w[role][lo:hi]) for role, transposed, _ in _dims(w)}
+
+
+def _neurons(t: torch.Tensor, transposed: bool, idx: torch.Tensor | slice) -> torch.Tensor:
+    """Feature rows (m, d) of the neurons ``idx`` of one role (``down`` holds neurons as columns)."""
+    if transposed:
+        return t[:, idx].T
+    return t[idx][:, None] if t.dim() == 1 else t[idx]
+
+
+def _exact_rows(
+    src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tensor], rows: torch.Tensor, chunk: int = 1 << 21
+) -> torch.Tensor:
+    """Exact nearest anchor neuron of the given source rows (float64, anchor neurons in blocks of ``chunk``)."""
+    dims = _dims(src)
+    n = _neurons(anc[dims[0][0]], dims[0][1], slice(None)).shape[0]
+    step = max(1, chunk // sum(d for _, _, d in dims))
+    f64 = torch.float64
+    s_rows = [_neurons(src[role], tr, rows).to(f64) for role, tr, _ in dims]
+    s_norm = sum((s * s).sum(1) for s in s_rows)
+    best_val = torch.full((rows.numel(),), float("inf"), dtype=f64)
+    best_idx = torch.zeros(rows.numel(), dtype=torch.long)
+    for j in range(0, n, step):
+        m = min(step, n - j)
+        dist = s_norm[:, None].expand(-1, m).clone()  # (rows, m) ||s - a||² over all roles
+        for s, (role, tr, _) in zip(s_rows, dims, strict=True):
+            a = _neurons(anc[role], tr, slice(j, j + m)).to(f64)
+            dist += (a * a).sum(1)[None, :] - 2 * s @ a.T
+        val, idx = dist.min(1)
+        better = val < best_val  # strict: the first minimum wins, as with one argmin over all neurons
+        best_val = torch.where(better, val, best_val)
+        best_idx = torch.where(better, idx + j, best_idx)
+    return best_idx
 
 
 def certified_nearest(
@@ -96,6 +119,7 @@ def certified_nearest(
     seed: int = 0,
     chunk: int = 2048,
     max_exact_rows: float = 0.05,
+    probe: int = 256,
 ) -> torch.Tensor | None:
     """Exact nearest anchor neuron for every source neuron, or None when the sketch cannot certify cheaply.
 
@@ -107,6 +131,8 @@ def certified_nearest(
         chunk: Source rows per block of sketch distances (bounds memory at ``chunk x n``).
         max_exact_rows: Give up (None) when more than this fraction of rows fails the certificate or when the
             sketch's nearest neighbours are not a permutation (then the full problem is needed anyway).
+        probe: Rows tried first: when more than ``max_exact_rows`` of them fail the certificate, give up before
+            sketching the rest.
 
     Returns:
         ``nn`` (n,) int64 with ``nn[i]`` = exact nearest anchor neuron of source neuron ``i``, or None.
@@ -122,17 +148,30 @@ def certified_nearest(
     best = torch.empty(n, dtype=torch.long)
     second = torch.empty(n, dtype=torch.float32)
     pat = pa.T.contiguous()
-    for i in range(0, n, chunk):
-        # (chunk, n) |a_j|² - 2 <s_i, a_j>: the sketch dist² less the row constant |s_i|² (same row order)
-        d2 = torch.addmm(na[None, :], ps[i : i + chunk], pat, alpha=-2)
-        vals, idx = torch.topk(d2, 2, dim=1, largest=False)
-        best[i : i + chunk], second[i : i + chunk] = idx[:, 0], vals[:, 1] + ns[i : i + chunk]
+    slack = 1e-4 * (ns + na.max()).double()
+
+    def nearest(lo: int, hi: int) -> None:
+        for i in range(lo, hi, chunk):
+            j = min(i + chunk, hi)
+            # (rows, n) |a_j|² - 2 <s_i, a_j>: the sketch dist² less the row constant |s_i|² (same row order)
+            d2 = torch.addmm(na[None, :], ps[i:j], pat, alpha=-2)
+            vals, idx = torch.topk(d2, 2, dim=1, largest=False)
+            best[i:j], second[i:j] = idx[:, 0], vals[:, 1] + ns[i:j]
+
+    def certified(lo: int, hi: int) -> torch.Tensor:
+        exact = _row_sqdist(_rows(src, lo, hi), anc, best[lo:hi])
+        # float32 sketch distances carry ~1e-6 relative round-off of |ps|² + |pa|²: keep a margin above it
+        return second[lo:hi].double() - slack[lo:hi] > exact * (1 + 1e-4)
+
+    # probe: unrelated models fail the certificate on most rows; find out on a few before the full sketch
+    p = min(n, probe)
+    nearest(0, p)
+    if (~certified(0, p)).sum() > max_exact_rows * p:
+        return None
+    nearest(p, n)
     if torch.bincount(best, minlength=n).max() > 1:
         return None
-    exact = _row_sqdist(src, anc, best)
-    # float32 sketch distances carry ~1e-6 relative round-off of |ps|² + |pa|²: keep a margin above it
-    slack = 1e-4 * (ns + na.max()).double()
-    ok = second.double() - slack > exact * (1 + 1e-4)
+    ok = torch.cat([certified(0, p), certified(p, n)]) if p < n else certified(0, n)
     bad = (~ok).nonzero().flatten()
     if bad.numel() > max_exact_rows * n:
         return None
