@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, atomic_dir, load_hf_model, write_checkpoint
 from symfuse.errors import CheckpointError
 from symfuse.match.closed_form import torch_threads
+from symfuse.match.reading import PreadSource
 from symfuse.match.weights import (
     DEFAULT_SYMMETRIES,
     check_symmetries,
@@ -36,20 +36,16 @@ log = logging.getLogger(__name__)
 
 TRANSFORMS_FILE = "transforms.safetensors"
 REPORT_FILE = "symfuse_report.json"
-_LOCK = threading.Lock()
 
 
 def _reader(x: str | os.PathLike | CheckpointReader) -> CheckpointReader:
     return x if isinstance(x, CheckpointReader) else CheckpointReader(x)
 
 
-def _read(reader: CheckpointReader, ref: ModuleRef) -> dict[str, torch.Tensor]:
-    with _LOCK:  # one safetensors handle per file is shared by the worker threads
-        w = reader.read_module(ref, check_finite=False)
-        # unmap the files: touched mmap pages count as resident memory, so keeping every shard mapped would
-        # make peak RSS grow with depth (handles reopen lazily, cheaply: a header parse)
-        reader.close()
-    check_finite(w, f"{reader.path}: {ref.key}")
+def _read(source: PreadSource, ref: ModuleRef) -> dict[str, torch.Tensor]:
+    """One module's canonical weights in private memory (freed with the tensors), checked finite."""
+    w = source.read_module(ref)
+    check_finite(w, f"{source.reader.path}: {ref.key}")
     return w
 
 
@@ -195,6 +191,9 @@ def assemble_matched(
     sq = {"before": 0.0, "after": 0.0}
     anc_names = {_strip(n, anc.prefix): n for n in anc.names()} if anc is not None else {}
 
+    src_io = PreadSource(src)
+    anc_io = PreadSource(anc) if anc is not None else None
+
     def replace(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name in cache:
             return cache.pop(name)
@@ -203,28 +202,33 @@ def assemble_matched(
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise CheckpointError(f"{src.path}: tensor {name!r} holds NaN or inf values")
             other = anc_names.get(_strip(name, src.prefix))
-            if anc is not None and other is not None and tensor.is_floating_point():
-                b = anc.get(other)
+            if anc_io is not None and other is not None and tensor.is_floating_point():
+                b = anc_io.get(other)
                 if b.shape == tensor.shape and b.is_floating_point():
                     d = sq_distance(tensor, b)
                     sq["before"] += d
                     sq["after"] += d
-                anc.close()
             return tensor
-        w = src.read_module(ref)
+        # at most two modules' weights alive at once (7B widths: source + anchor, then source + new, then
+        # new + anchor): the anchor is read twice rather than held while the transform runs
+        w = _read(src_io, ref)
         mt = mts.get(ref.key)
+        before = None
+        if anc_io is not None:
+            a = anc_io.read_module(ref)
+            _check_shapes(ref, w, a, f"{src.path} vs {anc_io.reader.path}")
+            before = module_distance(w, a)
+            del a
         new = mt.apply(w) if mt is not None else w
-        if anc is not None:
-            a = anc.read_module(ref)
-            _check_shapes(ref, w, a, f"{src.path} vs {anc.path}")
-            before, after = module_distance(w, a), module_distance(new, a)
+        del w
+        if anc_io is not None:
+            after = module_distance(new, anc_io.read_module(ref))
             sq["before"] += before**2
             sq["after"] += after**2
             per_module.append({"module": ref.key, "kind": ref.kind, "distance_before": before, "distance_after": after})
-            anc.close()  # unmap (see _read)
-        stored = src.spec.write_module(new, ref, src.config, src.prefix)
-        cache.update(stored)
-        src.close()
+        cache.update(src.spec.write_module(new, ref, src.config, src.prefix))
+        del new
+        src.close()  # unmap what the writer read so far
         return cache.pop(name)
 
     report: dict[str, Any] = {
@@ -233,22 +237,27 @@ def assemble_matched(
         "family": src.spec.family,
         "symmetries": list(symmetries) if symmetries is not None else None,
     }
-    with atomic_dir(out) as tmp:
-        write_checkpoint(src, tmp, replace=replace, shard_bytes=shard_bytes, overwrite=True)
-        save_transforms(mts, tmp / TRANSFORMS_FILE)
-        per_module.sort(key=lambda r: ModuleRef.parse(r["module"]))
+    try:
+        with atomic_dir(out) as tmp:
+            write_checkpoint(src, tmp, replace=replace, shard_bytes=shard_bytes, overwrite=True)
+            save_transforms(mts, tmp / TRANSFORMS_FILE)
+            per_module.sort(key=lambda r: ModuleRef.parse(r["module"]))
+            if anc is not None:
+                report["distance_before"] = sq["before"] ** 0.5
+                report["distance_after"] = sq["after"] ** 0.5
+            check = logit_check if logit_check is not None else _n_params(src) < 300_000_000
+            report["max_abs_logit_diff"] = _logit_diff(tmp, src.path) if check else None
+            report["per_module"] = per_module
+            report.update(extra_report or {})
+            report["seconds"] = report.get("seconds", 0.0) + time.perf_counter() - t_start
+            (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    finally:
+        src.close()
+        src_io.close()
         if anc is not None:
-            report["distance_before"] = sq["before"] ** 0.5
-            report["distance_after"] = sq["after"] ** 0.5
-        check = logit_check if logit_check is not None else _n_params(src) < 300_000_000
-        report["max_abs_logit_diff"] = _logit_diff(tmp, src.path) if check else None
-        report["per_module"] = per_module
-        report.update(extra_report or {})
-        report["seconds"] = report.get("seconds", 0.0) + time.perf_counter() - t_start
-        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
-    src.close()
-    if anc is not None:
-        anc.close()
+            anc.close()
+        if anc_io is not None:
+            anc_io.close()
     return report
 
 
@@ -263,10 +272,11 @@ def match_all_modules(
     refs = src.modules()
     if workers is None:  # big modules (7B widths) one at a time to bound memory
         workers = 1 if src.geometry.d_model * src.geometry.d_ffn > 16_000_000 else min(2, os.cpu_count() or 1)
+    src_io, anc_io = PreadSource(src), PreadSource(anc)
 
     def one(ref: ModuleRef) -> ModuleTransform:
         t0 = time.perf_counter()
-        s, a = _read(src, ref), _read(anc, ref)
+        s, a = _read(src_io, ref), _read(anc_io, ref)
         if timings is not None:
             timings["io"] = timings.get("io", 0.0) + time.perf_counter() - t0
         _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
@@ -277,11 +287,12 @@ def match_all_modules(
         with torch_threads(1):
             return one(ref)
 
-    if workers <= 1:
-        results = [one(r) for r in refs]
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(one_single_threaded, refs))
+    with src_io, anc_io:
+        if workers <= 1:
+            results = [one(r) for r in refs]
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                results = list(pool.map(one_single_threaded, refs))
     return {r.key: t for r, t in zip(refs, results, strict=True)}
 
 

@@ -87,3 +87,42 @@ def test_check_finite_one_reduction_and_fallback():
         t[1, 2] = bad
         with pytest.raises(CheckpointError, match=r"ckpt: L00\.ffn up holds NaN or inf"):
             check_finite({"up": t}, "ckpt: L00.ffn")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 21])
+def test_chunked_exact_rows_equal_the_full_argmin(chunk):
+    from symfuse.match.sketch import _exact_rows
+    from symfuse.match.weights import ffn_similarity
+
+    g = torch.Generator().manual_seed(3)
+    n, d = 40, 6
+    src = {
+        "up": torch.randn(n, d, generator=g),
+        "gate": torch.randn(n, d, generator=g),
+        "up_bias": torch.randn(n, generator=g),
+        "down": torch.randn(d, n, generator=g),
+    }
+    anc = {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in src.items()}
+    rows = torch.tensor([0, 5, 17, 39])
+    want = ffn_similarity(src, anc).double().argmax(1)[rows]  # -½||s_i - a_j||²: nearest = row argmax
+    assert torch.equal(_exact_rows(src, anc, rows, chunk=chunk), want)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pread_source_reads_the_stored_tensors(tmp_path, family, dtype):
+    from symfuse.checkpoint import CheckpointReader
+    from symfuse.match.reading import PreadSource
+
+    folder = tmp_path / family
+    tiny_model(family, seed=4).to(dtype).save_pretrained(folder)
+    with CheckpointReader(folder) as reader, PreadSource(reader) as source:
+        for name in reader.names():
+            t = source.get(name)
+            ref = reader.get(name)
+            assert t.dtype == ref.dtype and t.shape == ref.shape and torch.equal(t, ref)
+        for mod in reader.modules():
+            got, want = source.read_module(mod), reader.read_module(mod)
+            assert got.keys() == want.keys() and all(torch.equal(got[r], want[r]) for r in want)
+        with pytest.raises(CheckpointError, match="not found"):
+            source.get("no.such.tensor")
