@@ -104,6 +104,7 @@ def collect_stats(
                 "n_examples": str(g.n_examples),
                 "rows": g.rows,
                 "conv1d": g.conv1d,
+                "same_input": g.same_input,
             }
             written[kind] = save_stats(g.grams, out_dir / "gram.safetensors", meta)
         else:

@@ -53,6 +53,8 @@ class GramStats:
         n_tokens: Non-padding tokens seen.
         n_examples: Examples seen.
         conv1d: Module names stored as ``Conv1D``.
+        same_input: Module name -> the first module that read the very same input tensor in every batch (q / k /
+            v): their Grams are identical, which lets a merger factor one summed Gram for all of them.
     """
 
     grams: dict[str, torch.Tensor]
@@ -60,6 +62,7 @@ class GramStats:
     n_tokens: int
     n_examples: int
     conv1d: list[str] = field(default_factory=list)
+    same_input: dict[str, str] = field(default_factory=dict)
 
 
 def collect_gram(
@@ -94,7 +97,7 @@ def collect_gram(
         lins = {n: m for n, m in lins.items() if n in wanted}
     sums: dict[str, torch.Tensor] = {}
     rows: dict[str, int] = dict.fromkeys(lins, 0)
-    state: dict[str, object] = {"mask": None, "memo": {}}
+    state: dict[str, object] = {"mask": None, "memo": {}, "shared": {}}
 
     def hook(name: str):
         def fn(_mod: nn.Module, args: tuple, _out: object) -> None:
@@ -103,6 +106,7 @@ def collect_gram(
             key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
             if key in memo:  # q/k/v (and similar) read the same input tensor: compute its Gram once
                 inc, n = memo[key][1], memo[key][2]
+                state["shared"][name] = memo[key][3]  # type: ignore[index]
             else:
                 mask = state["mask"]
                 if mask is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
@@ -111,7 +115,7 @@ def collect_gram(
                     flat = x.reshape(-1, x.shape[-1])  # (rows, in)
                 flat = flat.to(matmul_dtype)
                 inc, n = (flat.T @ flat).to(torch.float64), flat.shape[0]  # (in, in), float64 running sum
-                memo[key] = (x, inc, n)  # keeping x alive keeps its data_ptr unique during this batch
+                memo[key] = (x, inc, n, name)  # keeping x alive keeps its data_ptr unique during this batch
             if name in sums:
                 sums[name] += inc
             else:
@@ -125,13 +129,16 @@ def collect_gram(
     model.eval()
     model.to(device)
     n_tokens = n_examples = 0
+    same: dict[str, str] | None = None
     try:
         with torch.no_grad():
             for batch in tqdm(batches, desc="gram", disable=not progress, unit="batch"):
                 inputs = model_inputs(batch, device)
                 mask = inputs.get("attention_mask")
-                state["mask"], state["memo"] = mask, {}
+                state["mask"], state["memo"], state["shared"] = mask, {}, {}
                 model(**inputs)
+                shared: dict[str, str] = state["shared"]  # type: ignore[assignment]
+                same = dict(shared) if same is None else {k: v for k, v in same.items() if shared.get(k) == v}
                 first = next(iter(inputs.values()))
                 n_examples += first.shape[0]
                 n_tokens += int(mask.sum()) if mask is not None else int(first.shape[0] * first.shape[1])
@@ -150,4 +157,5 @@ def collect_gram(
         n_tokens=n_tokens,
         n_examples=n_examples,
         conv1d=[n for n in grams if is_conv1d(lins[n])],
+        same_input={k: v for k, v in (same or {}).items() if k in grams and v in grams},
     )

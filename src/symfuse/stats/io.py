@@ -9,8 +9,11 @@ Format (read by tools outside the package, so it is kept simple):
   (float32) holding the mean over examples of the squared per-example gradient of the log-likelihood.
 * Metadata (safetensors ``__metadata__``, all strings): ``kind``, ``n_tokens``, ``n_examples``,
   ``dataset_fingerprint``, ``model_fingerprint``, ``format_version`` and, as JSON, ``rows`` (gram: input rows
-  per module) and ``conv1d`` (gram: modules stored as GPT-2 ``Conv1D``, weight layout (in, out)); Fisher adds
+  per module), ``conv1d`` (gram: modules stored as GPT-2 ``Conv1D``, weight layout (in, out)) and
+  ``same_input`` (gram, optional: key -> the first key whose module reads the very same input tensor, e.g.
+  ``...key`` / ``...value`` -> ``...query``; their Grams are identical, every key is still stored); Fisher adds
   ``fisher_mode`` (``empirical`` | ``sampled``).
+* Readers accept any float dtype (the merge converts once per tensor); the package writes float64 Grams.
 """
 
 from __future__ import annotations
@@ -71,15 +74,80 @@ class SafetensorsFile:
         """Shape of one tensor, without reading it."""
         return tuple(self.header[name]["shape"])
 
-    def get(self, name: str) -> torch.Tensor:
-        """Read one tensor into a new CPU tensor."""
+    def advise(self, name: str) -> None:
+        """Ask the kernel to start reading one tensor's bytes into the page cache (asynchronous, no-op if cached)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        start, end = self.header[name]["data_offsets"]
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, self._data_start + start, end - start, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Stored dtype of one tensor, without reading it."""
+        return _DTYPES[self.header[name]["dtype"]]
+
+    def get(self, name: str, pool: BufferPool | None = None, slot: str = "") -> torch.Tensor:
+        """Read one tensor into a new CPU tensor, or into ``pool``'s buffer ``slot`` (reused: see BufferPool).
+
+        Reads with ``os.preadv`` (no shared file position), so several threads may read the same file.
+        """
         info = self.header[name]
         start, end = info["data_offsets"]
-        buf = torch.empty(end - start, dtype=torch.uint8)
-        with open(self.path, "rb") as fh:
-            fh.seek(self._data_start + start)
-            fh.readinto(memoryview(buf.numpy()))
-        return buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        dtype, shape = _DTYPES[info["dtype"]], info["shape"]
+        out = pool.take(slot or "read", shape, dtype) if pool is not None else torch.empty(shape, dtype=dtype)
+        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            pos, offset = 0, self._data_start + start
+            while pos < end - start:
+                n = os.preadv(fd, [view[pos:]], offset + pos)
+                if n <= 0:
+                    raise OSError(f"{self.path}: file ends inside tensor {name!r}; the file is truncated")
+                pos += n
+        finally:
+            os.close(fd)
+        return out
+
+
+class BufferPool:
+    """Reusable CPU buffers by slot name, so that streaming loops do not allocate (and page-fault) every tensor.
+
+    Freshly allocated large tensors cost about as much CPU time in page faults as reading them from the page
+    cache; a loop that reads K models' tensors one after another into the same slot touches its memory once.
+    A tensor taken from a slot is valid until the slot is taken again.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, slot: str, shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` backed by slot ``slot`` (contents undefined)."""
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self._bufs.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._bufs[slot] = torch.empty(max(nbytes, 64), dtype=torch.uint8)
+        return buf[:nbytes].view(dtype).view(tuple(shape))
+
+    def swap(self, a: str, b: str) -> None:
+        """Exchange the buffers of two slots (tensors taken from them keep their memory)."""
+        self._bufs[a], self._bufs[b] = self._bufs.pop(b, None), self._bufs.pop(a, None)  # type: ignore[assignment]
+        for k in (a, b):
+            if self._bufs[k] is None:
+                del self._bufs[k]
+
+    def nbytes(self) -> int:
+        """Bytes held by every slot."""
+        return sum(b.numel() for b in self._bufs.values())
+
+    def clear(self) -> None:
+        """Drop every buffer."""
+        self._bufs.clear()
 
 
 def save_stats(tensors: Mapping[str, torch.Tensor], file: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
@@ -143,15 +211,29 @@ class StatsFile:
         """Whether a key is stored."""
         return key in self._keys
 
-    def get(self, key: str) -> torch.Tensor:
-        """Load one statistic.
+    def get(self, key: str, pool: BufferPool | None = None, slot: str = "") -> torch.Tensor:
+        """Load one statistic (into ``pool``'s buffer ``slot`` when given, see :class:`BufferPool`).
 
         Raises:
             MissingStats: if the key is absent.
         """
         if key not in self._keys:
             raise MissingStats(f"{self.path}: no {self.kind or 'statistic'} for {key!r}; recollect the statistics")
-        return self._f.get(key)
+        return self._f.get(key, pool, slot)
+
+    def advise(self, key: str) -> None:
+        """Start reading one statistic into the page cache in the background (see SafetensorsFile.advise)."""
+        if key in self._keys:
+            self._f.advise(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """Shape of one statistic, without reading it."""
+        return self._f.shape(key)
+
+    @property
+    def same_input(self) -> dict[str, str]:
+        """Gram key -> the first key whose module reads the same input tensor (identical Gram), when recorded."""
+        return {str(k): str(v) for k, v in (self.meta.get("same_input") or {}).items() if k in self._keys}
 
     @property
     def conv1d(self) -> set[str]:

@@ -107,6 +107,8 @@ def transform_stats(
                 fisher = _fisher_part(part).apply(fisher)
             out.update(spec.write_module(fisher, ref, cfg, prefix))
     meta = dict(sf.meta)
+    if sf.kind == "gram" and sf.same_input:  # modules reading one input keep identical Grams; record only those
+        meta["same_input"] = {k: v for k, v in sf.same_input.items() if torch.equal(out[k], out[v])}
     meta["transforms"] = str(transforms_file)
     meta["transformed_from"] = str(stats_file)
     reader.close()

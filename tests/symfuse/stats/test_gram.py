@@ -89,3 +89,34 @@ def test_gram_leaves_model_untouched_and_roundtrips(tmp_path):
     assert meta["kind"] == "gram" and meta["n_tokens"] == g.n_tokens and meta["rows"] == g.rows
     for k in g.grams:
         assert torch.equal(tensors[k], g.grams[k]) and tensors[k].dtype == torch.float64
+
+
+def test_same_input_groups_are_recorded_and_exact():
+    model = tiny_model("bert", head="base")
+    g = collect_gram(model, _batches(model, 2), progress=False)
+    pre = "encoder.layer.0.attention.self."
+    assert g.same_input[pre + "key"] == pre + "query" and g.same_input[pre + "value"] == pre + "query"
+    assert pre + "query" not in g.same_input
+    for k, v in g.same_input.items():
+        assert torch.equal(g.grams[k], g.grams[v])
+    assert not any(k.endswith(("output.dense", "intermediate.dense")) for k in g.same_input)  # own inputs
+
+
+def test_pooled_reads_equal_plain_reads(tmp_path):
+    from symfuse.stats import StatsFile
+    from symfuse.stats.io import BufferPool
+
+    tensors = {
+        "a": torch.randn(7, 5, dtype=torch.float64),
+        "b": torch.arange(6, dtype=torch.int64),
+        "c": torch.ones(()),
+    }
+    sf = StatsFile(save_stats(tensors, tmp_path / "x.safetensors", {"kind": "gram"}))
+    pool = BufferPool()
+    for k, t in tensors.items():
+        got = sf.get(k, pool, "slot")
+        assert torch.equal(got, t) and got.dtype == t.dtype and torch.equal(sf.get(k), t)
+    first = sf.get("a", pool, "slot")
+    ptr = first.data_ptr()
+    assert sf.get("b", pool, "slot").data_ptr() == ptr  # one buffer reused: no new memory per read
+    assert pool.nbytes() >= 7 * 5 * 8
