@@ -10,6 +10,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from symfuse.errors import MissingStats
+from symfuse.stats.io import BufferPool
 
 
 class MergeParams(BaseModel):
@@ -23,20 +24,70 @@ class MergeParams(BaseModel):
 class LazyTensors(Sequence[torch.Tensor]):
     """K tensors loaded on access (each access reads again), so a merger that walks them once holds one at a time.
 
+    With a :class:`~symfuse.stats.io.BufferPool`, every access reads into the SAME reusable buffer (slot
+    ``slot``): a tensor obtained from it is valid only until the next access, which suits mergers that walk the
+    K tensors once and keep nothing (no page faults for fresh memory). :func:`load_all` gives K tensors that
+    are all valid at once (one slot per model).
+
     Args:
-        loaders: One zero-argument function per model returning its tensor.
+        loaders: One function per model, ``loader(pool, slot) -> tensor``, returning memory the caller may
+            modify: new memory when ``pool`` is None, else ``pool``'s buffer ``slot``.
+        pool: Buffers to read into, or None (every access returns new memory).
+        slot: Slot name in ``pool``.
     """
 
-    def __init__(self, loaders: Sequence[Callable[[], torch.Tensor]]):
+    def __init__(
+        self,
+        loaders: Sequence[Callable[[BufferPool | None, str], torch.Tensor]],
+        pool: BufferPool | None = None,
+        slot: str = "lazy",
+    ):
         self._loaders = list(loaders)
+        self.pool, self.slot = pool, slot
 
     def __len__(self) -> int:
         return len(self._loaders)
 
+    def load(self, i: int, pool: BufferPool | None, slot: str) -> torch.Tensor:
+        """Model ``i``'s tensor, read into ``pool``'s ``slot`` (new memory when ``pool`` is None)."""
+        return self._loaders[i](pool, slot)
+
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
-            return [f() for f in self._loaders[i]]
-        return self._loaders[i]()
+            return [self.load(j, None, "") for j in range(len(self))[i]]
+        return self.load(i, self.pool, self.slot)
+
+
+def load_all(
+    tensors: Sequence[torch.Tensor],
+    pool: BufferPool | None,
+    slot: str,
+    dtype: torch.dtype | None,
+    scale: float = 1.0,
+    stored: list[torch.dtype] | None = None,
+) -> list[torch.Tensor]:
+    """All K tensors at once, times ``scale``, in ``dtype`` (None: as stored), in NEW memory or ``pool`` slots.
+
+    Model i's tensor uses slot ``{slot}{i}``. The results may be modified in place by the caller: a caller's
+    plain tensors are always copied. Conversion and scaling take one pass over memory. ``stored`` (if given)
+    receives the K stored dtypes.
+    """
+    lazy = isinstance(tensors, LazyTensors)
+    out = []
+    for i in range(len(tensors)):
+        raw = tensors.load(i, pool, f"{slot}.raw") if lazy else tensors[i]  # type: ignore[attr-defined]
+        if stored is not None:
+            stored.append(raw.dtype)
+        want = dtype or raw.dtype
+        if lazy and raw.dtype == want:  # a lazy load is ours to modify (new memory, or the pool's raw slot)
+            if pool is not None:
+                pool.swap(f"{slot}.raw", f"{slot}{i}")  # the buffer just read becomes model i's slot, no copy
+            out.append(raw.mul_(scale) if scale != 1.0 else raw)
+            continue
+        dst = pool.take(f"{slot}{i}", raw.shape, want) if pool is not None else torch.empty(raw.shape, dtype=want)
+        torch.mul(raw, scale, out=dst) if scale != 1.0 else dst.copy_(raw)
+        out.append(dst)
+    return out
 
 
 @dataclass
@@ -54,6 +105,8 @@ class TensorInputs:
         fisher: K diagonal Fishers of this tensor, else None.
         gram: K input Grams ``(in, in)`` when the tensor is a linear layer's weight, else None.
         conv1d: The weight is stored (in, out) (GPT-2 ``Conv1D``) instead of ``nn.Linear``'s (out, in).
+        gram_key: Identifies the Grams' input: consecutive tensors with the same key read one input (q / k / v)
+            and have identical Grams, so a merger may reuse what it computed from them. None: unknown.
     """
 
     name: str
@@ -63,6 +116,7 @@ class TensorInputs:
     fisher: Sequence[torch.Tensor] | None = None
     gram: Sequence[torch.Tensor] | None = None
     conv1d: bool = False
+    gram_key: str | None = None
 
 
 class Merger:
@@ -81,6 +135,7 @@ class Merger:
     def __init__(self, **params: Any):
         self.params = self.Params(**params)
         self.counters: dict[str, int] = {}
+        self.pool: BufferPool | None = None  # scratch buffers a merger may reuse (set by merge_checkpoints)
 
     def count(self, what: str) -> None:
         """Count an event for the merge report (e.g. ``lstsq_fallback``)."""

@@ -31,26 +31,36 @@ import torch
 from symfuse.checkpoint import CheckpointReader, atomic_dir, write_checkpoint
 from symfuse.errors import CheckpointError, MissingStats
 from symfuse.merge.base import LazyTensors, TensorInputs, weighted_mean
-from symfuse.stats.io import SafetensorsFile, StatsFile
+from symfuse.stats.io import BufferPool, SafetensorsFile, StatsFile
 
 log = logging.getLogger(__name__)
 
 REPORT = "symfuse_report.json"
 SHARD_BYTES = 128 * 1024**2
+READAHEAD = 4  # tensors whose bytes are prefetched (posix_fadvise WILLNEED) while one is merged
 
 
 class StreamingReader(CheckpointReader):
     """A :class:`CheckpointReader` that reads each tensor with plain reads instead of mmap."""
 
-    def get(self, name: str) -> torch.Tensor:
-        """Load one tensor into new memory (see :class:`symfuse.stats.io.SafetensorsFile`)."""
+    def get(self, name: str, pool: BufferPool | None = None, slot: str = "") -> torch.Tensor:
+        """Load one tensor into new memory, or into ``pool``'s ``slot`` (see :class:`SafetensorsFile`)."""
         file = self._files.get(name)
         if file is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} not found")
         handle = self._handles.get(file)
         if handle is None:
             handle = self._handles[file] = SafetensorsFile(file)
-        return handle.get(name)
+        return handle.get(name, pool, slot)
+
+    def advise(self, name: str) -> None:
+        """Start reading one tensor into the page cache in the background."""
+        file = self._files.get(name)
+        if file is not None:
+            handle = self._handles.get(file)
+            if handle is None:
+                handle = self._handles[file] = SafetensorsFile(file)
+            handle.advise(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of a stored tensor without reading it."""
@@ -160,6 +170,13 @@ def merge_checkpoints(
                 raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, model 0 has {r0.shape(n)}")
 
     grams, fishers = files.get("gram"), files.get("fisher")
+    # Gram keys whose module reads the same input as another in EVERY model (q / k / v): one factorisation.
+    same_input: dict[str, str] = {}
+    if grams is not None:
+        pairs = [g.same_input for g in grams]
+        same_input = {k: v for k, v in pairs[0].items() if all(p.get(k) == v for p in pairs[1:])}
+    pool = BufferPool()  # reused read buffers: no page faults for fresh memory on every tensor
+    merger.pool = pool
 
     def base_tensor(name: str) -> torch.Tensor | None:
         if base_reader is None:
@@ -167,29 +184,51 @@ def merge_checkpoints(
         bname = base_reader.prefix + name[len(r0.prefix) :] if name.startswith(r0.prefix) else name
         return base_reader.get(bname) if base_reader.has(bname) else None
 
+    order = {n: i for i, n in enumerate(r0.names())}
+    ahead = r0.names()
+
+    def readahead(name: str) -> None:  # the kernel reads the next tensors' bytes while this one is merged
+        i = order.get(name)
+        if i is None:
+            return
+        for nxt in ahead[i + 1 : i + 1 + READAHEAD]:
+            for r in readers:
+                r.advise(nxt)
+            for f in (fishers or []) + (grams or []):
+                f.advise(nxt)
+                if nxt.endswith(".weight"):
+                    f.advise(nxt[: -len(".weight")])
+
     def merge_one(name: str, first: torch.Tensor) -> torch.Tensor:
+        readahead(name)
         if separate and name in heads:
             return first
         if not first.is_floating_point():
             return first
-        tensors = LazyTensors([lambda: first] + [lambda r=r: r.get(name) for r in readers[1:]])
+        tensors = LazyTensors(
+            [lambda p, s: p.take(s, first.shape, first.dtype).copy_(first) if p is not None else first.clone()]
+            + [lambda p, s, r=r: r.get(name, p, s) for r in readers[1:]],
+            pool,
+            "tensor",
+        )
         b = base_tensor(name)
         if merger.needs_base and b is None:  # e.g. a head absent from a bare base model
             merger.count("no_base_averaged")
             return weighted_mean(tensors, weights)
         fisher = None
         if fishers is not None and all(f.has(name) for f in fishers):
-            fisher = LazyTensors([lambda f=f: f.get(name) for f in fishers])
+            fisher = LazyTensors([lambda p, s, f=f: f.get(name, p, s) for f in fishers], pool, "fisher")
         gram, conv1d = None, False
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if grams is not None and module is not None and first.dim() == 2:
             have = [g.has(module) for g in grams]
             if all(have):
-                gram = LazyTensors([lambda g=g: g.get(module) for g in grams])
+                gram = LazyTensors([lambda p, s, g=g: g.get(module, p, s) for g in grams], pool, "gram")
                 conv1d = module in grams[0].conv1d
             elif any(have):
                 raise MissingStats(f"Gram of {module} is missing from some models' statistics; recollect them")
-        return merger.merge_tensor(TensorInputs(name, tensors, weights, b, fisher, gram, conv1d))
+        key = same_input.get(module, module) if gram is not None else None
+        return merger.merge_tensor(TensorInputs(name, tensors, weights, b, fisher, gram, conv1d, key))
 
     names: dict[str, str] = {}
     for i, m in enumerate(models):

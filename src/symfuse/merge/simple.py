@@ -10,6 +10,8 @@ from symfuse.merge.base import MergeParams, Merger, TensorInputs, acc_dtype, wei
 
 log = logging.getLogger(__name__)
 
+CHUNK = 1 << 18  # elements per chunk of the elementwise loops (1 MiB of float32)
+
 
 class SimpleMerger(Merger):
     """``theta = sum_i w_i theta_i``."""
@@ -41,10 +43,14 @@ class FisherMerger(Merger):
             return weighted_mean(t.tensors, t.weights)
         eps = self.params.epsilon  # type: ignore[attr-defined]
         dt = acc_dtype(t.tensors[0])
-        num = torch.zeros(t.tensors[0].shape, dtype=dt)
-        den = torch.zeros_like(num)
-        for x, f, w in zip(t.tensors, t.fisher, t.weights, strict=True):
-            fw = f.to(dt).clamp_min(eps).mul_(w)
-            den += fw
-            num += fw.mul_(x.to(dt))
-        return num.div_(den).to(t.tensors[0].dtype)
+        shape = t.tensors[0].shape
+        num = torch.zeros(shape, dtype=dt).view(-1)  # the output
+        den = self.pool.take("fisher.den", num.shape, dt) if self.pool is not None else torch.empty_like(num)
+        den.zero_()
+        for x, f, w in zip(t.tensors, t.fisher, t.weights, strict=True):  # one model's tensor + Fisher at a time
+            xf, ff = x.reshape(-1), f.reshape(-1)
+            for s in range(0, num.numel(), CHUNK):  # cache-sized chunks: small temporaries, one pass over memory
+                fw = ff[s : s + CHUNK].to(dt).clamp_min(eps).mul_(w)
+                den[s : s + CHUNK] += fw
+                num[s : s + CHUNK].addcmul_(fw, xf[s : s + CHUNK].to(dt))
+        return num.div_(den).view(shape).to(t.tensors[0].dtype)

@@ -67,3 +67,29 @@ def test_task_arithmetic_and_fisher_closed_forms():
     out = fm.merge_tensor(TensorInputs("p", xs, [0.5, 0.5], fisher=fs))
     expected = (fs[0] * xs[0] + 1e-6 * xs[1]) / (fs[0] + 1e-6)
     torch.testing.assert_close(out, expected)
+
+
+def test_fisher_chunked_over_large_tensors_and_pooled_inputs(monkeypatch):
+    from symfuse.merge import LazyTensors, simple
+    from symfuse.stats.io import BufferPool
+
+    monkeypatch.setattr(simple, "CHUNK", 7)  # many chunks, the last one partial
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(9, 11, generator=g) for _ in range(3)]
+    fs = [torch.rand(9, 11, generator=g) for _ in range(3)]
+    fs[1][0, :5] = 0.0  # floored at epsilon
+    w = [0.2, 0.3, 0.5]
+    eps = 1e-3
+    expected = sum(wi * f.clamp_min(eps) * x for wi, f, x in zip(w, fs, xs)) / sum(
+        wi * f.clamp_min(eps) for wi, f in zip(w, fs)
+    )
+    pool = BufferPool()
+
+    def lazy(ts, slot):  # reads into one reused buffer, as merge_checkpoints does
+        return LazyTensors([lambda p, s, t=t: p.take(s, t.shape, t.dtype).copy_(t) for t in ts], pool, slot)
+
+    fm = MERGERS["fisher"](epsilon=eps)
+    fm.pool = pool
+    out = fm.merge_tensor(TensorInputs("p", lazy(xs, "t"), w, fisher=lazy(fs, "f")))
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+    assert fs[1][0, 0] == 0.0  # inputs untouched

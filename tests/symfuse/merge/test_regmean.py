@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from symfuse.merge import RegMeanMerger, TensorInputs, regmean_solve
+from symfuse.merge.regmean import BF16_UNIT
 
 
 def _regression_models(k=3, d_in=6, d_out=4, seed=0):
@@ -84,3 +85,80 @@ def test_regmean_rejects_bad_alpha_and_shapes():
         regmean_solve(ws, grams, alpha=1.5)
     with pytest.raises(ValueError, match="does not match Gram"):
         regmean_solve([w.T for w in ws], grams)
+
+
+def _direct(ws, grams, cs, alpha):
+    """The textbook formula: (sum c_i G_i')^-1 sum c_i G_i' W_i^T, in float64."""
+    scaled = [alpha * g + (1 - alpha) * torch.diag(torch.diag(g)) for g in grams]
+    a = sum(c * s for c, s in zip(cs, scaled))
+    b = sum(c * s @ w.T for c, s, w in zip(cs, scaled, ws))
+    return torch.linalg.solve(a, b).T
+
+
+def test_delta_form_equals_direct_formula_in_float64():
+    _, _, ws, grams, ns = _regression_models(k=4, d_in=7, d_out=5)
+    for cs in (ns, [0.0, 2.0, 1.0, 3.0]):  # a zero weight: the reference model is the largest weight's
+        merged, system = regmean_solve(ws, grams, model_weights=cs, alpha=0.7)
+        assert system.ref == max(range(4), key=cs.__getitem__)
+        torch.testing.assert_close(merged, _direct(ws, grams, cs, 0.7), rtol=0, atol=1e-10)
+        merged_t, _ = regmean_solve([w.T for w in ws], grams, model_weights=cs, alpha=0.7, conv1d=True)
+        torch.testing.assert_close(merged_t, _direct(ws, grams, cs, 0.7).T, rtol=0, atol=1e-10)
+
+
+def _fine_tunes(k, d_in, d_out, delta, seed=0):
+    """K fine-tunes of one base (base + delta * |W| noise) and well-conditioned, different Grams."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    ws = [base + delta * torch.randn(d_out, d_in, generator=g, dtype=torch.float64) for _ in range(k)]
+    grams = []
+    for _ in range(k):
+        x = torch.randn(4 * d_in, d_in, generator=g, dtype=torch.float64)
+        grams.append(x.T @ x / (4 * d_in))
+    return ws, grams
+
+
+def test_bfloat16_products_error_bound_on_fine_tunes():
+    ws, grams = _fine_tunes(k=5, d_in=96, d_out=48, delta=1e-3)
+    exact, _ = regmean_solve(ws, grams)
+    ws32, g32 = [w.float() for w in ws], [x.float() for x in grams]
+    lo, system = regmean_solve(ws32, g32, dtype=torch.float32, delta_dtype="bfloat16")
+    assert lo.dtype == torch.float32
+    err = float((lo.double() - exact).abs().max() / exact.abs().max())
+    ratio = max(float((w - torch.stack(ws).mean(0)).norm()) for w in ws) / float(torch.stack(ws).mean(0).norm())
+    assert err <= BF16_UNIT * ratio * system.cond  # the bound the auto rule uses
+    assert err < 3e-6  # bfloat16 rounding of deltas of 1e-3 (measured 7e-7; float32 products: 1e-7)
+    # The same products in bfloat16 without the delta form (whole weights) would be ~1000x worse: the delta
+    # form is what makes bfloat16 usable at all.
+    naive = sum(g.bfloat16().float() @ w.T.bfloat16().float() for g, w in zip(g32, ws32))
+    naive = torch.linalg.solve(sum(g32), naive).T
+    assert float((naive.double() - exact).abs().max() / exact.abs().max()) > 20 * err
+
+
+def test_auto_products_use_bfloat16_only_for_small_deltas_and_good_conditioning():
+    merger = RegMeanMerger(alpha=0.9, dtype="float32", delta_dtype="auto", bf16_tol=1e-4)
+    w5 = merger.model_weights(5)
+    tiny, grams = _fine_tunes(k=5, d_in=64, d_out=32, delta=1e-5)
+    indep, _ = _fine_tunes(k=5, d_in=64, d_out=32, delta=10.0)
+    g32 = [g.float() for g in grams]
+    out = merger.merge_tensor(TensorInputs("a.weight", [w.float() for w in tiny], w5, gram=g32))
+    assert merger.counters == {"regmean_solves": 1, "products_bfloat16": 1}
+    exact, _ = regmean_solve(tiny, grams, alpha=0.9)
+    assert float((out.double() - exact).abs().max() / exact.abs().max()) < 1e-4
+    merger.merge_tensor(TensorInputs("b.weight", [w.float() for w in indep], w5, gram=g32))
+    assert merger.counters.get("products_float32") == 1  # independent models: float32 products
+
+
+def test_layers_reading_one_input_share_one_factor():
+    _, _, ws, grams, _ = _regression_models(k=3, d_in=6, d_out=4)
+    merger = RegMeanMerger(alpha=0.5)
+    w3 = merger.model_weights(3)
+    first = merger.merge_tensor(TensorInputs("q.weight", ws, w3, gram=grams, gram_key="q"))
+    others = [w + 1 for w in ws]
+    # same key: the Grams are not even read again (a wrong Gram here would change nothing)
+    second = merger.merge_tensor(TensorInputs("k.weight", others, w3, gram=[g * 0 for g in grams], gram_key="q"))
+    assert merger.counters["factor_reused"] == 1
+    torch.testing.assert_close(first, _direct(ws, grams, w3, 0.5), rtol=0, atol=1e-10)
+    torch.testing.assert_close(second, _direct(others, grams, w3, 0.5), rtol=0, atol=1e-10)
+    third = merger.merge_tensor(TensorInputs("v.weight", ws, w3, gram=[g * 2 for g in grams], gram_key="v"))
+    torch.testing.assert_close(third, first, rtol=0, atol=1e-10)  # scaling every Gram by 2 changes nothing
+    assert merger.counters["factor_reused"] == 1
