@@ -21,7 +21,7 @@ from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, atomic_dir, load_hf_model, write_checkpoint
 from symfuse.errors import CheckpointError
 from symfuse.match.closed_form import torch_threads
-from symfuse.match.reading import PreadSource
+from symfuse.match.reading import PreadSource, trim_heap
 from symfuse.match.weights import (
     DEFAULT_SYMMETRIES,
     check_symmetries,
@@ -58,6 +58,19 @@ def check_finite(weights: Mapping[str, torch.Tensor], where: str) -> None:
     for role, t in weights.items():
         if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
             raise CheckpointError(f"{where} {role} holds NaN or inf values; fix or re-export the checkpoint")
+
+
+def _sq_distance_to(tensor: torch.Tensor, source: PreadSource, name: str, chunk: int = 1 << 22) -> float | None:
+    """``||tensor - stored name||²`` reading the stored tensor in row blocks (None if shapes or dtypes differ)."""
+    dtype, shape = source.meta(name)
+    if list(tensor.shape) != shape or not dtype.is_floating_point:
+        return None
+    if tensor.dim() == 0:
+        return sq_distance(tensor, source.get(name))
+    rows = max(1, chunk // max(1, tensor[0].numel()))
+    return sum(
+        sq_distance(tensor[i : i + rows], source.get_rows(name, i, i + rows)) for i in range(0, tensor.shape[0], rows)
+    )
 
 
 def check_compatible(src: CheckpointReader, anc: CheckpointReader) -> None:
@@ -155,7 +168,7 @@ def assemble_matched(
     anchor: str | Path | None = None,
     symmetries: Sequence[str] | None = None,
     logit_check: bool | None = None,
-    shard_bytes: int = 256 * 1024**2,
+    shard_bytes: int = 128 * 1024**2,
     extra_report: Mapping[str, Any] | None = None,
 ) -> dict:
     """Write SOURCE with every module transformed: save_pretrained folder + transforms + report.
@@ -199,13 +212,11 @@ def assemble_matched(
             return cache.pop(name)
         ref = owner.get(name)
         if ref is None:
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise CheckpointError(f"{src.path}: tensor {name!r} holds NaN or inf values")
+            check_finite({name: tensor}, f"{src.path}: tensor")
             other = anc_names.get(_strip(name, src.prefix))
             if anc_io is not None and other is not None and tensor.is_floating_point():
-                b = anc_io.get(other)
-                if b.shape == tensor.shape and b.is_floating_point():
-                    d = sq_distance(tensor, b)
+                d = _sq_distance_to(tensor, anc_io, other)
+                if d is not None:
                     sq["before"] += d
                     sq["after"] += d
             return tensor
@@ -229,6 +240,7 @@ def assemble_matched(
         cache.update(src.spec.write_module(new, ref, src.config, src.prefix))
         del new
         src.close()  # unmap what the writer read so far
+        trim_heap()
         return cache.pop(name)
 
     report: dict[str, Any] = {
@@ -280,7 +292,10 @@ def match_all_modules(
         if timings is not None:
             timings["io"] = timings.get("io", 0.0) + time.perf_counter() - t0
         _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
-        return match_module_weights(ref, s, a, src.geometry, symmetries, timings)
+        out = match_module_weights(ref, s, a, src.geometry, symmetries, timings)
+        del s, a
+        trim_heap()  # keeps peak RSS flat in depth (see trim_heap)
+        return out
 
     def one_single_threaded(ref: ModuleRef) -> ModuleTransform:
         # parallel workers: one torch thread each (no oversubscription; torch thread counts are per thread)

@@ -11,10 +11,15 @@ it concurrently.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
+import math
 import os
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,12 +86,8 @@ class PreadSource:
         """Whether the checkpoint stores ``name``."""
         return name in self._file_of
 
-    def get(self, name: str) -> torch.Tensor:
-        """A new tensor holding the stored bytes of ``name`` (no mapping is kept).
-
-        Raises:
-            CheckpointError: absent tensor, unknown dtype or a truncated file.
-        """
+    def _info(self, name: str) -> tuple[Path, int, int, torch.dtype, list[int]]:
+        """(file, fd, absolute data offset, dtype, shape) of a stored tensor."""
         file = self._file_of.get(name)
         if file is None:
             raise CheckpointError(f"{self.reader.path}: tensor {name!r} not found")
@@ -97,15 +98,43 @@ class PreadSource:
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
             raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        lo, hi = info["data_offsets"]
-        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        return file, fd, start + info["data_offsets"][0], dtype, list(info["shape"])
+
+    @staticmethod
+    def _pread(file: Path, fd: int, offset: int, nbytes: int, name: str) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
         view, done = memoryview(buf.numpy()), 0
-        while done < hi - lo:
-            got = os.preadv(fd, [view[done:]], start + lo + done)
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
             if got <= 0:
                 raise CheckpointError(f"{file}: truncated while reading tensor {name!r}")
             done += got
-        return buf.view(dtype).reshape(info["shape"])
+        return buf
+
+    def get(self, name: str) -> torch.Tensor:
+        """A new tensor holding the stored bytes of ``name`` (no mapping is kept).
+
+        Raises:
+            CheckpointError: absent tensor, unknown dtype or a truncated file.
+        """
+        file, fd, offset, dtype, shape = self._info(name)
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self._pread(file, fd, offset, nbytes, name).view(dtype).reshape(shape)
+
+    def get_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` (first axis) of a stored tensor, reading only their bytes."""
+        file, fd, offset, dtype, shape = self._info(name)
+        if not shape:
+            return self.get(name)
+        lo, hi = max(0, lo), min(shape[0], hi)
+        row = math.prod(shape[1:]) * dtype.itemsize
+        buf = self._pread(file, fd, offset + lo * row, max(0, hi - lo) * row, name)
+        return buf.view(dtype).reshape([max(0, hi - lo), *shape[1:]])
+
+    def meta(self, name: str) -> tuple[torch.dtype, list[int]]:
+        """Stored dtype and shape of a tensor."""
+        _, _, _, dtype, shape = self._info(name)
+        return dtype, shape
 
     def read_module(self, ref: ModuleRef) -> ModuleWeights:
         """One module's canonical weights (see :meth:`CheckpointReader.read_module`; no finiteness check)."""
@@ -124,3 +153,23 @@ class PreadSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # no C library found, or not glibc
+        return None
+
+
+def trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``; no-op elsewhere).
+
+    glibc raises its mmap threshold after big frees, so later module-sized tensors come from the heap and their
+    pages stay resident after ``del``: peak RSS then creeps up module by module. Trimming after each module
+    keeps it flat in depth.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

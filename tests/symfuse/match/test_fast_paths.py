@@ -126,3 +126,26 @@ def test_pread_source_reads_the_stored_tensors(tmp_path, family, dtype):
             assert got.keys() == want.keys() and all(torch.equal(got[r], want[r]) for r in want)
         with pytest.raises(CheckpointError, match="not found"):
             source.get("no.such.tensor")
+
+
+def test_pread_rows_and_distance_in_row_blocks(tmp_path):
+
+    from symfuse.checkpoint import CheckpointReader
+    from symfuse.match.checkpoints import _sq_distance_to
+    from symfuse.match.reading import PreadSource, trim_heap
+
+    folder = tmp_path / "m"
+    tiny_model("bert", seed=5).save_pretrained(folder)
+    g = torch.Generator().manual_seed(5)
+    with CheckpointReader(folder) as reader, PreadSource(reader) as source:
+        name = next(n for n in reader.names() if reader.get(n).dim() == 2)
+        full = reader.get(name)
+        assert torch.equal(source.get_rows(name, 3, 9), full[3:9])
+        assert source.get_rows(name, 5, 5).shape == (0, full.shape[1])
+        assert source.meta(name) == (full.dtype, list(full.shape))
+        other = full + torch.randn(full.shape, generator=g)
+        want = float(((other.double() - full.double()) ** 2).sum())
+        for chunk in (1, 50, 1 << 22):
+            assert abs(_sq_distance_to(other, source, name, chunk=chunk) - want) <= 1e-9 * want
+        assert _sq_distance_to(other[:-1], source, name) is None  # shape mismatch
+    trim_heap()  # callable anywhere (no-op without glibc)
