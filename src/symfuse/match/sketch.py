@@ -166,12 +166,13 @@ def certified_nearest(
     # probe: unrelated models fail the certificate on most rows; find out on a few before the full sketch
     p = min(n, probe)
     nearest(0, p)
-    if (~certified(0, p)).sum() > max_exact_rows * p:
+    ok_probe = certified(0, p)
+    if (~ok_probe).sum() > max_exact_rows * p:
         return None
     nearest(p, n)
     if torch.bincount(best, minlength=n).max() > 1:
         return None
-    ok = torch.cat([certified(0, p), certified(p, n)]) if p < n else certified(0, n)
+    ok = torch.cat([ok_probe, certified(p, n)]) if p < n else ok_probe
     bad = (~ok).nonzero().flatten()
     if bad.numel() > max_exact_rows * n:
         return None
