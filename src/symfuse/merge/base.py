@@ -82,10 +82,12 @@ def load_all(
         if lazy and raw.dtype == want:  # a lazy load is ours to modify (new memory, or the pool's raw slot)
             if pool is not None:
                 pool.swap(f"{slot}.raw", f"{slot}{i}")  # the buffer just read becomes model i's slot, no copy
-            out.append(raw.mul_(scale) if scale != 1.0 else raw)
+            if scale != 1.0:
+                chunked(lambda r: r.mul_(scale), raw)
+            out.append(raw)
             continue
         dst = pool.take(f"{slot}{i}", raw.shape, want) if pool is not None else torch.empty(raw.shape, dtype=want)
-        torch.mul(raw, scale, out=dst) if scale != 1.0 else dst.copy_(raw)
+        chunked(lambda d, r: torch.mul(r, scale, out=d), dst, raw.contiguous())  # convert and scale, one pass
         out.append(dst)
     return out
 
@@ -159,6 +161,20 @@ class Merger:
             raise MissingStats(f"{self.name}: no base tensor for {t.name}; pass --base")
 
 
+SERIAL_CHUNK = 32_000  # elements per elementwise op: below torch's parallel grain size (32768), so ONE thread
+# Memory-bound elementwise loops gain little from a second thread, and on a shared CPU OpenMP's barriers wait for
+# a descheduled thread: 2-thread elementwise ops measured 10-18x slower than 1-thread ones on this 2-core machine
+# under load. Cache-sized chunks run single-threaded and stay in L2; BLAS / LAPACK calls keep every thread.
+
+
+def chunked(fn: Callable[..., Any], *tensors: torch.Tensor) -> None:
+    """Call ``fn`` on matching flat chunks of contiguous tensors of one size (``fn`` works in place)."""
+    flat = [t.view(-1) for t in tensors]
+    n = flat[0].numel()
+    for s in range(0, n, SERIAL_CHUNK):
+        fn(*(f[s : s + SERIAL_CHUNK] for f in flat))
+
+
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """Accumulation dtype for elementwise merging: float64 for float64 inputs, else float32.
 
@@ -173,5 +189,5 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     dt = acc_dtype(tensors[0])
     acc = torch.zeros(tensors[0].shape, dtype=dt)
     for t, w in zip(tensors, weights, strict=True):
-        acc.add_(t.to(dt), alpha=w)
+        chunked(lambda a, x, w=w: a.add_(x, alpha=w), acc, t.contiguous())
     return acc.to(tensors[0].dtype)

@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 
 REPORT = "symfuse_report.json"
 SHARD_BYTES = 128 * 1024**2
-READAHEAD = 4  # tensors whose bytes are prefetched (posix_fadvise WILLNEED) while one is merged
 
 
 class StreamingReader(CheckpointReader):
@@ -52,15 +51,6 @@ class StreamingReader(CheckpointReader):
         if handle is None:
             handle = self._handles[file] = SafetensorsFile(file)
         return handle.get(name, pool, slot)
-
-    def advise(self, name: str) -> None:
-        """Start reading one tensor into the page cache in the background."""
-        file = self._files.get(name)
-        if file is not None:
-            handle = self._handles.get(file)
-            if handle is None:
-                handle = self._handles[file] = SafetensorsFile(file)
-            handle.advise(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of a stored tensor without reading it."""
@@ -184,23 +174,7 @@ def merge_checkpoints(
         bname = base_reader.prefix + name[len(r0.prefix) :] if name.startswith(r0.prefix) else name
         return base_reader.get(bname) if base_reader.has(bname) else None
 
-    order = {n: i for i, n in enumerate(r0.names())}
-    ahead = r0.names()
-
-    def readahead(name: str) -> None:  # the kernel reads the next tensors' bytes while this one is merged
-        i = order.get(name)
-        if i is None:
-            return
-        for nxt in ahead[i + 1 : i + 1 + READAHEAD]:
-            for r in readers:
-                r.advise(nxt)
-            for f in (fishers or []) + (grams or []):
-                f.advise(nxt)
-                if nxt.endswith(".weight"):
-                    f.advise(nxt[: -len(".weight")])
-
     def merge_one(name: str, first: torch.Tensor) -> torch.Tensor:
-        readahead(name)
         if separate and name in heads:
             return first
         if not first.is_floating_point():

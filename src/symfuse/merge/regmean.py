@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 
-from symfuse.merge.base import MergeParams, Merger, TensorInputs, load_all, weighted_mean
+from symfuse.merge.base import MergeParams, Merger, TensorInputs, chunked, load_all, weighted_mean
 from symfuse.stats.io import BufferPool
 
 log = logging.getLogger(__name__)
@@ -59,25 +59,34 @@ class RegMeanParams(MergeParams):
 
 @dataclass
 class GramSystem:
-    """The K scaled Grams of one layer input and the Cholesky factor of their weighted sum.
+    """One layer input's K scaled Grams, as differences to a reference, and the Cholesky factor of their sum.
 
     Attributes:
-        grams: K scaled Grams ``G_i'`` (in, in) in the solve dtype (unweighted).
+        diffs: Per model, ``G_i' - G_r'`` (in, in) in the solve dtype; None for the reference model ``r`` and
+            for models of weight 0 (they add nothing to the correction).
         weights: The K model weights ``c_i``.
-        summed: ``S = sum_i c_i G_i'``.
-        factor: Lower Cholesky factor of ``S``, or None when ``S`` is not positive definite (lstsq is used).
+        summed: The lower Cholesky factor of ``S = sum_i c_i G_i'`` (factored in place), or ``S`` itself when it
+            is not positive definite.
+        factor: ``summed`` when it holds the factor, None after the lstsq fallback.
         cond: ``(max diag L / min diag L)^2``, a lower bound on cond(S) (inf when not positive definite).
         ref: Index of the reference model (largest weight).
-        pool: The buffers holding the Grams (None: own memory).
+        pool: The buffers holding the tensors (None: own memory).
     """
 
-    grams: list[torch.Tensor]
+    diffs: list[torch.Tensor | None]
     weights: list[float]
     summed: torch.Tensor
     factor: torch.Tensor | None
     cond: float
     ref: int
     pool: BufferPool | None = None
+    _bf16: torch.Tensor | None = None
+
+    def bf16_diffs(self) -> torch.Tensor:
+        """The non-None diffs stacked ((m in, in), bfloat16), computed once per system."""
+        if self._bf16 is None:
+            self._bf16 = torch.cat([d.to(torch.bfloat16) for d in self.diffs if d is not None], dim=0)
+        return self._bf16
 
 
 def scale_gram(g: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -128,18 +137,27 @@ def gram_system(
         elif not fused:
             scale_gram(g, alpha)
         if i == 0:
-            torch.mul(g, c, out=summed)
+            chunked(lambda s_, g_, c=c: torch.mul(g_, c, out=s_), summed, g)
         else:
-            summed.add_(g, alpha=c)
-    factor = pool.take("factor", (n, n), dtype) if pool is not None else torch.empty((n, n), dtype=dtype)
+            chunked(lambda s_, g_, c=c: s_.add_(g_, alpha=c), summed, g)
+    ref = max(range(len(mw)), key=mw.__getitem__)
+    diffs: list[torch.Tensor | None] = [None] * len(mw)
+    for i, g in enumerate(mine):
+        if i != ref and mw[i] != 0.0:
+            chunked(torch.Tensor.sub_, g, mine[ref])  # in place: the Grams themselves are not needed any more
+            diffs[i] = g
     info = torch.empty((), dtype=torch.int32)
-    torch.linalg.cholesky_ex(summed, out=(factor, info))
+    torch.linalg.cholesky_ex(summed, out=(summed, info))  # in place: S is not needed once factored
     if int(info) != 0:
         log.warning("regmean: summed Gram (%d x %d) is not positive definite; solving by lstsq", n, n)
-        return GramSystem(mine, mw, summed, None, math.inf, max(range(len(mw)), key=mw.__getitem__), pool)
-    d = factor.diagonal()
+        torch.mul(mine[ref], sum(mw), out=summed)  # rebuild S = (sum_i c_i) G_r' + sum_i c_i (G_i' - G_r')
+        for d, c in zip(diffs, mw, strict=True):
+            if d is not None:
+                summed.add_(d, alpha=c)
+        return GramSystem(diffs, mw, summed, None, math.inf, ref, pool)
+    d = summed.diagonal()
     cond = float((d.max() / d.min()) ** 2)
-    return GramSystem(mine, mw, summed, factor, cond, max(range(len(mw)), key=mw.__getitem__), pool)
+    return GramSystem(diffs, mw, summed, summed, cond, ref, pool)
 
 
 def regmean_apply(
@@ -179,10 +197,10 @@ def regmean_apply(
     total = sum(c)
     mean = torch.zeros(ws[0].shape, dtype=dtype)  # Wbar (the output)
     for w, ci in zip(ws, c, strict=True):
-        mean.add_(w, alpha=ci / total)
-    others = [i for i in range(len(c)) if i != system.ref and c[i] != 0.0]
+        chunked(lambda m, w_, a=ci / total: m.add_(w_, alpha=a), mean, w)
+    others = [i for i, d in enumerate(system.diffs) if d is not None]
     for i in others:
-        ws[i].sub_(mean)  # D_i, in place in our own copy
+        chunked(torch.Tensor.sub_, ws[i], mean)  # D_i, in place in our own copy
     used = "none"
     if others:
         used = str(dtype).removeprefix("torch.")
@@ -191,21 +209,19 @@ def regmean_apply(
             ratio = max(float(ws[i].norm()) for i in others) / scale
             if delta_dtype == "bfloat16" or BF16_UNIT * ratio * system.cond <= bf16_tol:
                 used = "bfloat16"
-        g_ref = system.grams[system.ref]
         b = _take(pool, "rhs", mean.shape, dtype)  # B^T (out, in), or B (in, out) for conv1d
         if used == "bfloat16":  # one product over the K - 1 models: [c_1 D_1 .. c_m D_m] @ [dG_1; ..; dG_m]
-            dg = torch.cat([(system.grams[i] - g_ref).to(torch.bfloat16) for i in others], dim=0)  # (m in, in)
+            dg = system.bf16_diffs()  # (m in, in)
             dd = torch.cat([ws[i].mul(c[i]).to(torch.bfloat16) for i in others], dim=0 if conv1d else 1)
             if conv1d:
                 b.copy_(dg.T @ dd)  # (in, m in) @ (m in, out); dG^T = dG
             else:
                 b.copy_(dd @ dg)  # (out, m in) @ (m in, in)
-            del dg, dd
+            del dd
         else:
-            diff = _take(pool, "diff", (n_in, n_in), dtype)
             b.zero_()
             for i in others:
-                torch.sub(system.grams[i], g_ref, out=diff)
+                diff = system.diffs[i]
                 if conv1d:
                     b.addmm_(diff, ws[i], alpha=c[i])
                 else:

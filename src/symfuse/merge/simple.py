@@ -6,11 +6,9 @@ import logging
 
 import torch
 
-from symfuse.merge.base import MergeParams, Merger, TensorInputs, acc_dtype, weighted_mean
+from symfuse.merge.base import MergeParams, Merger, TensorInputs, acc_dtype, chunked, weighted_mean
 
 log = logging.getLogger(__name__)
-
-CHUNK = 1 << 18  # elements per chunk of the elementwise loops (1 MiB of float32)
 
 
 class SimpleMerger(Merger):
@@ -48,9 +46,12 @@ class FisherMerger(Merger):
         den = self.pool.take("fisher.den", num.shape, dt) if self.pool is not None else torch.empty_like(num)
         den.zero_()
         for x, f, w in zip(t.tensors, t.fisher, t.weights, strict=True):  # one model's tensor + Fisher at a time
-            xf, ff = x.reshape(-1), f.reshape(-1)
-            for s in range(0, num.numel(), CHUNK):  # cache-sized chunks: small temporaries, one pass over memory
-                fw = ff[s : s + CHUNK].to(dt).clamp_min(eps).mul_(w)
-                den[s : s + CHUNK] += fw
-                num[s : s + CHUNK].addcmul_(fw, xf[s : s + CHUNK].to(dt))
-        return num.div_(den).view(shape).to(t.tensors[0].dtype)
+
+            def step(n_, d_, x_, f_, w=w):
+                fw = f_.to(dt).clamp_min(eps).mul_(w)
+                d_ += fw
+                n_.addcmul_(fw, x_.to(dt))
+
+            chunked(step, num, den, x.contiguous(), f.contiguous())
+        chunked(torch.Tensor.div_, num, den)
+        return num.view(shape).to(t.tensors[0].dtype)

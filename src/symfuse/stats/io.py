@@ -74,17 +74,6 @@ class SafetensorsFile:
         """Shape of one tensor, without reading it."""
         return tuple(self.header[name]["shape"])
 
-    def advise(self, name: str) -> None:
-        """Ask the kernel to start reading one tensor's bytes into the page cache (asynchronous, no-op if cached)."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        start, end = self.header[name]["data_offsets"]
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, self._data_start + start, end - start, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-
     def dtype(self, name: str) -> torch.dtype:
         """Stored dtype of one tensor, without reading it."""
         return _DTYPES[self.header[name]["dtype"]]
@@ -220,11 +209,6 @@ class StatsFile:
         if key not in self._keys:
             raise MissingStats(f"{self.path}: no {self.kind or 'statistic'} for {key!r}; recollect the statistics")
         return self._f.get(key, pool, slot)
-
-    def advise(self, key: str) -> None:
-        """Start reading one statistic into the page cache in the background (see SafetensorsFile.advise)."""
-        if key in self._keys:
-            self._f.advise(key)
 
     def shape(self, key: str) -> tuple[int, ...]:
         """Shape of one statistic, without reading it."""

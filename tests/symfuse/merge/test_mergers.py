@@ -70,10 +70,10 @@ def test_task_arithmetic_and_fisher_closed_forms():
 
 
 def test_fisher_chunked_over_large_tensors_and_pooled_inputs(monkeypatch):
-    from symfuse.merge import LazyTensors, simple
+    from symfuse.merge import LazyTensors, base
     from symfuse.stats.io import BufferPool
 
-    monkeypatch.setattr(simple, "CHUNK", 7)  # many chunks, the last one partial
+    monkeypatch.setattr(base, "SERIAL_CHUNK", 7)  # many chunks, the last one partial
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(9, 11, generator=g) for _ in range(3)]
     fs = [torch.rand(9, 11, generator=g) for _ in range(3)]
