@@ -303,13 +303,23 @@ def stability(history: list[dict], tail: float = 0.2) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- alignment
-METHODS = ("plain", "weight_permutation", "activation_permutation", "full", "weight_full")
+METHODS = (
+    "plain",
+    "weight_permutation",
+    "activation_permutation",
+    "full",
+    "weight_full",
+    "activation_permutation_first",
+    "activation_permutation_last",
+)
 LABELS = {
     "plain": "plain averaging",
     "weight_permutation": "weight-based permutations (FFN + heads)",
     "activation_permutation": "activation-based permutations (FFN + heads + residual)",
     "full": "activation permutations + rotation + scaling",
     "weight_full": "weight-based permutations + rotation + scaling (extra)",
+    "activation_permutation_first": "activation-based permutations, residual strategy `first` (extra)",
+    "activation_permutation_last": "activation-based permutations, residual strategy `last` (extra)",
 }
 
 
@@ -321,10 +331,11 @@ def align(method: str, source: torch.nn.Module, anchor: torch.nn.Module, batches
 
     if method == "plain":
         return {k: v.clone() for k, v in source.state_dict().items()}
-    if method in ("activation_permutation", "full"):
+    if method.startswith("activation_permutation") or method == "full":
         syms = ("residual-permutation", "head-permutation", "ffn-permutation")
         syms += ("rotation", "scaling") if method == "full" else ()
-        return match_activations(source, anchor, batches, symmetries=syms).state
+        strategy = method.rsplit("_", 1)[1] if method.endswith(("_first", "_last")) else "all"
+        return match_activations(source, anchor, batches, symmetries=syms, residual_strategy=strategy).state
     syms = ("ffn-permutation", "head-permutation") + (("rotation", "scaling") if method == "weight_full" else ())
     spec, cfg = get_spec(source.config), source.config
     geo = spec.geometry(cfg)
