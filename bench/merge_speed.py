@@ -1,11 +1,16 @@
 """Merge speed and memory: RegMean / Fisher over K roberta-base-shaped models, Gram throughput on MiniLM.
 
-    python bench/merge_speed.py [--root /tmp/symfuse-merge-bench] [--ks 2 5] [--gram-examples 512]
+    python bench/merge_speed.py [--root /tmp/symfuse-merge-bench] [--ks 2 5] [--repeat 1] [--gram-examples 512]
 
-Builds (once, cached under --root) K random roberta-base-shaped checkpoints (12 x 768, d_ffn 3072, vocab
-50265, 2-label head) with synthetic Gram (float64) and Fisher (float32) statistics of the real file format,
-then times each merge in a FRESH subprocess (peak RSS = that process's ru_maxrss, imports included) and
-prints a table. RegMean runs in float64 and float32; the float32 error is measured against float64.
+Builds (once, cached under --root) a random roberta-base-shaped base (12 x 768, d_ffn 3072, vocab 50265, 2-label
+head) and K FINE-TUNES of it: base + a small random delta (``||delta|| / ||W|| = DELTA = 1e-2`` per tensor), as
+when merging models fine-tuned from one checkpoint. Statistics have the real file format: Grams (float64, and a
+float32-stored copy) with a decaying spectrum, outlier features and a per-model perturbation (condition number
+~1e4, q / k / v sharing one input recorded as ``same_input``), Fisher (float32). Each merge runs in a FRESH
+subprocess (peak RSS = that process's ru_maxrss, imports included; CPU = its user + system time) after the input
+files were read once (warm page cache). Every RegMean variant is compared with the float64 solve (max |diff| /
+max |W| over the linear weights); a second error table merges K INDEPENDENT random layers (deltas as large as the
+weights) with the same Grams, where bfloat16 products must not be used.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path("/tmp/symfuse-merge-bench")
+VERSION = 3  # bump when the synthetic data change
+DELTA = 0.01  # relative size of each fine-tune's delta from the base
 
 
 def _config():
@@ -38,26 +45,38 @@ def _config():
     )
 
 
-def _spd(n, g):
+def _gram(n: int, layer: int, i: int):
+    """A realistic-ish input Gram (n, n): decaying spectrum, a few outlier features, shared across models.
+
+    Every model's Gram of one layer shares a common low-rank part and diagonal (the same base network reads
+    similar inputs); each model adds its own perturbation (its own dataset). Condition number ~1e4.
+    """
     import torch
 
-    b = torch.randn(n, 8, generator=g, dtype=torch.float64)
-    return torch.diag(torch.rand(n, generator=g, dtype=torch.float64) + 0.5) + b @ b.T / 8
+    common = torch.Generator().manual_seed(1000 + 7 * layer + n)
+    own = torch.Generator().manual_seed(10_000 + 1000 * i + 7 * layer + n)
+    u = torch.randn(n, 32, generator=common, dtype=torch.float64) * torch.logspace(0, -2, 32, dtype=torch.float64)
+    u = u + 0.3 * torch.randn(n, 32, generator=own, dtype=torch.float64) * u.abs().mean()
+    d = torch.logspace(-2, 0, n, dtype=torch.float64)[torch.randperm(n, generator=common)]
+    d = d * (1 + 0.2 * torch.rand(n, generator=own, dtype=torch.float64))
+    d[:4] *= 100  # outlier features (as in RoBERTa's residual stream)
+    return torch.diag(d) + 10 * u @ u.T / n**0.5
 
 
 def setup(root: Path, k: int) -> None:
+    """K fine-tunes of one base: base + a small random delta (||delta|| / ||W|| = DELTA per tensor)."""
     import torch
     import transformers as T
     from safetensors.torch import load_file, save_file
 
     from symfuse.stats import linear_modules, save_stats
 
-    if (root / f"ready-{k}").exists():
+    if (root / f"ready-{VERSION}-{k}").exists():
         return
     torch.manual_seed(0)
     model = T.RobertaForSequenceClassification(_config())
     lins = {n: m.in_features for n, m in linear_modules(model).items()}
-    src = root / "m0"
+    src = root / "base"
     if not src.exists():
         model.save_pretrained(src)
     base_sd = load_file(str(src / "model.safetensors"))
@@ -67,10 +86,12 @@ def setup(root: Path, k: int) -> None:
         if not folder.exists():
             folder.mkdir(parents=True)
             shutil.copy(src / "config.json", folder / "config.json")
-            sd = {
-                n: (t + 0.01 * torch.randn(t.shape, generator=g) if t.is_floating_point() else t)
-                for n, t in base_sd.items()
-            }
+            sd = {}
+            for n, t in base_sd.items():
+                if t.is_floating_point():
+                    scale = DELTA * max(float(t.float().pow(2).mean().sqrt()), 0.02)
+                    t = t + scale * torch.randn(t.shape, generator=g)
+                sd[n] = t
             save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
         st = root / f"s{i}"
         if not (st / "gram.safetensors").exists():
@@ -78,46 +99,109 @@ def setup(root: Path, k: int) -> None:
             for name, n_in in lins.items():
                 parent = name.rsplit(".", 1)[0]  # q / k / v share their input, as in a real model
                 key = parent if name.endswith(("query", "key", "value")) else name
+                layer = int(name.split("layer.")[1].split(".")[0]) if "layer." in name else 99
                 if key not in shared:
-                    shared[key] = _spd(n_in, g)
+                    shared[key] = _gram(n_in, layer * 4 + len(shared) % 4, i)
                 grams[name] = shared[key].clone()
-            save_stats(grams, st / "gram.safetensors", {"kind": "gram", "conv1d": [], "dataset": f"d{i}"})
+            same = {n: n.rsplit(".", 1)[0] + ".query" for n in grams if n.endswith((".key", ".value"))}
+            meta = {"kind": "gram", "conv1d": [], "dataset": f"d{i}", "same_input": same}
+            save_stats(grams, st / "gram.safetensors", meta)
         if not (st / "fisher.safetensors").exists():
-            fisher = {n: torch.rand(p.shape, generator=g) for n, p in model.named_parameters()}
+            fisher = {n: torch.rand(p.shape, generator=g) ** 4 for n, p in model.named_parameters()}
             save_stats(fisher, st / "fisher.safetensors", {"kind": "fisher", "dataset": f"d{i}"})
-    (root / f"ready-{k}").touch()
+    (root / f"ready-{VERSION}-{k}").touch()
 
 
-def one(root: Path, strategy: str, k: int, dtype: str) -> dict:
+VARIANTS = {  # name -> (stats folder suffix, merge params)
+    "regmean float64": ("", {"dtype": "float64"}),
+    "regmean float32": ("", {"dtype": "float32"}),
+    "regmean float32 bf16": ("", {"dtype": "float32", "delta_dtype": "bfloat16"}),
+    "regmean float32 auto": ("", {"dtype": "float32", "delta_dtype": "auto"}),
+    "regmean float32, f32 Grams": ("-f32", {"dtype": "float32"}),
+    "fisher": ("", {}),
+}
+
+
+def setup_f32(root: Path, k: int) -> None:
+    """float32-stored copies of the Gram files (``s{i}-f32``)."""
+    from symfuse.stats import StatsFile, save_stats
+
+    for i in range(k):
+        dst = root / f"s{i}-f32" / "gram.safetensors"
+        if not dst.exists():
+            sf = StatsFile(root / f"s{i}" / "gram.safetensors")
+            save_stats({n: sf.get(n).float() for n in sf.keys()}, dst, sf.meta)  # noqa: SIM118
+
+
+def one(root: Path, variant: str, k: int) -> dict:
     from symfuse.merge import merge_checkpoints
 
-    params = {"dtype": dtype} if strategy == "regmean" else {}
-    out = root / f"out-{strategy}-{k}-{dtype}"
+    suffix, params = VARIANTS[variant]
+    strategy = variant.split(maxsplit=1)[0]
+    out = root / f"out-{k}-{variant.replace(' ', '_').replace(',', '')}"
+    stats = [root / f"s{i}{suffix}" for i in range(k)]
+    if strategy == "regmean":
+        stats = [s / "gram.safetensors" for s in stats]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    c = usage.ru_utime + usage.ru_stime
     t = time.perf_counter()
-    merge_checkpoints(
-        strategy,
-        [root / f"m{i}" for i in range(k)],
-        out,
-        stats=[root / f"s{i}" for i in range(k)],
-        overwrite=True,
-        **params,
-    )
+    merge_checkpoints(strategy, [root / f"m{i}" for i in range(k)], out, stats=stats, overwrite=True, **params)
     seconds = time.perf_counter() - t
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
-    return {"strategy": strategy, "k": k, "dtype": dtype, "seconds": seconds, "peak_rss_mib": rss}
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime - c
+    rss = usage.ru_maxrss / 1024  # MiB (Linux: KiB)
+    counters = json.loads((out / "symfuse_report.json").read_text())["counters"]
+    return {"variant": variant, "k": k, "seconds": seconds, "cpu": cpu, "peak_rss_mib": rss, "counters": counters}
 
 
-def float32_error(root: Path, k: int) -> float:
+def merge_errors(root: Path, k: int) -> dict[str, float]:
+    """Max |diff| / max |W| over linear weights, each RegMean variant against the float64 solve."""
     from symfuse.merge import StreamingReader
 
-    a = StreamingReader(root / f"out-regmean-{k}-float64")
-    b = StreamingReader(root / f"out-regmean-{k}-float32")
-    worst = 0.0
-    for n in a.names():
-        t = a.get(n)
-        if n.endswith(".weight") and t.dim() == 2 and "embeddings" not in n:
-            worst = max(worst, float((b.get(n).double() - t.double()).abs().max() / t.double().abs().max()))
-    return worst
+    ref = StreamingReader(root / f"out-{k}-regmean_float64")
+    errs = {}
+    for variant in VARIANTS:
+        if not variant.startswith("regmean") or variant == "regmean float64":
+            continue
+        other = StreamingReader(root / f"out-{k}-{variant.replace(' ', '_').replace(',', '')}")
+        worst = 0.0
+        for n in ref.names():
+            t = ref.get(n)
+            if n.endswith(".weight") and t.dim() == 2 and "embeddings" not in n:
+                t = t.double()
+                worst = max(worst, float((other.get(n).double() - t).abs().max() / t.abs().max()))
+        errs[variant] = worst
+    return errs
+
+
+def layer_errors(root: Path, k: int) -> dict[str, dict[str, float]]:
+    """Errors on one layer (ffn out, 3072 inputs, and ffn in, 768) for fine-tunes and for independent weights."""
+    import torch
+
+    from symfuse.merge.regmean import gram_system, regmean_apply
+    from symfuse.stats import StatsFile
+
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for module, shape in (("output.dense", (768, 3072)), ("intermediate.dense", (3072, 768))):
+        key = f"roberta.encoder.layer.5.{module}"
+        grams = [StatsFile(root / f"s{i}" / "gram.safetensors").get(key) for i in range(k)]
+        base = torch.randn(shape, generator=g) * 0.05
+        inputs = {
+            "fine-tunes": [base + 1e-2 * 0.05 * torch.randn(shape, generator=g) for _ in range(k)],
+            "independent": [torch.randn(shape, generator=g) * 0.05 for _ in range(k)],
+        }
+        ref = gram_system(grams, None, 0.9, torch.float64)
+        lo = gram_system([x.float() for x in grams], None, 0.9, torch.float32)
+        for what, ws in inputs.items():
+            exact, _ = regmean_apply(ref, [w.double() for w in ws])
+            scale = float(exact.abs().max())
+            row = {}
+            for mode in ("same", "bfloat16", "auto"):
+                got, used = regmean_apply(lo, ws, delta_dtype=mode)
+                row[f"{mode} ({used})"] = float((got.double() - exact).abs().max()) / scale
+            out[f"{module} {what}, cond >= {lo.cond:.0e}"] = row
+    return out
 
 
 def gram_throughput(n_examples: int) -> dict:
@@ -141,20 +225,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", type=Path, default=ROOT)
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 5])
+    ap.add_argument("--repeat", type=int, default=1, help="runs per merge; the table shows the fastest")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--gram-examples", type=int, default=512)
-    ap.add_argument("--one", nargs=3, metavar=("STRATEGY", "K", "DTYPE"))
-    ap.add_argument("--job", choices=["setup", "error", "gram"])
+    ap.add_argument("--one", nargs=2, metavar=("VARIANT", "K"))
+    ap.add_argument("--job", choices=["setup", "errors", "gram"])
     args = ap.parse_args()
     # Every heavy step runs in its own process: Linux keeps ru_maxrss across fork + exec, so a parent that had
     # built the models would inflate every child's peak RSS.
     if args.one:
-        print(json.dumps(one(args.root, args.one[0], int(args.one[1]), args.one[2])))
+        print(json.dumps(one(args.root, args.one[0], int(args.one[1]))))
         return
     if args.job == "setup":
         setup(args.root, max(args.ks))
+        setup_f32(args.root, max(args.ks))
         return
-    if args.job == "error":
-        print(json.dumps({k: float32_error(args.root, k) for k in args.ks}))
+    if args.job == "errors":
+        print(
+            json.dumps({"merge": {k: merge_errors(args.root, k) for k in args.ks}, "layer": layer_errors(args.root, 5)})
+        )
         return
     if args.job == "gram":
         print(json.dumps(gram_throughput(args.gram_examples)))
@@ -162,35 +251,40 @@ def main() -> None:
 
     def child(*extra: str) -> str:
         cmd = [sys.executable, __file__, "--root", str(args.root), "--ks", *map(str, args.ks), *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        lines = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()
+        return lines[-1] if lines else ""
 
     args.root.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    subprocess.run(
-        [sys.executable, __file__, "--root", str(args.root), "--ks", *map(str, args.ks), "--job", "setup"],
-        check=True,
-        capture_output=True,
-    )
+    child("--job", "setup")
     print(f"setup (cached after the first run): {time.perf_counter() - t:.1f} s", flush=True)
+    for f in sorted(args.root.glob("[ms]*/*.safetensors")):  # warm the page cache (cold disk reads ~300 MB/s here)
+        with open(f, "rb") as fh:
+            while fh.read(1 << 26):
+                pass
     rows = []
     for k in args.ks:
-        for strategy, dtype in (("regmean", "float64"), ("regmean", "float32"), ("fisher", "-")):
-            rows.append(json.loads(child("--one", strategy, str(k), dtype)))
+        for variant in args.variants:
+            runs = [json.loads(child("--one", variant, str(k))) for _ in range(args.repeat)]
+            rows.append(min(runs, key=lambda r: r["seconds"]))
             print(rows[-1], flush=True)
-    errs = {int(k): v for k, v in json.loads(child("--job", "error")).items()}
+    errs = json.loads(child("--job", "errors"))
     gt = json.loads(child("--job", "gram", "--gram-examples", str(args.gram_examples)))
-    print("\n| merge | K | dtype | seconds | peak RSS (MiB) |\n|---|---|---|---|---|")
+    print("\n| merge | K | wall s | CPU s | peak RSS (MiB) | max rel. error vs float64 |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['strategy']} | {r['k']} | {r['dtype']} | {r['seconds']:.1f} | {r['peak_rss_mib']:.0f} |")
-    for k, e in errs.items():
-        print(f"\nRegMean float32 vs float64, K={k}: max relative error {e:.2e} (max |diff| / max |W| per weight)")
+        e = errs["merge"].get(str(r["k"]), {}).get(r["variant"])
+        err = "reference" if r["variant"] == "regmean float64" else ("-" if e is None else f"{e:.1e}")
+        print(f"| {r['variant']} | {r['k']} | {r['seconds']:.1f} | {r['cpu']:.1f} | {r['peak_rss_mib']:.0f} | {err} |")
+    print("\nOne layer, K=5, float32 solve vs float64 (max |diff| / max |W|); (products used):")
+    for case, row in errs["layer"].items():
+        print(f"  {case}: " + ", ".join(f"{m} {e:.1e}" for m, e in row.items()))
     for dtype, r in gt.items():
         print(
             f"\nGram collection ({dtype} products, float64 accumulators), MiniLM, dair_emotion "
             f"{args.gram_examples} examples: {r['tokens']} tokens in {r['seconds']:.1f} s = "
             f"{r['tokens_per_s']:.0f} tokens/s"
         )
-    print("\nTimings on a 2-core CPU shared with other jobs: pessimistic.")
+    print("\nTimings on a 2-core CPU shared with other jobs: pessimistic (CPU s counts this process only).")
 
 
 if __name__ == "__main__":

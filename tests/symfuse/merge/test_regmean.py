@@ -127,6 +127,8 @@ def test_bfloat16_products_error_bound_on_fine_tunes():
     ratio = max(float((w - torch.stack(ws).mean(0)).norm()) for w in ws) / float(torch.stack(ws).mean(0).norm())
     assert err <= BF16_UNIT * ratio * system.cond  # the bound the auto rule uses
     assert err < 3e-6  # bfloat16 rounding of deltas of 1e-3 (measured 7e-7; float32 products: 1e-7)
+    lo_t, _ = regmean_solve([w.T for w in ws32], g32, dtype=torch.float32, conv1d=True, delta_dtype="bfloat16")
+    assert float((lo_t.double() - exact.T).abs().max() / exact.abs().max()) < 3e-6  # Conv1D layout, same bound
     # The same products in bfloat16 without the delta form (whole weights) would be ~1000x worse: the delta
     # form is what makes bfloat16 usable at all.
     naive = sum(g.bfloat16().float() @ w.T.bfloat16().float() for g, w in zip(g32, ws32))
