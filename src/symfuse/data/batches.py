@@ -133,11 +133,20 @@ def iter_batches(
     pad_token_id: int = 0,
     shuffle: bool = False,
     seed: int = 13,
+    by_length: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Collated batches of ``batch_size`` features (the last may be smaller); seeded order when ``shuffle``."""
+    """Collated batches of ``batch_size`` features (the last may be smaller); seeded order when ``shuffle``.
+
+    ``by_length`` batches examples of similar length together (stable sort by token count), so little compute goes
+    to padding: for order-free uses such as evaluation, where every batch's logits stay paired with its labels.
+    """
+    if shuffle and by_length:
+        raise ValueError("iter_batches: choose shuffle or by_length, not both")
     order = list(range(len(features)))
     if shuffle:
         random.Random(seed).shuffle(order)
+    if by_length:
+        order.sort(key=lambda i: len(features[i]["input_ids"]))
     for start in range(0, len(order), batch_size):
         yield collate([features[i] for i in order[start : start + batch_size]], pad_token_id)
 

@@ -24,7 +24,8 @@ import json
 import logging
 import os
 import random
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +305,36 @@ def subsample_indices(n: int, k: int | None, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(n), k))
 
 
+_LOCAL_CACHE: dict[tuple, TaskDataset] = {}
+_LOCAL_LOCK = threading.Lock()
+_LOCAL_CACHE_SIZE = 16
+
+
+def _load_local_cached(name: str, files: dict[str, Path], meta: dict[str, Any] | None, source: str) -> TaskDataset:
+    """:func:`_load_local`, parsed and checked once per process while the files are unchanged.
+
+    Evaluation loads the same few sets dozens of times (every model x every set); validating every line and
+    building the Arrow tables took ~2 s each time. The key holds each file's resolved path, size and mtime (a
+    rewritten file is read again) and the meta; a hit returns a new :class:`TaskDataset` sharing the immutable
+    split tables (``datasets.Dataset.select`` returns new tables, so callers cannot change the cached one).
+    """
+    key = (
+        name,
+        json.dumps(meta, sort_keys=True, default=str),
+        tuple(sorted((s, str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for s, f in files.items())),
+    )
+    with _LOCAL_LOCK:  # one parse per key, also when several threads ask at once
+        ds = _LOCAL_CACHE.get(key)
+        if ds is None:
+            ds = _load_local(name, files, meta, source)
+            if len(_LOCAL_CACHE) >= _LOCAL_CACHE_SIZE:
+                _LOCAL_CACHE.pop(next(iter(_LOCAL_CACHE)))
+            _LOCAL_CACHE[key] = ds
+    return replace(
+        ds, splits=dict(ds.splits), meta=dict(ds.meta), labels=list(ds.labels), files=dict(ds.files), source=source
+    )
+
+
 def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, source: str) -> TaskDataset:
     from datasets import load_dataset
 
@@ -420,7 +451,7 @@ def load_task_dataset(
     if source.startswith("hf:"):
         ds = _load_hub(source[3:])
     elif (local := _resolve_local(source)) is not None:
-        ds = _load_local(*local, source=source)
+        ds = _load_local_cached(*local, source=source)
     elif "/" not in source:  # a bare name that is not a shared dataset: fail fast instead of asking the hub
         shared = shared_datasets_dir()
         names = sorted(p.name for p in shared.iterdir() if p.is_dir()) if shared else []

@@ -154,7 +154,12 @@ def loss_barrier(
     problem = head_problem_type(model_a.config)
     ds = load_task_dataset(data)
     batches = list(
-        iter_batches(encode_split(ds, tok, split, max_length, max_examples, seed), batch_size, tok.pad_token_id or 0)
+        iter_batches(
+            encode_split(ds, tok, split, max_length, max_examples, seed),
+            batch_size,
+            tok.pad_token_id or 0,
+            by_length=True,  # the mean loss is order-free: batch similar lengths, pad little
+        )
     )
 
     def loss_fn(m: torch.nn.Module) -> float:

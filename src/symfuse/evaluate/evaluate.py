@@ -78,7 +78,7 @@ def evaluate_model(
     if (head_problem == "token_classification") != ds.is_token_task:
         raise ValueError(f"{path}: a {head_problem} head cannot be evaluated on {ds.name} ({ds.problem_type})")
     feats = encode_split(ds, tok, split, max_length, max_examples, seed)
-    batches = iter_batches(feats, batch_size, tok.pad_token_id or 0)
+    batches = iter_batches(feats, batch_size, tok.pad_token_id or 0, by_length=True)  # metrics are order-free
     dev = resolve_device(device)
     same_space = head_labels == ds.labels and head_problem == ds.problem_type
     loss_problem = ds.problem_type if same_space or ds.problem_type == "regression" else None

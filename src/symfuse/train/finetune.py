@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,12 @@ class FinetuneConfig(BaseModel):
     eval_batch_size: int = Field(64, ge=1)
     keep_best: bool = True
     progress: bool = True
+
+
+# Dropout and head initialisation draw from torch's ONE process-wide CPU generator. Fine-tunes running in threads of
+# one process (Prefect's thread task runner) would interleave their draws and stop being reproducible from their
+# seeds, so a process runs one fine-tune at a time (on a 2-core CPU or one GPU they only competed anyway).
+_TRAIN_LOCK = threading.Lock()
 
 
 def _seed_all(seed: int) -> None:
@@ -125,6 +132,7 @@ def train_model(
             encode_split(data, tokenizer, val_split, cfg.max_length, cfg.max_eval_examples, cfg.seed),
             cfg.eval_batch_size,
             pad,
+            by_length=True,  # validation metrics are order-free
         )
     )
     step_size = cfg.batch_size * cfg.grad_accum
@@ -242,7 +250,8 @@ def finetune(
     base_path = resolve_checkpoint(base)
     ds = load_task_dataset(data, max_train_examples=cfg.max_train_examples, seed=cfg.seed)
     tok = load_tokenizer(base_path)
-    model, history = train_model(_build_model(base_path, ds, cfg), ds, tok, cfg, device)
+    with _TRAIN_LOCK:  # reproducible from cfg.seed also when other threads fine-tune (see _TRAIN_LOCK)
+        model, history = train_model(_build_model(base_path, ds, cfg), ds, tok, cfg, device)
     report = {
         "base": str(base),
         "data": str(data),

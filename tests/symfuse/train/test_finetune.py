@@ -104,3 +104,22 @@ def test_heads_round_trip_through_save_and_load(tiny_base, tmp_path, data, head,
     assert primary == ("f1" if problem == "token_classification" else "macro_f1")
     assert 0.0 <= metrics[primary] <= 1.0 and metrics["n"] == 20
     assert json.loads((tmp_path / "m.json").read_text())[primary] == metrics[primary]
+
+
+def test_concurrent_finetunes_in_threads_are_reproducible(tiny_base, tmp_path):
+    # dropout draws from torch's process-wide generator: fine-tunes in threads (Prefect's thread task runner) must
+    # still give exactly the weights of a solo run with the same seed
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import load_file
+
+    cfg = FinetuneConfig(
+        epochs=1, lr=1e-3, max_length=32, max_train_examples=48, max_eval_examples=8, dropout=0.3, progress=False
+    )
+    solo = load_file(finetune(tiny_base, "dair_emotion", tmp_path / "solo", cfg) / "model.safetensors")
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda i: finetune(tiny_base, "dair_emotion", tmp_path / f"t{i}", cfg), range(3)))
+    for out in outs:
+        got = load_file(out / "model.safetensors")
+        assert got.keys() == solo.keys()
+        assert all(torch.equal(got[k], solo[k]) for k in solo)
