@@ -204,6 +204,63 @@ def layer_errors(root: Path, k: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def arithmetic_floor(k: int) -> dict:
+    """Lower bounds on RegMean's time for K models of this shape on this CPU (float32, no I/O, no overhead).
+
+    The delta form needs, per linear layer (n inputs, m outputs): K - 1 products (n, n) @ (n, m) and one
+    Cholesky solve (2 n^2 m); per distinct input one Cholesky factorisation (n^3 / 3). Each primitive is timed
+    here at the model's real shapes (best of 3, all cores) and multiplied by its count: the compute floor of the
+    algorithm at this machine's BLAS speed. ``gemm_bound`` charges every flop at the measured GEMM rate (the
+    fastest primitive): no exact method with classical matrix products can beat it.
+    """
+    import torch
+    import transformers as T
+
+    from symfuse.stats import linear_modules
+
+    with torch.device("meta"):
+        model = T.RobertaForSequenceClassification(_config())
+    lins = [(n, m.in_features, m.out_features) for n, m in linear_modules(model).items()]
+    inputs = {(n.rsplit(".", 1)[0] if n.endswith(("query", "key", "value")) else n): i for n, i, _ in lins}
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    cache: dict[tuple, float] = {}
+
+    def timed(kind: str, n: int, m: int = 0) -> float:
+        if (kind, n, m) not in cache:
+            g = torch.randn(n, n, dtype=torch.float64)
+            spd = (g @ g.T / n + torch.eye(n, dtype=torch.float64)).float()
+            rhs = torch.randn(n, m)
+            low = torch.linalg.cholesky(spd)
+            fns = {"gemm": lambda: spd @ rhs, "chol": lambda: torch.linalg.cholesky(spd),
+                   "solve": lambda: torch.cholesky_solve(rhs, low)}  # fmt: skip
+            cache[kind, n, m] = best(fns[kind])
+        return cache[kind, n, m]
+
+    flops = {"products": 0.0, "solves": 0.0, "cholesky": 0.0}
+    seconds = dict.fromkeys(flops, 0.0)
+    for _, n, m in lins:
+        flops["products"] += (k - 1) * 2 * n * n * m
+        seconds["products"] += (k - 1) * timed("gemm", n, m)
+        flops["solves"] += 2 * n * n * m
+        seconds["solves"] += timed("solve", n, m)
+    for n in inputs.values():
+        flops["cholesky"] += n**3 / 3
+        seconds["cholesky"] += timed("chol", n)
+    gemm_rate = 2 * 3072 * 3072 * 768 / timed("gemm", 3072, 768)
+    total = sum(flops.values())
+    return {"flops": flops, "seconds": seconds, "floor_s": sum(seconds.values()), "gemm_gflops": gemm_rate / 1e9,
+            "gemm_bound_s": total / gemm_rate, "tflop": total / 1e12}  # fmt: skip
+
+
 def gram_throughput(n_examples: int) -> dict:
     import torch
 
@@ -229,7 +286,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--gram-examples", type=int, default=512)
     ap.add_argument("--one", nargs=2, metavar=("VARIANT", "K"))
-    ap.add_argument("--job", choices=["setup", "errors", "gram"])
+    ap.add_argument("--job", choices=["setup", "errors", "gram", "floor"])
     args = ap.parse_args()
     # Every heavy step runs in its own process: Linux keeps ru_maxrss across fork + exec, so a parent that had
     # built the models would inflate every child's peak RSS.
@@ -247,6 +304,9 @@ def main() -> None:
         return
     if args.job == "gram":
         print(json.dumps(gram_throughput(args.gram_examples)))
+        return
+    if args.job == "floor":
+        print(json.dumps({k: arithmetic_floor(k) for k in args.ks}))
         return
 
     def child(*extra: str) -> str:
@@ -284,6 +344,14 @@ def main() -> None:
             f"{args.gram_examples} examples: {r['tokens']} tokens in {r['seconds']:.1f} s = "
             f"{r['tokens_per_s']:.0f} tokens/s"
         )
+    floors = json.loads(child("--job", "floor"))
+    print("\nArithmetic floor of exact RegMean (delta form, float32; compute only, no I/O):")
+    print("| K | TFLOP | products s | solves s | Cholesky s | floor s | all flops at GEMM peak s |")
+    print("|---|---|---|---|---|---|---|")
+    for k, f in floors.items():
+        s_ = f["seconds"]
+        print(f"| {k} | {f['tflop']:.2f} | {s_['products']:.1f} | {s_['solves']:.1f} | {s_['cholesky']:.1f} | "
+              f"{f['floor_s']:.1f} | {f['gemm_bound_s']:.1f} ({f['gemm_gflops']:.0f} GFLOP/s) |")  # fmt: skip
     print("\nTimings on a 2-core CPU shared with other jobs: pessimistic (CPU s counts this process only).")
 
 

@@ -5,7 +5,7 @@ so every field is typed and documented. Tasks flatten it at their boundary: libr
 
 The embedded demo (``RunConfig.demo()``) fine-tunes MiniLM on three emotion datasets and merges them; its caps are
 chosen for a 2-core CPU: full ~2000 training examples per dataset and 2 epochs (target < 15 min), quick 200
-examples and 1 epoch (target < 3 min).
+examples, 1 epoch and 100 evaluation examples per set (target < 3 min).
 """
 
 from __future__ import annotations
@@ -212,13 +212,13 @@ class RunConfig(_Strict):
 
         Full: 2000 training examples per dataset, 2 epochs, max_length 64, stats on 256 examples, evaluation on
         500 test examples per set (target < 15 min on a 2-core CPU). Quick: 200 examples, 1 epoch, stats on 64,
-        evaluation on 200 (target < 3 min).
+        evaluation on 100 (target < 3 min).
 
         Args:
             quick: The reduced variant.
             **overrides: RunConfig fields to replace (e.g. ``store_root``, ``run_id``).
         """
-        n_train, n_eval, n_stats, epochs = (200, 200, 64, 1) if quick else (2000, 500, 256, 2)
+        n_train, n_eval, n_stats, epochs = (200, 100, 64, 1) if quick else (2000, 500, 256, 2)
         data = {
             "run_id": "demo-quick" if quick else "demo",
             "base_model": "minilm",

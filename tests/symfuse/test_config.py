@@ -24,7 +24,7 @@ def test_demo_defaults(quick):
     assert all(d.max_train_examples == n_train and d.checkpoint is None for d in cfg.datasets)
     assert cfg.finetune.epochs == (1 if quick else 2)
     assert cfg.finetune.max_length == 64
-    assert cfg.evaluation.max_examples == (200 if quick else 500)
+    assert cfg.evaluation.max_examples == (100 if quick else 500)
 
 
 def test_demo_overrides_and_helpers(tmp_path, monkeypatch):
