@@ -20,7 +20,7 @@ from symfuse.merge import MERGERS
 from tasks.common import warm_imports
 from tasks.evaluate import evaluate
 from tasks.finetune import bring_checkpoint, finetune
-from tasks.match import assemble_matched, choose_anchor, list_modules, match_module
+from tasks.match import assemble_matched, choose_anchor, list_modules, match_module, match_module_barycenter
 from tasks.merge import merge
 from tasks.report import report
 from tasks.stats import collect_stats, follow_stats
@@ -85,18 +85,26 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     kinds = needed_kinds(config)
     stats = {(n, k): collect_stats.submit(config, n, models[n], k) for n in names for k in kinds}
 
-    # 3. Matching onto the anchor: one task per attention / FFN module per other model, then the matched checkpoints.
-    anchor = result_of(choose_anchor.submit(config, models), upstream=list(models.values()))
-    others = [n for n in names if n != anchor]
-    modules = result_of(list_modules.submit(config, anchor, models[anchor]), upstream=[models[anchor]])
-    transforms = {
-        n: match_module.map(unmapped(config), unmapped(n), unmapped(models[n]), unmapped(models[anchor]), modules)
-        for n in others
-    }
+    # 3. Matching: one task per attention / FFN module per other model onto the anchor model, or (barycenter) one
+    #    task per module aligning every model to their mean; then the matched checkpoints.
+    first = names[0]
+    modules = result_of(list_modules.submit(config, first, models[first]), upstream=[models[first]])
+    if config.anchor == "barycenter":
+        anchor, others = None, names
+        per_module = match_module_barycenter.map(unmapped(config), unmapped(models), modules)  # {model: URI} each
+        transforms = {n: per_module for n in names}
+    else:
+        anchor = result_of(choose_anchor.submit(config, models), upstream=list(models.values()))
+        others = [n for n in names if n != anchor]
+        transforms = {
+            n: match_module.map(unmapped(config), unmapped(n), unmapped(models[n]), unmapped(models[anchor]), modules)
+            for n in others
+        }
     matched = {
-        n: assemble_matched.submit(config, n, models[n], models[anchor], dict(zip(modules, transforms[n], strict=True)))
+        n: assemble_matched.submit(config, n, models[n], models[anchor] if anchor else None,
+                                   dict(zip(modules, transforms[n], strict=True)))
         for n in others
-    }
+    }  # fmt: skip
 
     # 4. Statistics follow matching: Gram transformed exactly, Fisher recollected on the matched model if needed.
     matched_stats = {(n, k): follow_stats.submit(config, n, matched[n], stats[n, k], k) for n in others for k in kinds}
@@ -129,13 +137,14 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
 
     # 7. Report: report.md + metrics.csv + plots in the store, markdown / table / link artifacts in Prefect.
     others_uris = [*models.values(), *stats.values(), *matched_stats.values()]
-    others_uris += [f for fs in transforms.values() for f in fs]
+    transform_tasks = list(dict.fromkeys(f for fs in transforms.values() for f in fs))  # barycenter: shared tasks
+    others_uris += transform_tasks
     report_uri = report.submit(config, evaluations, list(matched.values()), list(merged.values()), others_uris)
-    every = [*models.values(), *stats.values(), *(f for fs in transforms.values() for f in fs), *matched.values()]
+    every = [*models.values(), *stats.values(), *transform_tasks, *matched.values()]
     raise_first_failure([*every, *matched_stats.values(), *merged.values(), *evaluations, report_uri])
     return {
         "report": report_uri.result(),
-        "anchor": anchor,
+        "anchor": anchor or "barycenter",
         "merged": {name: f.result() for name, f in merged.items()},
         "evaluations": [f.result() for f in evaluations],
     }

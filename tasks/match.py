@@ -35,15 +35,12 @@ def choose_anchor(config: RunConfig, models: Mapping[str, str]) -> str:
     rule of ``symfuse.match.match_many``), measured module by module with ``module_distance``.
 
     Raises:
-        ValueError: for ``barycenter``, which is no single model (use ``symfuse match`` / ``match_many``).
+        ValueError: for ``barycenter``, which is no single model (the flow runs :func:`match_module_barycenter`).
     """
     if config.anchor in models:
         return config.anchor
     if config.anchor != "closest":
-        raise ValueError(
-            f"anchor {config.anchor!r}: the pipeline matches onto one of its models; use 'closest' or a dataset name "
-            "(a barycenter anchor is available from symfuse.match.match_many)"
-        )
+        raise ValueError(f"anchor {config.anchor!r} is no single model: expected 'closest' or a dataset name")
     store = open_store(config)
     readers = [CheckpointReader(fetch(store, uri)) for uri in models.values()]
     try:
@@ -82,17 +79,47 @@ def match_module(config: RunConfig, model: str, model_uri: str, anchor_uri: str,
         return store.put_file(key, file, "match_module", {"model": model_uri, "anchor": anchor_uri}, ck, meta)
 
 
+@symfuse_task("match_module", "match-barycenter-{module}")
+def match_module_barycenter(config: RunConfig, models: Mapping[str, str], module: str) -> dict[str, str]:
+    """Align one module of EVERY model to their barycenter; return ``{model: transform URI}`` (reads that module)."""
+    store = open_store(config)
+    keys = {n: layout.transform_key(config.run_id, n, module) for n in models}
+    ck = content_key({"module": module, "symmetries": config.symmetries, "anchor": "barycenter"},
+                     manifests(store, models))  # fmt: skip
+    if all(store.exists(k, ck) for k in keys.values()):
+        return {n: store.uri(k) for n, k in keys.items()}
+    maybe_inject_fault()
+    folders = [fetch(store, uri) for uri in models.values()]
+    with scratch("match") as tmp:
+        with timed() as t:
+            transforms = symfuse.match.match_module_many(folders, module, config.symmetries, anchor="barycenter")
+        meta = stage_meta("match_module", f"match-barycenter-{module}", t.seconds, module=module)
+        return {
+            n: store.put_file(keys[n], symfuse.match.save_transform(tr, tmp / f"{n}.safetensors"), "match_module",
+                              dict(models), ck, meta)
+            for n, tr in zip(models, transforms, strict=True)
+        }  # fmt: skip
+
+
 @symfuse_task("assemble_matched", "assemble-{model}")
 def assemble_matched(
-    config: RunConfig, model: str, model_uri: str, anchor_uri: str, transforms: Mapping[str, str]
+    config: RunConfig,
+    model: str,
+    model_uri: str,
+    anchor_uri: str | None,
+    transforms: Mapping[str, str | Mapping[str, str]],
 ) -> str:
     """Apply every module's transform to ``model``; return the matched checkpoint's URI.
 
-    The manifest's ``meta.distances`` holds, per module, the distance to the anchor before and after matching.
+    ``transforms`` maps each module to its transform's URI, or to a barycenter task's ``{model: URI}`` (this
+    model's entry is taken). With an anchor, the manifest's ``meta.distances`` holds, per module, the distance to
+    it before and after matching (no anchor, as for a barycenter: no distances).
     """
     store = open_store(config)
     key = layout.matched_key(config.run_id, model)
-    inputs = {"model": model_uri, "anchor": anchor_uri} | {f"transform.{m}": u for m, u in transforms.items()}
+    transforms = {m: (u if isinstance(u, str) else u[model]) for m, u in transforms.items()}
+    inputs = {"model": model_uri} | ({"anchor": anchor_uri} if anchor_uri else {})
+    inputs |= {f"transform.{m}": u for m, u in transforms.items()}
     ck = content_key({"assemble": sorted(transforms)}, manifests(store, inputs))
     if store.exists(key, ck):
         return store.uri(key)
@@ -101,7 +128,7 @@ def assemble_matched(
     with scratch("assemble") as tmp:
         with timed() as t:
             report = symfuse.match.assemble_matched(fetch(store, model_uri), files, tmp / "matched",
-                                                    anchor=fetch(store, anchor_uri),
+                                                    anchor=fetch(store, anchor_uri) if anchor_uri else None,
                                                     symmetries=config.symmetries)  # fmt: skip
         meta = stage_meta("assemble_matched", f"assemble-{model}", t.seconds, distances=distances(model, report),
                           distance_before=report.get("distance_before"), distance_after=report.get("distance_after"),

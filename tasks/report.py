@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
@@ -31,7 +31,11 @@ def _artifact_key(text: str) -> str:
 
 @symfuse_task("report", "report-{config.run_id}")
 def report(
-    config: RunConfig, evaluations: Sequence[str], matched: Sequence[str], merged: Sequence[str], others: Sequence[str]
+    config: RunConfig,
+    evaluations: Sequence[str],
+    matched: Sequence[str],
+    merged: Sequence[str],
+    others: Sequence[str | Mapping[str, str]],
 ) -> str:
     """Build ``report/report.md``, ``metrics.csv`` and plots; publish markdown, table and link artifacts.
 
@@ -40,13 +44,15 @@ def report(
         evaluations: Eval artifacts (JSON records written by the ``evaluate`` task).
         matched: Matched-model artifacts (their manifests hold the distances before/after matching).
         merged: Merged-model artifacts (linked from the Prefect UI).
-        others: Every other artifact of the run (models, stats, transforms), for the timings table.
+        others: Every other artifact of the run (models, stats, transforms; a barycenter task's ``{model: URI}``
+            counts as its URIs), for the timings table.
 
     Returns:
         The report's URI.
     """
     store = open_store(config)
-    inputs = {f"input{i}": uri for i, uri in enumerate([*evaluations, *matched, *merged, *others])}
+    flat = [u for o in others for u in ([o] if isinstance(o, str) else o.values())]
+    inputs = {f"input{i}": uri for i, uri in enumerate(dict.fromkeys([*evaluations, *matched, *merged, *flat]))}
     key = layout.report_key(config.run_id)
     ck = content_key({"report": 1}, manifests(store, inputs))
     if not store.exists(key, ck):
@@ -61,6 +67,7 @@ def _build(config, store, key, ck, inputs, evaluations, matched) -> None:
     metas = {uri: store.manifest(uri).get("meta", {}) for uri in inputs.values()}
     distances = [d for uri in matched for d in metas[uri].get("distances", [])]
     timings = [{k: m[k] for k in ("stage", "name", "seconds")} for m in metas.values() if "seconds" in m]
+    timings = list({(t["stage"], t["name"]): t for t in timings}.values())  # one row per task run
     facts = {
         "run": config.run_id,
         "base model": config.base_model,

@@ -86,6 +86,7 @@ ENTRY_POINTS = [
     (symfuse.stats, "collect_stats"),
     (symfuse.stats, "transform_stats"),
     (symfuse.match, "match_module"),
+    (symfuse.match, "match_module_many"),
     (symfuse.match, "assemble_matched"),
     (tasks.merge, "merge_checkpoints"),
     (tasks.evaluate, "evaluate_model"),

@@ -10,7 +10,7 @@ from symfuse.match.checkpoints import (
     match_module,
     save_transform,
 )
-from symfuse.match.many import match_many
+from symfuse.match.many import match_many, match_module_many
 from symfuse.match.weights import DEFAULT_SYMMETRIES, SYMMETRIES, match_module_weights
 from symfuse.symmetry.transforms import ModuleTransform
 
@@ -26,6 +26,7 @@ __all__ = [
     "match_checkpoints",
     "match_many",
     "match_module",
+    "match_module_many",
     "match_module_weights",
     "save_transform",
 ]

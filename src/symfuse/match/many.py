@@ -2,8 +2,9 @@
 
 Both work module by module (memory O(one module x number of models)). The closest anchor is chosen on the
 module tensors (attention and FFN), whose plain average is what an unaligned merge would produce.
-Barycenter = generalised Procrustes: start from the closest model, align every model to the running mean,
-re-average, until the mean stops moving (relative change < ``tol``).
+Barycenter = generalised Procrustes, per module: start from the model whose module is closest to the plain average,
+align every model to the running mean, re-average, until the mean stops moving (relative change < ``tol``).
+:func:`match_module_many` does it for ONE module (the per-module task of a barycenter pipeline).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 
 import torch
 
+from symfuse.arch import Geometry, ModuleRef
 from symfuse.checkpoint import CheckpointReader
-from symfuse.match.checkpoints import check_compatible
+from symfuse.match.checkpoints import check_compatible, check_finite
 from symfuse.match.weights import DEFAULT_SYMMETRIES, check_symmetries, match_module_weights, module_distance
 from symfuse.symmetry.transforms import ModuleTransform
 
@@ -47,6 +49,97 @@ def squared_distances_to_mean(readers: Sequence[CheckpointReader]) -> list[float
         for i, w in enumerate(ws):
             sq[i] += module_distance(w, mean) ** 2
     return sq
+
+
+def align_module(
+    ref: ModuleRef,
+    ws: Sequence[Mapping[str, torch.Tensor]],
+    geo: Geometry,
+    symmetries: Sequence[str],
+    anchor: str | int = "barycenter",
+    max_iter: int = 20,
+    tol: float = 1e-7,
+) -> tuple[list[ModuleTransform], int]:
+    """Align one module of K models to an anchor model or to their barycenter.
+
+    Args:
+        ref: The module.
+        ws: Its canonical weights in each of the K models.
+        geo: Geometry of the models.
+        symmetries: Subset of :data:`symfuse.match.SYMMETRIES`.
+        anchor: Index of the anchor model (it gets the identity), or ``"barycenter"``: generalised Procrustes
+            started from the model closest to the plain average of this module.
+        max_iter: Barycenter iterations at most.
+        tol: Barycenter stops when the mean moves less than ``tol`` relative to its norm.
+
+    Returns:
+        ``(one transform per model, iterations)``; ``transform.apply(ws[i])`` is model i's module in the anchor's
+        (or the barycenter's) basis.
+    """
+    if anchor == "barycenter":
+        mean = _mean(ws)
+        start = min(range(len(ws)), key=lambda i: module_distance(ws[i], mean))
+        target: dict[str, torch.Tensor] = {k: v.double() for k, v in ws[start].items()}
+    else:
+        target = {k: v.double() for k, v in ws[int(anchor)].items()}
+    n_iter = 0
+    while True:
+        ts = [
+            ModuleTransform(ref.key, ()) if i == anchor else match_module_weights(ref, w, target, geo, symmetries)
+            for i, w in enumerate(ws)
+        ]
+        n_iter += 1
+        if anchor != "barycenter":
+            return ts, n_iter
+        new = _mean([t.apply({k: v.double() for k, v in w.items()}) for t, w in zip(ts, ws, strict=True)])
+        moved = module_distance(new, target) / max(_norm(target), 1e-300)
+        target = new
+        if moved < tol or n_iter >= max_iter:
+            return ts, n_iter
+
+
+def match_module_many(
+    models: Sequence[str | Path],
+    module_key: str,
+    symmetries: Sequence[str] = DEFAULT_SYMMETRIES,
+    anchor: str | int = "barycenter",
+    max_iter: int = 20,
+    tol: float = 1e-7,
+) -> list[ModuleTransform]:
+    """One module of K checkpoints aligned to their barycenter (or to model ``anchor``), reading only that module.
+
+    The per-module task of a barycenter pipeline: every model gets a transform, none is the anchor.
+
+    Args:
+        models: K checkpoints of one family and shape.
+        module_key: ``ModuleRef.key``, e.g. ``L03.ffn``.
+        symmetries: Subset of :data:`symfuse.match.SYMMETRIES`.
+        anchor: ``"barycenter"`` or the index of the anchor model.
+        max_iter: Barycenter iterations at most.
+        tol: Barycenter tolerance (see :func:`align_module`).
+
+    Returns:
+        One transform per model, in ``models`` order.
+
+    Raises:
+        CheckpointError: different families / shapes, missing or non-finite tensors.
+        ValueError: fewer than two models.
+    """
+    if len(models) < 2:
+        raise ValueError("match_module_many needs at least two models")
+    symmetries = check_symmetries(symmetries)
+    ref = ModuleRef.parse(module_key)
+    readers = [CheckpointReader(m) for m in models]
+    try:
+        for r in readers[1:]:
+            check_compatible(readers[0], r)
+        ws = [r.read_module(ref) for r in readers]
+        for r, w in zip(readers, ws, strict=True):
+            check_finite(w, f"{r.path}: {ref.key}")
+        return align_module(ref, ws, readers[0].geometry, symmetries, anchor, max_iter, tol)[0]
+    finally:
+        for r in readers:
+            r.close()
 
 
 def match_many(
@@ -81,36 +174,22 @@ def match_many(
     try:
         for r in readers[1:]:
             check_compatible(readers[0], r)
-        refs = readers[0].modules()
         geo = readers[0].geometry
-        sq = squared_distances_to_mean(readers)
-        best = min(range(len(readers)), key=sq.__getitem__)
-        log.info("closest to the plain average: model %d (%s)", best, models[best])
+        best: int | None = None
+        if anchor == "closest":
+            sq = squared_distances_to_mean(readers)
+            best = min(range(len(readers)), key=sq.__getitem__)
+            log.info("closest to the plain average: model %d (%s)", best, models[best])
         out: list[dict[str, ModuleTransform]] = [{} for _ in readers]
         iterations: dict[str, int] = {}
-        for ref in refs:
+        for ref in readers[0].modules():
             ws = [r.read_module(ref) for r in readers]
-            target: dict[str, torch.Tensor] = {k: v.double() for k, v in ws[best].items()}
-            n_iter = 0
-            while True:
-                ts = [
-                    ModuleTransform(ref.key, ())
-                    if (anchor == "closest" and i == best)
-                    else match_module_weights(ref, w, target, geo, symmetries)
-                    for i, w in enumerate(ws)
-                ]
-                n_iter += 1
-                if anchor == "closest":
-                    break
-                new = _mean([t.apply({k: v.double() for k, v in w.items()}) for t, w in zip(ts, ws, strict=True)])
-                moved = module_distance(new, target) / max(_norm(target), 1e-300)
-                target = new
-                if moved < tol or n_iter >= max_iter:
-                    break
-            iterations[ref.key] = n_iter
+            ts, iterations[ref.key] = align_module(
+                ref, ws, geo, symmetries, "barycenter" if best is None else best, max_iter, tol
+            )
             for i, t in enumerate(ts):
                 out[i][ref.key] = t
-        return {"anchor": best if anchor == "closest" else "barycenter", "transforms": out, "iterations": iterations}
+        return {"anchor": "barycenter" if best is None else best, "transforms": out, "iterations": iterations}
     finally:
         for r in readers:
             r.close()
