@@ -310,6 +310,11 @@ _LOCAL_LOCK = threading.Lock()
 _LOCAL_CACHE_SIZE = 16
 
 
+def _size_mtime(file: Path) -> tuple[int, int]:
+    st = file.stat()
+    return st.st_size, st.st_mtime_ns
+
+
 def _load_local_cached(name: str, files: dict[str, Path], meta: dict[str, Any] | None, source: str) -> TaskDataset:
     """:func:`_load_local`, parsed and checked once per process while the files are unchanged.
 
@@ -321,7 +326,7 @@ def _load_local_cached(name: str, files: dict[str, Path], meta: dict[str, Any] |
     key = (
         name,
         json.dumps(meta, sort_keys=True, default=str),
-        tuple(sorted((s, str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for s, f in files.items())),
+        tuple(sorted((s, str(f.resolve()), *_size_mtime(f)) for s, f in files.items())),
     )
     with _LOCAL_LOCK:  # one parse per key, also when several threads ask at once
         ds = _LOCAL_CACHE.get(key)
