@@ -306,8 +306,12 @@ def match_all_modules(
         if workers <= 1:
             results = [one(r) for r in refs]
         else:
+            # biggest first (FFNs: cost matrix + assignment), attention last: the small modules fill the gaps,
+            # so the workers finish together instead of one idling while the other ends on an FFN
+            order = sorted(refs, key=lambda r: r.kind != "ffn")
             with ThreadPoolExecutor(workers) as pool:
-                results = list(pool.map(one_single_threaded, refs))
+                done = dict(zip(order, pool.map(one_single_threaded, order), strict=True))
+            results = [done[r] for r in refs]
     return {r.key: t for r, t in zip(refs, results, strict=True)}
 
 

@@ -1,12 +1,12 @@
-"""The certified sparse assignment returns scipy's exact optimum, re-solves when the certificate fails, and
-hands back to the dense solver when it cannot certify."""
+"""The certified sparse assignment returns scipy's exact optimum (compiled and torch kernels alike), re-solves
+when the certificate fails, and hands back to the dense solver when it cannot certify."""
 
 import numpy as np
 import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from symfuse.match import assignment, closed_form
+from symfuse.match import assignment, closed_form, lapcore
 from symfuse.match.assignment import certified_sparse_assignment
 from symfuse.match.closed_form import assign_max
 
@@ -26,15 +26,94 @@ def _scipy(cost):
     return torch.from_numpy(cols).long()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+KERNELS = [(torch.float32, True), (torch.float32, False), (torch.float64, False)]
+
+
+def test_compiled_kernels_are_built():
+    # `pip install` compiles _lapcore.c (optional there, so a machine without a compiler still installs);
+    # here, where a compiler exists, a silently missing build would hide the fast path from every test
+    assert lapcore.LIB is not None
+
+
+@pytest.mark.parametrize(("dtype", "native"), KERNELS)
 @pytest.mark.parametrize("seed", range(4))
-def test_equals_scipy_on_random_problems(seed, dtype):
+def test_equals_scipy_on_random_problems(seed, dtype, native):
     cost = _cost(300, seed, dtype, hubs=seed % 2 == 0)
     before = cost.clone()
-    x = certified_sparse_assignment(cost, k=8, chunk=64)
+    x = certified_sparse_assignment(cost, k=8, chunk=64, native=native)
     assert x is not None
     assert torch.equal(x, _scipy(cost))
     assert torch.equal(cost, before)  # not modified
+
+
+def test_compiled_candidates_are_the_reduced_top_k():
+    cost = _cost(200, 7)
+    rows_k, cols_k = lapcore.candidates(cost, 5)
+    red = cost - cost.amin(0)  # column reduction, then row reduction for the column candidates
+    red2 = red - red.amin(1, keepdim=True)
+    # ties (every column's minimum reduces to exactly 0) make the indices ambiguous: compare the values taken
+    want_rows = torch.topk(red, 5, dim=1, largest=False).values
+    want_cols = torch.topk(red2, 5, dim=0, largest=False).values.T
+    assert torch.equal(red.gather(1, rows_k).sort(1).values, want_rows.sort(1).values)
+    assert torch.equal(red2.T.gather(1, cols_k).sort(1).values, want_cols.sort(1).values)
+    assert all(len(set(r.tolist())) == 5 for r in torch.cat([rows_k, cols_k]))  # no index taken twice
+
+
+def test_compiled_potentials_and_violations_match_the_torch_kernels():
+    cost = _cost(120, 3)
+    keys = assignment._candidates(cost, 6, chunk=32)
+    x = assignment._solve_sparse(cost, keys)
+    tol = 1e-12 * float(cost.abs().max())
+    v = torch.zeros(120, dtype=torch.float64)
+    indptr, cols = assignment._csr(keys, 120)
+    w = assignment._edge_weights(cost, keys, x)
+    assert lapcore.potentials(indptr, cols, w, x, v, tol) == lapcore.SETTLED
+    # a fixed point: every candidate edge x_i -> j satisfies v_j <= v_{x_i} + w (up to tol)
+    src = x[keys // 120]
+    assert bool((v[cols] <= v[src] + w + tol).all())
+    bad, count = lapcore.violations(cost, x, v, tol, cap=10_000)
+    assert count == bad.numel() and count > 0  # 6 candidates per row / column leave violations on this problem
+    assert torch.equal(bad.sort().values, assignment._violations(cost, x, v, tol, chunk=32).sort().values)
+    # cap: at most cap written, the full count returned
+    few, count2 = lapcore.violations(cost, x, v, tol, cap=1)
+    assert few.numel() == 1 and count2 == count
+    # a negative cycle is reported, not looped on: the edge 0 -> x_1 and back closes a cycle of weight -2
+    cyc = lapcore.potentials(
+        torch.tensor([0, 1, 2] + [2] * 118),
+        torch.tensor([x[1].item(), x[0].item()]),
+        torch.tensor([-1.0, -1.0], dtype=torch.float64),
+        x,
+        torch.zeros(120, dtype=torch.float64),
+        0.0,
+    )
+    assert cyc == lapcore.NEGATIVE_CYCLE
+
+
+def test_compiled_kernels_reject_bad_input():
+    with pytest.raises(ValueError, match="float32"):
+        lapcore.candidates(torch.zeros(4, 4, dtype=torch.float64), 2)
+    with pytest.raises(ValueError, match="square"):
+        lapcore.candidates(torch.zeros(4, 5), 2)
+    with pytest.raises(ValueError, match="k must be"):
+        lapcore.candidates(torch.zeros(4, 4), 5)
+    with pytest.raises(ValueError, match="compiled"):
+        certified_sparse_assignment(torch.zeros(4, 4, dtype=torch.float64), native=True)
+
+
+def test_compiled_path_adds_violations_and_still_finds_the_optimum(monkeypatch):
+    cost = _cost(50, 0, torch.float32, hubs=False)
+    found = []
+    violations = lapcore.violations
+
+    def counting(*args, **kw):
+        out = violations(*args, **kw)
+        found.append(out[1])
+        return out
+
+    monkeypatch.setattr(lapcore, "violations", counting)
+    x = certified_sparse_assignment(cost, k=2, max_rounds=50, native=True)
+    assert found[0] > 0 and found[-1] == 0  # violations found, then none
+    assert x is not None and torch.equal(x, _scipy(cost))
 
 
 def test_violations_trigger_another_round(monkeypatch):

@@ -1,0 +1,137 @@
+/* Kernels of the certified sparse assignment (see symfuse/match/assignment.py for the maths).
+ *
+ * Plain C99, no Python API: loaded with ctypes (which releases the GIL during the call, so matching threads run
+ * these in parallel). The cost matrix is float32, row-major, n x n; every index is int64.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* Replace the root of a max-heap (vals, idx: k entries; root = largest) by (val, at), then sift it down. */
+static void heap_replace_root(float *vals, int64_t *idx, int64_t k, float val, int64_t at) {
+    int64_t pos = 0;
+    for (;;) {
+        int64_t child = 2 * pos + 1;
+        if (child >= k) break;
+        if (child + 1 < k && vals[child + 1] > vals[child]) child++;
+        if (vals[child] <= val) break;
+        vals[pos] = vals[child];
+        idx[pos] = idx[child];
+        pos = child;
+    }
+    vals[pos] = val;
+    idx[pos] = at;
+}
+
+/* Candidates, in one pass over the rows after a column-minimum pass:
+ *   row_idx[i, :] = columns of the k smallest r[i, j] = C[i, j] - min_i' C[i', j]      (column reduction)
+ *   col_idx[j, :] = rows of the k smallest r[i, j] - min_j' r[i, j']                   (then row reduction)
+ * The column heaps are updated from each reduced row while it is in cache: no transposed read of C.
+ * Returns 0, or -1 when out of memory. */
+int symfuse_candidates(const float *cost, int64_t n, int64_t k, int64_t *row_idx, int64_t *col_idx) {
+    float *col_min = malloc(n * sizeof(float));
+    float *red = malloc(n * sizeof(float));
+    float *row_heap = malloc(k * sizeof(float));
+    float *col_heap = malloc(n * k * sizeof(float));
+    float *col_top = malloc(n * sizeof(float));
+    if (!col_min || !red || !row_heap || !col_heap || !col_top) {
+        free(col_min), free(red), free(row_heap), free(col_heap), free(col_top);
+        return -1;
+    }
+    for (int64_t j = 0; j < n; j++) col_min[j] = cost[j];
+    for (int64_t i = 1; i < n; i++) {
+        const float *row = cost + i * n;
+        for (int64_t j = 0; j < n; j++) col_min[j] = row[j] < col_min[j] ? row[j] : col_min[j];
+    }
+    for (int64_t t = 0; t < n * k; t++) col_heap[t] = INFINITY, col_idx[t] = -1;
+    for (int64_t j = 0; j < n; j++) col_top[j] = INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = cost + i * n;
+        int64_t *out = row_idx + i * k;
+        float row_min = INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            red[j] = row[j] - col_min[j];
+            row_min = red[j] < row_min ? red[j] : row_min;
+        }
+        for (int64_t t = 0; t < k; t++) row_heap[t] = INFINITY, out[t] = -1;
+        for (int64_t j = 0; j < n; j++)
+            if (red[j] < row_heap[0]) heap_replace_root(row_heap, out, k, red[j], j);
+        for (int64_t j = 0; j < n; j++) {
+            float r = red[j] - row_min;
+            if (r < col_top[j]) {
+                heap_replace_root(col_heap + j * k, col_idx + j * k, k, r, i);
+                col_top[j] = col_heap[j * k];
+            }
+        }
+    }
+    free(col_min), free(red), free(row_heap), free(col_heap), free(col_top);
+    return 0;
+}
+
+/* Column potentials d with d[j] <= d[x[i]] + w[e] for every candidate e = (i, j) (label-correcting shortest
+ * paths, FIFO queue, from the given start). Candidates are in CSR by row: row i's edges are
+ * indptr[i] .. indptr[i + 1], to columns cols[e]; the edge leaves node x[i]. A relaxation must gain more than
+ * tol (rounding cannot loop). Returns 0; 1 on a negative cycle (a path of n edges improved); 2 when more than
+ * max_relax relaxations did not settle (d is then lowered but not a fixed point); -1 on no memory. */
+int symfuse_potentials(int64_t n, const int64_t *indptr, const int64_t *cols, const double *w, const int64_t *x,
+                       double *d, double tol, int64_t max_relax) {
+    int64_t *row_of = malloc(n * sizeof(int64_t)); /* node -> the row whose edges leave it */
+    int64_t *queue = malloc(n * sizeof(int64_t));
+    int64_t *hops = calloc(n, sizeof(int64_t));
+    char *queued = malloc(n);
+    if (!row_of || !queue || !hops || !queued) {
+        free(row_of), free(queue), free(hops), free(queued);
+        return -1;
+    }
+    for (int64_t i = 0; i < n; i++) row_of[x[i]] = i, queue[i] = i, queued[i] = 1;
+    int64_t head = 0, size = n, status = 0;
+    while (size > 0) {
+        int64_t a = queue[head];
+        head = head + 1 == n ? 0 : head + 1;
+        size--;
+        queued[a] = 0;
+        int64_t i = row_of[a];
+        for (int64_t e = indptr[i]; e < indptr[i + 1]; e++) {
+            int64_t j = cols[e];
+            double nd = d[a] + w[e];
+            if (nd < d[j] - tol) {
+                d[j] = nd;
+                if (--max_relax < 0) {
+                    status = 2;
+                    goto done;
+                }
+                hops[j] = hops[a] + 1;
+                if (hops[j] >= n) {
+                    status = 1;
+                    goto done;
+                }
+                if (!queued[j]) {
+                    queue[(head + size) % n] = j;
+                    size++;
+                    queued[j] = 1;
+                }
+            }
+        }
+    }
+done:
+    free(row_of), free(queue), free(hops), free(queued);
+    return (int)status;
+}
+
+/* Entries with a negative reduced cost C[i, j] - u_i - v_j < -tol, u_i = C[i, x_i] - v[x_i] (float64).
+ * Writes the first cap of them as flat indices i * n + j to out; returns how many there are in all. */
+int64_t symfuse_violations(const float *cost, int64_t n, const int64_t *x, const double *v, double tol,
+                           int64_t *out, int64_t cap) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = cost + i * n;
+        double bound = ((double)row[x[i]] - v[x[i]]) - tol; /* u_i - tol */
+        for (int64_t j = 0; j < n; j++) {
+            if ((double)row[j] - v[j] < bound) {
+                if (count < cap) out[count] = i * n + j;
+                count++;
+            }
+        }
+    }
+    return count;
+}

@@ -1,0 +1,116 @@
+"""ctypes bindings of the compiled assignment kernels (``_lapcore.c``), or None where they were not built.
+
+The C file is built by ``pip install`` (``setup.py``; optional: without a compiler the install goes on and
+:mod:`symfuse.match.assignment` runs its torch kernels). ctypes releases the GIL for the call, so matching
+threads run these in parallel. Inputs are checked here (dtype, contiguity, shapes): the C side trusts them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+
+
+def _load() -> ctypes.CDLL | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_lapcore{suffix}"
+        if path.exists():
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:  # wrong platform / corrupt build: the torch kernels still work
+                log.warning("%s: cannot load (%s); using the slower torch assignment kernels", path, e)
+                return None
+            lib.symfuse_candidates.argtypes = [_P, _I, _I, _P, _P]
+            lib.symfuse_candidates.restype = ctypes.c_int
+            lib.symfuse_potentials.argtypes = [_I, _P, _P, _P, _P, _P, _D, _I]
+            lib.symfuse_potentials.restype = ctypes.c_int
+            lib.symfuse_violations.argtypes = [_P, _I, _P, _P, _D, _P, _I]
+            lib.symfuse_violations.restype = _I
+            return lib
+    log.info("compiled assignment kernels not built; using the slower torch kernels")
+    return None
+
+
+LIB = _load()
+
+
+def _square_f32(cost: torch.Tensor) -> int:
+    if cost.dtype != torch.float32 or not cost.is_contiguous() or cost.device.type != "cpu":
+        raise ValueError(f"cost must be a contiguous float32 CPU tensor, got {cost.dtype} on {cost.device}")
+    if cost.dim() != 2 or cost.shape[0] != cost.shape[1]:
+        raise ValueError(f"cost must be square, got shape {tuple(cost.shape)}")
+    return cost.shape[0]
+
+
+def candidates(cost: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns of each row's ``k`` smallest column-reduced entries (n, k), rows of each column's (n, k)."""
+    n = _square_f32(cost)
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in 1..{n}, got {k}")
+    rows_k = torch.empty(n, k, dtype=torch.long)
+    cols_k = torch.empty(n, k, dtype=torch.long)
+    if LIB.symfuse_candidates(cost.data_ptr(), n, k, rows_k.data_ptr(), cols_k.data_ptr()) != 0:
+        raise MemoryError(f"assignment candidates: no memory for {n} x {k} heaps")
+    return rows_k, cols_k
+
+
+SETTLED, NEGATIVE_CYCLE, OVER_BUDGET = 0, 1, 2
+
+
+def potentials(
+    indptr: torch.Tensor,
+    cols: torch.Tensor,
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    d: torch.Tensor,
+    tol: float,
+    max_relax: int = 2**62,
+) -> int:
+    """Lower ``d`` (in place) to potentials of the candidate graph.
+
+    Args:
+        indptr: (n + 1,) int64 CSR row pointer of the candidates.
+        cols: (m,) int64 column of each candidate, by row.
+        weight: (m,) float64 edge weight ``C[i, j] - C[i, x_i]`` of candidate ``(i, j)``.
+        x: (n,) int64 permutation; row ``i``'s edges leave node ``x[i]``.
+        d: (n,) float64 start potentials, overwritten.
+        tol: Smallest improvement a relaxation counts.
+        max_relax: Relaxations at most.
+
+    Returns:
+        ``SETTLED`` (``d`` is a fixed point), ``NEGATIVE_CYCLE``, or ``OVER_BUDGET`` (``d`` lowered, not settled).
+    """
+    n = x.numel()
+    for t, dt in ((indptr, torch.long), (cols, torch.long), (weight, torch.float64), (x, torch.long)):
+        if t.dtype != dt or not t.is_contiguous():
+            raise ValueError(f"potentials: expected contiguous {dt}, got {t.dtype}")
+    if d.dtype != torch.float64 or not d.is_contiguous() or d.numel() != n or indptr.numel() != n + 1:
+        raise ValueError("potentials: d must be contiguous float64 (n,), indptr (n + 1,)")
+    if cols.numel() != weight.numel() or int(indptr[-1]) != cols.numel():
+        raise ValueError("potentials: indptr, cols and weight disagree on the number of edges")
+    status = LIB.symfuse_potentials(
+        n, indptr.data_ptr(), cols.data_ptr(), weight.data_ptr(), x.data_ptr(), d.data_ptr(), tol, max_relax
+    )
+    if status < 0:
+        raise MemoryError(f"assignment potentials: no memory for {n} nodes")
+    return status
+
+
+def violations(cost: torch.Tensor, x: torch.Tensor, v: torch.Tensor, tol: float, cap: int) -> tuple[torch.Tensor, int]:
+    """Flat indices of (up to ``cap``) entries with ``C[i, j] - u_i - v_j < -tol``, and how many there are."""
+    n = _square_f32(cost)
+    if x.dtype != torch.long or v.dtype != torch.float64 or x.numel() != n or v.numel() != n:
+        raise ValueError("violations: x must be int64 (n,), v float64 (n,)")
+    x, v = x.contiguous(), v.contiguous()
+    out = torch.empty(cap, dtype=torch.long)
+    count = LIB.symfuse_violations(cost.data_ptr(), n, x.data_ptr(), v.data_ptr(), tol, out.data_ptr(), cap)
+    return out[: min(count, cap)], int(count)
