@@ -118,12 +118,15 @@ done:
     return (int)status;
 }
 
-/* Entries with a negative reduced cost C[i, j] - u_i - v_j < -tol, u_i = C[i, x_i] - v[x_i] (float64).
- * Writes the first cap of them as flat indices i * n + j to out; returns how many there are in all. */
+/* Entries with a negative reduced cost C[i, j] - u_i - v_j < -tol, u_i = C[i, x_i] - v[x_i] (float64), in the
+ * rows rows[0 .. n_rows) (all rows when rows is NULL). Writes the first cap of them as flat indices i * n + j to
+ * out; returns how many there are in all. */
 int64_t symfuse_violations(const float *cost, int64_t n, const int64_t *x, const double *v, double tol,
-                           int64_t *out, int64_t cap) {
+                           const int64_t *rows, int64_t n_rows, int64_t *out, int64_t cap) {
     int64_t count = 0;
-    for (int64_t i = 0; i < n; i++) {
+    if (!rows) n_rows = n;
+    for (int64_t r = 0; r < n_rows; r++) {
+        int64_t i = rows ? rows[r] : r;
         const float *row = cost + i * n;
         double bound = ((double)row[x[i]] - v[x[i]]) - tol; /* u_i - tol */
         for (int64_t j = 0; j < n; j++) {

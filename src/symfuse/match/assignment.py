@@ -196,9 +196,21 @@ def certified_sparse_assignment(
 
 
 def _grow(keys: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    """``keys`` with the violating entries ``bad`` added (sorted, unique); ``keys`` itself if none is new."""
-    bad = bad[~torch.isin(bad, keys)]  # candidates are settled by the sparse solve (rounding only)
-    return torch.unique(torch.cat([keys, bad])) if bad.numel() else keys
+    """Sorted ``keys`` with the violating entries ``bad`` added (sorted, unique); ``keys`` itself if none is new."""
+    if bad.numel() == 0:
+        return keys
+    pos = torch.searchsorted(keys, bad)
+    # a candidate reported here is rounding only (the sparse solve settled it): keep the others
+    new = torch.unique(bad[keys[pos.clamp(max=keys.numel() - 1)] != bad])
+    if new.numel() == 0:
+        return keys
+    # merge two sorted lists: each new key lands after the old keys below it and the new keys before it
+    at = torch.searchsorted(keys, new) + torch.arange(new.numel())
+    out = torch.empty(keys.numel() + new.numel(), dtype=keys.dtype)
+    old = torch.ones(out.numel(), dtype=torch.bool)
+    old[at] = False
+    out[at], out[old] = new, keys
+    return out
 
 
 def _certify_torch(
@@ -224,15 +236,22 @@ def _certify_native(
     """
     n = cost.shape[0]
     budget = 2**62  # the first relaxation (after a solve) has no cycle: x is optimal on its own candidates
-    for _ in range(passes):
+    rows = None  # rows to check: all, then those whose u_i = C[i, x_i] - v_{x_i} grew (v only ever decreases,
+    for _ in range(passes):  # and a lower v_j only raises reduced costs in column j)
         indptr, cols = _csr(keys, n)
+        before = v.clone()
         status = lapcore.potentials(indptr, cols, _edge_weights(cost, keys, x), x, v, tol, budget)
         if status == lapcore.NEGATIVE_CYCLE and budget == 2**62:
             return keys, None  # rounding on ties: no certificate
         if status != lapcore.SETTLED:
             return keys, False
-        grown = _grow(keys, lapcore.violations(cost, x, v, tol, cap=4 * n)[0])
-        if grown is keys:
+        if rows is not None:
+            rows = (v[x] != before[x]).nonzero().squeeze(1)
+        bad, count = lapcore.violations(cost, x, v, tol, cap=4 * n, rows=rows)
+        grown = _grow(keys, bad)
+        if grown is keys and count == bad.numel():
             return keys, True
+        # over the cap, some violations went unreported: check every row next time
+        rows = torch.empty(0, dtype=torch.long) if count == bad.numel() else None
         keys, budget = grown, 2 * grown.numel()
     return keys, False

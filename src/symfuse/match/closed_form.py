@@ -183,7 +183,8 @@ def assign_max(sim: torch.Tensor, sparse_from: int = 256) -> tuple[torch.Tensor,
     Exact paths, tried in order:
 
     1. every row's argmax is a different column: taking each row's maximum is optimal (no assignment can beat a
-       per-row maximum in every row), so no solver runs. Likewise for columns.
+       per-row maximum in every row), so no solver runs. Likewise for columns (checked when at least 90 % of
+       the columns are some row's argmax; otherwise their argmaxes cannot all be distinct in practice).
     2. ``n >= sparse_from``: sparse solve certified by LP duality
        (:func:`symfuse.match.assignment.certified_sparse_assignment`, 5-10x faster than the dense solvers).
     3. otherwise, or without a certificate: scipy's ``linear_sum_assignment`` on a float64 copy.
@@ -197,13 +198,17 @@ def assign_max(sim: torch.Tensor, sparse_from: int = 256) -> tuple[torch.Tensor,
     """
     n = sim.shape[0]
     col_of_row = sim.argmax(dim=1)
-    if torch.bincount(col_of_row, minlength=n).max() == 1:
+    hits = torch.bincount(col_of_row, minlength=n)
+    if hits.max() == 1:
         perm = torch.empty(n, dtype=torch.long)
         perm[col_of_row] = torch.arange(n)
         return perm, False
-    row_of_col = sim.argmax(dim=0)
-    if torch.bincount(row_of_col, minlength=n).max() == 1:
-        return row_of_col.long(), False
+    # the column argmaxes are all distinct only when the rows' nearly are; when they are far from it (unrelated
+    # models: ~1/e of the columns unclaimed) skip this check: argmax over dim 0 is a slow strided reduction
+    if (hits > 0).float().mean() >= 0.9:
+        row_of_col = sim.argmax(dim=0)
+        if torch.bincount(row_of_col, minlength=n).max() == 1:
+            return row_of_col.long(), False
     cost = sim.neg_()
     perm = torch.empty(n, dtype=torch.long)
     if n >= sparse_from:

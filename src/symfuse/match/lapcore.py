@@ -33,7 +33,7 @@ def _load() -> ctypes.CDLL | None:
             lib.symfuse_candidates.restype = ctypes.c_int
             lib.symfuse_potentials.argtypes = [_I, _P, _P, _P, _P, _P, _D, _I]
             lib.symfuse_potentials.restype = ctypes.c_int
-            lib.symfuse_violations.argtypes = [_P, _I, _P, _P, _D, _P, _I]
+            lib.symfuse_violations.argtypes = [_P, _I, _P, _P, _D, _P, _I, _P, _I]
             lib.symfuse_violations.restype = _I
             return lib
     log.info("compiled assignment kernels not built; using the slower torch kernels")
@@ -105,12 +105,31 @@ def potentials(
     return status
 
 
-def violations(cost: torch.Tensor, x: torch.Tensor, v: torch.Tensor, tol: float, cap: int) -> tuple[torch.Tensor, int]:
-    """Flat indices of (up to ``cap``) entries with ``C[i, j] - u_i - v_j < -tol``, and how many there are."""
+def violations(
+    cost: torch.Tensor, x: torch.Tensor, v: torch.Tensor, tol: float, cap: int, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, int]:
+    """Flat indices of (up to ``cap``) entries with ``C[i, j] - u_i - v_j < -tol``, and how many there are.
+
+    ``u_i = C[i, x_i] - v_{x_i}``. Only the given ``rows`` (int64) are checked when given, else all.
+    """
     n = _square_f32(cost)
     if x.dtype != torch.long or v.dtype != torch.float64 or x.numel() != n or v.numel() != n:
         raise ValueError("violations: x must be int64 (n,), v float64 (n,)")
     x, v = x.contiguous(), v.contiguous()
+    if rows is not None:
+        rows = rows.to(torch.long).contiguous()
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+            raise ValueError(f"violations: rows must lie in 0..{n - 1}")
     out = torch.empty(cap, dtype=torch.long)
-    count = LIB.symfuse_violations(cost.data_ptr(), n, x.data_ptr(), v.data_ptr(), tol, out.data_ptr(), cap)
+    count = LIB.symfuse_violations(
+        cost.data_ptr(),
+        n,
+        x.data_ptr(),
+        v.data_ptr(),
+        tol,
+        None if rows is None else rows.data_ptr(),
+        0 if rows is None else rows.numel(),
+        out.data_ptr(),
+        cap,
+    )
     return out[: min(count, cap)], int(count)

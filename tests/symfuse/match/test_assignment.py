@@ -74,6 +74,10 @@ def test_compiled_potentials_and_violations_match_the_torch_kernels():
     bad, count = lapcore.violations(cost, x, v, tol, cap=10_000)
     assert count == bad.numel() and count > 0  # 6 candidates per row / column leave violations on this problem
     assert torch.equal(bad.sort().values, assignment._violations(cost, x, v, tol, chunk=32).sort().values)
+    # a subset of rows: exactly the violations in those rows
+    rows = torch.tensor([5, 0, 77, 119])
+    sub, _ = lapcore.violations(cost, x, v, tol, cap=10_000, rows=rows)
+    assert torch.equal(sub.sort().values, bad[torch.isin(bad // 120, rows)].sort().values)
     # cap: at most cap written, the full count returned
     few, count2 = lapcore.violations(cost, x, v, tol, cap=1)
     assert few.numel() == 1 and count2 == count
@@ -154,3 +158,11 @@ def test_assign_max_sparse_path_and_dense_fallback(monkeypatch):
     # small problems go straight to the dense solver
     perm, ran = assign_max(sim.clone(), sparse_from=10_000)
     assert ran and torch.equal(perm, perm_want)
+
+
+def test_grow_merges_new_entries_into_sorted_keys():
+    keys = torch.tensor([3, 8, 20, 41])
+    assert assignment._grow(keys, torch.empty(0, dtype=torch.long)) is keys
+    assert assignment._grow(keys, torch.tensor([20, 3])) is keys  # all known already
+    grown = assignment._grow(keys, torch.tensor([50, 0, 20, 9, 9]))
+    assert torch.equal(grown, torch.tensor([0, 3, 8, 9, 20, 41, 50]))
