@@ -18,8 +18,9 @@ import json
 import math
 import os
 import struct
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -102,7 +103,7 @@ class PreadSource:
 
     @staticmethod
     def _pread(file: Path, fd: int, offset: int, nbytes: int, name: str) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = empty_hugepages((nbytes,), torch.uint8)
         view, done = memoryview(buf.numpy()), 0
         while done < nbytes:
             got = os.preadv(fd, [view[done:]], offset + done)
@@ -156,11 +157,45 @@ class PreadSource:
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
+def _libc() -> ctypes.CDLL | None:
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # no C library found, or not glibc
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:  # no C library found
         return None
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    return getattr(_libc(), "malloc_trim", None)  # glibc only
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    fn = getattr(_libc(), "madvise", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+def empty_hugepages(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``torch.empty(shape)``, with transparent huge pages requested for it (Linux ``madvise``).
+
+    A fresh big tensor is zeroed by the kernel 4 KiB page fault by page fault as it is first written: ~25 ms for
+    a 3072 x 3072 float32 cost matrix, ~7 ms with 2 MiB pages (and fewer TLB misses while it is read). Where the
+    kernel's transparent huge pages are off (or not Linux) the request is ignored: a plain tensor.
+    """
+    t = torch.empty(tuple(shape), dtype=dtype)
+    fn = _madvise() if sys.platform.startswith("linux") else None
+    if fn is not None and t.numel() * t.element_size() >= 4 * _HUGE_PAGE:
+        start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)  # the 2 MiB-aligned interior
+        end = (t.data_ptr() + t.numel() * t.element_size()) & ~(_HUGE_PAGE - 1)
+        fn(start, end - start, _MADV_HUGEPAGE)  # advice only: a failure leaves normal pages
+    return t
 
 
 def trim_heap() -> None:
