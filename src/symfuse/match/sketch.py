@@ -138,10 +138,15 @@ def certified_nearest(
         ``nn`` (n,) int64 with ``nn[i]`` = exact nearest anchor neuron of source neuron ``i``, or None.
     """
     dims = _dims(src)
-    total = sum(d for _, _, d in dims)
-    k = min(k, total)
+    # coordinates from ``down`` (stored (d, n): a coordinate is a contiguous row) when it has enough: 3x cheaper
+    # to gather than columns of ``up`` (a strided read of the whole matrix); any subset keeps the bound exact
+    lo = sum(d for role, _, d in dims if role != "down")
+    total = lo + dict((role, d) for role, _, d in dims)["down"]
+    if total - lo < k:
+        lo = 0
+    k = min(k, total - lo)
     g = torch.Generator().manual_seed(seed)
-    coords = torch.sort(torch.randperm(total, generator=g)[:k]).values
+    coords = torch.sort(lo + torch.randperm(total - lo, generator=g)[:k]).values
     ps, pa = _project(src, coords), _project(anc, coords)  # (n, k)
     n = ps.shape[0]
     na, ns = (pa * pa).sum(1), (ps * ps).sum(1)
