@@ -6,45 +6,82 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-/* Replace the root of a max-heap (vals, idx: k entries; root = largest) by (val, at), then sift it down. */
-static void heap_replace_root(float *vals, int64_t *idx, int64_t k, float val, int64_t at) {
+typedef struct {
+    float val;
+    int32_t idx;
+} Entry;
+
+/* Replace the root of a max-heap of k entries (root = largest value) by (val, at), then sift it down. */
+static void heap_replace_root(Entry *heap, int64_t k, float val, int32_t at) {
     int64_t pos = 0;
     for (;;) {
         int64_t child = 2 * pos + 1;
         if (child >= k) break;
-        if (child + 1 < k && vals[child + 1] > vals[child]) child++;
-        if (vals[child] <= val) break;
-        vals[pos] = vals[child];
-        idx[pos] = idx[child];
+        if (child + 1 < k && heap[child + 1].val > heap[child].val) child++;
+        if (heap[child].val <= val) break;
+        heap[pos] = heap[child];
         pos = child;
     }
-    vals[pos] = val;
-    idx[pos] = at;
+    heap[pos].val = val;
+    heap[pos].idx = at;
+}
+
+/* Push every flagged j (flag[j] != 0, j < n) into a heap; scans the flags 8 bytes at a time. */
+static void push_flagged(const unsigned char *flag, int64_t n, const float *val, Entry *heap, int64_t k) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        uint64_t w;
+        memcpy(&w, flag + j, 8);
+        while (w) {
+            int64_t t = j + (__builtin_ctzll(w) >> 3);
+            w &= ~((uint64_t)0xff << ((t - j) << 3));
+            if (val[t] < heap[0].val) heap_replace_root(heap, k, val[t], (int32_t)t);
+        }
+    }
+    for (; j < n; j++)
+        if (flag[j] && val[j] < heap[0].val) heap_replace_root(heap, k, val[j], (int32_t)j);
 }
 
 /* Candidates, in one pass over the rows after a column-minimum pass:
  *   row_idx[i, :] = columns of the k smallest r[i, j] = C[i, j] - min_i' C[i', j]      (column reduction)
  *   col_idx[j, :] = rows of the k smallest r[i, j] - min_j' r[i, j']                   (then row reduction)
- * The column heaps are updated from each reduced row while it is in cache: no transposed read of C.
+ * The column heaps are updated from each reduced row while it is in cache: no transposed read of C. Each row is
+ * first screened against fixed thresholds (vectorisable compares into a flag array); only flagged entries reach
+ * a heap. The row threshold is the row minimum plus 1.5x the previous row's spread of its k smallest (a row
+ * where fewer than k pass is scanned again without a screen). Also stores max |C| in *abs_max.
  * Returns 0, or -1 when out of memory. */
-int symfuse_candidates(const float *cost, int64_t n, int64_t k, int64_t *row_idx, int64_t *col_idx) {
+int symfuse_candidates(const float *cost, int64_t n, int64_t k, int64_t *row_idx, int64_t *col_idx,
+                       float *abs_max) {
     float *col_min = malloc(n * sizeof(float));
     float *red = malloc(n * sizeof(float));
-    float *row_heap = malloc(k * sizeof(float));
-    float *col_heap = malloc(n * k * sizeof(float));
+    float *rel = malloc(n * sizeof(float));
+    unsigned char *flag = malloc(n);
+    Entry *row_heap = malloc(k * sizeof(Entry));
+    Entry *col_heap = malloc(n * k * sizeof(Entry));
     float *col_top = malloc(n * sizeof(float));
-    if (!col_min || !red || !row_heap || !col_heap || !col_top) {
-        free(col_min), free(red), free(row_heap), free(col_heap), free(col_top);
+    if (!col_min || !red || !rel || !flag || !row_heap || !col_heap || !col_top) {
+        free(col_min), free(red), free(rel), free(flag), free(row_heap), free(col_heap), free(col_top);
         return -1;
     }
-    for (int64_t j = 0; j < n; j++) col_min[j] = cost[j];
-    for (int64_t i = 1; i < n; i++) {
+    float hi = -INFINITY, lo = INFINITY;
+    for (int64_t j = 0; j < n; j++) col_min[j] = cost[j], rel[j] = cost[j]; /* rel: column maxima for now */
+    for (int64_t i = 0; i < n; i++) {
         const float *row = cost + i * n;
-        for (int64_t j = 0; j < n; j++) col_min[j] = row[j] < col_min[j] ? row[j] : col_min[j];
+        for (int64_t j = 0; j < n; j++) {
+            col_min[j] = row[j] < col_min[j] ? row[j] : col_min[j];
+            rel[j] = row[j] > rel[j] ? row[j] : rel[j];
+        }
     }
-    for (int64_t t = 0; t < n * k; t++) col_heap[t] = INFINITY, col_idx[t] = -1;
+    for (int64_t j = 0; j < n; j++) {
+        lo = col_min[j] < lo ? col_min[j] : lo;
+        hi = rel[j] > hi ? rel[j] : hi;
+    }
+    *abs_max = hi > -lo ? hi : -lo;
+    for (int64_t t = 0; t < n * k; t++) col_heap[t].val = INFINITY, col_heap[t].idx = -1;
     for (int64_t j = 0; j < n; j++) col_top[j] = INFINITY;
+    float spread = INFINITY; /* previous row: its k-th smallest minus its minimum */
     for (int64_t i = 0; i < n; i++) {
         const float *row = cost + i * n;
         int64_t *out = row_idx + i * k;
@@ -53,18 +90,37 @@ int symfuse_candidates(const float *cost, int64_t n, int64_t k, int64_t *row_idx
             red[j] = row[j] - col_min[j];
             row_min = red[j] < row_min ? red[j] : row_min;
         }
-        for (int64_t t = 0; t < k; t++) row_heap[t] = INFINITY, out[t] = -1;
-        for (int64_t j = 0; j < n; j++)
-            if (red[j] < row_heap[0]) heap_replace_root(row_heap, out, k, red[j], j);
+        float thr = row_min + 1.5f * spread;
+        for (int64_t t = 0; t < k; t++) row_heap[t].val = INFINITY, row_heap[t].idx = -1;
+        for (int64_t j = 0; j < n; j++) flag[j] = red[j] <= thr;
+        push_flagged(flag, n, red, row_heap, k);
+        if (row_heap[0].val == INFINITY) { /* fewer than k passed the screen: the whole row, from an empty heap */
+            for (int64_t t = 0; t < k; t++) row_heap[t].val = INFINITY, row_heap[t].idx = -1;
+            for (int64_t j = 0; j < n; j++) flag[j] = 1;
+            push_flagged(flag, n, red, row_heap, k);
+        }
+        for (int64_t t = 0; t < k; t++) out[t] = row_heap[t].idx;
+        spread = row_heap[0].val - row_min;
         for (int64_t j = 0; j < n; j++) {
-            float r = red[j] - row_min;
-            if (r < col_top[j]) {
-                heap_replace_root(col_heap + j * k, col_idx + j * k, k, r, i);
-                col_top[j] = col_heap[j * k];
+            rel[j] = red[j] - row_min;
+            flag[j] = rel[j] < col_top[j];
+        }
+        int64_t j = 0;
+        for (; j < n; j += 8) {
+            uint64_t w = 0;
+            if (j + 8 <= n) memcpy(&w, flag + j, 8);
+            else
+                for (int64_t t = j; t < n; t++) w |= (uint64_t)flag[t] << ((t - j) << 3);
+            while (w) {
+                int64_t c = j + (__builtin_ctzll(w) >> 3);
+                w &= ~((uint64_t)0xff << ((c - j) << 3));
+                heap_replace_root(col_heap + c * k, k, rel[c], (int32_t)i);
+                col_top[c] = col_heap[c * k].val;
             }
         }
     }
-    free(col_min), free(red), free(row_heap), free(col_heap), free(col_top);
+    for (int64_t t = 0; t < n * k; t++) col_idx[t] = col_heap[t].idx;
+    free(col_min), free(red), free(rel), free(flag), free(row_heap), free(col_heap), free(col_top);
     return 0;
 }
 

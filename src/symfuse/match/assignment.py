@@ -175,9 +175,13 @@ def certified_sparse_assignment(
     n = cost.shape[0]
     k = min(k, n)
     native = _native_ok(cost, native)
-    lo, hi = torch.aminmax(cost)
-    tol = 1e-12 * max(float(hi), -float(lo))
-    keys = _flat(*lapcore.candidates(cost, k)) if native else _candidates(cost, k, chunk)
+    if native:
+        rows_k, cols_k, abs_max = lapcore.candidates(cost, k)
+        keys = _flat(rows_k, cols_k)
+    else:
+        lo, hi = torch.aminmax(cost)
+        keys, abs_max = _candidates(cost, k, chunk), max(float(hi), -float(lo))
+    tol = 1e-12 * abs_max
     v = torch.zeros(n, dtype=torch.float64)
     for rnd in range(max_rounds):
         x = _solve_sparse(cost, keys)

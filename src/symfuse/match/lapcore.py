@@ -29,7 +29,7 @@ def _load() -> ctypes.CDLL | None:
             except OSError as e:  # wrong platform / corrupt build: the torch kernels still work
                 log.warning("%s: cannot load (%s); using the slower torch assignment kernels", path, e)
                 return None
-            lib.symfuse_candidates.argtypes = [_P, _I, _I, _P, _P]
+            lib.symfuse_candidates.argtypes = [_P, _I, _I, _P, _P, _P]
             lib.symfuse_candidates.restype = ctypes.c_int
             lib.symfuse_potentials.argtypes = [_I, _P, _P, _P, _P, _P, _D, _I]
             lib.symfuse_potentials.restype = ctypes.c_int
@@ -51,16 +51,17 @@ def _square_f32(cost: torch.Tensor) -> int:
     return cost.shape[0]
 
 
-def candidates(cost: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Columns of each row's ``k`` smallest column-reduced entries (n, k), rows of each column's (n, k)."""
+def candidates(cost: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Columns of each row's ``k`` smallest column-reduced entries (n, k), rows of each column's (n, k), max |C|."""
     n = _square_f32(cost)
-    if not 1 <= k <= n:
-        raise ValueError(f"k must be in 1..{n}, got {k}")
+    if not 1 <= k <= n or n >= 2**31:
+        raise ValueError(f"k must be in 1..{n} (and n < 2**31), got k={k}")
     rows_k = torch.empty(n, k, dtype=torch.long)
     cols_k = torch.empty(n, k, dtype=torch.long)
-    if LIB.symfuse_candidates(cost.data_ptr(), n, k, rows_k.data_ptr(), cols_k.data_ptr()) != 0:
+    abs_max = ctypes.c_float()
+    if LIB.symfuse_candidates(cost.data_ptr(), n, k, rows_k.data_ptr(), cols_k.data_ptr(), ctypes.byref(abs_max)):
         raise MemoryError(f"assignment candidates: no memory for {n} x {k} heaps")
-    return rows_k, cols_k
+    return rows_k, cols_k, abs_max.value
 
 
 SETTLED, NEGATIVE_CYCLE, OVER_BUDGET = 0, 1, 2

@@ -46,9 +46,13 @@ def test_equals_scipy_on_random_problems(seed, dtype, native):
     assert torch.equal(cost, before)  # not modified
 
 
-def test_compiled_candidates_are_the_reduced_top_k():
+@pytest.mark.parametrize("spread", ["even", "alternating"])
+def test_compiled_candidates_are_the_reduced_top_k(spread):
     cost = _cost(200, 7)
-    rows_k, cols_k = lapcore.candidates(cost, 5)
+    if spread == "alternating":  # rows 100x wider than the row before: the carried-over screen passes too few
+        cost = cost * torch.tensor([1.0, 100.0]).repeat(100)[:, None]
+    rows_k, cols_k, abs_max = lapcore.candidates(cost, 5)
+    assert abs_max == float(cost.abs().max())
     red = cost - cost.amin(0)  # column reduction, then row reduction for the column candidates
     red2 = red - red.amin(1, keepdim=True)
     # ties (every column's minimum reduces to exactly 0) make the indices ambiguous: compare the values taken
