@@ -124,12 +124,13 @@ int symfuse_candidates(const float *cost, int64_t n, int64_t k, int64_t *row_idx
     return 0;
 }
 
-/* Column potentials d with d[j] <= d[x[i]] + w[e] for every candidate e = (i, j) (label-correcting shortest
- * paths, FIFO queue, from the given start). Candidates are in CSR by row: row i's edges are
- * indptr[i] .. indptr[i + 1], to columns cols[e]; the edge leaves node x[i]. A relaxation must gain more than
- * tol (rounding cannot loop). Returns 0; 1 on a negative cycle (a path of n edges improved); 2 when more than
- * max_relax relaxations did not settle (d is then lowered but not a fixed point); -1 on no memory. */
-int symfuse_potentials(int64_t n, const int64_t *indptr, const int64_t *cols, const double *w, const int64_t *x,
+/* Column potentials d with d[j] <= d[x[i]] + C[i, j] - C[i, x[i]] for every candidate (i, j) (label-correcting
+ * shortest paths, FIFO queue, from the given start; edge weights in float64 from the float32 costs). Candidates
+ * are in CSR by row: row i's are indptr[i] .. indptr[i + 1], to columns cols[e]; their edges leave node x[i].
+ * A relaxation must gain more than tol (rounding cannot loop). Returns 0; 1 on a negative cycle (a path of n
+ * edges improved); 2 when more than max_relax relaxations did not settle (d is then lowered but not a fixed
+ * point); -1 on no memory. */
+int symfuse_potentials(const float *cost, int64_t n, const int64_t *indptr, const int64_t *cols, const int64_t *x,
                        double *d, double tol, int64_t max_relax) {
     int64_t *row_of = malloc(n * sizeof(int64_t)); /* node -> the row whose edges leave it */
     int64_t *queue = malloc(n * sizeof(int64_t));
@@ -147,9 +148,11 @@ int symfuse_potentials(int64_t n, const int64_t *indptr, const int64_t *cols, co
         size--;
         queued[a] = 0;
         int64_t i = row_of[a];
+        const float *row = cost + i * n;
+        double base = d[a] - (double)row[a]; /* a = x[i] */
         for (int64_t e = indptr[i]; e < indptr[i + 1]; e++) {
             int64_t j = cols[e];
-            double nd = d[a] + w[e];
+            double nd = base + (double)row[j];
             if (nd < d[j] - tol) {
                 d[j] = nd;
                 if (--max_relax < 0) {

@@ -244,7 +244,7 @@ def _certify_native(
     for _ in range(passes):  # and a lower v_j only raises reduced costs in column j)
         indptr, cols = _csr(keys, n)
         before = v.clone()
-        status = lapcore.potentials(indptr, cols, _edge_weights(cost, keys, x), x, v, tol, budget)
+        status = lapcore.potentials(cost, indptr, cols, x, v, tol, budget)
         if status == lapcore.NEGATIVE_CYCLE and budget == 2**62:
             return keys, None  # rounding on ties: no certificate
         if status != lapcore.SETTLED:

@@ -31,7 +31,7 @@ def _load() -> ctypes.CDLL | None:
                 return None
             lib.symfuse_candidates.argtypes = [_P, _I, _I, _P, _P, _P]
             lib.symfuse_candidates.restype = ctypes.c_int
-            lib.symfuse_potentials.argtypes = [_I, _P, _P, _P, _P, _P, _D, _I]
+            lib.symfuse_potentials.argtypes = [_P, _I, _P, _P, _P, _P, _D, _I]
             lib.symfuse_potentials.restype = ctypes.c_int
             lib.symfuse_violations.argtypes = [_P, _I, _P, _P, _D, _P, _I, _P, _I]
             lib.symfuse_violations.restype = _I
@@ -68,20 +68,20 @@ SETTLED, NEGATIVE_CYCLE, OVER_BUDGET = 0, 1, 2
 
 
 def potentials(
+    cost: torch.Tensor,
     indptr: torch.Tensor,
     cols: torch.Tensor,
-    weight: torch.Tensor,
     x: torch.Tensor,
     d: torch.Tensor,
     tol: float,
     max_relax: int = 2**62,
 ) -> int:
-    """Lower ``d`` (in place) to potentials of the candidate graph.
+    """Lower ``d`` (in place) to potentials of the candidate graph: ``d_j <= d_{x_i} + C[i, j] - C[i, x_i]``.
 
     Args:
+        cost: (n, n) contiguous float32.
         indptr: (n + 1,) int64 CSR row pointer of the candidates.
-        cols: (m,) int64 column of each candidate, by row.
-        weight: (m,) float64 edge weight ``C[i, j] - C[i, x_i]`` of candidate ``(i, j)``.
+        cols: (m,) int64 column of each candidate, by row (each in ``0..n-1``).
         x: (n,) int64 permutation; row ``i``'s edges leave node ``x[i]``.
         d: (n,) float64 start potentials, overwritten.
         tol: Smallest improvement a relaxation counts.
@@ -90,16 +90,16 @@ def potentials(
     Returns:
         ``SETTLED`` (``d`` is a fixed point), ``NEGATIVE_CYCLE``, or ``OVER_BUDGET`` (``d`` lowered, not settled).
     """
-    n = x.numel()
-    for t, dt in ((indptr, torch.long), (cols, torch.long), (weight, torch.float64), (x, torch.long)):
-        if t.dtype != dt or not t.is_contiguous():
-            raise ValueError(f"potentials: expected contiguous {dt}, got {t.dtype}")
+    n = _square_f32(cost)
+    for t in (indptr, cols, x):
+        if t.dtype != torch.long or not t.is_contiguous():
+            raise ValueError(f"potentials: expected contiguous int64, got {t.dtype}")
     if d.dtype != torch.float64 or not d.is_contiguous() or d.numel() != n or indptr.numel() != n + 1:
         raise ValueError("potentials: d must be contiguous float64 (n,), indptr (n + 1,)")
-    if cols.numel() != weight.numel() or int(indptr[-1]) != cols.numel():
-        raise ValueError("potentials: indptr, cols and weight disagree on the number of edges")
+    if x.numel() != n or int(indptr[-1]) != cols.numel():
+        raise ValueError("potentials: x must be (n,) and indptr must end at the number of candidates")
     status = LIB.symfuse_potentials(
-        n, indptr.data_ptr(), cols.data_ptr(), weight.data_ptr(), x.data_ptr(), d.data_ptr(), tol, max_relax
+        cost.data_ptr(), n, indptr.data_ptr(), cols.data_ptr(), x.data_ptr(), d.data_ptr(), tol, max_relax
     )
     if status < 0:
         raise MemoryError(f"assignment potentials: no memory for {n} nodes")

@@ -70,8 +70,8 @@ def test_compiled_potentials_and_violations_match_the_torch_kernels():
     tol = 1e-12 * float(cost.abs().max())
     v = torch.zeros(120, dtype=torch.float64)
     indptr, cols = assignment._csr(keys, 120)
-    w = assignment._edge_weights(cost, keys, x)
-    assert lapcore.potentials(indptr, cols, w, x, v, tol) == lapcore.SETTLED
+    w = assignment._edge_weights(cost, keys, x)  # the torch kernels' weights, to check the fixed point
+    assert lapcore.potentials(cost, indptr, cols, x, v, tol) == lapcore.SETTLED
     # a fixed point: every candidate edge x_i -> j satisfies v_j <= v_{x_i} + w (up to tol)
     src = x[keys // 120]
     assert bool((v[cols] <= v[src] + w + tol).all())
@@ -85,15 +85,11 @@ def test_compiled_potentials_and_violations_match_the_torch_kernels():
     # cap: at most cap written, the full count returned
     few, count2 = lapcore.violations(cost, x, v, tol, cap=1)
     assert few.numel() == 1 and count2 == count
-    # a negative cycle is reported, not looped on: the edge 0 -> x_1 and back closes a cycle of weight -2
-    cyc = lapcore.potentials(
-        torch.tensor([0, 1, 2] + [2] * 118),
-        torch.tensor([x[1].item(), x[0].item()]),
-        torch.tensor([-1.0, -1.0], dtype=torch.float64),
-        x,
-        torch.zeros(120, dtype=torch.float64),
-        0.0,
-    )
+    # a negative cycle is reported, not looped on: x = identity is not optimal for this cost (the swap saves 10),
+    # and edges 0 -> 1 (row 0) and 1 -> 0 (row 1), each of weight -5, close a cycle
+    two = torch.tensor([[0.0, -5.0], [-5.0, 0.0]])
+    full = (torch.tensor([0, 2, 4]), torch.tensor([0, 1, 0, 1]))
+    cyc = lapcore.potentials(two, *full, torch.tensor([0, 1]), torch.zeros(2, dtype=torch.float64), 0.0)
     assert cyc == lapcore.NEGATIVE_CYCLE
 
 
