@@ -197,3 +197,15 @@ int64_t symfuse_violations(const float *cost, int64_t n, const int64_t *x, const
     }
     return count;
 }
+
+/* out[i] += sum_r (s[r, i] - a[r, cols[i]])^2 for row-major float32 s, a (d x n): squared distances between the
+ * columns of s and the chosen columns of a (float32 differences, float64 sums), reading both row by row. */
+void symfuse_sqdist_columns(const float *s, const float *a, int64_t d, int64_t n, const int64_t *cols, double *out) {
+    for (int64_t r = 0; r < d; r++) {
+        const float *sr = s + r * n, *ar = a + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            float diff = sr[i] - ar[cols[i]];
+            out[i] += (double)(diff * diff);
+        }
+    }
+}

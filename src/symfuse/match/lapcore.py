@@ -35,6 +35,8 @@ def _load() -> ctypes.CDLL | None:
             lib.symfuse_potentials.restype = ctypes.c_int
             lib.symfuse_violations.argtypes = [_P, _I, _P, _P, _D, _P, _I, _P, _I]
             lib.symfuse_violations.restype = _I
+            lib.symfuse_sqdist_columns.argtypes = [_P, _P, _I, _I, _P, _P]
+            lib.symfuse_sqdist_columns.restype = None
             return lib
     log.info("compiled assignment kernels not built; using the slower torch kernels")
     return None
@@ -134,3 +136,25 @@ def violations(
         cap,
     )
     return out[: min(count, cap)], int(count)
+
+
+def sqdist_columns(s: torch.Tensor, a: torch.Tensor, cols: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] += sum_r (s[r, i] - a[r, cols[i]])²`` (float32 differences, float64 sums), in place.
+
+    Args:
+        s: (d, n) contiguous float32.
+        a: (d, n) contiguous float32.
+        cols: (n,) int64 in ``0..n-1``.
+        out: (n,) contiguous float64.
+    """
+    d, n = s.shape
+    if s.dtype != torch.float32 or a.dtype != torch.float32 or not (s.is_contiguous() and a.is_contiguous()):
+        raise ValueError("sqdist_columns: s and a must be contiguous float32")
+    if a.shape != s.shape or cols.shape != (n,) or cols.dtype != torch.long or out.shape != (n,):
+        raise ValueError(f"sqdist_columns: shapes {tuple(s.shape)}, {tuple(a.shape)}, {tuple(cols.shape)}")
+    if out.dtype != torch.float64 or not out.is_contiguous():
+        raise ValueError("sqdist_columns: out must be contiguous float64")
+    cols = cols.contiguous()
+    if n and (int(cols.min()) < 0 or int(cols.max()) >= n):
+        raise ValueError(f"sqdist_columns: cols must lie in 0..{n - 1}")
+    LIB.symfuse_sqdist_columns(s.data_ptr(), a.data_ptr(), d, n, cols.data_ptr(), out.data_ptr())

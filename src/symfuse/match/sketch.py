@@ -17,6 +17,8 @@ from collections.abc import Mapping
 
 import torch
 
+from symfuse.match import lapcore
+
 _ROLES = (("up", False), ("up_bias", False), ("gate", False), ("gate_bias", False), ("down", True))
 
 
@@ -62,6 +64,8 @@ def _row_sqdist(
         s, a = src[role], anc[role]
         if s.dim() == 1:
             total += (s.to(f32) - a[cols].to(f32)).square().double()
+        elif transposed and lapcore.LIB is not None and s.dtype == a.dtype == f32 and s.is_contiguous():
+            lapcore.sqdist_columns(s, a.contiguous(), cols, total)  # row by row: no strided column gather
         elif transposed:  # (d, n): neurons are columns
             step = max(1, chunk // n)
             for r in range(0, d, step):
