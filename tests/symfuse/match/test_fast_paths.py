@@ -7,8 +7,8 @@ import torch
 
 from symfuse.arch import get_spec
 from symfuse.errors import CheckpointError
-from symfuse.match.checkpoints import check_finite
 from symfuse.match import lapcore
+from symfuse.match.checkpoints import check_finite
 from symfuse.match.closed_form import procrustes, torch_threads
 from symfuse.match.sketch import _row_sqdist
 from symfuse.match.weights import _cross, attention_blocks, side_stats
