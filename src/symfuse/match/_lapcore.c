@@ -209,3 +209,45 @@ void symfuse_sqdist_columns(const float *s, const float *a, int64_t d, int64_t n
         }
     }
 }
+
+/* For each row i of a row-major float32 (rows x cols) matrix, cols >= 2: the column of its smallest entry (first
+ * on ties) and the second smallest value (the smallest over the other columns). Eight interleaved lanes keep a
+ * (smallest, its column, second smallest) each, with branch-free updates the compiler vectorises; the lanes are
+ * merged at the end of the row. */
+void symfuse_row_two_smallest(const float *m, int64_t rows, int64_t cols, int64_t *best, float *second) {
+    enum { L = 8 };
+    for (int64_t i = 0; i < rows; i++) {
+        const float *row = m + i * cols;
+        float m1[L], m2[L];
+        int32_t j1[L];
+        for (int l = 0; l < L; l++) m1[l] = INFINITY, m2[l] = INFINITY, j1[l] = INT32_MAX;
+        int64_t j = 0;
+        for (; j + L <= cols; j += L) {
+            for (int l = 0; l < L; l++) {
+                float v = row[j + l];
+                int lower = v < m1[l];
+                float hi = lower ? m1[l] : v; /* the larger of v and the lane's smallest */
+                m2[l] = hi < m2[l] ? hi : m2[l];
+                j1[l] = lower ? (int32_t)(j + l) : j1[l];
+                m1[l] = lower ? v : m1[l];
+            }
+        }
+        float v1 = INFINITY, v2 = INFINITY;
+        int64_t b = INT64_MAX;
+        for (int l = 0; l < L; l++) { /* merge the lanes: smallest first (lowest column on ties), then the rest */
+            if (m1[l] < v1 || (m1[l] == v1 && j1[l] < b)) {
+                v2 = v1 < v2 ? v1 : v2;
+                v1 = m1[l], b = j1[l];
+            } else {
+                v2 = m1[l] < v2 ? m1[l] : v2;
+            }
+            v2 = m2[l] < v2 ? m2[l] : v2;
+        }
+        for (; j < cols; j++) { /* the tail, in column order */
+            float v = row[j];
+            if (v < v1) v2 = v1, v1 = v, b = j;
+            else if (v < v2) v2 = v;
+        }
+        best[i] = b, second[i] = v2;
+    }
+}

@@ -37,6 +37,8 @@ def _load() -> ctypes.CDLL | None:
             lib.symfuse_violations.restype = _I
             lib.symfuse_sqdist_columns.argtypes = [_P, _P, _I, _I, _P, _P]
             lib.symfuse_sqdist_columns.restype = None
+            lib.symfuse_row_two_smallest.argtypes = [_P, _I, _I, _P, _P]
+            lib.symfuse_row_two_smallest.restype = None
             return lib
     log.info("compiled assignment kernels not built; using the slower torch kernels")
     return None
@@ -158,3 +160,15 @@ def sqdist_columns(s: torch.Tensor, a: torch.Tensor, cols: torch.Tensor, out: to
     if n and (int(cols.min()) < 0 or int(cols.max()) >= n):
         raise ValueError(f"sqdist_columns: cols must lie in 0..{n - 1}")
     LIB.symfuse_sqdist_columns(s.data_ptr(), a.data_ptr(), d, n, cols.data_ptr(), out.data_ptr())
+
+
+def row_two_smallest(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a contiguous float32 (rows, cols >= 2) matrix: the argmin (first on ties) and the second smallest
+    value (one pass; ``torch.topk(m, 2, largest=False)`` gives the same)."""
+    if m.dtype != torch.float32 or not m.is_contiguous() or m.dim() != 2 or m.shape[1] < 2:
+        raise ValueError(f"row_two_smallest: need a contiguous float32 matrix with >= 2 columns, got {m.shape}")
+    rows, cols = m.shape
+    best = torch.empty(rows, dtype=torch.long)
+    second = torch.empty(rows, dtype=torch.float32)
+    LIB.symfuse_row_two_smallest(m.data_ptr(), rows, cols, best.data_ptr(), second.data_ptr())
+    return best, second

@@ -121,7 +121,7 @@ def certified_nearest(
     anc: Mapping[str, torch.Tensor],
     k: int = 64,
     seed: int = 0,
-    chunk: int = 2048,
+    chunk: int = 256,
     max_exact_rows: float = 0.05,
     probe: int = 256,
 ) -> torch.Tensor | None:
@@ -164,8 +164,12 @@ def certified_nearest(
             j = min(i + chunk, hi)
             # (rows, n) |a_j|² - 2 <s_i, a_j>: the sketch dist² less the row constant |s_i|² (same row order)
             d2 = torch.addmm(na[None, :], ps[i:j], pat, alpha=-2)
-            vals, idx = torch.topk(d2, 2, dim=1, largest=False)
-            best[i:j], second[i:j] = idx[:, 0], vals[:, 1] + ns[i:j]
+            if lapcore.LIB is not None and n >= 2:
+                best[i:j], second[i:j] = lapcore.row_two_smallest(d2)
+            else:
+                vals, idx = torch.topk(d2, 2, dim=1, largest=False)
+                best[i:j], second[i:j] = idx[:, 0], vals[:, 1]
+            second[i:j] += ns[i:j]
 
     def certified(lo: int, hi: int) -> torch.Tensor:
         exact = _row_sqdist(_rows(src, lo, hi), anc, best[lo:hi])

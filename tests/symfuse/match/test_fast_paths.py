@@ -153,3 +153,14 @@ def test_pread_rows_and_distance_in_row_blocks(tmp_path):
             assert abs(_sq_distance_to(other, source, name, chunk=chunk) - want) <= 1e-9 * want
         assert _sq_distance_to(other[:-1], source, name) is None  # shape mismatch
     trim_heap()  # callable anywhere (no-op without glibc)
+
+
+@pytest.mark.parametrize("shape", [(64, 3072), (7, 19), (5, 2), (3, 9)])
+def test_compiled_row_two_smallest_equals_topk(shape):
+    g = torch.Generator().manual_seed(3)
+    for m in (torch.randn(shape, generator=g), torch.randint(0, 3, shape, generator=g).float()):  # ties too
+        best, second = lapcore.row_two_smallest(m)
+        assert torch.equal(best, m.argmin(1))  # first column on ties, as argmin
+        assert torch.equal(second, m.sort(1).values[:, 1])
+    with pytest.raises(ValueError, match="2 columns"):
+        lapcore.row_two_smallest(torch.zeros(3, 1))
