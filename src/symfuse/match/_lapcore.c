@@ -136,9 +136,14 @@ int symfuse_potentials(const float *cost, int64_t n, const int64_t *indptr, cons
     int64_t *queue = malloc(n * sizeof(int64_t));
     int64_t *hops = calloc(n, sizeof(int64_t));
     char *queued = malloc(n);
-    if (!row_of || !queue || !hops || !queued) {
-        free(row_of), free(queue), free(hops), free(queued);
+    double *w = malloc((indptr[n] > 0 ? indptr[n] : 1) * sizeof(double)); /* edge weights, read once row by row */
+    if (!row_of || !queue || !hops || !queued || !w) {
+        free(row_of), free(queue), free(hops), free(queued), free(w);
         return -1;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = cost + i * n;
+        for (int64_t e = indptr[i]; e < indptr[i + 1]; e++) w[e] = (double)row[cols[e]] - (double)row[x[i]];
     }
     for (int64_t i = 0; i < n; i++) row_of[x[i]] = i, queue[i] = i, queued[i] = 1;
     int64_t head = 0, size = n, status = 0;
@@ -148,11 +153,9 @@ int symfuse_potentials(const float *cost, int64_t n, const int64_t *indptr, cons
         size--;
         queued[a] = 0;
         int64_t i = row_of[a];
-        const float *row = cost + i * n;
-        double base = d[a] - (double)row[a]; /* a = x[i] */
         for (int64_t e = indptr[i]; e < indptr[i + 1]; e++) {
             int64_t j = cols[e];
-            double nd = base + (double)row[j];
+            double nd = d[a] + w[e];
             if (nd < d[j] - tol) {
                 d[j] = nd;
                 if (--max_relax < 0) {
@@ -173,7 +176,7 @@ int symfuse_potentials(const float *cost, int64_t n, const int64_t *indptr, cons
         }
     }
 done:
-    free(row_of), free(queue), free(hops), free(queued);
+    free(row_of), free(queue), free(hops), free(queued), free(w);
     return (int)status;
 }
 
