@@ -86,12 +86,13 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     stats = {(n, k): collect_stats.submit(config, n, models[n], k) for n in names for k in kinds}
 
     # 3. Matching: one task per attention / FFN module per other model onto the anchor model, or (barycenter) one
-    #    task per module aligning every model to their mean; then the matched checkpoints.
+    #    task per module aligning every model to their mean (either task returns {model: transform URI}); then the
+    #    matched checkpoints.
     first = names[0]
     modules = result_of(list_modules.submit(config, first, models[first]), upstream=[models[first]])
     if config.anchor == "barycenter":
         anchor, others = None, names
-        per_module = match_module_barycenter.map(unmapped(config), unmapped(models), modules)  # {model: URI} each
+        per_module = match_module_barycenter.map(unmapped(config), unmapped(models), modules)
         transforms = {n: per_module for n in names}
     else:
         anchor = result_of(choose_anchor.submit(config, models), upstream=list(models.values()))
@@ -138,8 +139,9 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     # 7. Report: report.md + metrics.csv + plots in the store, markdown / table / link artifacts in Prefect.
     others_uris = [*models.values(), *stats.values(), *matched_stats.values()]
     transform_tasks = list(dict.fromkeys(f for fs in transforms.values() for f in fs))  # barycenter: shared tasks
-    others_uris += transform_tasks
-    report_uri = report.submit(config, evaluations, list(matched.values()), list(merged.values()), others_uris)
+    report_uri = report.submit(
+        config, evaluations, list(matched.values()), list(merged.values()), others_uris, transform_tasks
+    )
     every = [*models.values(), *stats.values(), *transform_tasks, *matched.values()]
     raise_first_failure([*every, *matched_stats.values(), *merged.values(), *evaluations, report_uri])
     return {

@@ -61,14 +61,19 @@ def list_modules(config: RunConfig, model: str, model_uri: str) -> list[str]:
 
 
 @symfuse_task("match_module", "match-{model}-{module}")
-def match_module(config: RunConfig, model: str, model_uri: str, anchor_uri: str, module: str) -> str:
-    """Match one module of ``model`` onto the anchor; return the transform's URI (reads only that module)."""
+def match_module(config: RunConfig, model: str, model_uri: str, anchor_uri: str, module: str) -> dict[str, str]:
+    """Match one module of ``model`` onto the anchor (reads only that module).
+
+    Returns:
+        ``{model: transform URI}``: the shape of :func:`match_module_barycenter`'s result, so that
+        :func:`assemble_matched` and the report take either task's result the same way.
+    """
     store = open_store(config)
     key = layout.transform_key(config.run_id, model, module)
     ck = content_key({"module": module, "symmetries": config.symmetries},
                      manifests(store, {"model": model_uri, "anchor": anchor_uri}))  # fmt: skip
     if store.exists(key, ck):
-        return store.uri(key)
+        return {model: store.uri(key)}
     maybe_inject_fault()
     source, anchor = fetch(store, model_uri), fetch(store, anchor_uri)
     with scratch("match") as tmp:
@@ -76,7 +81,7 @@ def match_module(config: RunConfig, model: str, model_uri: str, anchor_uri: str,
             transform = symfuse.match.match_module(source, anchor, module, config.symmetries)
         file = symfuse.match.save_transform(transform, tmp / f"{module}.safetensors")
         meta = stage_meta("match_module", f"match-{model}-{module}", t.seconds, module=module)
-        return store.put_file(key, file, "match_module", {"model": model_uri, "anchor": anchor_uri}, ck, meta)
+        return {model: store.put_file(key, file, "match_module", {"model": model_uri, "anchor": anchor_uri}, ck, meta)}
 
 
 @symfuse_task("match_module", "match-barycenter-{module}")
@@ -107,17 +112,18 @@ def assemble_matched(
     model: str,
     model_uri: str,
     anchor_uri: str | None,
-    transforms: Mapping[str, str | Mapping[str, str]],
+    transforms: Mapping[str, Mapping[str, str]],
 ) -> str:
     """Apply every module's transform to ``model``; return the matched checkpoint's URI.
 
-    ``transforms`` maps each module to its transform's URI, or to a barycenter task's ``{model: URI}`` (this
-    model's entry is taken). With an anchor, the manifest's ``meta.distances`` holds, per module, the distance to
-    it before and after matching (no anchor, as for a barycenter: no distances).
+    ``transforms`` maps each module to its matching task's result ``{model: transform URI}`` (one entry from
+    :func:`match_module`, every model's from :func:`match_module_barycenter`); this model's entry is taken. With
+    an anchor, the manifest's ``meta.distances`` holds, per module, the distance to it before and after matching
+    (no anchor, as for a barycenter: no distances).
     """
     store = open_store(config)
     key = layout.matched_key(config.run_id, model)
-    transforms = {m: (u if isinstance(u, str) else u[model]) for m, u in transforms.items()}
+    transforms = {m: by_model[model] for m, by_model in transforms.items()}
     inputs = {"model": model_uri} | ({"anchor": anchor_uri} if anchor_uri else {})
     inputs |= {f"transform.{m}": u for m, u in transforms.items()}
     ck = content_key({"assemble": sorted(transforms)}, manifests(store, inputs))

@@ -35,7 +35,8 @@ def report(
     evaluations: Sequence[str],
     matched: Sequence[str],
     merged: Sequence[str],
-    others: Sequence[str | Mapping[str, str]],
+    others: Sequence[str],
+    transforms: Sequence[Mapping[str, str]] = (),
 ) -> str:
     """Build ``report/report.md``, ``metrics.csv`` and plots; publish markdown, table and link artifacts.
 
@@ -44,14 +45,14 @@ def report(
         evaluations: Eval artifacts (JSON records written by the ``evaluate`` task).
         matched: Matched-model artifacts (their manifests hold the distances before/after matching).
         merged: Merged-model artifacts (linked from the Prefect UI).
-        others: Every other artifact of the run (models, stats, transforms; a barycenter task's ``{model: URI}``
-            counts as its URIs), for the timings table.
+        others: Every other artifact of the run (models, statistics), for the timings table.
+        transforms: The matching tasks' results ``{model: transform URI}``, for the timings table.
 
     Returns:
         The report's URI.
     """
     store = open_store(config)
-    flat = [u for o in others for u in ([o] if isinstance(o, str) else o.values())]
+    flat = [*others, *(uri for by_model in transforms for uri in by_model.values())]
     inputs = {f"input{i}": uri for i, uri in enumerate(dict.fromkeys([*evaluations, *matched, *merged, *flat]))}
     key = layout.report_key(config.run_id)
     ck = content_key({"report": 1}, manifests(store, inputs))

@@ -42,6 +42,8 @@ def test_barycenter_pipeline_matches_every_model_and_preserves_function(tiny_bas
         moved = max(moved, *(float((a[k] - b[k]).abs().max()) for k in a if a[k].is_floating_point()))
     assert moved > 1e-6  # the transforms are not all the identity
     assert set(result["merged"]) == {"regmean-plain", "regmean-matched"}
+    report = (store.local_cache(result["report"]) / "report.md").read_text()
+    assert "match_module" in report  # the barycenter tasks' {model: URI} results reach the timings table
     again = Calls(monkeypatch)
     assert fusion_pipeline(config, return_state=True).is_completed()
     assert again.total() == 0, again.counts

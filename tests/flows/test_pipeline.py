@@ -41,7 +41,8 @@ def test_pipeline_completes_after_injected_faults(first_run):
     assert len(result["evaluations"]) == (6 + 3) * 4
     folder = store.local_cache(result["report"])
     text = (folder / "report.md").read_text()
-    for name in ("simple", "fisher", "regmean", "goemotions_ekman", "before / after matching", "Timings"):
+    for name in ("simple", "fisher", "regmean", "goemotions_ekman", "before / after matching", "Timings",
+                 "match_module"):  # fmt: skip
         assert name in text
     assert (folder / "metrics.csv").stat().st_size > 0 and (folder / "metrics.png").exists()
     record = store.get_json(layout.eval_key("t", "regmean-matched", "goemotions_ekman"))
