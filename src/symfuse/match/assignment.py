@@ -16,7 +16,7 @@ and column. So:
    a negative reduced cost ``C[i, j] - u_i - v_j`` join the candidates and the round repeats.
 
 Two kernel sets compute steps 1 and 3: compiled C (:mod:`symfuse.match.lapcore`: heaps filled in one pass over
-the rows, a label-correcting queue, one float64 pass; about 4x faster) for contiguous float32 costs, and torch
+the rows, a label-correcting queue, one float64 pass; 2-4x faster) for contiguous float32 costs, and torch
 (any float dtype; blocked top-k, vectorised Bellman-Ford sweeps, a float32 row-minimum screen). Both find the
 same optimum.
 

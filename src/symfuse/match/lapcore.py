@@ -55,6 +55,12 @@ def _square_f32(cost: torch.Tensor) -> int:
     return cost.shape[0]
 
 
+def _check_range(idx: torch.Tensor, n: int, what: str) -> None:
+    """Indices the C side will dereference must lie in ``0..n-1``."""
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise ValueError(f"{what} must lie in 0..{n - 1}")
+
+
 def candidates(cost: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Columns of each row's ``k`` smallest column-reduced entries (n, k), rows of each column's (n, k), max |C|."""
     n = _square_f32(cost)
@@ -102,6 +108,8 @@ def potentials(
         raise ValueError("potentials: d must be contiguous float64 (n,), indptr (n + 1,)")
     if x.numel() != n or int(indptr[-1]) != cols.numel():
         raise ValueError("potentials: x must be (n,) and indptr must end at the number of candidates")
+    _check_range(x, n, "potentials: x")
+    _check_range(cols, n, "potentials: cols")
     status = LIB.symfuse_potentials(
         cost.data_ptr(), n, indptr.data_ptr(), cols.data_ptr(), x.data_ptr(), d.data_ptr(), tol, max_relax
     )
@@ -121,10 +129,12 @@ def violations(
     if x.dtype != torch.long or v.dtype != torch.float64 or x.numel() != n or v.numel() != n:
         raise ValueError("violations: x must be int64 (n,), v float64 (n,)")
     x, v = x.contiguous(), v.contiguous()
+    _check_range(x, n, "violations: x")
     if rows is not None:
         rows = rows.to(torch.long).contiguous()
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
-            raise ValueError(f"violations: rows must lie in 0..{n - 1}")
+        _check_range(rows, n, "violations: rows")
+        if rows.numel() == 0:  # (an empty tensor's data pointer may be NULL, which the C side reads as "all rows")
+            return torch.empty(0, dtype=torch.long), 0
     out = torch.empty(cap, dtype=torch.long)
     count = LIB.symfuse_violations(
         cost.data_ptr(),
@@ -157,8 +167,7 @@ def sqdist_columns(s: torch.Tensor, a: torch.Tensor, cols: torch.Tensor, out: to
     if out.dtype != torch.float64 or not out.is_contiguous():
         raise ValueError("sqdist_columns: out must be contiguous float64")
     cols = cols.contiguous()
-    if n and (int(cols.min()) < 0 or int(cols.max()) >= n):
-        raise ValueError(f"sqdist_columns: cols must lie in 0..{n - 1}")
+    _check_range(cols, n, "sqdist_columns: cols")
     LIB.symfuse_sqdist_columns(s.data_ptr(), a.data_ptr(), d, n, cols.data_ptr(), out.data_ptr())
 
 

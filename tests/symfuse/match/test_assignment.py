@@ -82,6 +82,9 @@ def test_compiled_potentials_and_violations_match_the_torch_kernels():
     rows = torch.tensor([5, 0, 77, 119])
     sub, _ = lapcore.violations(cost, x, v, tol, cap=10_000, rows=rows)
     assert torch.equal(sub.sort().values, bad[torch.isin(bad // 120, rows)].sort().values)
+    assert lapcore.violations(cost, x, v, tol, cap=10, rows=torch.empty(0, dtype=torch.long))[1] == 0
+    with pytest.raises(ValueError, match="rows must lie"):
+        lapcore.violations(cost, x, v, tol, cap=10, rows=torch.tensor([120]))
     # cap: at most cap written, the full count returned
     few, count2 = lapcore.violations(cost, x, v, tol, cap=1)
     assert few.numel() == 1 and count2 == count
