@@ -50,8 +50,8 @@ static void push_flagged(const unsigned char *flag, int64_t n, const float *val,
  * The column heaps are updated from each reduced row while it is in cache: no transposed read of C. Each row is
  * first screened against fixed thresholds (vectorisable compares into a flag array); only flagged entries reach
  * a heap. The row threshold is the row minimum plus 1.5x the previous row's spread of its k smallest (a row
- * where fewer than k pass is scanned again without a screen). Also stores max |C| in *abs_max.
- * Returns 0, or -1 when out of memory. */
+ * where fewer than k pass is scanned again without a screen). Also stores max |C| in *abs_max: infinity, with
+ * row_idx / col_idx left unset, when C holds NaN or inf. Returns 0, or -1 when out of memory. */
 int symfuse_candidates(const float *cost, int64_t n, int64_t k, int64_t *row_idx, int64_t *col_idx,
                        float *abs_max) {
     float *col_min = malloc(n * sizeof(float));
@@ -66,12 +66,14 @@ int symfuse_candidates(const float *cost, int64_t n, int64_t k, int64_t *row_idx
         return -1;
     }
     float hi = -INFINITY, lo = INFINITY;
+    int nonfinite = 0;
     for (int64_t j = 0; j < n; j++) col_min[j] = cost[j], rel[j] = cost[j]; /* rel: column maxima for now */
     for (int64_t i = 0; i < n; i++) {
         const float *row = cost + i * n;
         for (int64_t j = 0; j < n; j++) {
             col_min[j] = row[j] < col_min[j] ? row[j] : col_min[j];
             rel[j] = row[j] > rel[j] ? row[j] : rel[j];
+            nonfinite |= !(row[j] - row[j] == 0.0f); /* inf - inf and NaN - NaN are NaN */
         }
     }
     for (int64_t j = 0; j < n; j++) {
@@ -79,6 +81,11 @@ int symfuse_candidates(const float *cost, int64_t n, int64_t k, int64_t *row_idx
         hi = rel[j] > hi ? rel[j] : hi;
     }
     *abs_max = hi > -lo ? hi : -lo;
+    if (nonfinite) { /* no candidates: the caller hands a NaN / inf cost to the dense solver, which rejects it */
+        *abs_max = INFINITY;
+        free(col_min), free(red), free(rel), free(flag), free(row_heap), free(col_heap), free(col_top);
+        return 0;
+    }
     for (int64_t t = 0; t < n * k; t++) col_heap[t].val = INFINITY, col_heap[t].idx = -1;
     for (int64_t j = 0; j < n; j++) col_top[j] = INFINITY;
     float spread = INFINITY; /* previous row: its k-th smallest minus its minimum */

@@ -28,6 +28,7 @@ costs: a certified ``x`` is within ``n * tol`` of the optimum, ``tol = 1e-12 * m
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
@@ -177,8 +178,12 @@ def certified_sparse_assignment(
     native = _native_ok(cost, native)
     if native:
         rows_k, cols_k, abs_max = lapcore.candidates(cost, k)
+        if not math.isfinite(abs_max):
+            return None  # NaN / inf: the dense solver reports it
         keys = _flat(rows_k, cols_k)
     else:
+        if not bool(torch.isfinite(cost).all()):
+            return None
         lo, hi = torch.aminmax(cost)
         keys, abs_max = _candidates(cost, k, chunk), max(float(hi), -float(lo))
     tol = 1e-12 * abs_max

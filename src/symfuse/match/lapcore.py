@@ -62,7 +62,10 @@ def _check_range(idx: torch.Tensor, n: int, what: str) -> None:
 
 
 def candidates(cost: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Columns of each row's ``k`` smallest column-reduced entries (n, k), rows of each column's (n, k), max |C|."""
+    """Columns of each row's ``k`` smallest column-reduced entries (n, k), rows of each column's (n, k), max |C|.
+
+    max |C| is infinite when ``cost`` holds NaN or inf; the index tensors are then meaningless.
+    """
     n = _square_f32(cost)
     if not 1 <= k <= n or n >= 2**31:
         raise ValueError(f"k must be in 1..{n} (and n < 2**31), got k={k}")

@@ -169,3 +169,11 @@ def test_grow_merges_new_entries_into_sorted_keys():
     assert assignment._grow(keys, torch.tensor([20, 3])) is keys  # all known already
     grown = assignment._grow(keys, torch.tensor([50, 0, 20, 9, 9]))
     assert torch.equal(grown, torch.tensor([0, 3, 8, 9, 20, 41, 50]))
+
+
+@pytest.mark.parametrize(("dtype", "native"), KERNELS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_cost_is_not_certified(bad, dtype, native):
+    cost = _cost(60, 1, dtype)
+    cost[7, 3] = bad
+    assert certified_sparse_assignment(cost, k=8, native=native) is None  # the dense solver then reports it
