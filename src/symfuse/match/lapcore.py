@@ -179,7 +179,7 @@ def row_two_smallest(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     One pass; ``torch.topk(m, 2, largest=False)`` gives the same, about 2x slower.
     """
-    if m.dtype != torch.float32 or not m.is_contiguous() or m.dim() != 2 or m.shape[1] < 2:
+    if m.dtype != torch.float32 or not m.is_contiguous() or m.dim() != 2 or not 2 <= m.shape[1] < 2**31:
         raise ValueError(f"row_two_smallest: need a contiguous float32 matrix with >= 2 columns, got {m.shape}")
     rows, cols = m.shape
     best = torch.empty(rows, dtype=torch.long)
