@@ -208,12 +208,14 @@ int64_t symfuse_violations(const float *cost, int64_t n, const int64_t *x, const
     return count;
 }
 
-/* out[i] += sum_r (s[r, i] - a[r, cols[i]])^2 for row-major float32 s, a (d x n): squared distances between the
- * columns of s and the chosen columns of a (float32 differences, float64 sums), reading both row by row. */
-void symfuse_sqdist_columns(const float *s, const float *a, int64_t d, int64_t n, const int64_t *cols, double *out) {
+/* out[i] += sum_r (s[r, i] - a[r, cols[i]])^2, i < m, for row-major float32 s (d x m, row stride ld_s) and a
+ * (d rows, row stride ld_a): squared distances between the columns of s and the chosen columns of a (float32
+ * differences, float64 sums), reading both row by row. */
+void symfuse_sqdist_columns(const float *s, int64_t ld_s, const float *a, int64_t ld_a, int64_t d, int64_t m,
+                            const int64_t *cols, double *out) {
     for (int64_t r = 0; r < d; r++) {
-        const float *sr = s + r * n, *ar = a + r * n;
-        for (int64_t i = 0; i < n; i++) {
+        const float *sr = s + r * ld_s, *ar = a + r * ld_a;
+        for (int64_t i = 0; i < m; i++) {
             float diff = sr[i] - ar[cols[i]];
             out[i] += (double)(diff * diff);
         }

@@ -35,7 +35,7 @@ def _load() -> ctypes.CDLL | None:
             lib.symfuse_potentials.restype = ctypes.c_int
             lib.symfuse_violations.argtypes = [_P, _I, _P, _P, _D, _P, _I, _P, _I]
             lib.symfuse_violations.restype = _I
-            lib.symfuse_sqdist_columns.argtypes = [_P, _P, _I, _I, _P, _P]
+            lib.symfuse_sqdist_columns.argtypes = [_P, _I, _P, _I, _I, _I, _P, _P]
             lib.symfuse_sqdist_columns.restype = None
             lib.symfuse_row_two_smallest.argtypes = [_P, _I, _I, _P, _P]
             lib.symfuse_row_two_smallest.restype = None
@@ -157,21 +157,23 @@ def sqdist_columns(s: torch.Tensor, a: torch.Tensor, cols: torch.Tensor, out: to
     """``out[i] += sum_r (s[r, i] - a[r, cols[i]])²`` (float32 differences, float64 sums), in place.
 
     Args:
-        s: (d, n) contiguous float32.
-        a: (d, n) contiguous float32.
-        cols: (n,) int64 in ``0..n-1``.
-        out: (n,) contiguous float64.
+        s: (d, m) float32 with contiguous rows (a column slice of a bigger matrix is fine).
+        a: (d, n) float32 with contiguous rows.
+        cols: (m,) int64 in ``0..n-1``.
+        out: (m,) contiguous float64.
     """
-    d, n = s.shape
-    if s.dtype != torch.float32 or a.dtype != torch.float32 or not (s.is_contiguous() and a.is_contiguous()):
-        raise ValueError("sqdist_columns: s and a must be contiguous float32")
-    if a.shape != s.shape or cols.shape != (n,) or cols.dtype != torch.long or out.shape != (n,):
+    (d, m), n = s.shape, a.shape[1]
+    if s.dtype != torch.float32 or a.dtype != torch.float32 or s.stride(1) != 1 or a.stride(1) != 1:
+        raise ValueError("sqdist_columns: s and a must be float32 with contiguous rows")
+    if a.shape[0] != d or cols.shape != (m,) or cols.dtype != torch.long or out.shape != (m,):
         raise ValueError(f"sqdist_columns: shapes {tuple(s.shape)}, {tuple(a.shape)}, {tuple(cols.shape)}")
     if out.dtype != torch.float64 or not out.is_contiguous():
         raise ValueError("sqdist_columns: out must be contiguous float64")
     cols = cols.contiguous()
     _check_range(cols, n, "sqdist_columns: cols")
-    LIB.symfuse_sqdist_columns(s.data_ptr(), a.data_ptr(), d, n, cols.data_ptr(), out.data_ptr())
+    LIB.symfuse_sqdist_columns(
+        s.data_ptr(), s.stride(0), a.data_ptr(), a.stride(0), d, m, cols.data_ptr(), out.data_ptr()
+    )
 
 
 def row_two_smallest(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,8 +64,8 @@ def _row_sqdist(
         s, a = src[role], anc[role]
         if s.dim() == 1:
             total += (s.to(f32) - a[cols].to(f32)).square().double()
-        elif transposed and lapcore.LIB is not None and s.dtype == a.dtype == f32 and s.is_contiguous():
-            lapcore.sqdist_columns(s, a.contiguous(), cols, total)  # row by row: no strided column gather
+        elif transposed and lapcore.LIB is not None and s.dtype == a.dtype == f32 and s.stride(1) == a.stride(1) == 1:
+            lapcore.sqdist_columns(s, a, cols, total)  # row by row: no strided column gather
         elif transposed:  # (d, n): neurons are columns
             step = max(1, chunk // n)
             for r in range(0, d, step):

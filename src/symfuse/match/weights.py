@@ -133,7 +133,7 @@ def side_stats(
         for i in range(0, n, step):
             sd, ad = s[i : i + step].to(f64), a[i : i + step].to(f64)  # (c, G, dh, cols)
             cross[i : i + step] += (ad @ sd.transpose(-1, -2)).sum(1)
-            norms[i : i + step] += torch.linalg.vector_norm(sd, dim=-1).square_().sum(1)  # no (c, G, dh, cols) temp
+            norms[i : i + step] += sd.square().sum(-1).sum(1)
     return cross, norms
 
 

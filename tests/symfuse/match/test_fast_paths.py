@@ -79,6 +79,10 @@ def test_chunked_row_sqdist_equals_the_direct_sum(dtype, native, monkeypatch):
     )
     for chunk in (1, 13, 1 << 21):
         torch.testing.assert_close(_row_sqdist(src, anc, cols, chunk=chunk), want, rtol=1e-6, atol=1e-6)
+    # a block of neurons, as the sketch passes them: views (down's columns lo:hi are strided)
+    lo, hi = 11, 37
+    part = {k: (v[:, lo:hi] if k == "down" else v[lo:hi]) for k, v in src.items()}
+    torch.testing.assert_close(_row_sqdist(part, anc, cols[lo:hi]), want[lo:hi], rtol=1e-6, atol=1e-6)
 
 
 def test_check_finite_one_reduction_and_fallback():
