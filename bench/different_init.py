@@ -41,6 +41,7 @@ from different_init_corpus import (  # a sibling: bench scripts run from bench/
     mask_tokens,
     mlm_loss,
     new_model,
+    optimizer_step,
     tokenizer,
     vocab,
 )
@@ -88,11 +89,7 @@ def pretrain(args: argparse.Namespace) -> None:
         inputs, labels = mask_tokens(x, voc, g)
         model.train()
         loss = mlm_loss(model, inputs.to(device), labels.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        optimizer_step(model, opt, sched, loss)
         train_losses.append(loss.item())
         last = step == args.steps - 1
         if (step + 1) % args.eval_every == 0 or step == 0 or last:

@@ -178,6 +178,15 @@ def lr_factor(step: int, steps: int, warmup: int) -> float:
     return max(0.0, (steps - step) / max(1, steps - warmup))
 
 
+def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched, loss: torch.Tensor) -> None:
+    """One update of both training loops: backward, gradient norm clipped at 1, optimiser and schedule step."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+
+
 def held_out_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, device: str = "cpu") -> float:
     """Mean MLM loss over fixed masked held-out blocks (batches of 64 blocks, equal weight per batch)."""
     model.eval()

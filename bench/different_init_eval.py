@@ -27,6 +27,7 @@ from different_init_corpus import (  # a sibling: bench scripts run from bench/
     held_out_loss,
     lr_factor,
     mask_tokens,
+    optimizer_step,
     tokenizer,
     vocab,
 )
@@ -182,11 +183,7 @@ def finetune(
         losses = []
         for idx in torch.randperm(len(y), generator=g).split(args.ft_batch):
             loss = model(**_pad([seqs[i] for i in idx], voc.pad), labels=y[idx]).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
+            optimizer_step(model, opt, sched, loss)
             losses.append(loss.item())
         rec = {"epoch": epoch + 1, "train_loss": sum(losses) / len(losses), **scores(model, *val)}
         rec["seconds"] = round(time.time() - t0, 1)
