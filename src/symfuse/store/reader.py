@@ -343,7 +343,11 @@ class ArtifactReader:
     def _verify(self, key: str, folder: Path, manifest: Mapping[str, Any], sha: bool) -> None:
         for rel in manifest["files"]:
             file = folder / rel
-            size = file.stat().st_size if file.is_file() else -1
+            if not file.is_file():
+                raise CorruptArtifact(
+                    f"{self.uri(key)}/{rel}: missing from {folder}; the artifact is damaged: delete and recompute it"
+                )
+            size = file.stat().st_size
             if size != manifest["sizes"][rel]:
                 raise CorruptArtifact(
                     f"{self.uri(key)}/{rel}: {size} bytes, manifest says {manifest['sizes'][rel]}; "

@@ -44,20 +44,19 @@ _PATTERNS = (
     ),
 )
 
-_secrets: set[str] = set()
 _lock = threading.Lock()
-_state = {"installed": False}
+_state: dict = {"installed": False, "secrets": frozenset()}  # replaced whole under the lock, read without it
 
 
 def register_secret(*values: str | None) -> None:
     """Also mask these values (credentials from store options) in every log record from now on."""
     with _lock:
-        _secrets.update(v for v in values if v and len(v) >= MIN_SECRET_LEN)
+        _state["secrets"] = _state["secrets"] | {v for v in values if v and len(v) >= MIN_SECRET_LEN}
 
 
 def _current_secrets() -> list[str]:
     env = (os.environ.get(name) for name in ENV_SECRETS)
-    values = _secrets | {v for v in env if v and len(v) >= MIN_SECRET_LEN}
+    values = _state["secrets"] | {v for v in env if v and len(v) >= MIN_SECRET_LEN}
     return sorted(values, key=len, reverse=True)  # longest first: a secret holding another is masked whole
 
 
