@@ -206,6 +206,17 @@ def test_compose_has_server_postgres_store_and_workers():
     assert "4200:4200" in server["ports"]
 
 
+def test_compose_images_are_pinned_releases():
+    built = {s["image"] for s in compose()["services"].values() if "build" in s}
+    for name, service in compose()["services"].items():
+        if service["image"] in built:  # built from docker/Dockerfile.*: their bases are checked above
+            continue
+        repo, _, tag = service["image"].rpartition(":")
+        assert repo and tag and tag != "latest", f"{name}: {service['image']} is not pinned"
+        assert re.search(r"\d+\.\d+|RELEASE\.\d{4}-", tag), f"{name}: {service['image']} is not a release tag"
+    assert built == {"symfuse-cpu", "symfuse-gpu"}
+
+
 def test_compose_workers_and_setup_match_the_project():
     services = compose()["services"]
     pool = pool_of_prefect_yaml()
