@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Create .venv (if absent) and install symfuse from requirements.lock (every package pinned). Idempotent.
-# VENV=<dir> installs into another folder (default .venv of the checkout).
+# SYMFUSE_VENV=<dir> installs into another folder (default: .venv of the checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV=${VENV:-.venv}
+VENV=${SYMFUSE_VENV:-.venv}
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Refresh requirements.lock: every package of `symfuse[dev,orchestration,gguf]`, transitive ones included, pinned.
 # Run after changing a pin in pyproject.toml, then commit both files:
-#   bash scripts/lock.sh
+#   bash scripts/lock.sh                                # keeps the other pins of the current lock
+#   bash scripts/lock.sh --upgrade-package <name>       # or --upgrade: newer versions where pyproject allows
 # pip-compile runs with pip's resolver and this machine's pip configuration, so torch resolves to the CPU wheel
 # (no nvidia-* / triton packages in the lock). The lock pins `torch==2.13.0` without its local label (+cpu): the
 # install first takes torch 2.13.0 from the index that decides its build (CPU here and in docker/Dockerfile.cpu,
@@ -17,7 +18,7 @@ if [ ! -x "$TOOLS/bin/pip-compile" ]; then
 fi
 CUSTOM_COMPILE_COMMAND="bash scripts/lock.sh" "$TOOLS/bin/pip-compile" --quiet --allow-unsafe --strip-extras --no-emit-index-url --no-emit-find-links \
   --extra dev --extra orchestration --extra gguf \
-  --output-file requirements.lock pyproject.toml
+  --output-file requirements.lock "$@" pyproject.toml
 # the build variant of torch (+cpu / +cu128) is chosen by the torch install, not by the lock
 sed -i -E 's/^torch==([0-9.]+)\+[a-z0-9]+$/torch==\1/' requirements.lock
 if grep -q -i -E '^(nvidia-|triton)' requirements.lock; then
