@@ -19,6 +19,7 @@ from tasks.common import (
     layout,
     manifests,
     open_store,
+    reuse,
     scratch,
     stage_meta,
     symfuse_task,
@@ -56,8 +57,8 @@ def merge(
     base = resolve_checkpoint(config.base_model) if merger.needs_base else None
     extra = {"base": model_fingerprint(base)} if base is not None else {}
     ck = content_key({"strategy": strategy, "params": params, "order": list(models)}, manifests(store, inputs) | extra)
-    if store.exists(key, ck):
-        return store.uri(key)
+    if (uri := reuse(store, key, ck, f"merged model {strategy}-{variant}")) is not None:
+        return uri
     maybe_inject_fault()
     with scratch("merge") as tmp:
         links = tmp / "in"  # name each local model folder after its dataset: the merger names heads by folder

@@ -16,6 +16,7 @@ from tasks.common import (
     logger,
     manifests,
     open_store,
+    reuse,
     scratch,
     stage_meta,
     symfuse_task,
@@ -56,7 +57,7 @@ def report(
     inputs = {f"input{i}": uri for i, uri in enumerate(dict.fromkeys([*evaluations, *matched, *merged, *flat]))}
     key = layout.report_key(config.run_id)
     ck = content_key({"report": 1}, manifests(store, inputs))
-    if not store.exists(key, ck):
+    if reuse(store, key, ck, "report") is None:
         maybe_inject_fault()
         _build(config, store, key, ck, inputs, evaluations, matched)
     return _publish(config, store, key, merged)
