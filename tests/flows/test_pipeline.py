@@ -6,7 +6,7 @@ import pytest
 
 from flows.pipeline import fusion_pipeline
 from symfuse.store import ArtifactStore, layout
-from tests.flows.conftest import Calls, task_runs, tiny_config
+from tests.flows.conftest import Calls, run_logs, task_runs, tiny_config
 
 
 def test_pipeline_completes_after_injected_faults(first_run):
@@ -49,6 +49,18 @@ def test_pipeline_completes_after_injected_faults(first_run):
     assert record["domain"] == "out" and record["head"] in config.dataset_names
 
 
+def test_library_lines_reach_the_run_logs(first_run):
+    _, state, _ = first_run
+    lines = run_logs(state.state_details.flow_run_id, expect="gram statistics: batch")
+    # the library's INFO lines (symfuse.*), the retry policy's (tasks.*), progress of each stage
+    assert any(line.startswith("symfuse.train.finetune: epoch 1: train loss") for line in lines), lines[:20]
+    assert any(line.startswith("symfuse.stats.collect: gram statistics: batch") for line in lines)
+    assert any(line.startswith("symfuse.evaluate.evaluate: evaluate on") for line in lines)
+    assert any(line.startswith("tasks.policy: after out-of-memory: micro-batch 16 -> 8") for line in lines)
+    assert any("taking run lock symfuse-run-t" in line for line in lines)
+    assert not any("running in a worker thread" in line for line in lines)  # one notice per run, not per task
+
+
 def test_second_run_recomputes_nothing(first_run, monkeypatch):
     config, state, _ = first_run
     store = ArtifactStore(config.resolved_store_root())
@@ -59,6 +71,10 @@ def test_second_run_recomputes_nothing(first_run, monkeypatch):
     assert calls.total() == 0, calls.counts
     assert {k: store.manifest(k) for k in store.list(layout.run_prefix("t"))} == before
     assert again.result()["report"] == state.result()["report"]
+    lines = run_logs(again.state_details.flow_run_id, expect="reused stored report")
+    uri = store.uri(layout.model_key("t", "isear"))
+    assert any(f"reused stored fine-tuned model isear at {uri} (key " in line for line in lines), lines[:20]
+    assert sum("reused stored" in line for line in lines) >= 3 + 6 + 9 * 4  # models, merges, evaluations at least
 
 
 def test_deterministic_error_fails_without_retry(tiny_base, memory_root, monkeypatch):
@@ -77,3 +93,20 @@ def test_deterministic_error_fails_without_retry(tiny_base, memory_root, monkeyp
     with pytest.raises(Exception) as err:
         state.result()
     assert "no_such_dataset" in str(err.value)
+    lines = run_logs(state.state_details.flow_run_id, expect="not retrying")
+    assert any(line.startswith("tasks.policy: finetune-nosuch: deterministic error, not retrying") for line in lines)
+
+
+def test_a_run_id_in_use_is_refused_after_the_wait(tiny_base, memory_root, monkeypatch):
+    import flows.runtime
+    from flows.runtime import run_lock
+
+    monkeypatch.setattr(flows.runtime, "LOCK_WAIT_SECONDS", 2)
+    config = tiny_config(tiny_base, memory_root, run_id="busy")
+    calls = Calls(monkeypatch)
+    with run_lock("busy"):  # another flow run holds run_id "busy"
+        state = fusion_pipeline(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match=r"run_id 'busy' is in use by another flow run .*symfuse-run-busy"):
+        state.result()
+    assert calls.total() == 0 and not ArtifactStore(memory_root).list(layout.run_prefix("busy"))
