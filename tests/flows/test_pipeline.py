@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from flows.pipeline import fusion_pipeline
@@ -104,8 +106,21 @@ def test_a_run_id_in_use_is_refused_after_the_wait(tiny_base, memory_root, monke
     monkeypatch.setattr(flows.runtime, "LOCK_WAIT_SECONDS", 2)
     config = tiny_config(tiny_base, memory_root, run_id="busy")
     calls = Calls(monkeypatch)
-    with run_lock("busy"):  # another flow run holds run_id "busy"
+    held, done = threading.Event(), threading.Event()
+
+    def other_run():  # another flow run (another thread: its own context) holds run_id "busy"
+        with run_lock("busy"):
+            held.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=other_run)
+    holder.start()
+    try:
+        assert held.wait(60)
         state = fusion_pipeline(config, return_state=True)
+    finally:
+        done.set()
+        holder.join()
     assert state.is_failed()
     with pytest.raises(RuntimeError, match=r"run_id 'busy' is in use by another flow run .*symfuse-run-busy"):
         state.result()
