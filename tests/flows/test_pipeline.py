@@ -63,6 +63,32 @@ def test_library_lines_reach_the_run_logs(first_run):
     assert not any("running in a worker thread" in line for line in lines)  # one notice per run, not per task
 
 
+def test_ui_artifacts_render_without_the_store(first_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    config, state, _ = first_run
+    with get_client(sync_client=True) as client:
+        flt = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        artifacts = client.read_artifacts(artifact_filter=flt)
+    by_type = {}
+    for a in artifacts:
+        by_type.setdefault(a.type, []).append(a)
+    images = {a.key: a.data for a in by_type["image"]}
+    assert images and all(d.startswith("data:image/png;base64,") for d in images.values()), list(images)
+    assert "t-metrics" in images
+    report_md = next(a.data for a in by_type["markdown"] if a.key == "t-report")
+    assert "](metrics.png)" not in report_md and "![metrics](data:image/png;base64," in report_md
+    merged_md = next(a.data for a in by_type["markdown"] if a.key == "t-merged-models")
+    uri = state.result()["merged"]["regmean-matched"]
+    assert f"[{uri}]({uri})" in merged_md and f"({uri}/README.md)" in merged_md
+    assert len(by_type["progress"]) >= 3 + 6 * 2  # fine-tunes, statistics, evaluations
+    assert all(a.data == 100 for a in by_type["progress"])
+    store = ArtifactStore(config.resolved_store_root())
+    card = (store.local_cache(uri) / "README.md").read_text()
+    assert card.startswith("---\n") and "strategy: regmean" in card and "symmetry-matched" in card
+
+
 def test_second_run_recomputes_nothing(first_run, monkeypatch):
     config, state, _ = first_run
     store = ArtifactStore(config.resolved_store_root())
