@@ -46,13 +46,12 @@ def forward_library_logs(names: tuple[str, ...] = LIBRARY_LOGGERS, level: int = 
     """Send INFO lines of the ``names`` loggers to the current run's logs (Prefect's API handler); idempotent.
 
     Without this only ``prefect.*`` loggers reach the UI, and the library's per-epoch losses, OOM halving and
-    "not retrying" lines appear nowhere (the root logger is at WARNING under Prefect's logging config).
+    "not retrying" lines appear nowhere: ``PREFECT_LOGGING_EXTRA_LOGGERS`` attaches the API handler but leaves the
+    loggers at the root's WARNING level. A logger that has no API handler yet gets one that only sends records made
+    inside a flow or task run (library calls outside a run, e.g. in tests, stay local and silent).
     """
     from prefect.logging.handlers import APILogHandler
 
-    handlers = [h for h in logging.getLogger("prefect.extra").handlers if isinstance(h, APILogHandler)]
-    if not handlers:  # Prefect's logging config not loaded (a custom one): a handler of our own
-        handlers = [APILogHandler()]
     task_log = logging.getLogger("prefect.task_runs")
     if not any(isinstance(f, _ThreadTimeoutNotice) for f in task_log.filters):
         task_log.addFilter(_ThreadTimeoutNotice())
@@ -60,10 +59,21 @@ def forward_library_logs(names: tuple[str, ...] = LIBRARY_LOGGERS, level: int = 
         log = logging.getLogger(name)
         if log.level == logging.NOTSET or log.level > level:
             log.setLevel(level)
-        present = {type(h) for h in log.handlers}
-        for handler in handlers:
-            if handler not in log.handlers and type(handler) not in present:
-                log.addHandler(handler)
+        if not any(isinstance(h, APILogHandler) for h in log.handlers):
+            log.addHandler(_run_log_handler())
+
+
+def _run_log_handler() -> logging.Handler:
+    """Prefect's API log handler, sending only records made inside a flow or task run."""
+    from prefect.context import FlowRunContext, TaskRunContext
+    from prefect.logging.handlers import APILogHandler
+
+    class RunLogHandler(APILogHandler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if FlowRunContext.get() or TaskRunContext.get() or getattr(record, "flow_run_id", None):
+                super().emit(record)
+
+    return RunLogHandler()
 
 
 def staged(config: RunConfig, stages: Mapping[Any, str]) -> SimpleNamespace:
