@@ -48,7 +48,7 @@ def forward_library_logs(names: tuple[str, ...] = LIBRARY_LOGGERS, level: int = 
     Without this only ``prefect.*`` loggers reach the UI, and the library's per-epoch losses, OOM halving and
     "not retrying" lines appear nowhere: ``PREFECT_LOGGING_EXTRA_LOGGERS`` attaches the API handler but leaves the
     loggers at the root's WARNING level. A logger that has no API handler yet gets one that only sends records made
-    inside a flow or task run (library calls outside a run, e.g. in tests, stay local and silent).
+    inside a flow or task run (library calls outside a run, e.g. in tests, are not sent and raise no warning).
     """
     from prefect.logging.handlers import APILogHandler
 
