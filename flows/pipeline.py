@@ -118,7 +118,7 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
         }
     matched = {
         n: T.assemble_matched.submit(config, n, models[n], models[anchor] if anchor else None,
-                                   dict(zip(modules, transforms[n], strict=True)))
+                                     dict(zip(modules, transforms[n], strict=True)))
         for n in others
     }  # fmt: skip
 
