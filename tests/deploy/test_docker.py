@@ -39,8 +39,9 @@ def pins(text: str) -> dict[str, str]:
 
 
 def pool_of_prefect_yaml() -> str:
+    """The GPU pool: the pipeline's and remerge's (the watcher has its own `control` pool)."""
     data = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-    (pool,) = {d["work_pool"]["name"] for d in data["deployments"]}
+    (pool,) = {d["work_pool"]["name"] for d in data["deployments"] if d["name"] != "watch-checkpoints"}
     return pool
 
 

@@ -14,6 +14,9 @@ Classification heads (tensors outside the base model, e.g. ``classifier.*``, ``p
   ``out/heads/<name_i>/``, a complete ``save_pretrained`` folder with the same merged body and model i's own head
   and config (``name_i`` = the dataset named in its statistics, else its folder name). ``symfuse_report.json``
   maps each name to its folder (``"."`` for the first).
+
+Every output folder gets a ``README.md`` model card (:mod:`symfuse.model_card`): base, inputs and their fine-tuning
+metrics, strategy, symmetries, heads.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ import torch
 from symfuse.checkpoint import CheckpointReader, atomic_dir, write_checkpoint
 from symfuse.errors import CheckpointError, MissingStats
 from symfuse.merge.base import LazyTensors, TensorInputs, weighted_mean
+from symfuse.model_card import CARD, input_metrics, model_card
 from symfuse.stats.io import BufferPool, SafetensorsFile, StatsFile
 
 log = logging.getLogger(__name__)
@@ -105,6 +109,7 @@ def merge_checkpoints(
     stats: Sequence[Path] | None = None,
     base: str | Path | None = None,
     overwrite: bool = False,
+    card: Mapping[str, Any] | None = None,
     **params: Any,
 ) -> Path:
     """Merge K checkpoints with a registered strategy and write a ``save_pretrained`` folder.
@@ -117,6 +122,9 @@ def merge_checkpoints(
             order, when the strategy needs statistics.
         base: The base checkpoint (task-vector strategies).
         overwrite: Replace an existing ``out``.
+        card: Facts for the ``README.md`` model card the merger cannot know: ``base_model`` (name of the base the
+            inputs were fine-tuned from; default ``base``), ``symmetries`` (the inputs were matched with; default
+            none), ``extra`` (more front-matter facts, e.g. the run id).
         **params: Strategy parameters (e.g. ``alpha=0.9``, ``weights=[...]``, ``density=0.2``); unknown ones raise.
 
     Returns:
@@ -238,5 +246,16 @@ def merge_checkpoints(
             "seconds": round(time.perf_counter() - start, 3),
         }
         (tmp / REPORT).write_text(json.dumps(report, indent=2))
+        card = dict(card or {})
+        inputs = [
+            {"name": name, "dataset": name, "path": str(m), "metrics": input_metrics(m)}
+            for name, m in zip(names, models, strict=True)
+        ]
+        text = model_card(
+            strategy, report["params"], inputs, json.loads((tmp / "config.json").read_text()),
+            base=card.get("base_model") or (str(base) if base is not None else None),
+            symmetries=card.get("symmetries") or (), heads=report["heads"]["policy"], extra=card.get("extra"),
+        )  # fmt: skip
+        (tmp / CARD).write_text(text)
     log.info("merged %d models with %s into %s in %.1f s", k, strategy, out, report["seconds"])
     return out

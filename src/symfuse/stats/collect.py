@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,31 @@ from symfuse.stats.gram import collect_gram
 from symfuse.stats.io import STAT_KINDS, file_fingerprint, save_stats
 
 log = logging.getLogger(__name__)
+
+LOG_LINES = 10  # INFO lines per statistics kind
+
+
+def tracked(
+    batches: Sequence[Any], what: str, on_progress: Callable[[float], None] | None = None, start: float = 0.0,
+    share: float = 1.0,
+) -> Iterator[Any]:  # fmt: skip
+    """Yield ``batches``; after each, call ``on_progress(start + share * done / total)`` and log ~10 INFO lines.
+
+    Args:
+        batches: The batches (a sized sequence).
+        what: What the batches are for, in the log lines (e.g. ``"gram"``).
+        on_progress: Progress callback (fraction of the whole job, 0..1), or None.
+        start: Fraction done before these batches.
+        share: Fraction of the whole job these batches are.
+    """
+    total = len(batches)
+    every = max(1, total // LOG_LINES)
+    for i, batch in enumerate(batches, 1):
+        yield batch
+        if i % every == 0 or i == total:
+            log.info("%s: batch %d/%d", what, i, total)
+        if on_progress is not None:
+            on_progress(start + share * i / max(total, 1))
 
 
 def load_model(model: str | os.PathLike) -> nn.Module:
@@ -53,6 +78,7 @@ def collect_stats(
     fisher_mode: str = "empirical",
     seed: int = 13,
     progress: bool = True,
+    on_progress: Callable[[float], None] | None = None,
 ) -> dict[str, Path]:
     """Collect statistics of a checkpoint on a dataset and write ``<out_dir>/<kind>.safetensors``.
 
@@ -69,6 +95,7 @@ def collect_stats(
         fisher_mode: ``empirical`` or ``sampled``.
         seed: Subset and sampling seed.
         progress: Show progress bars.
+        on_progress: Called with the fraction done (0..1] after every batch of every kind.
 
     Returns:
         ``{kind: file}``.
@@ -94,9 +121,10 @@ def collect_stats(
     }
     out_dir = Path(out_dir)
     written: dict[str, Path] = {}
-    for kind in kinds:
+    for i, kind in enumerate(kinds):
+        stream = tracked(batches, f"{kind} statistics", on_progress, i / len(kinds), 1 / len(kinds))
         if kind == "gram":
-            g = collect_gram(net, batches, device=device, progress=progress)
+            g = collect_gram(net, stream, device=device, progress=progress)
             meta = {
                 **common,
                 "kind": "gram",
@@ -110,7 +138,7 @@ def collect_stats(
         else:
             f = collect_fisher(
                 net,
-                batches,
+                stream,
                 mode=fisher_mode,
                 seed=seed,
                 device=device,

@@ -21,6 +21,7 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from symfuse.evaluate.scoring import score_logits
 log = logging.getLogger(__name__)
 
 TRAIN_REPORT = "symfuse_train.json"
+LOG_LINES_PER_EPOCH = 10  # INFO lines with the running loss per epoch (besides the epoch's summary line)
 
 
 class FinetuneConfig(BaseModel):
@@ -104,6 +106,7 @@ def train_model(
     tokenizer: Any,
     cfg: FinetuneConfig,
     device: str = "cpu",
+    on_progress: Callable[[float], None] | None = None,
 ) -> tuple[torch.nn.Module, list[dict[str, Any]]]:
     """Train a copy of ``model`` (the argument is not modified); return the best copy and per-epoch records.
 
@@ -113,6 +116,7 @@ def train_model(
         tokenizer: Tokenizer object.
         cfg: Settings.
         device: ``cpu`` or ``cuda[:i]``.
+        on_progress: Called with the fraction of optimizer steps done (0..1] after every step.
 
     Returns:
         ``(trained model, [{"epoch", "train_loss", "val_loss", <val metrics>, "seconds"}, ...])``.
@@ -147,6 +151,7 @@ def train_model(
     history: list[dict[str, Any]] = []
     best_state, best_score = None, (-math.inf, -math.inf)
     best_epoch = cfg.epochs
+    log_every = max(1, steps_per_epoch // LOG_LINES_PER_EPOCH)
     _seed_all(cfg.seed)
     for epoch in range(1, cfg.epochs + 1):
         t0 = time.perf_counter()
@@ -175,6 +180,12 @@ def train_model(
             scaler.update()
             sched.step()
             bar.set_postfix(loss=f"{run_loss / run_n:.4f}")
+            done = (epoch - 1) * steps_per_epoch + step + 1
+            if (step + 1) % log_every == 0 and step + 1 < steps_per_epoch:
+                log.info("epoch %d/%d step %d/%d: train loss %.4f", epoch, cfg.epochs, step + 1, steps_per_epoch,
+                         run_loss / max(run_n, 1))  # fmt: skip
+            if on_progress is not None:
+                on_progress(done / max(total, 1))
         bar.close()
         train_seconds = time.perf_counter() - t0
         logits, labels, val_loss = run_model(model, val_batches, data.problem_type, dev, amp)
@@ -227,6 +238,7 @@ def finetune(
     cfg: FinetuneConfig | None = None,
     device: str = "cpu",
     overwrite: bool = False,
+    on_progress: Callable[[float], None] | None = None,
 ) -> Path:
     """Fine-tune ``base`` on ``data`` and write a ``save_pretrained`` folder (safetensors) + tokenizer + report.
 
@@ -241,6 +253,8 @@ def finetune(
         cfg: Settings (defaults: :class:`FinetuneConfig`).
         device: ``cpu`` or ``cuda[:i]`` (CPU fallback when CUDA is absent).
         overwrite: Replace an existing ``out``.
+        on_progress: Called with the fraction of training done (0..1] after every optimizer step (e.g. to update a
+            progress bar in an orchestrator; the library itself logs the loss ~10 times per epoch at INFO).
 
     Returns:
         ``out``.
@@ -251,7 +265,7 @@ def finetune(
     ds = load_task_dataset(data, max_train_examples=cfg.max_train_examples, seed=cfg.seed)
     tok = load_tokenizer(base_path)
     with _TRAIN_LOCK:  # reproducible from cfg.seed also when other threads fine-tune (see _TRAIN_LOCK)
-        model, history = train_model(_build_model(base_path, ds, cfg), ds, tok, cfg, device)
+        model, history = train_model(_build_model(base_path, ds, cfg), ds, tok, cfg, device, on_progress)
     report = {
         "base": str(base),
         "data": str(data),
