@@ -134,7 +134,9 @@ def test_image_installs_what_bootstrap_installs(name):
     assert any("lapcore.LIB" in args for op, args in ops if op == "RUN")
     env = " ".join(args for op, args in ops if op == "ENV")
     assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120" in env
-    assert "HF_HUB_OFFLINE=1" in env and "SYMFUSE_DATASETS=" in env
+    assert "SYMFUSE_DATASETS=" in env
+    # hub access is the user's choice (a hub id typed in the run form must work): never forced offline
+    assert "HF_HUB_OFFLINE" not in env and "HF_DATASETS_OFFLINE" not in env
     cmd = yaml.safe_load(next(args for op, args in ops if op == "CMD"))  # JSON array form
     assert cmd[:3] == ["prefect", "worker", "start"]
     assert cmd[cmd.index("--pool") + 1] == pool_of_prefect_yaml()
@@ -242,3 +244,17 @@ def test_compose_workers_and_setup_match_the_project():
         build = svc["build"]
         assert (DOCKER / build["context"] / build["dockerfile"]).resolve().is_file()
         assert (DOCKER / build["context"]).resolve() == REPO
+
+
+def test_compose_serves_every_pool_of_the_deployments():
+    """Every work pool a deployment of prefect.yaml names has a compose worker (the watcher's `control` pool too)."""
+    data = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    pools = {d["work_pool"]["name"] for d in data["deployments"]}
+    served = {}
+    for name, service in compose()["services"].items():
+        cmd = service.get("command")
+        if isinstance(cmd, list) and cmd[:3] == ["prefect", "worker", "start"]:
+            served.setdefault(cmd[cmd.index("--pool") + 1], set()).update(service.get("profiles", []))
+    for pool in pools:
+        assert pool in served, f"no compose worker serves pool {pool!r}"
+    assert {"gpu", "cpu"} <= served["control"], "the watcher's worker runs with either profile"
