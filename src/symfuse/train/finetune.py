@@ -171,9 +171,10 @@ def train_model(
                     logits = forward_logits(model, batch, dev)
                 loss_sum, _ = task_loss(logits, batch["labels"].to(dev), data.problem_type)
                 if not torch.isfinite(loss_sum.detach()).all():
+                    value = float(loss_sum.detach())
                     raise NonFiniteError(
-                        f"{where}: training loss on {data.name} became {float(loss_sum)} at epoch {epoch}, step "
-                        f"{step + 1} — nothing was written; lower the learning rate (now {cfg.lr:g}) or check the "
+                        f"{where}: training loss on {data.name} became {value} at epoch {epoch}, step {step + 1} "
+                        f"— nothing was written; lower the learning rate (now {cfg.lr:g}) or check the "
                         "data and the base weights"
                     )
                 scaler.scale(loss_sum / denom).backward()
