@@ -12,7 +12,8 @@ import symfuse.cli.stats
 import symfuse.cli.train  # noqa: F401  (registers the commands)
 from symfuse.cli import app
 from symfuse.errors import NonFiniteError, TokenizerError
-from symfuse.evaluate import evaluate_model
+from symfuse.evaluate import evaluate_model, loss_barrier
+from symfuse.match.activation import match_activation_checkpoints
 from symfuse.stats import collect_stats
 from symfuse.train import FinetuneConfig, finetune
 from tests.symfuse.train.helpers import TOKENIZER_FILES, save_tiny_base
@@ -88,6 +89,11 @@ def test_missing_tokenizer_is_refused_by_stats_evaluate_and_finetune(setup, tmp_
     assert not (tmp_path / "ft").exists() and not (tmp_path / "st").exists()
     res = _cli("evaluate", bare_tuned, "--data", data, "--split", "test")
     assert res.exit_code != 0
+    with pytest.raises(TokenizerError, match="no tokenizer files"):
+        match_activation_checkpoints(bare_base, base, tmp_path / "m", str(data), max_examples=8)
+    with pytest.raises(TokenizerError, match="no tokenizer files"):
+        loss_barrier(bare_tuned, tuned, str(data), tmp_path / "b", points=3)
+    assert not (tmp_path / "m").exists() and not (tmp_path / "b").exists()
 
 
 def test_finetune_stops_at_the_first_non_finite_loss_and_writes_nothing(setup, tmp_path):
