@@ -53,6 +53,10 @@ def collect_stats(
 ) -> dict[str, Path]:
     """Collect statistics of a checkpoint on a dataset and write ``<out_dir>/<kind>.safetensors``.
 
+    The folder is written as one unit: every kind is collected into a temporary folder next to ``out_dir``,
+    which is then renamed into place (or, when ``out_dir`` exists, whose files replace their namesakes), so a
+    failed run leaves the previous folder intact and a half-written file is never readable.
+
     Args:
         model: Checkpoint folder (or ``"minilm"`` / hub id).
         data: Dataset source for :func:`symfuse.data.load_task_dataset` (shared name, folder, files, hub id).
@@ -66,10 +70,6 @@ def collect_stats(
         fisher_mode: ``empirical`` or ``sampled``.
         seed: Subset and sampling seed.
         progress: Show progress bars.
-
-    The folder is written as one unit: every kind is collected into a temporary folder next to ``out_dir``,
-    which is then renamed into place (or, when ``out_dir`` exists, whose files replace their namesakes), so a
-    failed run leaves the previous folder intact and a half-written file is never readable.
 
     Returns:
         ``{kind: file}``.
