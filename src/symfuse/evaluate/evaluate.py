@@ -81,8 +81,8 @@ def evaluate_model(
     """
     t0 = time.perf_counter()
     path = resolve_checkpoint(model)
+    net, tok = load_task_model(path, device)  # validates the folder (values, tokenizer) before the data is read
     ds = load_task_dataset(data)
-    net, tok = load_task_model(path, device)
     head_problem = head_problem_type(net.config)
     head_labels = head_label_names(net.config)
     if labels_from is not None:

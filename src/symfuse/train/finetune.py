@@ -28,10 +28,12 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from symfuse.checkpoint import atomic_dir, load_hf_model, resolve_checkpoint
+from symfuse.checkpoint import atomic_dir, load_hf_model, validate_checkpoint
 from symfuse.data import TaskDataset, collate, encode_split, iter_batches, load_task_dataset, load_tokenizer
+from symfuse.errors import NonFiniteError
 from symfuse.evaluate.predict import forward_logits, resolve_device, run_model, task_loss
 from symfuse.evaluate.scoring import score_logits
+from symfuse.io import check_finite_tensor
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,7 @@ def _build_model(base: Path, data: TaskDataset, cfg: FinetuneConfig) -> torch.nn
                 setattr(config, key, cfg.dropout)
     cls = AutoModelForTokenClassification if data.is_token_task else AutoModelForSequenceClassification
     _seed_all(cfg.seed)  # the new head's initialisation
-    return load_hf_model(base, cls, config=config, ignore_mismatched_sizes=True)
+    return load_hf_model(base, cls, validate=False, config=config, ignore_mismatched_sizes=True)
 
 
 def _lr_lambda(total: int, warmup: int):
@@ -127,6 +129,9 @@ def train_model(
     amp = cfg.amp and dev.type == "cuda"
     amp_dtype = torch.bfloat16 if amp and torch.cuda.is_bf16_supported() else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=amp and amp_dtype == torch.float16)
+    where = getattr(model.config, "_name_or_path", "") or "model"
+    for name, p in model.state_dict().items():
+        check_finite_tensor(p, name, where)
     model = copy.deepcopy(model).to(dev)
     pad = tokenizer.pad_token_id or 0
     train_feats = encode_split(data, tokenizer, "train", cfg.max_length)
@@ -170,6 +175,13 @@ def train_model(
                 with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
                     logits = forward_logits(model, batch, dev)
                 loss_sum, _ = task_loss(logits, batch["labels"].to(dev), data.problem_type)
+                if not torch.isfinite(loss_sum.detach()).all():
+                    value = float(loss_sum.detach())
+                    raise NonFiniteError(
+                        f"{where}: training loss on {data.name} became {value} at epoch {epoch}, step {step + 1} "
+                        f"— nothing was written; lower the learning rate (now {cfg.lr:g}) or check the "
+                        "data and the base weights"
+                    )
                 scaler.scale(loss_sum / denom).backward()
                 run_loss += float(loss_sum.detach())
             run_n += denom
@@ -261,9 +273,9 @@ def finetune(
     """
     cfg = cfg or FinetuneConfig()
     t0 = time.perf_counter()
-    base_path = resolve_checkpoint(base)
-    ds = load_task_dataset(data, max_train_examples=cfg.max_train_examples, seed=cfg.seed)
+    base_path = validate_checkpoint(base, finite=True, tokenizer=True)  # before any data is read
     tok = load_tokenizer(base_path)
+    ds = load_task_dataset(data, max_train_examples=cfg.max_train_examples, seed=cfg.seed)
     with _TRAIN_LOCK:  # reproducible from cfg.seed also when other threads fine-tune (see _TRAIN_LOCK)
         model, history = train_model(_build_model(base_path, ds, cfg), ds, tok, cfg, device, on_progress)
     report = {
