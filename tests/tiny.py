@@ -9,7 +9,23 @@ import transformers as T
 
 _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
 
-FAMILIES = ("bert", "roberta", "distilbert", "deberta-v2", "deberta-v2-shared", "vit", "gpt2", "llama")
+FAMILIES = (
+    "bert",
+    "roberta",
+    "distilbert",
+    "deberta-v2",
+    "deberta-v2-shared",
+    "vit",
+    "gpt2",
+    "llama",
+    "electra",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "phi3",
+)
+DECODERS = ("gpt2", "llama", "qwen3", "gemma", "gemma2", "phi3")  # causal LMs: tested with head="lm"
+_DECODER = dict(vocab_size=64, max_position_embeddings=64, num_key_value_heads=2, pad_token_id=0, **_SMALL)
 
 
 def tiny_config(family: str, **overrides) -> T.PretrainedConfig:
@@ -42,6 +58,23 @@ def tiny_config(family: str, **overrides) -> T.PretrainedConfig:
         )
     elif family == "llama":
         cfg = T.LlamaConfig(vocab_size=64, max_position_embeddings=64, num_key_value_heads=2, **_SMALL)
+    elif family == "electra":  # embedding_size != hidden_size: embeddings_project writes the stream
+        cfg = T.ElectraConfig(vocab_size=64, max_position_embeddings=64, embedding_size=16, **_SMALL)
+    elif family == "qwen3":
+        cfg = T.Qwen3Config(head_dim=8, **_DECODER)
+    elif family == "gemma":
+        cfg = T.GemmaConfig(head_dim=8, **_DECODER)
+    elif family == "gemma2":  # soft-capping and the sliding window really act on tiny inputs
+        cfg = T.Gemma2Config(
+            head_dim=8,
+            query_pre_attn_scalar=6,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=0.5,
+            sliding_window=4,
+            **_DECODER,
+        )
+    elif family == "phi3":
+        cfg = T.Phi3Config(bos_token_id=0, eos_token_id=0, **_DECODER)
     else:
         raise ValueError(family)
     for k, v in overrides.items():

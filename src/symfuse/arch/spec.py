@@ -8,13 +8,18 @@ QKV split and GPT-2 ``Conv1D`` transposed. :meth:`ArchSpec.read_module` and
 
 Roles (one vocabulary for every family)::
 
-    attention: q k v o pos_q pos_k        (+ "<role>_bias")
+    attention: q k v o pos_q pos_k q_norm k_norm   (+ "<role>_bias")
         q:  (n_heads    * head_dim, d_model)
         k:  (n_kv_heads * head_dim, d_model)     pos_q / pos_k: DeBERTa relative projections
         v:  (n_kv_heads * head_dim, d_model)
         o:  (d_model, n_heads * head_dim)
+        q_norm / k_norm: (head_dim,)             Qwen3 per-head RMSNorm weights (shared by all heads)
     ffn:       up gate down                (+ "<role>_bias")
         up / gate: (d_ffn, d_model)              down: (d_model, d_ffn)
+
+Fused tensors are ROW slices of one stored tensor, named once in :data:`FUSED`: ``qkv`` (GPT-2 ``c_attn``,
+Phi-3 ``qkv_proj``) is ``[q | k | v]``, ``gate_up`` (Phi-3 ``gate_up_proj``) is ``[gate | up]``; the slice
+sizes come from the geometry (:meth:`ArchSpec.fused_sizes`).
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from typing import Any, Literal
 
 import torch
 
-from symfuse.errors import SymfuseError
+from symfuse.errors import SymfuseError, UnsupportedArchitecture
 
 ModuleKind = Literal["attn", "ffn"]
 ModuleWeights = dict[str, torch.Tensor]
 
-ATTN_ROLES = ("q", "k", "v", "o", "pos_q", "pos_k")
+ATTN_ROLES = ("q", "k", "v", "o", "pos_q", "pos_k", "q_norm", "k_norm")
 FFN_ROLES = ("up", "gate", "down")
+FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # fused role -> canonical roles, in row order
 
 
 @dataclass(frozen=True, order=True)
@@ -73,6 +79,7 @@ class Geometry:
     gated: bool
     share_att_key: bool = False
     pos_proj: bool = False  # DeBERTa with separate pos_key_proj / pos_query_proj
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm (learned weight) on q and k; QK maps are not exact
 
     @property
     def group_size(self) -> int:
@@ -91,26 +98,38 @@ class AttentionSpec:
     qkv: str | None = None  # fused (GPT-2 c_attn): output is [q | k | v]
     pos_q: str | None = None
     pos_k: str | None = None
+    q_norm: str | None = None  # per-head RMSNorm on queries (Qwen3)
+    k_norm: str | None = None
 
 
 @dataclass(frozen=True)
 class FFNSpec:
-    """Where the FFN projections live; ``gate`` only for gated MLPs."""
+    """Where the FFN projections live; ``gate`` only for gated MLPs, ``gate_up`` when both are fused."""
 
-    up: str
     down: str
+    up: str | None = None
     gate: str | None = None
+    gate_up: str | None = None  # fused [gate | up] (Phi-3 gate_up_proj)
     activation_key: str = "hidden_act"
+
+    def __post_init__(self) -> None:
+        if (self.up is None) == (self.gate_up is None):
+            raise ValueError("ffn: give exactly one of `up` and `gate_up`")
 
 
 @dataclass(frozen=True)
 class NormSpec:
-    """The two per-layer norms; ``placement`` is ``pre`` (before the sublayer) or ``post``."""
+    """The two per-layer norms; ``placement`` is ``pre`` (before the sublayer) or ``post``.
+
+    ``extra``: further per-layer norms acting on d_model vectors (Gemma-2's norms on each sublayer's output);
+    a residual permutation permutes them too.
+    """
 
     kind: Literal["layernorm", "rmsnorm"]
     placement: Literal["pre", "post"]
     attn: str
     ffn: str
+    extra: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,6 +161,8 @@ class ArchSpec:
         norm: Per-layer norm locations.
         embeddings: Embedding modules / parameters that write the residual stream.
         embedding_norm: Norm applied to the embeddings (post-LN encoders), if any.
+        embedding_projection: Linear from the embedding size to d_model (ELECTRA ``embeddings_project``); when a
+            checkpoint has it, the embeddings and their norm live before it, outside the residual stream.
         final_norm: Final norm (pre-LN models), if any.
         rope: Rotary position embeddings on Q/K (rotate_half pairing of i and i + d/2).
         conv1d: Weights stored as (in, out) (GPT-2 ``Conv1D``).
@@ -161,6 +182,7 @@ class ArchSpec:
     norm: NormSpec
     embeddings: tuple[str, ...] = ()
     embedding_norm: str | None = None
+    embedding_projection: str | None = None
     final_norm: str | None = None
     rope: bool = False
     conv1d: bool = False
@@ -179,6 +201,9 @@ class ArchSpec:
 
         Returns:
             The model's :class:`Geometry`.
+
+        Raises:
+            UnsupportedArchitecture: partial rotary embeddings (the RoPE-commuting maps assume full rotary).
         """
         d_model = int(config.hidden_size)
         n_heads = int(config.num_attention_heads)
@@ -190,6 +215,14 @@ class ArchSpec:
         pos_types = getattr(config, "pos_att_type", None) or ()
         relative = bool(getattr(config, "relative_attention", False)) and bool(pos_types)
         share = bool(getattr(config, "share_att_key", False))
+        rope_params = getattr(config, "rope_parameters", None) or {}
+        partial = rope_params.get("partial_rotary_factor") if isinstance(rope_params, dict) else None
+        partial = partial if partial is not None else getattr(config, "partial_rotary_factor", None)
+        if self.rope and partial is not None and float(partial) != 1.0:
+            raise UnsupportedArchitecture(
+                f"{self.family}: partial_rotary_factor={partial} is not supported (only full rotary embeddings); "
+                "use a checkpoint with partial_rotary_factor 1.0"
+            )
         return Geometry(
             n_layers=int(config.num_hidden_layers),
             d_model=d_model,
@@ -198,9 +231,10 @@ class ArchSpec:
             head_dim=head_dim,
             d_ffn=int(d_ffn),
             rope=self.rope,
-            gated=self.ffn.gate is not None,
+            gated=self.ffn.gate is not None or self.ffn.gate_up is not None,
             share_att_key=share,
             pos_proj=self.attention.pos_q is not None and relative and not share,
+            qk_norm=self.attention.q_norm is not None,
         )
 
     def modules(self, config: Any) -> list[ModuleRef]:
@@ -243,16 +277,17 @@ class ArchSpec:
         )
 
     def module_paths(self, ref: ModuleRef, config: Any, prefix: str = "") -> dict[str, str]:
-        """HF module paths (without ``.weight``) of one module, by role (``qkv`` for fused QKV)."""
+        """HF module paths (without ``.weight``) of one module, by role (fused roles of :data:`FUSED` as such)."""
         geo = self.geometry(config)
         base = prefix + self.layer.format(i=ref.layer)
         if ref.kind == "attn":
             a = self.attention
-            roles = {"q": a.q, "k": a.k, "v": a.v, "qkv": a.qkv, "o": a.o}
+            roles = {"q": a.q, "k": a.k, "v": a.v, "qkv": a.qkv, "o": a.o, "q_norm": a.q_norm, "k_norm": a.k_norm}
             if geo.pos_proj:
                 roles.update(pos_q=a.pos_q, pos_k=a.pos_k)
         else:
-            roles = {"up": self.ffn.up, "gate": self.ffn.gate, "down": self.ffn.down}
+            f = self.ffn
+            roles = {"up": f.up, "gate": f.gate, "gate_up": f.gate_up, "down": f.down}
         return {r: self._join(base, p) for r, p in roles.items() if p is not None}
 
     def tensor_names(self, ref: ModuleRef, config: Any, prefix: str = "") -> dict[str, str]:
@@ -270,6 +305,16 @@ class ArchSpec:
         """Module paths of one layer's norms, by sublayer (``attn`` / ``ffn``)."""
         base = prefix + self.layer.format(i=layer)
         return {"attn": self._join(base, self.norm.attn), "ffn": self._join(base, self.norm.ffn)}
+
+    def stream_norm_paths(self, layer: int, prefix: str = "") -> list[str]:
+        """Module paths of EVERY per-layer norm on d_model vectors: :meth:`norm_paths` plus ``norm.extra``."""
+        base = prefix + self.layer.format(i=layer)
+        return [*self.norm_paths(layer, prefix).values(), *(self._join(base, p) for p in self.norm.extra)]
+
+    def fused_sizes(self, fused: str, geo: Geometry) -> list[int]:
+        """Row counts of the canonical roles inside a fused tensor (see :data:`FUSED`), in order."""
+        q_out, kv_out = geo.n_heads * geo.head_dim, geo.n_kv_heads * geo.head_dim
+        return {"qkv": [q_out, kv_out, kv_out], "gate_up": [geo.d_ffn, geo.d_ffn]}[fused]
 
     def head_paths(self, prefix: str = "") -> list[HeadSpec]:
         """:attr:`heads` with ``{base}`` resolved to ``prefix`` (module paths, without ``.weight``)."""
@@ -303,12 +348,13 @@ class ArchSpec:
                 continue
             t = get(name)
             is_bias = role.endswith("_bias")
-            if self.conv1d and not is_bias:
+            if self.conv1d and not is_bias and t.dim() == 2:
                 t = t.t()  # Conv1D stores (in, out)
-            if role.startswith("qkv"):
-                sizes = [geo.n_heads * geo.head_dim, geo.n_kv_heads * geo.head_dim, geo.n_kv_heads * geo.head_dim]
-                suffix = role[3:]
-                for r, part in zip("qkv", torch.split(t, sizes, dim=0), strict=True):
+            fused = role.removesuffix("_bias")
+            if fused in FUSED:
+                suffix = role[len(fused) :]
+                parts = torch.split(t, self.fused_sizes(fused, geo), dim=0)
+                for r, part in zip(FUSED[fused], parts, strict=True):
                     out[r + suffix] = part.contiguous()
             else:
                 out[role] = t.contiguous()
@@ -333,14 +379,16 @@ class ArchSpec:
         """
         names = self.tensor_names(ref, config, prefix)
         w = dict(weights)
-        if "qkv" in names:
+        for fused, roles in FUSED.items():
+            if fused not in names:
+                continue
             for suffix in ("", "_bias"):
-                parts = [w.pop(r + suffix, None) for r in "qkv"]
+                parts = [w.pop(r + suffix, None) for r in roles]
                 if all(p is not None for p in parts):
-                    w["qkv" + suffix] = torch.cat(parts, dim=0)
+                    w[fused + suffix] = torch.cat(parts, dim=0)
         out = {}
         for role, t in w.items():
-            if self.conv1d and not role.endswith("_bias"):
+            if self.conv1d and not role.endswith("_bias") and t.dim() == 2:
                 t = t.t()
             out[names[role]] = t.contiguous()
         return out

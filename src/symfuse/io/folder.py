@@ -120,8 +120,11 @@ def expected_module_shapes(spec: Any, ref: Any, config: Any, prefix: str) -> dic
         "v": (kv_out, d),
         "qkv": (q_out + 2 * kv_out, d),
         "o": (d, q_out),
+        "q_norm": (geo.head_dim,),
+        "k_norm": (geo.head_dim,),
         "up": (f, d),
         "gate": (f, d),
+        "gate_up": (2 * f, d),
         "down": (d, f),
     }
     out: dict[str, tuple[int, ...]] = {}
@@ -133,7 +136,7 @@ def expected_module_shapes(spec: Any, ref: Any, config: Any, prefix: str) -> dic
         if role.endswith("_bias"):
             out[name] = (shape[0],)
         else:
-            out[name] = (shape[1], shape[0]) if spec.conv1d else shape
+            out[name] = (shape[1], shape[0]) if spec.conv1d and len(shape) == 2 else shape
     return out
 
 
@@ -146,14 +149,12 @@ def check_module_shapes(
         CheckpointError: a missing weight, an integer / bool module tensor, or a shape that disagrees with
             ``config.json``.
     """
-    required = {"attn": ("o",), "ffn": ("up", "down")}
     for ref in spec.modules(config):
         names = spec.tensor_names(ref, config, prefix)
-        need = [names[r] for r in required[ref.kind]]
         if ref.kind == "attn":
-            need += [names["qkv"]] if "qkv" in names else [names[r] for r in ("q", "k", "v")]
-        elif spec.ffn.gate is not None:
-            need.append(names["gate"])
+            need = [names["o"]] + ([names["qkv"]] if "qkv" in names else [names[r] for r in ("q", "k", "v")])
+        else:  # fused gate_up, or up (+ gate)
+            need = [names["down"]] + [names[r] for r in ("gate_up", "up", "gate") if r in names]
         missing = [n for n in need if n not in files]
         if missing:
             raise CheckpointError(

@@ -3,7 +3,8 @@
 Attention, per KV group ``g`` (float64): query side ``A_g = [q_h | b_q,h | pos_q,h | ...]`` over the group's query
 heads ``h``, key side ``B_g = [k_g | b_k,g | pos_k,g | ...]`` (QK), and ``A_g = [v_g | b_v,g]``,
 ``B_g = [o_h^T ...]`` (VO). Order: head permutation (Hungarian on the per-pair residual after optimal rotation and
-scaling), then Procrustes rotations (RoPE-restricted for QK under RoPE), then quartic scales.
+scaling), then Procrustes rotations (RoPE-restricted for QK under RoPE), then quartic scales. With per-head q/k
+norms (``Geometry.qk_norm``, Qwen3) QK maps are not exact: only the head permutation and V/O maps are fitted.
 FFN: Hungarian on ``W_in W_in*^T + b b*^T (+ W_gate W_gate*^T) + W_out^T W_out*`` in float32.
 """
 
@@ -156,17 +157,22 @@ def match_attention(
         timings: Accumulates seconds under ``svd``, ``scaling``, ``head_perm``.
     """
     rotate, scale = "rotation" in symmetries, "scaling" in symmetries
+    # per-head q/k RMSNorm with learned weights (Qwen3): a QK rotation or scaling would change the function
+    qk_ok = not geo.qk_norm
+    if not qk_ok and (rotate or scale):
+        log.debug("%s: per-head q/k norms: QK rotation / scaling skipped (not exact); V/O maps kept", key)
+    maps = {"qk": (rotate and qk_ok, scale and qk_ok), "vo": (rotate, scale)}
     rope = geo.rope
     t0 = time.perf_counter()
     parts: list[Transform] = []
     if "head-permutation" in symmetries and geo.n_kv_heads > 1:
         sb, ab = attention_blocks(src, geo), attention_blocks(anc, geo)
         cost = torch.zeros(geo.n_kv_heads, geo.n_kv_heads, dtype=torch.float64)
-        for a_role, b_role, use_rope in (("q", "k", rope), ("v", "o", False)):
+        for name, a_role, b_role, use_rope in (("qk", "q", "k", rope), ("vo", "v", "o", False)):
             ma, mb = _cross(sb[a_role], ab[a_role], True), _cross(sb[b_role], ab[b_role], True)
             na = (sb[a_role] ** 2).sum(-1)[:, None].expand(-1, geo.n_kv_heads, -1)
             nb = (sb[b_role] ** 2).sum(-1)[:, None].expand(-1, geo.n_kv_heads, -1)
-            _, _, obj = fit_rotation_scale(ma, mb, na, nb, rotate, scale, use_rope)
+            _, _, obj = fit_rotation_scale(ma, mb, na, nb, *maps[name], use_rope)
             cost += obj  # anchor norms are the same for every source head: omitted
         del sb, ab
         perm, _ = assign_max(-cost)
@@ -179,12 +185,14 @@ def match_attention(
         fits = {}
         for name, a_role, b_role, use_rope in (("qk", "q", "k", rope), ("vo", "v", "o", False)):
             (ma, na), (mb, nb) = stats[a_role], stats[b_role]
-            fits[name] = fit_rotation_scale(ma, mb, na, nb, rotate, scale, use_rope)
+            fits[name] = fit_rotation_scale(ma, mb, na, nb, *maps[name], use_rope)
         t0 = _tick(timings, "svd", t0)
         if rotate:
-            parts += [QKRotation(fits["qk"][0].contiguous()), VORotation(fits["vo"][0].contiguous())]
+            parts += [QKRotation(fits["qk"][0].contiguous())] if qk_ok else []
+            parts += [VORotation(fits["vo"][0].contiguous())]
         if scale:
-            parts += [QKScaling(fits["qk"][1].contiguous()), VOScaling(fits["vo"][1].contiguous())]
+            parts += [QKScaling(fits["qk"][1].contiguous())] if qk_ok else []
+            parts += [VOScaling(fits["vo"][1].contiguous())]
         _tick(timings, "scaling", t0)
     return ModuleTransform(key, tuple(parts))
 

@@ -63,7 +63,8 @@ def random_module_transform(
 
     Args:
         ref: The module.
-        geo: The model's geometry (RoPE restricts QK rotations and scales to frequency pairs).
+        geo: The model's geometry (RoPE restricts QK rotations and scales to frequency pairs; with per-head
+            q/k norms, ``geo.qk_norm``, no QK rotation or scaling is drawn: they would not be exact).
         generator: Random source.
         kinds: Symmetry kinds to draw from (see :data:`ALL_KINDS`).
         log_scale: Scales are ``exp(U(-log_scale, log_scale))``.
@@ -77,8 +78,11 @@ def random_module_transform(
     n, dh = geo.n_kv_heads, geo.head_dim
     if "head-permutation" in kinds:
         parts.append(HeadPermutation(torch.randperm(n, generator=g)))
+    qk = not geo.qk_norm  # per-head q/k RMSNorm (Qwen3): only the identity QK map is exact (see qwen3.yaml)
     if "rotation" in kinds:
-        if geo.rope:
+        if not qk:
+            pass
+        elif geo.rope:
             angles = (torch.rand(n, dh // 2, generator=g, dtype=torch.float64) * 2 - 1) * math.pi
             parts.append(QKRotation(rope_rotation(angles)))
         else:
@@ -89,7 +93,8 @@ def random_module_transform(
         def draw(cols: int) -> torch.Tensor:
             return torch.exp((torch.rand(n, cols, generator=g, dtype=torch.float64) * 2 - 1) * log_scale)
 
-        qk = draw(dh // 2).repeat(1, 2) if geo.rope else draw(1).expand(n, dh).contiguous()
-        parts.append(QKScaling(qk))
+        if qk:
+            s = draw(dh // 2).repeat(1, 2) if geo.rope else draw(1).expand(n, dh).contiguous()
+            parts.append(QKScaling(s))
         parts.append(VOScaling(draw(1).expand(n, dh).contiguous()))
     return ModuleTransform(ref.key, tuple(parts))

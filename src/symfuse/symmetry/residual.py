@@ -9,7 +9,8 @@ elementwise maps, so permuting every tensor that touches the stream with the SAM
 computes the same function (outputs that live in the stream come out permuted; logits / labels are unchanged):
 
 * embeddings (word, position, token type, DeBERTa relative table, ViT patch projection / CLS / positions):
-  their d_model axis;
+  their d_model axis; with an embedding projection (ELECTRA, embedding size != d_model) only the projection's
+  output rows and bias;
 * every norm on the stream (per-layer, embedding, final, DeBERTa relative): weight and bias;
 * attention ``q k v pos_q pos_k`` and FFN ``up gate``: input columns; attention ``o`` and FFN ``down``: output
   rows and biases;
@@ -108,14 +109,20 @@ def residual_plan(spec: ArchSpec, names: list[str] | set[str], config: Any, pref
         if bias_action and path + ".bias" in names:
             plan[path + ".bias"] = bias_action
 
-    for emb in (*spec.embeddings, *([spec.relative_embeddings] if spec.relative_embeddings else [])):
+    # ELECTRA with embedding_size != d_model: the embeddings (and their norm) live before a projection that
+    # writes the stream; only the projection's output rows and bias are in the stream
+    projected = bool(spec.embedding_projection) and prefix + f"{spec.embedding_projection}.weight" in names
+    if projected:
+        add(prefix + spec.embedding_projection, "first", "first")
+    stream_embeddings = () if projected else spec.embeddings
+    for emb in (*stream_embeddings, *([spec.relative_embeddings] if spec.relative_embeddings else [])):
         path = prefix + emb
         if path in names:  # bare parameter (ViT cls_token / position_embeddings): (..., d)
             plan[path] = "last"
         elif path + ".weight" in names:
             add(path, "emb", "first")
-    norms = [spec.embedding_norm, spec.final_norm, spec.relative_norm]
-    norms += [p for i in range(spec.geometry(config).n_layers) for p in spec.norm_paths(i, "").values()]
+    norms = [None if projected else spec.embedding_norm, spec.final_norm, spec.relative_norm]
+    norms += [p for i in range(spec.geometry(config).n_layers) for p in spec.stream_norm_paths(i, "")]
     for n in norms:
         if n:
             add(prefix + n, "first", "first")

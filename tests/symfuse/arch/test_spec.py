@@ -37,7 +37,7 @@ def test_every_module_tensor_resolves_and_round_trips(family, head):
     # every weight of every layer belongs to exactly one module, a norm, or nothing else
     for i in range(geo.n_layers):
         layer = prefix + spec.layer.format(i=i) + "."
-        norms = tuple(spec.norm_paths(i, prefix).values())
+        norms = tuple(spec.stream_norm_paths(i, prefix))
         rest = [k for k in sd if k.startswith(layer) and k not in claimed and not k.startswith(norms)]
         assert rest == [], f"{family}: layer tensors no role claims: {rest}"
 
@@ -56,8 +56,45 @@ def test_deberta_pos_projections_only_without_shared_key():
     assert "pos_q" not in spec.tensor_names(ModuleRef(0, "attn"), shared.config)
 
 
+def test_phi3_fused_rows_are_the_slices_the_model_uses():
+    """gate_up_proj rows are [gate | up] and qkv_proj rows [q | k | v]: the canonical slices are what phi3 uses."""
+    model = tiny_model("phi3")
+    sd = model.state_dict()
+    spec = get_spec(model.config)
+    geo = spec.geometry(model.config)
+    ffn = spec.read_module(sd.__getitem__, sd.__contains__, ModuleRef(0, "ffn"), model.config)
+    fused = sd["layers.0.mlp.gate_up_proj.weight"]
+    assert torch.equal(ffn["gate"], fused[: geo.d_ffn]) and torch.equal(ffn["up"], fused[geo.d_ffn :])
+    x = torch.randn(3, geo.d_model)
+    mlp = model.layers[0].mlp
+    with torch.no_grad():
+        want = mlp(x)
+        got = (mlp.activation_fn(x @ ffn["gate"].T) * (x @ ffn["up"].T)) @ ffn["down"].T
+    torch.testing.assert_close(got, want)
+    attn = spec.read_module(sd.__getitem__, sd.__contains__, ModuleRef(1, "attn"), model.config)
+    q_out = geo.n_heads * geo.head_dim
+    assert torch.equal(attn["q"], sd["layers.1.self_attn.qkv_proj.weight"][:q_out])
+    assert attn["k"].shape == attn["v"].shape == (geo.n_kv_heads * geo.head_dim, geo.d_model)
+
+
+def test_qwen3_qk_norms_are_attention_roles_and_flag_the_geometry():
+    model = tiny_model("qwen3")
+    sd = model.state_dict()
+    spec = get_spec(model.config)
+    w = spec.read_module(sd.__getitem__, sd.__contains__, ModuleRef(0, "attn"), model.config)
+    assert torch.equal(w["q_norm"], sd["layers.0.self_attn.q_norm.weight"]) and w["k_norm"].shape == (8,)
+    assert spec.geometry(model.config).qk_norm and not get_spec("llama").geometry(tiny_model("llama").config).qk_norm
+
+
+def test_partial_rotary_is_refused_with_the_fix():
+    cfg = tiny_model("phi3").config
+    cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": 0.5}
+    with pytest.raises(UnsupportedArchitecture, match=r"phi3: partial_rotary_factor=0.5 .*1\.0"):
+        get_spec(cfg).geometry(cfg)
+
+
 def test_unsupported_family_lists_supported():
-    with pytest.raises(UnsupportedArchitecture, match=r"supported: .*bert.*llama"):
+    with pytest.raises(UnsupportedArchitecture, match=r"supported: .*bert.*electra.*gemma.*gemma2.*llama.*phi3.*qwen3"):
         get_spec("t5")
     assert "gpt2" in supported_model_types()
 

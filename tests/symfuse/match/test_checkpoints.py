@@ -22,11 +22,11 @@ from symfuse.match import (
     save_transform,
 )
 from symfuse.symmetry import load_transforms
-from tests.tiny import FAMILIES, random_inputs, save_tiny
+from tests.tiny import DECODERS, FAMILIES, random_inputs, save_tiny
 
 
 def _head(family):
-    return "lm" if family in ("gpt2", "llama") else "seq"
+    return "lm" if family in DECODERS else "seq"
 
 
 def _load(folder):

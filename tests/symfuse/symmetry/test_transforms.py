@@ -17,7 +17,7 @@ from symfuse.symmetry import (
     random_orthogonal,
     save_transforms,
 )
-from tests.tiny import FAMILIES, random_inputs, tiny_model
+from tests.tiny import DECODERS, FAMILIES, random_inputs, tiny_model
 
 
 def _modules(model):
@@ -53,7 +53,7 @@ def _random_transforms(model, seed=0, kinds=("rotation", "scaling", "ffn-permuta
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_random_transforms_of_every_kind_preserve_function(family):
-    head = "lm" if family in ("gpt2", "llama") else "seq"
+    head = "lm" if family in DECODERS else "seq"
     model = tiny_model(family, head=head)
     inputs = random_inputs(model)
     ts = _random_transforms(model)
