@@ -345,6 +345,12 @@ def match_checkpoints(
     timings: dict[str, float] = {}
     with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:  # headers parsed and validated once
         check_compatible(src, anc)
+        if src.geometry.qk_norm and {"rotation", "scaling"} & set(symmetries):
+            log.info(
+                "%s: per-head q/k norms make QK rotations and scalings inexact; only V/O rotations and scalings "
+                "(and permutations) are matched",
+                src.spec.family,
+            )
         transforms = match_all_modules(src, anc, symmetries, workers, timings)
         match_s = time.perf_counter() - t0
         report = assemble_matched(

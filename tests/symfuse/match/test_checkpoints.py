@@ -61,7 +61,7 @@ def test_matched_model_computes_what_source_computes(family, tmp_path):
     assert (ya - yb).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["bert", "llama", "deberta-v2"])
+@pytest.mark.parametrize("family", ["bert", "llama", "deberta-v2", "electra", "qwen3", "gemma", "gemma2", "phi3"])
 def test_disguised_checkpoint_is_recovered(family, tmp_path):
     src = save_tiny(tmp_path / "src", family, seed=3, head=_head(family))
     disguise_checkpoint(src, tmp_path / "d", seed=11)
@@ -69,6 +69,15 @@ def test_disguised_checkpoint_is_recovered(family, tmp_path):
     assert report["distance_before"] > 1.0
     assert report["distance_after"] <= 1e-5 * _norm(src)
     assert report["max_abs_logit_diff"] <= 1e-4
+
+
+def test_qwen3_match_logs_that_qk_maps_are_skipped(tmp_path, caplog):
+    src = save_tiny(tmp_path / "src", "qwen3", seed=3, head="lm")
+    disguise_checkpoint(src, tmp_path / "d", seed=2)
+    with caplog.at_level("INFO", logger="symfuse.match.checkpoints"):
+        report = match_checkpoints(tmp_path / "d", src, tmp_path / "m", symmetries=SYMMETRIES)
+    assert "qwen3: per-head q/k norms make QK rotations and scalings inexact" in caplog.text
+    assert report["distance_after"] <= 1e-6 * _norm(src) and report["max_abs_logit_diff"] <= 1e-4
 
 
 def test_assemble_from_transform_files_equals_match(tmp_path):

@@ -101,3 +101,20 @@ def test_match_module_reads_only_that_module(tmp_path, monkeypatch):
     t = match_module(a, b, "L01.ffn", SYMMETRIES)
     assert t.key == "L01.ffn" and isinstance(t.parts[0], FFNPermutation)
     assert seen and all(".layer.1.intermediate." in n or ".layer.1.output.dense" in n for n in seen), seen
+
+
+def test_qwen3_matching_recovers_the_exact_disguise_and_skips_qk_maps(caplog):
+    """Per-head q/k norms: asking for rotation / scaling fits V/O maps only (logged); the disguise is undone."""
+    model = tiny_model("qwen3", seed=8)
+    g = torch.Generator().manual_seed(9)
+    for ref, geo, w in _module_weights(model):
+        disguise = random_module_transform(ref, geo, g)
+        src = disguise.apply(w)
+        assert module_distance(src, w) > 0.1 * _norm(w)
+        with caplog.at_level("DEBUG", logger="symfuse.match.weights"):
+            t = match_module_weights(ref, src, w, geo, SYMMETRIES)
+        assert module_distance(t.apply(src), w) <= 1e-6 * _norm(w)
+        if ref.kind == "attn":
+            assert not any(isinstance(p, (QKRotation, QKScaling)) for p in t.parts)
+            assert {type(p).__name__ for p in t.parts} == {"HeadPermutation", "VORotation", "VOScaling"}
+    assert "QK rotation / scaling skipped (not exact)" in caplog.text

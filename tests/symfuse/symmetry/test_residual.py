@@ -8,7 +8,7 @@ import torch
 from symfuse.arch import ModuleRef, get_spec
 from symfuse.errors import UnsupportedArchitecture
 from symfuse.symmetry.residual import ResidualPermutation, permute_residual
-from tests.tiny import random_inputs, tiny_model
+from tests.tiny import DECODERS, random_inputs, tiny_model
 
 CASES = [
     ("bert", "base"),
@@ -25,6 +25,12 @@ CASES = [
     ("deberta-v2", "seq"),
     ("deberta-v2-shared", "mlm"),
     ("vit", "seq"),
+    ("electra", "seq"),
+    ("electra", "mlm"),
+    ("qwen3", "lm"),
+    ("gemma", "lm"),
+    ("gemma2", "lm"),
+    ("phi3", "seq"),
 ]
 
 
@@ -43,7 +49,7 @@ def _with_state(model, state):
 
 @pytest.mark.parametrize(("family", "head"), CASES)
 def test_residual_permutation_preserves_function(family, head):
-    model = tiny_model(family, seed=1, head=head, **({"pad_token_id": 0} if family in ("gpt2", "llama") else {}))
+    model = tiny_model(family, seed=1, head=head, **({"pad_token_id": 0} if family in DECODERS else {}))
     spec = get_spec(model.config)
     d = spec.geometry(model.config).d_model
     perm = torch.randperm(d, generator=torch.Generator().manual_seed(3))

@@ -15,6 +15,7 @@ from symfuse.symmetry import (
     load_transforms,
     random_module_transform,
     random_orthogonal,
+    rope_rotation,
     save_transforms,
 )
 from tests.tiny import DECODERS, FAMILIES, random_inputs, tiny_model
@@ -170,3 +171,34 @@ def test_gram_parts_by_hand():
 def test_module_transform_key_and_kind():
     t = ModuleTransform(ModuleRef(3, "ffn").key, (FFNPermutation(torch.arange(4)),))
     assert (t.key, t.kind) == ("L03.ffn", "ffn")
+
+
+def test_qwen3_qk_norm_allows_only_pair_sign_flips_and_no_qk_map_is_drawn():
+    """Per-head q/k RMSNorm with learned weights: a RoPE-commuting QK rotation or a QK scaling changes the
+    function; the exact QK maps (orthogonal, commuting with diag(w) and RoPE) are sign flips per frequency pair."""
+    model = tiny_model("qwen3", head="lm")
+    inputs = random_inputs(model, seq=9)
+    _, spec, geo, _ = _modules(model)
+    g = torch.Generator().manual_seed(4)
+    base = {ref.key: ModuleTransform(ref.key, ()) for ref in spec.modules(model.config)}
+    n, h = geo.n_kv_heads, geo.head_dim // 2
+    rot = rope_rotation((torch.rand(n, h, generator=g, dtype=torch.float64) * 2 - 1) * 3.0)
+    flips = torch.where(torch.rand(n, h, generator=g) < 0.5, -1.0, 1.0).to(torch.float64).repeat(1, 2)
+    scale = torch.exp(torch.rand(n, h, generator=g, dtype=torch.float64) - 0.5).repeat(1, 2)
+    errs = {}
+    for name, part in (
+        ("rope_rotation", QKRotation(rot)),
+        ("qk_scale", QKScaling(scale)),
+        ("pair_flips", QKRotation(torch.diag_embed(flips))),
+    ):
+        ts = {**base, "L00.attn": ModuleTransform("L00.attn", (part,))}
+        errs[name] = float((_outputs(model, inputs) - _outputs(_transform_model(model, ts), inputs)).abs().max())
+    assert errs["rope_rotation"] > 1e-3 and errs["qk_scale"] > 1e-3, errs
+    assert errs["pair_flips"] <= 1e-5, errs
+    # the disguise never draws a QK map for this family, but keeps the exact V/O ones
+    ref = ModuleRef(0, "attn")
+    kinds = {type(p) for p in random_module_transform(ref, geo, g).parts}
+    assert kinds == {HeadPermutation, VORotation, VOScaling}
+    assert {QKRotation, QKScaling} <= {
+        type(p) for p in random_module_transform(ref, _modules(tiny_model("llama"))[2], g).parts
+    }
