@@ -92,10 +92,17 @@ class ActivationStats:
         return [s for s in [*order, "resid.final"] if s in self.sites]
 
 
-def _norm_sites(spec: ArchSpec, n_layers: int, prefix: str) -> dict[str, str]:
-    """``{site: module path}`` for every norm output on the residual stream."""
+def _norm_sites(spec: ArchSpec, n_layers: int, prefix: str, names: Iterable[str] = ()) -> dict[str, str]:
+    """``{site: module path}`` for every norm output on the residual stream.
+
+    With an embedding projection among ``names`` (ELECTRA: the embedding norm is not in the stream), the
+    embedding site is the projection's output.
+    """
     out = {}
-    if spec.embedding_norm:
+    proj = prefix + spec.embedding_projection if spec.embedding_projection else None
+    if proj is not None and proj + ".weight" in set(names):
+        out["resid.emb"] = proj
+    elif spec.embedding_norm:
         out["resid.emb"] = prefix + spec.embedding_norm
     for i in range(n_layers):
         for sub, path in spec.norm_paths(i, prefix).items():
@@ -123,7 +130,7 @@ def _hook_model(model: torch.nn.Module, store: dict[str, torch.Tensor]) -> list:
 
         return hook
 
-    for site, path in _norm_sites(spec, n_layers, prefix).items():
+    for site, path in _norm_sites(spec, n_layers, prefix, model.state_dict().keys()).items():
         handles.append(model.get_submodule(path).register_forward_hook(out_hook(site)))
     for i in range(n_layers):
         attn = spec.module_paths(ModuleRef(i, "attn"), model.config, prefix)

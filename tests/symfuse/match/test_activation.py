@@ -15,13 +15,22 @@ from symfuse.match.activation import (
 from symfuse.stats.activations import PairedMoments, collect_activation_stats
 from symfuse.symmetry.random import random_module_transform
 from symfuse.symmetry.residual import permute_residual
-from tests.tiny import random_inputs, tiny_model
+from tests.tiny import DECODERS, random_inputs, tiny_model
 
-CASES = [("bert", "mlm"), ("roberta", "seq"), ("gpt2", "lm"), ("llama", "lm")]
+CASES = [
+    ("bert", "mlm"),
+    ("roberta", "seq"),
+    ("gpt2", "lm"),
+    ("llama", "lm"),
+    ("electra", "seq"),
+    ("qwen3", "lm"),
+    ("gemma2", "lm"),
+    ("phi3", "lm"),
+]
 
 
 def _model(family, head, seed):
-    return tiny_model(family, seed=seed, head=head, **({"pad_token_id": 0} if family in ("gpt2", "llama") else {}))
+    return tiny_model(family, seed=seed, head=head, **({"pad_token_id": 0} if family in DECODERS else {}))
 
 
 def _batches(model, n=3):
