@@ -35,6 +35,7 @@ def _parse(path: Path) -> ArchSpec:
         "heads",
         "checkpoint_layout",
         "extra",
+        "inputs",
     }
     unknown = set(raw) - known
     if unknown:  # a spec field nobody reads is a bug, not a comment
@@ -66,6 +67,7 @@ def _build(raw: dict[str, Any]) -> ArchSpec:
         heads=tuple(HeadSpec(**h) for h in raw.get("heads", ())),
         checkpoint_variants=variants,
         extra=raw.get("extra", {}),
+        inputs=raw.get("inputs", "tokens"),
     )
 
 

@@ -171,6 +171,8 @@ class ArchSpec:
         heads: Pooler / task-head / LM-head tensors touching the residual stream (see :class:`HeadSpec`).
         checkpoint_variants: The same family under the names ``save_pretrained`` writes, where those differ from
             the in-memory module names (``checkpoint_layout`` in the YAML); readers pick the one that matches.
+        inputs: What the model reads: ``tokens`` (``input_ids`` + ``attention_mask``, from a tokenizer) or
+            ``pixels`` (``pixel_values`` of ``config.num_channels`` x ``config.image_size``², e.g. ViT).
     """
 
     family: str
@@ -191,6 +193,25 @@ class ArchSpec:
     heads: tuple[HeadSpec, ...] = ()
     checkpoint_variants: tuple[ArchSpec, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
+    inputs: Literal["tokens", "pixels"] = "tokens"
+
+    def random_inputs(
+        self, config: Any, batch: int = 2, seq: int = 12, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Random inputs of the kind the family reads (see :attr:`inputs`), for function checks and statistics.
+
+        Tokens: ids in ``[min(5, vocab - 1), vocab)`` with the last 3 positions of row 0 padded out by the mask.
+        Pixels: standard normal ``pixel_values`` (batch, channels, size, size).
+        """
+        g = generator if generator is not None else torch.Generator().manual_seed(0)
+        if self.inputs == "pixels":
+            size = int(config.image_size)
+            return {"pixel_values": torch.randn(batch, int(config.num_channels), size, size, generator=g)}
+        vocab = int(config.vocab_size)
+        ids = torch.randint(min(5, vocab - 1), vocab, (batch, seq), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, -min(3, seq - 1) :] = 0
+        return {"input_ids": ids, "attention_mask": mask}
 
     # ----------------------------------------------------------------- shapes
     def geometry(self, config: Any) -> Geometry:

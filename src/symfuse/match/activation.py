@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 ACTIVATION_SYMMETRIES = ("residual-permutation", "head-permutation", "ffn-permutation", "rotation", "scaling")
 ResidualStrategy = Literal["first", "last", "all"]
+RANDOM_PIXELS = "random-pixels"  # --data for pixel families: statistics from seeded random pixel inputs
 
 
 def residual_permutation(stats: ActivationStats, strategy: ResidualStrategy = "all") -> torch.Tensor:
@@ -204,16 +205,19 @@ def _state_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]
 
 
 def _logit_diff_in_memory(a: torch.nn.Module, b: torch.nn.Module, seed: int = 0) -> float:
-    """Max |Δ| of the outputs (logits, else last hidden state) on random token inputs with padding, fp32."""
-    cfg = a.config
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(min(5, cfg.vocab_size - 1), cfg.vocab_size, (2, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, -3:] = 0
+    """Max |Δ| of the outputs (logits, else last hidden state) on random inputs of the family's kind, fp32."""
+    inputs = get_spec(a.config).random_inputs(a.config, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        oa, ob = a(input_ids=ids, attention_mask=mask), b(input_ids=ids, attention_mask=mask)
+        oa, ob = a(**inputs), b(**inputs)
     pick = "logits" if getattr(oa, "logits", None) is not None else "last_hidden_state"
     return float((getattr(oa, pick) - getattr(ob, pick)).abs().max())
+
+
+def pixel_batches(config: Any, n_examples: int, batch_size: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Seeded standard-normal ``pixel_values`` batches for a pixel family (see ``ArchSpec.inputs``)."""
+    spec, g = get_spec(config), torch.Generator().manual_seed(seed)
+    sizes = [min(batch_size, n_examples - i) for i in range(0, n_examples, batch_size)]
+    return [spec.random_inputs(config, batch=b, generator=g) for b in sizes]
 
 
 def match_activation_checkpoints(
@@ -236,7 +240,8 @@ def match_activation_checkpoints(
         out: Output folder (must not exist; written atomically): the matched checkpoint (SOURCE's tensor names),
             ``transforms.safetensors`` (per-module transforms with the residual part first, plus ``residual``)
             and ``symfuse_report.json``.
-        data: Dataset whose training texts feed both models (any :func:`symfuse.data.load_task_dataset` source).
+        data: Dataset whose training texts feed both models (any :func:`symfuse.data.load_task_dataset` source);
+            for pixel families (``ArchSpec.inputs``, ViT) :data:`RANDOM_PIXELS`, seeded random images.
         symmetries: Subset of :data:`ACTIVATION_SYMMETRIES`.
         max_examples: Examples used for the statistics.
         residual_strategy: ``first``, ``last`` or ``all``.
@@ -262,10 +267,20 @@ def match_activation_checkpoints(
     src_path, anc_path = resolve_checkpoint(source), resolve_checkpoint(anchor)
     with CheckpointReader(src_path) as src, CheckpointReader(anc_path) as anc:
         check_compatible(src, anc)
-    check_tokenizer(src_path)  # the source's tokenizer encodes the texts: refuse a folder without one up front
-    src_model, anc_model = _load_model(src_path), _load_model(anc_path)
-    batches = make_batches(data, src_path, "train", batch_size, max_length, max_examples)
-    batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
+        spec = src.spec
+    if spec.inputs == "pixels":  # no image datasets yet: seeded random pixels, only when asked for by name
+        if data != RANDOM_PIXELS:
+            raise ValueError(
+                f"{src_path}: a {spec.family} model reads pixels and symfuse has no image datasets; "
+                f"pass --data {RANDOM_PIXELS} (statistics from seeded random pixel inputs)"
+            )
+        src_model, anc_model = _load_model(src_path), _load_model(anc_path)
+        batches = pixel_batches(src_model.config, max_examples or 512, batch_size)
+    else:
+        check_tokenizer(src_path)  # the source's tokenizer encodes the texts: refuse a folder without one up front
+        src_model, anc_model = _load_model(src_path), _load_model(anc_path)
+        batches = make_batches(data, src_path, "train", batch_size, max_length, max_examples)
+        batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
     result = match_activations(
         src_model, anc_model, batches, symmetries, residual_strategy=residual_strategy, device=device
     )

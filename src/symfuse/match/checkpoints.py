@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from symfuse.arch import ModuleRef
+from symfuse.arch import ModuleRef, get_spec
 from symfuse.checkpoint import CheckpointReader, atomic_dir, load_hf_model, write_checkpoint
 from symfuse.errors import CheckpointError
 from symfuse.match.closed_form import torch_threads
@@ -139,16 +139,7 @@ def _logit_diff(a: Path, b: Path, seed: int = 0) -> float:
     """Max |Δ| of the outputs (logits, else last hidden state) of two checkpoints on random inputs, fp32."""
     ma = load_hf_model(a, dtype=torch.float32, validate=False)  # both read and checked by the matcher
     mb = load_hf_model(b, dtype=torch.float32, validate=False)
-    cfg = ma.config
-    g = torch.Generator().manual_seed(seed)
-    if cfg.model_type == "vit":
-        size = cfg.image_size
-        inputs: dict[str, torch.Tensor] = {"pixel_values": torch.randn(2, cfg.num_channels, size, size, generator=g)}
-    else:
-        ids = torch.randint(min(5, cfg.vocab_size - 1), cfg.vocab_size, (2, 12), generator=g)
-        mask = torch.ones_like(ids)
-        mask[0, -3:] = 0
-        inputs = {"input_ids": ids, "attention_mask": mask}
+    inputs = get_spec(ma.config).random_inputs(ma.config, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         oa, ob = ma(**inputs), mb(**inputs)
     pick = "logits" if getattr(oa, "logits", None) is not None else "last_hidden_state"

@@ -7,7 +7,9 @@ import torch
 
 from symfuse.arch import get_spec
 from symfuse.match.activation import (
+    RANDOM_PIXELS,
     head_similarity,
+    match_activation_checkpoints,
     match_activations,
     matched_model,
     residual_permutation,
@@ -26,6 +28,7 @@ CASES = [
     ("qwen3", "lm"),
     ("gemma2", "lm"),
     ("phi3", "lm"),
+    ("vit", "seq"),
 ]
 
 
@@ -130,3 +133,19 @@ def test_head_similarity_is_one_for_rotated_copies():
     best = sim.max(dim=0).values
     torch.testing.assert_close(best, torch.ones(4, dtype=torch.float64), rtol=0, atol=1e-6)
     assert float(sim.max()) <= 1 + 1e-9
+
+
+def test_vit_checkpoints_match_from_random_pixels_without_a_tokenizer(tmp_path):
+    """A pixel family needs no tokenizer: --data random-pixels feeds seeded images; a text dataset is refused."""
+    model = _model("vit", "seq", 3)
+    model.save_pretrained(tmp_path / "anchor")
+    _disguise(model, seed=5).save_pretrained(tmp_path / "source")
+    with pytest.raises(ValueError, match=r"vit model reads pixels .* pass --data random-pixels"):
+        match_activation_checkpoints(tmp_path / "source", tmp_path / "anchor", tmp_path / "bad", "sst2")
+    assert not (tmp_path / "bad").exists()
+    report = match_activation_checkpoints(
+        tmp_path / "source", tmp_path / "anchor", tmp_path / "out", RANDOM_PIXELS, max_examples=48
+    )
+    assert report["max_abs_logit_diff"] <= 1e-4
+    assert report["distance_after"] <= 1e-4 * report["distance_before"]
+    assert (tmp_path / "out" / "model.safetensors").exists()
