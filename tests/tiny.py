@@ -23,6 +23,7 @@ FAMILIES = (
     "gemma",
     "gemma2",
     "phi3",
+    "albert",
 )
 DECODERS = ("gpt2", "llama", "qwen3", "gemma", "gemma2", "phi3")  # causal LMs: tested with head="lm"
 _DECODER = dict(vocab_size=64, max_position_embeddings=64, num_key_value_heads=2, pad_token_id=0, **_SMALL)
@@ -72,6 +73,10 @@ def tiny_config(family: str, **overrides) -> T.PretrainedConfig:
             final_logit_softcapping=0.5,
             sliding_window=4,
             **_DECODER,
+        )
+    elif family == "albert":  # 3 applications of 1 shared stored layer
+        cfg = T.AlbertConfig(
+            vocab_size=64, max_position_embeddings=64, embedding_size=16, **{**_SMALL, "num_hidden_layers": 3}
         )
     elif family == "phi3":
         cfg = T.Phi3Config(bos_token_id=0, eos_token_id=0, **_DECODER)

@@ -36,6 +36,8 @@ def _parse(path: Path) -> ArchSpec:
         "checkpoint_layout",
         "extra",
         "inputs",
+        "n_layers_key",
+        "require",
     }
     unknown = set(raw) - known
     if unknown:  # a spec field nobody reads is a bug, not a comment
@@ -68,6 +70,8 @@ def _build(raw: dict[str, Any]) -> ArchSpec:
         checkpoint_variants=variants,
         extra=raw.get("extra", {}),
         inputs=raw.get("inputs", "tokens"),
+        n_layers_key=raw.get("n_layers_key", "num_hidden_layers"),
+        require=raw.get("require", {}),
     )
 
 

@@ -171,6 +171,9 @@ class ArchSpec:
         heads: Pooler / task-head / LM-head tensors touching the residual stream (see :class:`HeadSpec`).
         checkpoint_variants: The same family under the names ``save_pretrained`` writes, where those differ from
             the in-memory module names (``checkpoint_layout`` in the YAML); readers pick the one that matches.
+        n_layers_key: Config attribute giving the number of STORED layers (``num_hidden_layers``; ALBERT:
+            ``num_hidden_groups``, one stored layer shared by many applications, so one transform serves all).
+        require: Config values the spec assumes (``{inner_group_num: 1}``); others are refused by :meth:`geometry`.
         inputs: What the model reads: ``tokens`` (``input_ids`` + ``attention_mask``, from a tokenizer) or
             ``pixels`` (``pixel_values`` of ``config.num_channels`` x ``config.image_size``², e.g. ViT).
     """
@@ -194,6 +197,8 @@ class ArchSpec:
     checkpoint_variants: tuple[ArchSpec, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
     inputs: Literal["tokens", "pixels"] = "tokens"
+    n_layers_key: str = "num_hidden_layers"
+    require: Mapping[str, Any] = field(default_factory=dict)
 
     def random_inputs(
         self, config: Any, batch: int = 2, seq: int = 12, generator: torch.Generator | None = None
@@ -239,13 +244,18 @@ class ArchSpec:
         rope_params = getattr(config, "rope_parameters", None) or {}
         partial = rope_params.get("partial_rotary_factor") if isinstance(rope_params, dict) else None
         partial = partial if partial is not None else getattr(config, "partial_rotary_factor", None)
+        for key, want in self.require.items():
+            if getattr(config, key, want) != want:
+                raise UnsupportedArchitecture(
+                    f"{self.family}: {key}={getattr(config, key)!r} is not supported (only {key}={want!r})"
+                )
         if self.rope and partial is not None and float(partial) != 1.0:
             raise UnsupportedArchitecture(
                 f"{self.family}: partial_rotary_factor={partial} is not supported (only full rotary embeddings); "
                 "use a checkpoint with partial_rotary_factor 1.0"
             )
         return Geometry(
-            n_layers=int(config.num_hidden_layers),
+            n_layers=int(getattr(config, self.n_layers_key)),
             d_model=d_model,
             n_heads=n_heads,
             n_kv_heads=n_kv,

@@ -86,6 +86,24 @@ def test_qwen3_qk_norms_are_attention_roles_and_flag_the_geometry():
     assert spec.geometry(model.config).qk_norm and not get_spec("llama").geometry(tiny_model("llama").config).qk_norm
 
 
+def test_albert_modules_are_the_stored_layers_and_unsupported_grouping_is_refused():
+    model = tiny_model("albert", num_hidden_groups=1)  # 3 applications of one stored layer
+    spec = get_spec(model.config)
+    assert [r.key for r in spec.modules(model.config)] == ["L00.attn", "L00.ffn"]
+    two = tiny_model("albert", num_hidden_layers=4, num_hidden_groups=2)
+    assert len(spec.modules(two.config)) == 4
+    assert (
+        "encoder.albert_layer_groups.1.albert_layers.0.ffn.weight"
+        in spec.tensor_names(ModuleRef(1, "ffn"), two.config).values()
+    )
+    cfg = tiny_model("albert").config
+    cfg.inner_group_num = 2
+    with pytest.raises(
+        UnsupportedArchitecture, match=r"albert: inner_group_num=2 is not supported \(only inner_group_num=1\)"
+    ):
+        spec.geometry(cfg)
+
+
 def test_partial_rotary_is_refused_with_the_fix():
     cfg = tiny_model("phi3").config
     cfg.rope_parameters = {**cfg.rope_parameters, "partial_rotary_factor": 0.5}
@@ -94,7 +112,9 @@ def test_partial_rotary_is_refused_with_the_fix():
 
 
 def test_unsupported_family_lists_supported():
-    with pytest.raises(UnsupportedArchitecture, match=r"supported: .*bert.*electra.*gemma.*gemma2.*llama.*phi3.*qwen3"):
+    with pytest.raises(
+        UnsupportedArchitecture, match=r"supported: .*albert.*bert.*electra.*gemma.*gemma2.*llama.*phi3.*qwen3"
+    ):
         get_spec("t5")
     assert "gpt2" in supported_model_types()
 

@@ -29,6 +29,7 @@ CASES = [
     ("gemma2", "lm"),
     ("phi3", "lm"),
     ("vit", "seq"),
+    ("albert", "seq"),
 ]
 
 

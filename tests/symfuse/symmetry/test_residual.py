@@ -31,6 +31,8 @@ CASES = [
     ("gemma", "lm"),
     ("gemma2", "lm"),
     ("phi3", "seq"),
+    ("albert", "seq"),
+    ("albert", "mlm"),
 ]
 
 
