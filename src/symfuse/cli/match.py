@@ -32,7 +32,11 @@ def match(
     # --- activation-based matching (issue 5) ---
     data: Annotated[
         str | None,
-        typer.Option("--data", help="Dataset whose texts feed both models: activation-based permutations."),
+        typer.Option(
+            "--data",
+            help="Dataset whose texts feed both models: activation-based permutations (pixel families such as "
+            "ViT: 'random-pixels').",
+        ),
     ] = None,
     max_examples: Annotated[int, typer.Option("--max-examples", help="Examples for the statistics.")] = 512,
 ) -> None:
