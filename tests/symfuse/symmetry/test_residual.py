@@ -108,3 +108,22 @@ def test_unknown_head_is_an_error():
     spec = get_spec(model.config)
     with pytest.raises(UnsupportedArchitecture, match=r"mystery_head\.weight"):
         permute_residual(sd, spec, model.config, torch.arange(32))
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("electra", {"embedding_size": 32}), ("albert", {"num_hidden_layers": 4, "num_hidden_groups": 2})],
+)
+def test_variants_without_projection_or_with_several_shared_groups(family, overrides):
+    """ELECTRA without embeddings_project (embeddings in the stream) and ALBERT with two shared layer groups."""
+    model = tiny_model(family, seed=2, head="seq", **overrides)
+    spec = get_spec(model.config)
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(4))
+    new_state = permute_residual(model.state_dict(), spec, model.config, perm)
+    emb = spec.detect_prefix(new_state) + "embeddings.word_embeddings.weight"
+    changed = not torch.equal(new_state[emb], model.state_dict()[emb])
+    assert changed == (family == "electra")  # ALBERT's embeddings live before embedding_hidden_mapping_in
+    inputs = random_inputs(model)
+    torch.testing.assert_close(
+        _outputs(_with_state(model, new_state), inputs)[0], _outputs(model, inputs)[0], rtol=0, atol=1e-5
+    )

@@ -202,3 +202,12 @@ def test_qwen3_qk_norm_allows_only_pair_sign_flips_and_no_qk_map_is_drawn():
     assert {QKRotation, QKScaling} <= {
         type(p) for p in random_module_transform(ref, _modules(tiny_model("llama"))[2], g).parts
     }
+
+
+def test_albert_two_shared_groups_one_transform_per_stored_layer_preserves_function():
+    model = tiny_model("albert", head="seq", num_hidden_layers=4, num_hidden_groups=2)
+    inputs = random_inputs(model)
+    ts = _random_transforms(model, seed=3)
+    assert sorted(ts) == ["L00.attn", "L00.ffn", "L01.attn", "L01.ffn"]  # 2 stored layers, 4 applications
+    diff = (_outputs(model, inputs) - _outputs(_transform_model(model, ts), inputs)).abs().max()
+    assert diff <= 1e-5
