@@ -198,7 +198,7 @@ def _rotation(ma: torch.Tensor, mb: torch.Tensor, a: torch.Tensor, rope: bool) -
 
 
 def _pair_vectors(m: torch.Tensor) -> torch.Tensor:
-    """RoPE pairs ``(i, i + d/2)``: ``(M_ii + M_jj, M_ji − M_ij)`` (..., d/2, 2); its length is the pair's best score."""
+    """RoPE pairs ``(i, i + d/2)``: ``(M_ii + M_jj, M_ji − M_ij)`` (..., d/2, 2), whose length is the best score."""
     h = m.shape[-1] // 2
     i = torch.arange(h)
     return torch.stack([m[..., i, i] + m[..., i + h, i + h], m[..., i + h, i] - m[..., i, i + h]], dim=-1)

@@ -97,7 +97,7 @@ def align_module(
         target = new
         if moved < tol or n_iter >= max_iter:
             if moved >= tol:
-                log.warning("%s: barycenter stopped at max_iter=%d (moved %.3g > tol %.3g)", ref.key, n_iter, moved, tol)
+                log.warning("%s: barycenter stopped at max_iter=%d (moved %.3g, tol %.3g)", ref.key, n_iter, moved, tol)
             else:
                 log.debug("%s: barycenter converged in %d iterations", ref.key, n_iter)
             return ts, n_iter
