@@ -4,6 +4,7 @@ Both work module by module (memory O(one module x number of models)). The closes
 module tensors (attention and FFN), whose plain average is what an unaligned merge would produce.
 Barycenter = generalised Procrustes, per module: start from the model whose module is closest to the plain average,
 align every model to the running mean, re-average, until the mean stops moving (relative change < ``tol``).
+With scaling, the scales' common factor (a gauge) is fixed every iteration: per head their geometric mean is 1.
 :func:`match_module_many` does it for ONE module (the per-module task of a barycenter pipeline).
 """
 
