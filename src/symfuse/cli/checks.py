@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from typer.core import TyperCommand
 
-from symfuse.errors import UsageError
+from symfuse.errors import DataError, SymfuseError, UsageError
 
 
 def positive(option: str, value: float | None, what: str = "a number") -> None:
@@ -129,6 +130,8 @@ def unused(strategy: str, given: dict[str, Any], accepted: Iterable[str]) -> Non
 
 def device(option: str, value: str) -> None:
     """A torch device string (``cpu``, ``cuda``, ``cuda:1``, ...)."""
+    if re.fullmatch(r"(cpu|cuda|mps|xpu)(:\d+)?", value):
+        return
     import torch
 
     try:
@@ -142,3 +145,56 @@ def dataset(option: str, value: str) -> None:
     from symfuse.data import load_task_dataset
 
     load_task_dataset(value)
+
+
+def _unreadable(what: str, value: str | Path, exc: BaseException, fix: str) -> DataError:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return DataError(f"{value}: unreadable {what} ({type(exc).__name__}: {first}) — {fix}")
+
+
+def checkpoint(value: str | Path, arch: bool = True) -> None:
+    """Open a checkpoint's config and safetensors headers (no tensor data): a bad folder fails before any work.
+
+    Args:
+        value: Folder, ``minilm`` or hub id.
+        arch: Also resolve its architecture spec (commands that match or merge by module).
+
+    Raises:
+        DataError: the folder cannot be read (its own error names it otherwise).
+    """
+    from safetensors import safe_open
+
+    from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
+
+    fix = "re-save it with save_pretrained(safe_serialization=True)"
+    try:
+        if arch:
+            with CheckpointReader(value):
+                return
+        folder = resolve_checkpoint(value)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise DataError(f"{value}: no *.safetensors weights — {fix}")
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                f.keys()
+    except SymfuseError:
+        raise
+    except Exception as exc:
+        raise _unreadable("checkpoint", value, exc, fix) from exc
+
+
+def stats_files(values: Sequence[str | Path], kinds: Iterable[str]) -> None:
+    """Open the header of each statistics file a merge will read (one folder or file per model)."""
+    from symfuse.stats.io import StatsFile
+
+    for value in values:
+        path = Path(value)
+        files = [path / f"{k}.safetensors" for k in kinds] if path.is_dir() else [path]
+        for file in files:
+            try:
+                StatsFile(file)
+            except SymfuseError:
+                raise
+            except Exception as exc:
+                raise _unreadable("statistics file", file, exc, "collect it again with `symfuse stats`") from exc

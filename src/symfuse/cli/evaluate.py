@@ -33,6 +33,7 @@ def evaluate(
     checks.at_least("--batch-size", batch_size, 1)
     checks.device("--device", device)
     checks.local_path("MODEL", model)
+    checks.checkpoint(model, arch=False)
     if out is not None and out.is_dir():
         raise UsageError(f"--out: {out} is a folder — give the metrics JSON file to write")
     checks.dataset("--data", data)
@@ -72,6 +73,8 @@ def barrier(
     checks.device("--device", device)
     checks.local_path("A", a)
     checks.local_path("B", b)
+    checks.checkpoint(a, arch=False)
+    checks.checkpoint(b, arch=False)
     from symfuse.evaluate import loss_barrier
 
     with atomic_output_dir(out, overwrite=overwrite) as tmp:

@@ -38,15 +38,19 @@ def match(
     With --data, permutations (residual-permutation, head-permutation, ffn-permutation) come from activation
     correlations on the dataset's texts; rotation and scaling are then fitted on the weights.
     """
+    checks.at_least("--workers", workers, 1)
+    checks.at_least("--max-examples", max_examples, 1)
+    checks.local_path("SOURCE", source)
+    checks.local_path("ANCHOR", anchor)
     from symfuse.match.activation import ACTIVATION_SYMMETRIES
 
     names = checks.names_list("--symmetries", symmetries, ACTIVATION_SYMMETRIES, "symmetries")
     if data is None and "residual-permutation" in names:
         raise UsageError("--symmetries: residual-permutation is found from activations — give --data DATASET")
-    checks.at_least("--workers", workers, 1)
-    checks.at_least("--max-examples", max_examples, 1)
-    checks.local_path("SOURCE", source)
-    checks.local_path("ANCHOR", anchor)
+    checks.checkpoint(source)
+    checks.checkpoint(anchor)
+    if data is not None:
+        checks.dataset("--data", data)
     with claim_output(out, overwrite):
         if data is not None:
             from symfuse.match.activation import match_activation_checkpoints
@@ -74,6 +78,7 @@ def disguise(
     if noise < 0:
         raise UsageError(f"--noise: {noise} is negative — give a relative noise >= 0 (0 keeps the function exactly)")
     checks.local_path("SOURCE", source)
+    checks.checkpoint(source)
     with claim_output(out, overwrite):
         from symfuse.match import disguise_checkpoint
 

@@ -42,10 +42,7 @@ def merge(
 
     Writes a save_pretrained folder with symfuse_report.json (strategy, inputs, seconds).
     """
-    from symfuse.merge import MERGERS, merge_checkpoints
-
-    checks.one_of("--strategy", strategy, MERGERS)
-    merger = MERGERS[strategy]
+    # checks that need no registry first: a bad value fails before torch is even imported
     models = list(models or [])
     if len(models) < 2:
         raise UsageError(f"--models: {len(models)} model(s) given — give two or more: --models A B [C ...]")
@@ -60,7 +57,6 @@ def merge(
         "dtype": dtype,
         "epsilon": epsilon,
     }
-    checks.unused(strategy, given, merger.Params.model_fields)
     checks.fraction("--alpha", alpha, closed_low=True)
     checks.finite("--lam", lam)
     checks.fraction("--density", density)
@@ -74,6 +70,15 @@ def merge(
             raise UsageError(f"--weights: {len(weights)} weight(s) for {len(models)} models — give one per model")
         if not all(w >= 0 and w < float("inf") for w in weights) or sum(weights) <= 0:
             raise UsageError(f"--weights: {weights} — give finite weights >= 0 with a positive sum")
+    for m in models:
+        checks.local_path("--models", m)
+    if base is not None:
+        checks.local_path("--base", base)
+    from symfuse.merge import MERGERS, merge_checkpoints
+
+    checks.one_of("--strategy", strategy, MERGERS)
+    merger = MERGERS[strategy]
+    checks.unused(strategy, given, merger.Params.model_fields)
     if stats and not merger.required_stats:
         raise UsageError(f"--stats: --strategy {strategy} reads no statistics — drop --stats")
     if merger.required_stats and not stats:
@@ -85,12 +90,12 @@ def merge(
         raise UsageError(f"--base: --strategy {strategy} works on task vectors — give the base model with --base")
     if base is not None and not merger.needs_base:
         raise UsageError(f"--base: --strategy {strategy} does not use a base model — drop --base")
-    for m in models:
-        checks.local_path("--models", m)
     for s in stats or []:
         checks.local_path("--stats", s, folder=False)
-    if base is not None:
-        checks.local_path("--base", base)
+    for m in [*models, *([base] if base is not None else [])]:
+        checks.checkpoint(m)
+    if stats:
+        checks.stats_files(stats, merger.required_stats)
     params = {k: v for k, v in given.items() if v is not None}
     with claim_output(out, overwrite):
         path = merge_checkpoints(strategy, models, out, stats=stats, base=base, overwrite=overwrite, **params)

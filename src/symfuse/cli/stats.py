@@ -26,16 +26,17 @@ def stats(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Collect per-layer input Grams and/or diagonal Fisher of MODEL on DATASET."""
-    from symfuse.stats import collect_stats
-    from symfuse.stats.io import STAT_KINDS
-
-    kinds = checks.names_list("--kind", kind, STAT_KINDS, "statistics kinds")
     checks.at_least("--max-examples", max_examples, 1)
     checks.at_least("--batch-size", batch_size, 1)
     checks.at_least("--max-length", max_length, 2)
     checks.one_of("--fisher-mode", fisher_mode, ("empirical", "sampled"))
     checks.device("--device", device)
     checks.local_path("MODEL", model)
+    from symfuse.stats import collect_stats
+    from symfuse.stats.io import STAT_KINDS
+
+    kinds = checks.names_list("--kind", kind, STAT_KINDS, "statistics kinds")
+    checks.checkpoint(model, arch=False)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         checks.dataset("--data", data)
         written = collect_stats(

@@ -40,6 +40,7 @@ def finetune(
     checks.at_least("--max-length", max_length, 8)
     checks.device("--device", device)
     checks.local_path("BASE", base)
+    checks.checkpoint(base, arch=False)
     from symfuse.train import TRAIN_REPORT, FinetuneConfig
     from symfuse.train import finetune as run
 
