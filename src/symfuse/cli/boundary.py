@@ -57,9 +57,9 @@ def _message(exc: BaseException) -> str:
             return f"{exc.title}: {'; '.join(parts)}"  # type: ignore[attr-defined]
         except Exception:
             pass
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror[:1].lower()}{exc.strerror[1:]} — check the path and its permissions"
     text = str(exc).strip()
-    if isinstance(exc, OSError) and exc.filename is not None and str(exc.filename) not in text:
-        text = f"{exc.filename}: {text}"
     return text or type(exc).__name__
 
 
