@@ -60,6 +60,7 @@ class _Claim:
     overwrite: bool
     created: list[Path] = field(default_factory=list)  # parent folders this claim made (removed if left empty)
     count: int = 1
+    thread: int = field(default_factory=threading.get_ident)  # re-entered only by the thread that claimed it
 
 
 _CLAIMS: dict[Path, _Claim] = {}
@@ -227,7 +228,11 @@ def claim_output(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
     path = check_output(out, overwrite)
     with _STATE:
         claim = _CLAIMS.get(path)
-        if claim is not None:  # re-entered by the same process (a command, then the library writer)
+        if claim is not None and claim.thread != threading.get_ident():
+            raise OutputLockedError(
+                f"{out}: another thread of this process (pid {os.getpid()}) is writing it — choose another --out"
+            )
+        if claim is not None:  # re-entered by the same thread (a command, then the library writer)
             claim.count += 1
     if claim is None:
         created = [p for p in (path.parent, *path.parent.parents) if not p.exists()]

@@ -135,10 +135,8 @@ def _nan_copy(src: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> dict[str, Path]:
-    """Good and bad input artifacts, shared by every case (never written by the commands)."""
-    d = tmp_path_factory.mktemp("inputs")
+def build_inputs(d: Path) -> dict[str, Path]:
+    """Good and bad input artifacts in ``d``, shared by every case (never written by the commands)."""
     p = {
         "A": save_tiny(d / "a", "bert", seed=1),
         "B": save_tiny(d / "b", "bert", seed=2),
@@ -167,6 +165,12 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     p["GS"].mkdir()
     (p["GS"] / "gram.safetensors").write_bytes(b"\x00" * 5)
     return p
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    """The shared inputs (see :func:`build_inputs`)."""
+    return build_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 def _args(case: Case, inputs: dict[str, Path], out: Path) -> list[str]:

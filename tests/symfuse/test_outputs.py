@@ -152,3 +152,22 @@ def test_stale_temp_folders_of_dead_writers_are_removed_at_the_next_claim(tmp_pa
     assert not any(p.exists() for p in stale)
     assert live.exists() and other.exists()  # a live writer's, and another output's
     assert clean_stale_temps(out) == []
+
+
+def test_another_thread_of_the_process_cannot_enter_a_claim(tmp_path):
+    import threading
+
+    out, errors = tmp_path / "out", []
+
+    def other():
+        try:
+            with atomic_output_dir(out):
+                pass
+        except OutputLockedError as exc:
+            errors.append(exc)
+
+    with claim_output(out):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert len(errors) == 1 and "another thread" in str(errors[0]) and not out.exists()
