@@ -1,4 +1,4 @@
-"""A local Prefect stack for symfuse: server on 127.0.0.1, pool ``gpu``, tag limit, deployments, automations, workers.
+"""A local Prefect stack for symfuse: server on 127.0.0.1, pools, tag limit, deployments, automations, workers.
 
 Usage (from anywhere; paths are resolved against the repository)::
 
@@ -9,11 +9,13 @@ Usage (from anywhere; paths are resolved against the repository)::
     python deployments/stack.py setup      # against $PREFECT_API_URL: pool, limit, automations, deploy (compose)
 
 ``start`` runs ``prefect server start --host 127.0.0.1`` in the background (PREFECT_HOME and its sqlite database
-under ``--home``, default ``$SYMFUSE_STACK_DIR`` or ``symfuse-runs/.stack``), creates the process work pool ``gpu``,
-sets the task concurrency limit on tag ``gpu`` (one slot per GPU), runs ``prefect deploy`` on
-``deployments/prefect.yaml``, applies ``deployments/automations.yaml`` and starts one worker per GPU, each with
-``CUDA_VISIBLE_DEVICES`` set to its GPU (one worker without it when there is no GPU). Workers inherit this shell's
-environment: set ``SYMFUSE_STORE`` (and ``AWS_*`` for an ``s3://`` store) before starting.
+under ``--home``, default ``$SYMFUSE_STACK_DIR`` or ``symfuse-runs/.stack``), creates the process work pools ``gpu``
+and ``control`` (the watcher's, so it never takes a GPU worker's slot), sets the task concurrency limit on tag
+``gpu`` (one slot per GPU), runs ``prefect deploy`` on a copy of ``deployments/prefect.yaml`` whose pull step names
+this checkout (the file itself names /opt/symfuse, the images' folder), applies ``deployments/automations.yaml`` and
+starts one worker per GPU, each with ``CUDA_VISIBLE_DEVICES`` set to its GPU (one worker without it when there is no
+GPU), plus one ``control`` worker. Workers inherit this shell's environment: set ``SYMFUSE_STORE`` (and ``AWS_*``
+for an ``s3://`` store) before starting; ``HF_HUB_OFFLINE=1`` there forbids hub downloads (not forced here).
 
 ``stop`` stops the workers BEFORE the server: a worker whose server is gone retries and hangs on SIGTERM.
 """
@@ -41,7 +43,9 @@ REPO = Path(__file__).resolve().parent.parent
 PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
 AUTOMATIONS_FILE = REPO / "deployments" / "automations.yaml"
 POOL = "gpu"
+CONTROL_POOL = "control"
 GPU_TAG = "gpu"
+LIBRARY_LOGGERS = "symfuse,tasks"  # PREFECT_LOGGING_EXTRA_LOGGERS: library INFO lines in the runs' logs
 HOST = "127.0.0.1"
 
 
@@ -59,10 +63,9 @@ def server_env(home: Path, api_url: str | None = None) -> dict[str, str]:
             "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect' / 'prefect.db'}",
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-            "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
         }
     )
+    env.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", LIBRARY_LOGGERS)
     if api_url:
         env["PREFECT_API_URL"] = api_url
     return env
@@ -138,7 +141,7 @@ def wait_healthy(api_url: str, timeout: float = 120, pid: int | None = None) -> 
 
 # ----------------------------------------------------------------------------------------------- API set-up
 async def _setup_api(api_url: str, n_slots: int, automations: list[dict[str, Any]]) -> None:
-    """Create the process pool, the tag concurrency limit and the automations (replacing same-named ones)."""
+    """Create the process pools, the tag concurrency limit and the automations (replacing same-named ones)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.events.schemas.automations import AutomationCore
@@ -146,11 +149,12 @@ async def _setup_api(api_url: str, n_slots: int, automations: list[dict[str, Any
     from prefect.workers.process import ProcessWorker
 
     async with get_client() as client:
-        try:
-            await client.read_work_pool(POOL)
-        except ObjectNotFound:
-            template = ProcessWorker.get_default_base_job_template()
-            await client.create_work_pool(WorkPoolCreate(name=POOL, type="process", base_job_template=template))
+        for pool in (POOL, CONTROL_POOL):
+            try:
+                await client.read_work_pool(pool)
+            except ObjectNotFound:
+                template = ProcessWorker.get_default_base_job_template()
+                await client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=template))
         await client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=n_slots)
         for data in automations:
             automation = AutomationCore.model_validate(data)
@@ -166,7 +170,7 @@ def load_automations(path: Path = AUTOMATIONS_FILE) -> list[dict[str, Any]]:
 
 
 def apply_api_setup(api_url: str, n_slots: int = 1, automations: list[dict[str, Any]] | None = None) -> None:
-    """Pool ``gpu`` (process), limit on tag ``gpu``, automations: against the server at ``api_url``."""
+    """Pools ``gpu`` and ``control`` (process), limit on tag ``gpu``, automations: against the server at ``api_url``."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings(updates={PREFECT_API_URL: api_url}):
@@ -181,6 +185,15 @@ def deployable_names(prefect_file: Path = PREFECT_FILE) -> tuple[list[str], list
         file = dep["entrypoint"].split(":", 1)[0]
         (ok if (REPO / file).is_file() else missing).append(dep["name"])
     return ok, missing
+
+
+def local_project_file(home: Path, checkout: Path = REPO, prefect_file: Path = PREFECT_FILE) -> Path:
+    """A copy of ``prefect_file`` under ``home`` whose pull step runs the flows in ``checkout`` (the local stack)."""
+    data = yaml.safe_load(prefect_file.read_text())
+    data["pull"] = [{"prefect.deployments.steps.set_working_directory": {"directory": str(checkout)}}]
+    out = home / "prefect.yaml"
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
 
 
 def deploy(env: dict[str, str], prefect_file: Path = PREFECT_FILE) -> list[str]:
@@ -257,7 +270,7 @@ def start(
             raise RuntimeError(f"{exc}; see {root / 'logs' / 'server.log'}") from exc
         gpus = detect_gpus() if gpus is None else list(gpus)
         apply_api_setup(api_url, n_slots=max(1, len(gpus)))
-        deployed = deploy(env)
+        deployed = deploy(env, local_project_file(root))
         pids = []
         for i, gpu in enumerate((gpus or [None]) if workers else []):
             worker_env = dict(env)
@@ -268,6 +281,11 @@ def start(
             pids.append(
                 _spawn([*args, "--name", name], worker_env, root / "logs" / f"{name}.log", root / f"worker-{i}.pid")
             )
+        if workers:  # the watcher's pool: listing the store needs no GPU
+            args = [sys.executable, "-m", "prefect", "worker", "start", "--pool", CONTROL_POOL, "--type", "process"]
+            name = f"{CONTROL_POOL}-worker"
+            log = root / "logs" / f"{name}.log"
+            pids.append(_spawn([*args, "--name", name], env, log, root / "worker-control.pid"))
     except BaseException:
         stop(root)
         raise
@@ -323,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         wait_healthy(api_url)
         n_slots = int(os.environ.get("SYMFUSE_GPU_SLOTS", "0")) or max(1, len(detect_gpus()))
         apply_api_setup(api_url, n_slots=n_slots)
-        print(f"pool {POOL!r}, limit on tag {GPU_TAG!r} ({n_slots}), {AUTOMATIONS_FILE.name} applied to {api_url}")
+        print(f"pools {POOL!r} and {CONTROL_POOL!r}, limit on tag {GPU_TAG!r} ({n_slots}), {AUTOMATIONS_FILE.name} "
+              f"applied to {api_url}")  # fmt: skip
         if args.command == "setup":
             env = {**os.environ, "PREFECT_API_URL": api_url}
             print(f"deployed: {', '.join(deploy(env)) or '(none)'}")

@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    # library lines in the run's logs (read when Prefect sets up logging; the flows also attach the handler)
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "symfuse,tasks")
     args = parse_args(argv)
     config = load_config(args)
     from flows.pipeline import fusion_pipeline

@@ -15,6 +15,7 @@ from prefect import flow, unmapped
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.runtime import forward_library_logs, run_lock, staged
 from symfuse.config import RunConfig
 from symfuse.merge import MERGERS
 from tasks.common import warm_imports
@@ -26,6 +27,12 @@ from tasks.report import report
 from tasks.stats import collect_stats, follow_stats
 
 VARIANTS = ("plain", "matched")
+# The timeout (``RunConfig.timeouts.<stage>``) each task runs under.
+STAGES = {
+    finetune: "finetune", bring_checkpoint: "other", collect_stats: "stats", follow_stats: "stats",
+    list_modules: "match", choose_anchor: "match", match_module: "match", match_module_barycenter: "match",
+    assemble_matched: "match", merge: "merge", evaluate: "evaluate", report: "other",
+}  # fmt: skip
 
 
 def workers() -> int:
@@ -69,7 +76,15 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     Returns:
         ``{"report": URI, "merged": {name: URI}, "evaluations": [URI, ...]}``.
     """
+    forward_library_logs()  # symfuse.* INFO lines (losses, metrics, retries) into the run's logs
+    with run_lock(config.run_id):  # one flow run per run_id: a second one waits, then reuses what this one stored
+        return run_stages(config)
+
+
+def run_stages(config: RunConfig) -> dict[str, Any]:
+    """The body of :func:`fusion_pipeline` (inside its flow run, holding the run lock)."""
     names = config.dataset_names
+    T = staged(config, STAGES)  # every task with its stage's timeout
     warm_imports(config.base_model)  # transformers' lazy imports are not thread-safe: resolve them before fan-out
     unknown = [s for s in config.strategies if s not in MERGERS]
     if unknown:
@@ -78,37 +93,39 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     # 1. One model per dataset: fine-tuned from the base, or the checkpoint the user brings.
     trained = [n for n in names if config.dataset(n).checkpoint is None]
     brought = [n for n in names if n not in trained]
-    models = dict(zip(trained, finetune.map(unmapped(config), trained), strict=True))
-    models |= dict(zip(brought, bring_checkpoint.map(unmapped(config), brought), strict=True))
+    models = dict(zip(trained, T.finetune.map(unmapped(config), trained), strict=True))
+    models |= dict(zip(brought, T.bring_checkpoint.map(unmapped(config), brought), strict=True))
 
     # 2. Statistics the strategies need, one task per model × kind.
     kinds = needed_kinds(config)
-    stats = {(n, k): collect_stats.submit(config, n, models[n], k) for n in names for k in kinds}
+    stats = {(n, k): T.collect_stats.submit(config, n, models[n], k) for n in names for k in kinds}
 
     # 3. Matching: one task per attention / FFN module per other model onto the anchor model, or (barycenter) one
     #    task per module aligning every model to their mean (either task returns {model: transform URI}); then the
     #    matched checkpoints.
     first = names[0]
-    modules = result_of(list_modules.submit(config, first, models[first]), upstream=[models[first]])
+    modules = result_of(T.list_modules.submit(config, first, models[first]), upstream=[models[first]])
     if config.anchor == "barycenter":
         anchor, others = None, names
-        per_module = match_module_barycenter.map(unmapped(config), unmapped(models), modules)
+        per_module = T.match_module_barycenter.map(unmapped(config), unmapped(models), modules)
         transforms = {n: per_module for n in names}
     else:
-        anchor = result_of(choose_anchor.submit(config, models), upstream=list(models.values()))
+        anchor = result_of(T.choose_anchor.submit(config, models), upstream=list(models.values()))
         others = [n for n in names if n != anchor]
         transforms = {
-            n: match_module.map(unmapped(config), unmapped(n), unmapped(models[n]), unmapped(models[anchor]), modules)
+            n: T.match_module.map(unmapped(config), unmapped(n), unmapped(models[n]), unmapped(models[anchor]), modules)
             for n in others
         }
     matched = {
-        n: assemble_matched.submit(config, n, models[n], models[anchor] if anchor else None,
-                                   dict(zip(modules, transforms[n], strict=True)))
+        n: T.assemble_matched.submit(config, n, models[n], models[anchor] if anchor else None,
+                                     dict(zip(modules, transforms[n], strict=True)))
         for n in others
     }  # fmt: skip
 
     # 4. Statistics follow matching: Gram transformed exactly, Fisher recollected on the matched model if needed.
-    matched_stats = {(n, k): follow_stats.submit(config, n, matched[n], stats[n, k], k) for n in others for k in kinds}
+    matched_stats = {
+        (n, k): T.follow_stats.submit(config, n, matched[n], stats[n, k], k) for n in others for k in kinds
+    }
 
     # 5. Merge every strategy on the plain and on the matched models.
     inputs = {
@@ -119,7 +136,7 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     pairs = [(s, v) for s in config.strategies for v in VARIANTS]
     merged = dict(zip(
         [f"{s}-{v}" for s, v in pairs],
-        merge.map(
+        T.merge.map(
             unmapped(config), [s for s, _ in pairs], [v for _, v in pairs],
             [inputs[v][0] for _, v in pairs],
             [{n: [inputs[v][1][n, k] for k in kinds if k in MERGERS[s].required_stats] for n in names}
@@ -132,14 +149,14 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     evaluated = {**{n: models[n] for n in names}, **merged}
     eval_sets = config.eval_datasets()
     grid = [(m, d) for m in evaluated for d in eval_sets]
-    evaluations = evaluate.map(
+    evaluations = T.evaluate.map(
         unmapped(config), [m for m, _ in grid], [evaluated[m] for m, _ in grid], [d for _, d in grid]
     )
 
     # 7. Report: report.md + metrics.csv + plots in the store, markdown / table / link artifacts in Prefect.
     others_uris = [*models.values(), *stats.values(), *matched_stats.values()]
     transform_tasks = list(dict.fromkeys(f for fs in transforms.values() for f in fs))  # barycenter: shared tasks
-    report_uri = report.submit(
+    report_uri = T.report.submit(
         config, evaluations, list(matched.values()), list(merged.values()), others_uris, transform_tasks
     )
     every = [*models.values(), *stats.values(), *transform_tasks, *matched.values()]

@@ -11,12 +11,14 @@ Drop a checkpoint in with ``ArtifactStore.put_dir(layout.incoming_key(run, name)
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from prefect import flow
 from prefect.events import emit_event
 from prefect.logging import get_run_logger
 
+from flows.runtime import forward_library_logs, run_lock
 from symfuse.config import DatasetConfig, RunConfig
 from symfuse.store import ArtifactStore, layout
 from symfuse.store.layout import manifest_digest
@@ -28,6 +30,16 @@ def merged_digests(store: ArtifactStore, run: str) -> set[str]:
     """Content digests of every model some merged artifact of ``run`` was made from."""
     prefix = f"{layout.run_prefix(run)}/merged"
     return {d for key in store.list(prefix) for d in store.manifest(key).get("meta", {}).get("model_digests", [])}
+
+
+def event_id(store: ArtifactStore, run: str, checkpoints: list[str]) -> uuid.UUID:
+    """The event's id: a function of the run and the checkpoints' content (not of the time).
+
+    Every watch tick that sees the same pending set emits the SAME event, which Prefect's trigger service evaluates
+    once (it skips event ids it has seen): one remerge per set of new checkpoints, not one per tick.
+    """
+    digests = sorted(manifest_digest(store.manifest(uri)) for uri in checkpoints)
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"{EVENT}/{run}/{','.join(digests)}")
 
 
 def pending_checkpoints(store: ArtifactStore, run: str, prefix: str | None = None) -> list[str]:
@@ -48,6 +60,7 @@ def watch_checkpoints(config: RunConfig, prefix: str | None = None) -> list[str]
     Returns:
         The new checkpoints' URIs (empty: no event).
     """
+    forward_library_logs()
     store = ArtifactStore(config.resolved_store_root())
     new = pending_checkpoints(store, config.run_id, prefix)
     log = get_run_logger()
@@ -58,6 +71,7 @@ def watch_checkpoints(config: RunConfig, prefix: str | None = None) -> list[str]
         event=EVENT,
         resource={"prefect.resource.id": f"symfuse.run.{config.run_id}", "prefect.resource.name": config.run_id},
         payload={"config": config.model_dump(mode="json"), "checkpoints": new},
+        id=event_id(store, config.run_id, new),
     )
     log.info("emitted %s for %d checkpoint(s): %s", EVENT, len(new), new)
     return new
@@ -92,7 +106,9 @@ def remerge(config: RunConfig, checkpoints: list[str]) -> dict[str, Any]:
     """
     from flows.pipeline import fusion_pipeline
 
-    store = ArtifactStore(config.resolved_store_root())
-    current = sorted({*checkpoints, *(store.uri(k) for k in store.list(layout.incoming_prefix(config.run_id)))})
-    get_run_logger().info("re-merging with %d incoming checkpoint(s): %s", len(current), current)
-    return fusion_pipeline(with_checkpoints(config, store, current))
+    forward_library_logs()
+    with run_lock(config.run_id):  # held through the pipeline subflow (re-entrant there)
+        store = ArtifactStore(config.resolved_store_root())
+        current = sorted({*checkpoints, *(store.uri(k) for k in store.list(layout.incoming_prefix(config.run_id)))})
+        get_run_logger().info("re-merging with %d incoming checkpoint(s): %s", len(current), current)
+        return fusion_pipeline(with_checkpoints(config, store, current))

@@ -1,9 +1,10 @@
 """What every task shares: the store, a scratch folder, timing, the retry settings and the task decorator.
 
 Each task follows one pattern: build its key (``symfuse.store.layout``) and content key (config + input manifests),
-return the URI at once when the store already holds that content, else download its inputs, call ONE library
-function, upload the result with a manifest (data first, manifest last) and return the URI. Only URIs and small
-configs cross task boundaries, never tensors or modules.
+return the URI at once when the store already holds that content (:func:`reuse`, which logs it), else download its
+inputs, call ONE library function, upload the result with a manifest (data first, manifest last) and return the URI.
+Only URIs and small configs cross task boundaries, never tensors or modules. Long library calls get a
+:class:`Progress` callback, shown as a progress artifact in the Prefect UI.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ from tasks.policy import RETRIES, RETRY_DELAYS, maybe_inject_fault, retry_transi
 
 __all__ = [
     "ArtifactStore",
+    "Progress",
     "content_key",
     "layout",
     "logger",
     "maybe_inject_fault",
     "open_store",
+    "quiet_third_party",
+    "reuse",
     "scratch",
     "symfuse_task",
     "timed",
@@ -86,6 +90,28 @@ def warm_imports(base_model: str) -> None:
         T.AutoTokenizer.from_pretrained(str(folder))
 
 
+def quiet_third_party() -> None:
+    """Turn off transformers' / huggingface_hub's / datasets' progress bars and info chatter in this process.
+
+    Tasks report progress through :class:`Progress` and the ``symfuse.*`` log lines; the third-party bars
+    ("Loading weights", downloads) would only fill the worker's console. Idempotent and cheap.
+    """
+    with contextlib.suppress(ImportError):
+        import transformers.utils.logging as tlog
+
+        tlog.disable_progress_bar()
+        tlog.set_verbosity_error()
+    with contextlib.suppress(ImportError):
+        import huggingface_hub.utils as hub_utils
+
+        hub_utils.disable_progress_bars()
+    with contextlib.suppress(ImportError):
+        import datasets.utils.logging as dlog
+
+        dlog.disable_progress_bar()
+        dlog.set_verbosity_error()
+
+
 def logger() -> logging.Logger | logging.LoggerAdapter:
     """The Prefect run logger inside a run, else this module's logger (``.fn()`` calls in tests)."""
     from prefect.exceptions import MissingContextError
@@ -98,8 +124,74 @@ def logger() -> logging.Logger | logging.LoggerAdapter:
 
 
 def open_store(config: RunConfig) -> ArtifactStore:
-    """The run's artifact store."""
+    """The run's artifact store (every task opens it first: third-party progress bars are turned off here too)."""
+    quiet_third_party()
     return ArtifactStore(config.resolved_store_root())
+
+
+def reuse(store: ArtifactStore, key: str, ck: str, what: str) -> str | None:
+    """The URI of ``key`` when the store holds it with content key ``ck`` (logged as reused), else None.
+
+    Args:
+        store: The run's store.
+        key: The artifact's key.
+        ck: The content key the task would write.
+        what: What the artifact is, for the log line (e.g. ``"fine-tuned model isear"``).
+    """
+    if not store.exists(key, ck):
+        return None
+    uri = store.uri(key)
+    logger().info("reused stored %s at %s (key %s): same inputs and settings, nothing recomputed", what, uri, ck[:16])
+    return uri
+
+
+class Progress:
+    """A progress callback for library functions: a Prefect progress artifact updated at most every few seconds.
+
+    ``with Progress("finetune-isear") as p: library_call(..., on_progress=p)``. Outside a Prefect run (``.fn()``
+    calls) it only remembers the last fraction. The artifact ends at 100 % when the block exits without error.
+    """
+
+    def __init__(self, name: str, min_interval: float = 3.0) -> None:
+        self.name = name
+        self.min_interval = min_interval
+        self.fraction = 0.0
+        self.artifact_id = None
+        self._last = 0.0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Progress:
+        from prefect.context import TaskRunContext
+
+        if TaskRunContext.get() is not None:
+            from prefect.artifacts import create_progress_artifact
+
+            with contextlib.suppress(Exception):  # the UI's progress is a courtesy: never fail the task for it
+                self.artifact_id = create_progress_artifact(0.0, description=f"{self.name}: progress")
+        self._last = time.monotonic()
+        return self
+
+    def __call__(self, fraction: float) -> None:
+        """Record ``fraction`` (0..1) done; push it to the artifact if ``min_interval`` seconds passed."""
+        with self._lock:
+            self.fraction = max(self.fraction, min(1.0, float(fraction)))
+            now = time.monotonic()
+            if self.artifact_id is None or now - self._last < self.min_interval:
+                return
+            self._last = now
+        self._push()
+
+    def _push(self) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        with contextlib.suppress(Exception):
+            update_progress_artifact(self.artifact_id, round(100 * self.fraction, 1))
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        if exc_type is None:
+            self.fraction = 1.0
+        if self.artifact_id is not None:
+            self._push()
 
 
 @contextlib.contextmanager

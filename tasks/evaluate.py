@@ -9,7 +9,19 @@ from symfuse.config import RunConfig
 from symfuse.data import load_task_dataset
 from symfuse.data.labels import shared_label_names
 from symfuse.evaluate import evaluate_model
-from tasks.common import content_key, fetch, layout, manifests, open_store, scratch, stage_meta, symfuse_task, timed
+from tasks.common import (
+    Progress,
+    content_key,
+    fetch,
+    layout,
+    manifests,
+    open_store,
+    reuse,
+    scratch,
+    stage_meta,
+    symfuse_task,
+    timed,
+)
 from tasks.policy import batch_settings, maybe_inject_fault
 
 
@@ -51,17 +63,18 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
     cap = (config.dataset(dataset).max_eval_examples if in_domain else None) or config.evaluation.max_examples
     settings = {"data": data, "split": config.evaluation.split, "max": cap}
     ck = content_key(settings, manifests(store, {"model": model_uri}))
-    if store.exists(key, ck):
-        return store.uri(key)
+    if (uri := reuse(store, key, ck, f"evaluation of {model} on {dataset}")) is not None:
+        return uri
     maybe_inject_fault()
     folder = fetch(store, model_uri)
     head_dir, head = pick_head(folder, store.manifest(model_uri).get("meta", {}).get("heads"), dataset, data)
     micro, _ = batch_settings(64)
-    with scratch("eval") as tmp, timed() as t:  # out_file: never write into the (possibly local) store's folder
+    # out_file: never write into the (possibly local) store's folder
+    with scratch("eval") as tmp, timed() as t, Progress(f"eval-{model}-{dataset}") as progress:
         metrics = evaluate_model(head_dir, data, split=config.evaluation.split, max_examples=cap,
                                  device=config.resolved_device(), batch_size=micro,
                                  max_length=config.finetune.max_length, seed=config.finetune.seed,
-                                 out_file=tmp / "metrics.json")  # fmt: skip
+                                 out_file=tmp / "metrics.json", on_progress=progress)  # fmt: skip
     metrics.pop("metrics_file", None)
     strategy, variant = describe(config, model)
     record = {"model": model, "strategy": strategy, "variant": variant, "dataset": dataset, "head": head,

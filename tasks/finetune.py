@@ -7,7 +7,18 @@ from symfuse.config import RunConfig
 from symfuse.stats import model_fingerprint
 from symfuse.train import FinetuneConfig
 from symfuse.train import finetune as finetune_model
-from tasks.common import content_key, fetch, layout, open_store, scratch, stage_meta, symfuse_task, timed
+from tasks.common import (
+    Progress,
+    content_key,
+    fetch,
+    layout,
+    open_store,
+    reuse,
+    scratch,
+    stage_meta,
+    symfuse_task,
+    timed,
+)
 from tasks.policy import batch_settings, maybe_inject_fault
 
 
@@ -28,15 +39,15 @@ def finetune(config: RunConfig, dataset: str) -> str:
     key = layout.model_key(config.run_id, dataset)
     base = resolve_checkpoint(config.base_model)
     ck = content_key({"finetune": cfg, "data": config.dataset(dataset).data}, {"base": model_fingerprint(base)})
-    if store.exists(key, ck):
-        return store.uri(key)
+    if (uri := reuse(store, key, ck, f"fine-tuned model {dataset}")) is not None:
+        return uri
     maybe_inject_fault()
     micro, accum = batch_settings(cfg.batch_size, cfg.grad_accum)  # halved / doubled after an OOM: same updates
     with scratch("finetune") as tmp:
-        with timed() as t:
+        with timed() as t, Progress(f"finetune-{dataset}") as progress:
             out = finetune_model(base, config.dataset(dataset).data, tmp / "model",
                                  cfg.model_copy(update={"batch_size": micro, "grad_accum": accum}),
-                                 device=config.resolved_device())  # fmt: skip
+                                 device=config.resolved_device(), on_progress=progress)  # fmt: skip
         meta = stage_meta("finetune", f"finetune-{dataset}", t.seconds, dataset=dataset, micro_batch=micro)
         return store.put_dir(key, out, "finetune", {"base": str(config.base_model)}, ck, meta)
 
@@ -52,8 +63,8 @@ def bring_checkpoint(config: RunConfig, dataset: str) -> str:
     ck = content_key(
         {"bring": dataset}, {"checkpoint": store.manifest(source) if inside else model_fingerprint(folder)}
     )
-    if store.exists(key, ck):
-        return store.uri(key)
+    if (uri := reuse(store, key, ck, f"brought checkpoint {dataset}")) is not None:
+        return uri
     maybe_inject_fault()
     with timed() as t:
         folder = fetch(store, source) if inside else folder

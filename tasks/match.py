@@ -19,6 +19,7 @@ from tasks.common import (
     logger,
     manifests,
     open_store,
+    reuse,
     scratch,
     stage_meta,
     symfuse_task,
@@ -72,8 +73,8 @@ def match_module(config: RunConfig, model: str, model_uri: str, anchor_uri: str,
     key = layout.transform_key(config.run_id, model, module)
     ck = content_key({"module": module, "symmetries": config.symmetries},
                      manifests(store, {"model": model_uri, "anchor": anchor_uri}))  # fmt: skip
-    if store.exists(key, ck):
-        return {model: store.uri(key)}
+    if (uri := reuse(store, key, ck, f"transform of {model} {module}")) is not None:
+        return {model: uri}
     maybe_inject_fault()
     source, anchor = fetch(store, model_uri), fetch(store, anchor_uri)
     with scratch("match") as tmp:
@@ -92,7 +93,9 @@ def match_module_barycenter(config: RunConfig, models: Mapping[str, str], module
     ck = content_key({"module": module, "symmetries": config.symmetries, "anchor": "barycenter"},
                      manifests(store, models))  # fmt: skip
     if all(store.exists(k, ck) for k in keys.values()):
-        return {n: store.uri(k) for n, k in keys.items()}
+        uris = {n: store.uri(k) for n, k in keys.items()}
+        logger().info("reused stored barycenter transforms of %s at %s (key %s)", module, list(uris.values()), ck[:16])
+        return uris
     maybe_inject_fault()
     folders = [fetch(store, uri) for uri in models.values()]
     with scratch("match") as tmp:
@@ -127,8 +130,8 @@ def assemble_matched(
     inputs = {"model": model_uri} | ({"anchor": anchor_uri} if anchor_uri else {})
     inputs |= {f"transform.{m}": u for m, u in transforms.items()}
     ck = content_key({"assemble": sorted(transforms)}, manifests(store, inputs))
-    if store.exists(key, ck):
-        return store.uri(key)
+    if (uri := reuse(store, key, ck, f"matched model {model}")) is not None:
+        return uri
     maybe_inject_fault()
     files = {module: fetch_file(store, uri) for module, uri in transforms.items()}
     with scratch("assemble") as tmp:

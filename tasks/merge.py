@@ -19,6 +19,7 @@ from tasks.common import (
     layout,
     manifests,
     open_store,
+    reuse,
     scratch,
     stage_meta,
     symfuse_task,
@@ -55,9 +56,12 @@ def merge(
     inputs = {f"model.{n}": u for n, u in models.items()} | {f"stats{i}": u for i, u in enumerate(stats_uris)}
     base = resolve_checkpoint(config.base_model) if merger.needs_base else None
     extra = {"base": model_fingerprint(base)} if base is not None else {}
-    ck = content_key({"strategy": strategy, "params": params, "order": list(models)}, manifests(store, inputs) | extra)
-    if store.exists(key, ck):
-        return store.uri(key)
+    card = {"base_model": config.base_model, "symmetries": config.symmetries if variant == "matched" else [],
+            "extra": {"run_id": config.run_id, "variant": variant}}  # fmt: skip
+    ck = content_key({"strategy": strategy, "params": params, "order": list(models), "card": card},
+                     manifests(store, inputs) | extra)  # fmt: skip
+    if (uri := reuse(store, key, ck, f"merged model {strategy}-{variant}")) is not None:
+        return uri
     maybe_inject_fault()
     with scratch("merge") as tmp:
         links = tmp / "in"  # name each local model folder after its dataset: the merger names heads by folder
@@ -67,7 +71,7 @@ def merge(
         files = [fetch_file(store, u) for u in stats_uris]
         with timed() as t:
             out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
-                                    base=base, **params)  # fmt: skip
+                                    base=base, card=card, **params)  # fmt: skip
         folders = json.loads((out / REPORT).read_text())["heads"].get("folders") or {}
         heads = dict(zip(models, folders.values(), strict=True)) if folders else dict.fromkeys(models, ".")
         digests = [layout.manifest_digest(store.manifest(u)) for u in models.values()]  # read by watch_checkpoints

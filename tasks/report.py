@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_image_artifact,
+    create_link_artifact,
+    create_markdown_artifact,
+    create_table_artifact,
+)
 
 from symfuse.config import RunConfig
 from symfuse.report import build_report, metrics_table, primary_metric
@@ -16,12 +23,43 @@ from tasks.common import (
     logger,
     manifests,
     open_store,
+    reuse,
     scratch,
     stage_meta,
     symfuse_task,
     timed,
 )
 from tasks.policy import maybe_inject_fault
+
+INLINE_MAX_BYTES = 2 * 1024**2  # larger images are linked by their store URI instead of embedded
+
+
+def image_url(file: Path, store_uri: str) -> str:
+    """A URL the Prefect UI can show for a report image.
+
+    A ``data:`` URL (embedded: the UI renders it wherever the store is), or the image's store URI when the file is
+    larger than :data:`INLINE_MAX_BYTES`.
+    """
+    data = file.read_bytes()
+    if len(data) > INLINE_MAX_BYTES:
+        return store_uri
+    return f"data:image/png;base64,{base64.b64encode(data).decode()}"
+
+
+def absolute_images(markdown: str, folder: Path, base_uri: str) -> str:
+    """``markdown`` whose relative image links (``![x](metrics.png)``) point at :func:`image_url` of each file.
+
+    Relative links resolve against nothing in the Prefect UI (broken images); absolute links and missing files are
+    left as they are.
+    """
+
+    def swap(match: re.Match) -> str:
+        alt, target = match.group(1), match.group(2)
+        if "://" in target or target.startswith(("data:", "/")) or not (folder / target).is_file():
+            return match.group(0)
+        return f"![{alt}]({image_url(folder / target, f'{base_uri}/{target}')})"
+
+    return re.sub(r"!\[([^\]]*)\]\(([^)\s]+)\)", swap, markdown)
 
 
 def _artifact_key(text: str) -> str:
@@ -56,7 +94,7 @@ def report(
     inputs = {f"input{i}": uri for i, uri in enumerate(dict.fromkeys([*evaluations, *matched, *merged, *flat]))}
     key = layout.report_key(config.run_id)
     ck = content_key({"report": 1}, manifests(store, inputs))
-    if not store.exists(key, ck):
+    if reuse(store, key, ck, "report") is None:
         maybe_inject_fault()
         _build(config, store, key, ck, inputs, evaluations, matched)
     return _publish(config, store, key, merged)
@@ -89,7 +127,7 @@ def _publish(config: RunConfig, store, key: str, merged: Sequence[str]) -> str:
     import pandas as pd
 
     folder = fetch(store, key)
-    markdown = (folder / "report.md").read_text()
+    markdown = absolute_images((folder / "report.md").read_text(), folder, store.uri(key))
     long = pd.read_csv(folder / "metrics.csv")
     metric = store.manifest(key)["meta"].get("metric") or primary_metric(long)
     headline = metrics_table(long, metric).round(4).reset_index()
@@ -100,8 +138,15 @@ def _publish(config: RunConfig, store, key: str, merged: Sequence[str]) -> str:
         key=f"{run}-metrics",
         description=f"{metric} per strategy x {{plain, matched}} and evaluation set",
     )
+    for png in sorted(folder.glob("*.png")):
+        create_image_artifact(image_url(png, f"{store.uri(key)}/{png.name}"), key=f"{run}-{_artifact_key(png.stem)}",
+                              description=f"{png.name} of the symfuse report, {store.uri(key)}/{png.name}")  # fmt: skip
+    rows = ["| merged model | folder | model card |", "| --- | --- | --- |"]
     for uri in merged:
         name = "-".join(store.key(uri).split("/")[-2:])  # strategy-variant
         create_link_artifact(uri, link_text=name, key=f"{run}-merged-{_artifact_key(name)}", description="merged model")
+        rows.append(f"| {name} | [{uri}]({uri}) | [README.md]({uri}/README.md) |")
+    about = "merged models of the run (folders in the store, with their model cards)"
+    create_markdown_artifact("\n".join(rows), key=f"{run}-merged-models", description=about)
     logger().info("report: %s", store.uri(key))
     return store.uri(key)

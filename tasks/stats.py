@@ -6,12 +6,14 @@ import symfuse.stats
 from symfuse.config import RunConfig
 from symfuse.match import TRANSFORMS_FILE
 from tasks.common import (
+    Progress,
     content_key,
     fetch,
     fetch_file,
     layout,
     manifests,
     open_store,
+    reuse,
     scratch,
     stage_meta,
     symfuse_task,
@@ -46,16 +48,17 @@ def collect_stats(config: RunConfig, model: str, model_uri: str, kind: str, data
     store, dataset = open_store(config), dataset or model
     key = layout.stats_key(config.run_id, model, dataset, kind)
     ck = content_key(stats_settings(config, dataset, kind), manifests(store, {"model": model_uri}))
-    if store.exists(key, ck):
-        return store.uri(key)
+    if (uri := reuse(store, key, ck, f"{kind} statistics of {model}")) is not None:
+        return uri
     maybe_inject_fault()
     micro, _ = batch_settings(config.stats.batch_size)
     with scratch("stats") as tmp:
-        with timed() as t:
+        with timed() as t, Progress(f"stats-{model}-{kind}") as progress:
             files = symfuse.stats.collect_stats(
                 fetch(store, model_uri), config.dataset(dataset).data, [kind], tmp,
                 max_examples=config.stats.max_examples, batch_size=micro, device=config.resolved_device(),
                 max_length=config.finetune.max_length, seed=config.finetune.seed, progress=False,
+                on_progress=progress,
             )  # fmt: skip
         meta = stage_meta("collect_stats", f"stats-{model}-{kind}", t.seconds, kind=kind, dataset=dataset)
         return store.put_file(key, files[kind], "collect_stats", {"model": model_uri}, ck, meta)
@@ -72,8 +75,8 @@ def follow_stats(config: RunConfig, model: str, matched_uri: str, stats_uri: str
     key = layout.stats_key(config.run_id, name, model, kind)
     inputs = {"matched": matched_uri, "stats": stats_uri}
     ck = content_key(stats_settings(config, model, kind) | {"follow": 1}, manifests(store, inputs))
-    if store.exists(key, ck):
-        return store.uri(key)
+    if (uri := reuse(store, key, ck, f"{kind} statistics of matched {model}")) is not None:
+        return uri
     maybe_inject_fault()
     matched = fetch(store, matched_uri)
     with scratch("follow") as tmp:
@@ -83,11 +86,12 @@ def follow_stats(config: RunConfig, model: str, matched_uri: str, stats_uri: str
         how = "transformed" if out is not None else "recollected"
         if out is None:  # the library says this kind cannot follow the transform exactly
             micro, _ = batch_settings(config.stats.batch_size)
-            with timed() as t:
+            with timed() as t, Progress(f"follow-stats-{model}-{kind}") as progress:
                 out = symfuse.stats.collect_stats(
                     matched, config.dataset(model).data, [kind], tmp,
                     max_examples=config.stats.max_examples, batch_size=micro, device=config.resolved_device(),
                     max_length=config.finetune.max_length, seed=config.finetune.seed, progress=False,
+                    on_progress=progress,
                 )[kind]  # fmt: skip
         meta = stage_meta("follow_stats", f"follow-stats-{model}-{kind}", t.seconds, kind=kind, how=how)
         return store.put_file(key, out, "follow_stats", inputs, ck, meta)

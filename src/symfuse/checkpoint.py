@@ -22,15 +22,23 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from symfuse.arch import ArchSpec, Geometry, ModuleRef, ModuleWeights, get_spec
-from symfuse.errors import CheckpointError
+from symfuse.errors import CheckpointError, NonFiniteError
+from symfuse.io import (
+    WEIGHTS,
+    WEIGHTS_INDEX,
+    TensorFile,
+    check_finite,
+    check_module_shapes,
+    check_tokenizer,
+    fsync_dir,
+    open_weight_files,
+    save_safetensors,
+)
 
 log = logging.getLogger(__name__)
 
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 # Files that travel with a checkpoint when it is rewritten (tokenizer, generation settings, ...).
 _SIDE_FILES = (
     "tokenizer.json",
@@ -101,21 +109,45 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
 HF_LOAD_LOCK = threading.RLock()
 
 
-def load_hf_model(path_or_id: str | os.PathLike, cls: Any = None, **kwargs: Any) -> torch.nn.Module:
+def validate_checkpoint(path_or_id: str | os.PathLike, finite: bool = True, tokenizer: bool = False) -> Path:
+    """Validate a checkpoint folder before heavy work; return the folder.
+
+    Config parses; weight headers and shard index are sane and confined to the folder; module shapes agree
+    with the config; every float tensor is finite (streamed, ``finite``); tokenizer files exist (``tokenizer``).
+
+    Raises:
+        CheckpointError: see :class:`CheckpointReader` (``NonFiniteError`` for NaN / inf).
+        TokenizerError: no tokenizer files.
+    """
+    with CheckpointReader(path_or_id) as reader:
+        if tokenizer:
+            check_tokenizer(reader.path)
+        if finite:
+            check_finite(reader.tensor_files.values())
+        return reader.path
+
+
+def load_hf_model(
+    path_or_id: str | os.PathLike, cls: Any = None, validate: bool = True, **kwargs: Any
+) -> torch.nn.Module:
     """Load a checkpoint as a transformers model, thread-safely, in eval mode.
 
     Args:
         path_or_id: Folder or hub id (see :func:`resolve_checkpoint`).
         cls: Model class (e.g. ``AutoModelForSequenceClassification``); default: the class named in
             ``config.architectures``, else ``AutoModel``.
+        validate: Validate the folder first (:func:`validate_checkpoint`: headers, shapes, NaN / inf).
         **kwargs: Passed to ``from_pretrained`` (``dtype``, ``config``, ``output_loading_info``, ...).
 
     Returns:
         The model (or ``(model, loading_info)`` when ``output_loading_info=True``).
+
+    Raises:
+        CheckpointError: a bad folder (``NonFiniteError`` for NaN / inf weights), before anything is loaded.
     """
     import transformers
 
-    path = resolve_checkpoint(path_or_id)
+    path = validate_checkpoint(path_or_id) if validate else resolve_checkpoint(path_or_id)
     with HF_LOAD_LOCK:
         if cls is None:
             config = transformers.AutoConfig.from_pretrained(str(path))
@@ -127,16 +159,8 @@ def load_hf_model(path_or_id: str | os.PathLike, cls: Any = None, **kwargs: Any)
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:
-    """``{tensor name: file}`` for a folder's safetensors weights."""
-    index = folder / WEIGHTS_INDEX
-    if index.exists():
-        mapping = json.loads(index.read_text())["weight_map"]
-        return {name: folder / fname for name, fname in mapping.items()}
-    single = folder / WEIGHTS
-    if single.exists():
-        with safe_open(str(single), "pt") as f:
-            return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-    raise CheckpointError(f"{folder}: no {WEIGHTS} or {WEIGHTS_INDEX}; save the model with safe_serialization")
+    """``{tensor name: file}`` for a folder's safetensors weights (index and headers validated)."""
+    return open_weight_files(folder)[0]
 
 
 class CheckpointReader:
@@ -161,23 +185,58 @@ class CheckpointReader:
             self.config = AutoConfig.from_pretrained(str(self.path))
         except Exception as exc:
             raise CheckpointError(f"{self.path}/config.json: cannot be read ({exc})") from exc
-        self._files = _weight_files(self.path)
+        self._files, self.tensor_files = open_weight_files(self.path)
         self._handles: dict[Path, Any] = {}
         self._stack = ExitStack()
         self.spec: ArchSpec
         self.spec, self.prefix = get_spec(self.config).for_checkpoint(self._files)
-        self.geometry: Geometry = self.spec.geometry(self.config)
+        try:
+            self.geometry: Geometry = self.spec.geometry(self.config)
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError) as exc:
+            raise CheckpointError(
+                f"{self.path}/config.json: shapes cannot be read ({exc}) — fix or re-export config.json"
+            ) from exc
+        check_module_shapes(self.path, self.spec, self.config, self.prefix, self._files, self.tensor_files)
 
     def close(self) -> None:
-        """Close open files."""
+        """Unmap the memory-mapped files (:meth:`get`); they are reopened on the next read."""
         self._stack.close()
         self._handles.clear()
+
+    def close_files(self) -> None:
+        """Close the ``pread`` descriptors of the weight files as well (do not call while another thread reads)."""
+        self.close()
+        for tf in self.tensor_files.values():
+            tf.close()
+
+    def tensor_file(self, name: str) -> TensorFile:
+        """The validated file holding a stored tensor.
+
+        Raises:
+            CheckpointError: if the tensor is absent.
+        """
+        file = self._files.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not found")
+        return self.tensor_files[file]
+
+    def file_of(self, name: str) -> Path:
+        """The file holding a stored tensor."""
+        return self.tensor_file(name).path
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of a stored tensor without reading it."""
+        return self.tensor_file(name).shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Stored dtype of a tensor without reading it."""
+        return self.tensor_file(name).dtype(name)
 
     def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close_files()
 
     def names(self) -> list[str]:
         """Every stored tensor name."""
@@ -216,7 +275,10 @@ class CheckpointReader:
         if check_finite:
             for role, t in weights.items():
                 if t.is_floating_point() and not torch.isfinite(t).all():
-                    raise CheckpointError(f"{self.path}: {ref.key} {role} holds NaN or inf values")
+                    raise NonFiniteError(
+                        f"{self.path}: {ref.key} {role} holds NaN or inf values — use another checkpoint or "
+                        "re-export it"
+                    )
         return weights
 
     def module_tensor_names(self, ref: ModuleRef) -> list[str]:
@@ -246,6 +308,7 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
+        fsync_dir(out.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -290,7 +353,7 @@ def write_checkpoint(
         def flush() -> None:
             idx = len(shard_files)
             name = f"model-{idx:05d}.safetensors"
-            save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
+            save_safetensors(shards[-1], tmp / name, metadata={"format": "pt"})
             shard_files.append(name)
             weight_map.update(dict.fromkeys(shards[-1], name))
             shards[-1] = {}
@@ -303,6 +366,15 @@ def write_checkpoint(
                 new = replace(name, tensor)
             if new.shape != tensor.shape:
                 raise CheckpointError(f"{name}: replacement shape {tuple(new.shape)} != {tuple(tensor.shape)}")
+            if (
+                not tensor.is_floating_point()
+                and new is not tensor
+                and (new.dtype != tensor.dtype or not torch.equal(new, tensor))
+            ):
+                raise CheckpointError(
+                    f"{reader.file_of(name)}: {name} is a {tensor.dtype} tensor and would be changed; integer and bool "
+                    "tensors are never transformed — store it as a float tensor or leave it out of the transform"
+                )
             new = new.to(tensor.dtype).contiguous()
             nbytes = new.numel() * new.element_size()
             if shards[-1] and size + nbytes > shard_bytes:

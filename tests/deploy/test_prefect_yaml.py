@@ -55,10 +55,52 @@ def test_prefect_yaml_validates_with_prefects_model():
 
     model = PrefectYamlModel.model_validate(raw())
     assert {d.name: d.entrypoint for d in model.deployments} == EXPECTED
+    pools = {d.name: d.work_pool.name for d in model.deployments}
+    # the watcher lists the store and emits events: its own pool, never a GPU worker's slot
+    assert pools == {"fusion-pipeline": "gpu", "remerge": "gpu", "watch-checkpoints": "control"}
     for dep in model.deployments:
-        assert dep.work_pool is not None and dep.work_pool.name == "gpu", dep.name
         assert "symfuse" in dep.tags, f"{dep.name}: the crash automation matches runs by the tag 'symfuse'"
-    assert model.pull is None, "no pull section: prefect deploy records the checkout as working directory"
+    # the code's folder in the images, not the deploying machine's checkout
+    assert model.pull == [{"prefect.deployments.steps.set_working_directory": {"directory": "/opt/symfuse"}}]
+    assert "git_clone" in PREFECT_FILE.read_text(), "the repository-based variant is documented next to it"
+
+
+def test_runs_forward_library_logs_and_leave_hub_access_to_the_worker():
+    for dep in raw()["deployments"]:
+        env = dep["work_pool"]["job_variables"]["env"]
+        assert "symfuse" in env["PREFECT_LOGGING_EXTRA_LOGGERS"].split(","), dep["name"]
+        assert "HF_HUB_OFFLINE" not in env and "HF_DATASETS_OFFLINE" not in env, dep["name"]
+    stack = stack_module()
+    env = stack.server_env(Path("/tmp/h"))
+    assert "symfuse" in env["PREFECT_LOGGING_EXTRA_LOGGERS"].split(",")
+    shell = (REPO / "deployments" / "local_stack.sh").read_text()
+    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
+    assert "PREFECT_LOGGING_EXTRA_LOGGERS=${PREFECT_LOGGING_EXTRA_LOGGERS:-symfuse" in shell
+    assert "symfuse" in compose["x-symfuse-env"]["PREFECT_LOGGING_EXTRA_LOGGERS"].split(",")
+
+
+def test_a_burst_of_checkpoints_yields_one_remerge():
+    deps = deployments()
+    for name in ("remerge", "watch-checkpoints"):
+        assert deps[name]["concurrency_limit"] == {"limit": 1, "collision_strategy": "CANCEL_NEW"}, name
+    assert "id=event_id(" in (REPO / "flows" / "watch.py").read_text()
+
+
+def test_the_ui_form_offers_strategies_and_symmetries_as_choices():
+    from prefect.utilities.callables import parameter_schema
+
+    from symfuse.match import SYMMETRIES
+    from symfuse.merge import MERGERS
+
+    for name in ("fusion-pipeline", "watch-checkpoints", "remerge"):
+        flow = load_flow(deployments()[name]["entrypoint"])
+        props = parameter_schema(flow).model_dump()["definitions"]["RunConfig"]["properties"]
+        assert set(props["strategies"]["items"]["enum"]) == set(MERGERS), name
+        assert set(props["symmetries"]["items"]["enum"]) == set(SYMMETRIES), name
+    flow = load_flow(EXPECTED["fusion-pipeline"])
+    bad = RunConfig.demo().model_dump(mode="json") | {"strategies": ["simple", "regmaen"]}
+    with pytest.raises(Exception, match="regmaen"):  # refused when the run is created, before any work
+        flow.validate_parameters({"config": bad})
 
 
 def test_schedules_and_triggers():
@@ -130,7 +172,7 @@ def stack_module():
 def test_stack_script_matches_the_project_file():
     stack = stack_module()
     pools = {d["work_pool"]["name"] for d in raw()["deployments"]}
-    assert pools == {stack.POOL} == {stack.GPU_TAG}
+    assert pools == {stack.POOL, stack.CONTROL_POOL} and stack.POOL == stack.GPU_TAG
     ok, missing = stack.deployable_names()
     assert set(ok) | set(missing) == set(EXPECTED)
     assert stack.load_automations()[0]["name"] == "symfuse-reschedule-crashed"
@@ -166,3 +208,11 @@ def test_stack_start_refuses_a_taken_port(tmp_path):
         with pytest.raises(RuntimeError, match="is taken"):
             stack.start(port=sock.getsockname()[1], gpus=[], home=tmp_path, workers=False)
     assert stack.status(tmp_path) == {}
+
+
+def test_the_local_stack_deploys_with_the_checkout_as_working_directory(tmp_path):
+    stack = stack_module()
+    data = yaml.safe_load(stack.local_project_file(tmp_path).read_text())
+    assert data["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+    assert data["deployments"] == raw()["deployments"]
+    assert raw()["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "/opt/symfuse"

@@ -145,3 +145,22 @@ def first_run(tiny_base, tmp_path_factory):
     state = fusion_pipeline(config, return_state=True)
     mp.undo()
     return config, state, calls
+
+
+def run_logs(flow_run_id, expect: str = "", timeout: float = 60) -> list[str]:
+    """``logger name: message`` of every log of one flow run (and its task runs) the API holds; waits (logs reach
+    the API in batches) until a line contains ``expect``."""
+    import time
+
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    deadline = time.monotonic() + timeout
+    while True:
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        lines = [f"{log.name}: {log.message}" for log in logs]
+        if any(expect in line for line in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.5)

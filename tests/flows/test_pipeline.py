@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from flows.pipeline import fusion_pipeline
 from symfuse.store import ArtifactStore, layout
-from tests.flows.conftest import Calls, task_runs, tiny_config
+from tests.flows.conftest import Calls, run_logs, task_runs, tiny_config
 
 
 def test_pipeline_completes_after_injected_faults(first_run):
@@ -49,6 +51,44 @@ def test_pipeline_completes_after_injected_faults(first_run):
     assert record["domain"] == "out" and record["head"] in config.dataset_names
 
 
+def test_library_lines_reach_the_run_logs(first_run):
+    _, state, _ = first_run
+    lines = run_logs(state.state_details.flow_run_id, expect="gram statistics: batch")
+    # the library's INFO lines (symfuse.*), the retry policy's (tasks.*), progress of each stage
+    assert any(line.startswith("symfuse.train.finetune: epoch 1: train loss") for line in lines), lines[:20]
+    assert any(line.startswith("symfuse.stats.collect: gram statistics: batch") for line in lines)
+    assert any(line.startswith("symfuse.evaluate.evaluate: evaluate on") for line in lines)
+    assert any(line.startswith("tasks.policy: after out-of-memory: micro-batch 16 -> 8") for line in lines)
+    assert any("taking run lock symfuse-run-t" in line for line in lines)
+    assert not any("running in a worker thread" in line for line in lines)  # one notice per run, not per task
+
+
+def test_ui_artifacts_render_without_the_store(first_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    config, state, _ = first_run
+    with get_client(sync_client=True) as client:
+        flt = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        artifacts = client.read_artifacts(artifact_filter=flt)
+    by_type = {}
+    for a in artifacts:
+        by_type.setdefault(a.type, []).append(a)
+    images = {a.key: a.data for a in by_type["image"]}
+    assert images and all(d.startswith("data:image/png;base64,") for d in images.values()), list(images)
+    assert "t-metrics" in images
+    report_md = next(a.data for a in by_type["markdown"] if a.key == "t-report")
+    assert "](metrics.png)" not in report_md and "![metrics](data:image/png;base64," in report_md
+    merged_md = next(a.data for a in by_type["markdown"] if a.key == "t-merged-models")
+    uri = state.result()["merged"]["regmean-matched"]
+    assert f"[{uri}]({uri})" in merged_md and f"({uri}/README.md)" in merged_md
+    assert len(by_type["progress"]) >= 3 + 6 * 2  # fine-tunes, statistics, evaluations
+    assert all(a.data == 100 for a in by_type["progress"])
+    store = ArtifactStore(config.resolved_store_root())
+    card = (store.local_cache(uri) / "README.md").read_text()
+    assert card.startswith("---\n") and "strategy: regmean" in card and "symmetry-matched" in card
+
+
 def test_second_run_recomputes_nothing(first_run, monkeypatch):
     config, state, _ = first_run
     store = ArtifactStore(config.resolved_store_root())
@@ -59,6 +99,10 @@ def test_second_run_recomputes_nothing(first_run, monkeypatch):
     assert calls.total() == 0, calls.counts
     assert {k: store.manifest(k) for k in store.list(layout.run_prefix("t"))} == before
     assert again.result()["report"] == state.result()["report"]
+    lines = run_logs(again.state_details.flow_run_id, expect="reused stored report")
+    uri = store.uri(layout.model_key("t", "isear"))
+    assert any(f"reused stored fine-tuned model isear at {uri} (key " in line for line in lines), lines[:20]
+    assert sum("reused stored" in line for line in lines) >= 3 + 6 + 9 * 4  # models, merges, evaluations at least
 
 
 def test_deterministic_error_fails_without_retry(tiny_base, memory_root, monkeypatch):
@@ -77,3 +121,33 @@ def test_deterministic_error_fails_without_retry(tiny_base, memory_root, monkeyp
     with pytest.raises(Exception) as err:
         state.result()
     assert "no_such_dataset" in str(err.value)
+    lines = run_logs(state.state_details.flow_run_id, expect="not retrying")
+    assert any(line.startswith("tasks.policy: finetune-nosuch: deterministic error, not retrying") for line in lines)
+
+
+def test_a_run_id_in_use_is_refused_after_the_wait(tiny_base, memory_root, monkeypatch):
+    import flows.runtime
+    from flows.runtime import run_lock
+
+    monkeypatch.setattr(flows.runtime, "LOCK_WAIT_SECONDS", 2)
+    config = tiny_config(tiny_base, memory_root, run_id="busy")
+    calls = Calls(monkeypatch)
+    held, done = threading.Event(), threading.Event()
+
+    def other_run():  # another flow run (another thread: its own context) holds run_id "busy"
+        with run_lock("busy"):
+            held.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=other_run)
+    holder.start()
+    try:
+        assert held.wait(60)
+        state = fusion_pipeline(config, return_state=True)
+    finally:
+        done.set()
+        holder.join()
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match=r"run_id 'busy' is in use by another flow run .*symfuse-run-busy"):
+        state.result()
+    assert calls.total() == 0 and not ArtifactStore(memory_root).list(layout.run_prefix("busy"))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import boto3
 import pytest
 
@@ -31,9 +34,10 @@ def test_pipeline_on_s3(s3, tiny_base, monkeypatch):
     assert result["report"] == f"s3://{bucket}/symfuse/runs/t/report"
     client = boto3.client("s3", endpoint_url=s3.endpoint_url, aws_access_key_id=s3.key,
                           aws_secret_access_key=s3.secret, region_name=s3.region)  # fmt: skip
-    keys = {
+    objects = {
         o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page["Contents"]
     }
+    keys = {re.sub(r"/\.v/[^/]+/", "/", k) for k in objects}  # data files lie in the artifact's version folder
     for rel in (
         "report/report.md",
         "report/metrics.csv",
@@ -48,3 +52,12 @@ def test_pipeline_on_s3(s3, tiny_base, monkeypatch):
     folders = {k.rsplit("/", 1)[0] for k in keys}
     artifacts = {f for f in folders if f + "/manifest.json" in keys}
     assert len(artifacts) >= 2 + 2 + 4 + 4  # models, stats, transforms, merged (+ evals, report, ...)
+    # every data object lies in the version its artifact's manifest names (no unpublished leftovers)
+    published = {
+        f"{k.rsplit('/', 1)[0]}/.v/{json.loads(client.get_object(Bucket=bucket, Key=k)['Body'].read())['version']}"
+        for k in objects
+        if k.endswith("/manifest.json")
+    }
+    for k in objects - {k for k in objects if k.endswith("/manifest.json")}:
+        version = re.match(r"(.+/\.v/[^/]+)/", k)
+        assert version is not None and version.group(1) in published, k

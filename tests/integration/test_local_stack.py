@@ -57,7 +57,12 @@ def test_local_stack_deploys_and_triggers_remerge(stack, tmp_path):
                     break
                 time.sleep(1)
         assert set(deps) == set(expected)
-        assert all(d.work_pool_name == "gpu" for d in deps.values())
+        pools = {"fusion-pipeline": "gpu", "remerge": "gpu", "watch-checkpoints": "control"}
+        assert {n: d.work_pool_name for n, d in deps.items()} == {n: pools[n] for n in deps}
+        for dep in deps.values():  # the flows run in this checkout (the project file's step names /opt/symfuse)
+            assert dep.pull_steps == [
+                {"prefect.deployments.steps.set_working_directory": {"directory": str(stack.REPO)}}
+            ], dep.name
         assert limit.concurrency_limit == 1
         assert "symfuse-reschedule-crashed" in {a.name for a in autos}
         if "remerge" in deps:

@@ -36,14 +36,19 @@ def tiny_base(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def deployed(prefect_server, s3, stack):
-    """deployments/prefect.yaml deployed from the repository root, one process worker on pool `gpu`."""
+def deployed(prefect_server, s3, stack, tmp_path_factory):
+    """deployments/prefect.yaml deployed from the repository root, workers on pools `gpu` and `control`.
+
+    The project file's copy whose pull step names this checkout is deployed, as the local stack does.
+    """
     stack.apply_api_setup(prefect_server.api_url, n_slots=1)
-    prefect_server.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml", cwd=REPO,
+    project = stack.local_project_file(tmp_path_factory.mktemp("project"))
+    prefect_server.cli("--no-prompt", "deploy", "--all", "--prefect-file", str(project), cwd=REPO,
                        timeout=300)  # fmt: skip
     env = {**s3.env, "CUDA_VISIBLE_DEVICES": "", "PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     prefect_server.start_worker("gpu", env=env, cwd=REPO, name="gpu-worker-it")
+    prefect_server.start_worker("control", env=env, cwd=REPO, name="control-worker-it")
     return s3.make_bucket()
 
 

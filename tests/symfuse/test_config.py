@@ -111,3 +111,37 @@ def test_prefect_renders_it_as_a_flow_parameter():
     ref = schema["properties"]["config"]
     assert ref.get("$ref", "").endswith("RunConfig") or ref.get("allOf")
     assert "RunConfig" in schema["definitions"] and "DatasetConfig" in schema["definitions"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"strategies": ["simple", "regmaen"]}, r"unknown merge strategies \['regmaen'\]: choose from \['simple'"),
+        ({"symmetries": ["rotaton"]}, r"unknown symmetries \['rotaton'\]: choose from \['rotation'"),
+    ],
+)
+def test_a_typo_in_a_choice_is_refused_with_the_choices(change, message):
+    with pytest.raises(ValidationError, match=message):
+        RunConfig.demo(**change)
+
+
+def test_choices_are_the_registries_and_schema_enums():
+    from symfuse.config import STRATEGIES, SYMMETRY_NAMES
+    from symfuse.match import SYMMETRIES
+    from symfuse.merge import MERGERS
+
+    assert set(STRATEGIES) == set(MERGERS)
+    assert set(SYMMETRY_NAMES) == set(SYMMETRIES)
+    props = RunConfig.model_json_schema()["properties"]
+    assert set(props["strategies"]["items"]["enum"]) == set(MERGERS)
+    assert set(props["symmetries"]["items"]["enum"]) == set(SYMMETRIES)
+
+
+def test_timeouts_have_defaults_and_refuse_non_positive():
+    cfg = RunConfig.demo()
+    assert cfg.timeouts.finetune > cfg.timeouts.merge > 0
+    assert RunConfig.demo(timeouts={"merge": None}).timeouts.merge is None
+    with pytest.raises(ValidationError, match="merge"):
+        RunConfig.demo(timeouts={"merge": 0})
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        RunConfig.demo(timeouts={"merging": 10})

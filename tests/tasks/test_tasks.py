@@ -99,3 +99,53 @@ def test_describe(base, tmp_path):
     cfg = config(base, str(tmp_path))
     assert describe(cfg, "isear") == ("individual", "isear")
     assert describe(cfg, "task-arithmetic-matched") == ("task-arithmetic", "matched")
+
+
+def _record_progress(monkeypatch, module, name):
+    """Spy on a library entry point: the fractions its ``on_progress`` callback receives, per call."""
+    runs: list[list[float]] = []
+    real = getattr(module, name)
+
+    def spy(*args, on_progress=None, **kwargs):
+        seen: list[float] = []
+        runs.append(seen)
+
+        def record(fraction):
+            seen.append(fraction)
+            on_progress(fraction)
+
+        return real(*args, on_progress=record if on_progress is not None else None, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return runs
+
+
+def test_progress_reaches_one_and_a_reused_result_says_so(base, tmp_path, monkeypatch, caplog):
+    import tasks.evaluate
+    from tasks.evaluate import evaluate
+
+    cfg = config(base, str(tmp_path / "store"), stats={"kinds": ["gram", "fisher"], "max_examples": 8, "batch_size": 4})
+    trained = _record_progress(monkeypatch, tasks.finetune, "finetune_model")
+    collected = _record_progress(monkeypatch, symfuse.stats, "collect_stats")
+    evaluated = _record_progress(monkeypatch, tasks.evaluate, "evaluate_model")
+    with caplog.at_level("INFO"):
+        uri = finetune.fn(cfg, "isear")
+        collect_stats.fn(cfg, "isear", uri, "gram")
+        evaluate.fn(cfg, "isear", uri, "isear")
+    # 32 examples, batch 16, 1 epoch: 2 optimizer steps; 8 examples in batches of 4: 2 batches; 16 eval examples
+    # in batches of 64: 1 batch
+    assert trained == [[0.5, 1.0]] and collected == [[0.5, 1.0]] and evaluated == [[1.0]]
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(r.name == "symfuse.train.finetune" and r.getMessage().startswith("epoch 1: train loss")
+               for r in caplog.records)  # fmt: skip
+    assert "gram statistics: batch 2/2" in lines
+    assert not any(line.startswith("reused stored") for line in lines)
+
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert finetune.fn(cfg, "isear") == uri
+    store = ArtifactStore(cfg.resolved_store_root())
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reused stored")]
+    assert line.startswith(f"reused stored fine-tuned model isear at {uri} (key ")
+    assert store.manifest(uri)["content_key"][:16] in line
+    assert len(trained) == 1  # nothing trained the second time

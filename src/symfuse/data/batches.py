@@ -28,14 +28,22 @@ IGNORE_INDEX = -100
 
 
 def load_tokenizer(tokenizer: Any) -> Any:
-    """A tokenizer object for a tokenizer, a checkpoint folder, ``"minilm"`` or a hub id."""
+    """A tokenizer object for a tokenizer, a checkpoint folder, ``"minilm"`` or a hub id.
+
+    Raises:
+        TokenizerError: the folder has no tokenizer files, or they make a tokenizer of a few tokens only
+            (transformers would otherwise build one that maps every word to ``[UNK]``).
+    """
     if not isinstance(tokenizer, (str, Path)):
         return tokenizer
     from transformers import AutoTokenizer
 
     from symfuse.checkpoint import resolve_checkpoint
+    from symfuse.io import check_tokenizer, check_vocab_size
 
-    return AutoTokenizer.from_pretrained(str(resolve_checkpoint(tokenizer)))
+    folder = resolve_checkpoint(tokenizer)
+    check_tokenizer(folder)
+    return check_vocab_size(AutoTokenizer.from_pretrained(str(folder)), folder)
 
 
 def encode_split(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,17 @@ def write_json_atomic(data: Any, file: Path) -> Path:
     return file
 
 
+def _tracked(batches, total: int, what: str, on_progress: Callable[[float], None] | None):
+    """Yield ``batches``, logging ~10 INFO lines and calling ``on_progress`` with the fraction done after each."""
+    every = max(1, total // 10)
+    for i, batch in enumerate(batches, 1):
+        yield batch
+        if i % every == 0 or i == total:
+            log.info("%s: batch %d/%d", what, i, total)
+        if on_progress is not None:
+            on_progress(min(1.0, i / max(total, 1)))
+
+
 def evaluate_model(
     model: str | Path,
     data: str,
@@ -41,6 +54,7 @@ def evaluate_model(
     max_length: int = 128,
     seed: int = 13,
     out_file: Path | None = None,
+    on_progress: Callable[[float], None] | None = None,
 ) -> dict:
     """Metrics of a task model on a dataset split, written as JSON.
 
@@ -59,6 +73,7 @@ def evaluate_model(
         max_length: Truncation length in tokens.
         seed: Seed of the subset.
         out_file: Where to write the JSON (default ``<model>/eval_<dataset>_<split>.json``).
+        on_progress: Called with the fraction of batches done (0..1] after every batch.
 
     Returns:
         The metrics (``macro_f1`` / ``f1`` / ``accuracy`` / ``matthews`` / ``pearson`` ... per task, ``loss`` when the
@@ -66,8 +81,8 @@ def evaluate_model(
     """
     t0 = time.perf_counter()
     path = resolve_checkpoint(model)
+    net, tok = load_task_model(path, device)  # validates the folder (values, tokenizer) before the data is read
     ds = load_task_dataset(data)
-    net, tok = load_task_model(path, device)
     head_problem = head_problem_type(net.config)
     head_labels = head_label_names(net.config)
     if labels_from is not None:
@@ -79,6 +94,7 @@ def evaluate_model(
         raise ValueError(f"{path}: a {head_problem} head cannot be evaluated on {ds.name} ({ds.problem_type})")
     feats = encode_split(ds, tok, split, max_length, max_examples, seed)
     batches = iter_batches(feats, batch_size, tok.pad_token_id or 0, by_length=True)  # metrics are order-free
+    batches = _tracked(batches, math.ceil(len(feats) / batch_size), f"evaluate on {ds.name}/{split}", on_progress)
     dev = resolve_device(device)
     same_space = head_labels == ds.labels and head_problem == ds.problem_type
     loss_problem = ds.problem_type if same_space or ds.problem_type == "regression" else None

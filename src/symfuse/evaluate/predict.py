@@ -48,29 +48,32 @@ def load_task_model(model: str | Path, device: str = "cpu") -> tuple[torch.nn.Mo
     sequence-classification head).
 
     Raises:
-        CheckpointError: if the folder is not a checkpoint or lacks the head's weights (a bare encoder).
+        CheckpointError: if the folder is not a checkpoint, holds NaN / inf weights (``NonFiniteError``) or lacks
+            the head's weights (a bare encoder).
+        TokenizerError: if the folder has no usable tokenizer.
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    from symfuse.checkpoint import load_hf_model, resolve_checkpoint
+    from symfuse.checkpoint import load_hf_model, validate_checkpoint
     from symfuse.data.batches import load_tokenizer
     from symfuse.errors import CheckpointError
 
-    path = resolve_checkpoint(model)
+    path = validate_checkpoint(model, finite=True, tokenizer=True)
+    tokenizer = load_tokenizer(path)
     config = AutoConfig.from_pretrained(str(path))
     cls = (
         AutoModelForTokenClassification
         if head_problem_type(config) == "token_classification"
         else AutoModelForSequenceClassification
     )
-    net, info = load_hf_model(path, cls, output_loading_info=True)
+    net, info = load_hf_model(path, cls, validate=False, output_loading_info=True)
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise CheckpointError(
             f"{path}: no trained task head ({len(missing)} weights missing, e.g. {missing[:3]}); evaluate a fine-tuned "
             "or merged folder that holds its classifier weights"
         )
-    return net.to(resolve_device(device)).eval(), load_tokenizer(path)
+    return net.to(resolve_device(device)).eval(), tokenizer
 
 
 def task_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> tuple[torch.Tensor, int]:

@@ -254,6 +254,7 @@ def match_activation_checkpoints(
 
     from symfuse.checkpoint import CheckpointReader, resolve_checkpoint, write_checkpoint
     from symfuse.data import make_batches
+    from symfuse.io import check_tokenizer
     from symfuse.match.checkpoints import REPORT_FILE, TRANSFORMS_FILE, check_compatible
     from symfuse.outputs import atomic_output_dir, check_output
     from symfuse.symmetry.transforms import save_transforms
@@ -263,6 +264,7 @@ def match_activation_checkpoints(
     src_path, anc_path = resolve_checkpoint(source), resolve_checkpoint(anchor)
     with CheckpointReader(src_path) as src, CheckpointReader(anc_path) as anc:
         check_compatible(src, anc)
+    check_tokenizer(src_path)  # the source's tokenizer encodes the texts: refuse a folder without one up front
     src_model, anc_model = _load_model(src_path), _load_model(anc_path)
     batches = make_batches(data, src_path, "train", batch_size, max_length, max_examples)
     batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]

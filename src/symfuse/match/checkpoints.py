@@ -138,7 +138,8 @@ def _strip(name: str, prefix: str) -> str:
 
 def _logit_diff(a: Path, b: Path, seed: int = 0) -> float:
     """Max |Δ| of the outputs (logits, else last hidden state) of two checkpoints on random inputs, fp32."""
-    ma, mb = load_hf_model(a, dtype=torch.float32), load_hf_model(b, dtype=torch.float32)
+    ma = load_hf_model(a, dtype=torch.float32, validate=False)  # both read and checked by the matcher
+    mb = load_hf_model(b, dtype=torch.float32, validate=False)
     cfg = ma.config
     g = torch.Generator().manual_seed(seed)
     if cfg.model_type == "vit":
@@ -163,10 +164,10 @@ def _n_params(reader: CheckpointReader) -> int:
 
 
 def assemble_matched(
-    source: str | Path,
+    source: str | Path | CheckpointReader,
     transforms: Mapping[str, Path | ModuleTransform],
     out: Path,
-    anchor: str | Path | None = None,
+    anchor: str | Path | CheckpointReader | None = None,
     symmetries: Sequence[str] | None = None,
     logit_check: bool | None = None,
     shard_bytes: int = 128 * 1024**2,
@@ -195,8 +196,8 @@ def assemble_matched(
     t_start = time.perf_counter()
     check_output(out, overwrite)
     mts = {k: (v if isinstance(v, ModuleTransform) else load_transform(Path(v))) for k, v in transforms.items()}
-    src = CheckpointReader(source)
-    anc = CheckpointReader(anchor) if anchor is not None else None
+    src = _reader(source)  # an open reader is reused: each folder is opened and validated once per command
+    anc = _reader(anchor) if anchor is not None else None
     if anc is not None:
         check_compatible(src, anc)
     out = Path(out)
@@ -348,20 +349,20 @@ def match_checkpoints(
     symmetries = check_symmetries(symmetries)
     check_output(out, overwrite)
     timings: dict[str, float] = {}
-    with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
+    with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:  # headers parsed and validated once
         check_compatible(src, anc)
         transforms = match_all_modules(src, anc, symmetries, workers, timings)
-    match_s = time.perf_counter() - t0
-    report = assemble_matched(
-        source,
-        transforms,
-        Path(out),
-        anchor=anchor,
-        symmetries=symmetries,
-        logit_check=logit_check,
-        extra_report={"match_seconds": match_s, "timings": timings, "seconds": match_s},
-        overwrite=overwrite,
-    )
+        match_s = time.perf_counter() - t0
+        report = assemble_matched(
+            src,
+            transforms,
+            Path(out),
+            anchor=anc,
+            symmetries=symmetries,
+            logit_check=logit_check,
+            extra_report={"match_seconds": match_s, "timings": timings, "seconds": match_s},
+            overwrite=overwrite,
+        )
     log.info("matched %s onto %s in %.2fs", source, anchor, report["seconds"])
     return report
 

@@ -14,6 +14,9 @@ Classification heads (tensors outside the base model, e.g. ``classifier.*``, ``p
   ``out/heads/<name_i>/``, a complete ``save_pretrained`` folder with the same merged body and model i's own head
   and config (``name_i`` = the dataset named in its statistics, else its folder name). ``symfuse_report.json``
   maps each name to its folder (``"."`` for the first).
+
+Every output folder gets a ``README.md`` model card (:mod:`symfuse.model_card`): base, inputs and their fine-tuning
+metrics, strategy, symmetries, heads.
 """
 
 from __future__ import annotations
@@ -22,17 +25,20 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
-from symfuse.errors import CheckpointError, MissingStats
+from symfuse.errors import CheckpointError, MissingStats, NonFiniteError
+from symfuse.io import BufferPool, check_finite_tensor
 from symfuse.merge.base import LazyTensors, TensorInputs, weighted_mean
+from symfuse.model_card import CARD, input_metrics, model_card
 from symfuse.outputs import atomic_output_dir, check_output
-from symfuse.stats.io import BufferPool, SafetensorsFile, StatsFile
+from symfuse.stats.io import STAT_KINDS, StatsFile
+from symfuse.stats.ownership import check_stats_belong
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +50,8 @@ class StreamingReader(CheckpointReader):
     """A :class:`CheckpointReader` that reads each tensor with plain reads instead of mmap."""
 
     def get(self, name: str, pool: BufferPool | None = None, slot: str = "") -> torch.Tensor:
-        """Load one tensor into new memory, or into ``pool``'s ``slot`` (see :class:`SafetensorsFile`)."""
-        file = self._files.get(name)
-        if file is None:
-            raise CheckpointError(f"{self.path}: tensor {name!r} not found")
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._handles[file] = SafetensorsFile(file)
-        return handle.get(name, pool, slot)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Shape of a stored tensor without reading it."""
-        file = self._files[name]
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._handles[file] = SafetensorsFile(file)
-        return handle.shape(name)
+        """Load one tensor into new memory, or into ``pool``'s ``slot`` (see :class:`symfuse.io.TensorFile`)."""
+        return self.tensor_file(name).get(name, pool, slot)
 
 
 def head_names(reader: CheckpointReader) -> set[str]:
@@ -75,28 +67,61 @@ def _labels(reader: CheckpointReader) -> list[str]:
 
 
 def _resolve_stats(
-    kinds: frozenset[str], stats: Sequence[str | os.PathLike] | None, k: int
+    kinds: frozenset[str], stats: Sequence[str | os.PathLike] | None, models: Sequence[Path]
 ) -> dict[str, list[StatsFile]]:
-    """The statistics files of each required kind, one per model (from folders or files)."""
+    """The statistics files of each required kind, one per model (from folders or files), checked to belong.
+
+    Raises:
+        MissingStats: statistics not given, or not one per model.
+        StatsMismatchError: statistics of another model, or a folder mixing two models' statistics.
+    """
     if not kinds:
         return {}
     if not stats:
         raise MissingStats(f"this strategy needs {sorted(kinds)} statistics: pass --stats (one folder per model)")
+    k = len(models)
     found: dict[str, list[StatsFile]] = {kind: [] for kind in kinds}
+    owners: list[tuple[Path, list[StatsFile]]] = []
     for p in map(Path, stats):
         if p.is_dir():
-            for kind in kinds:
-                found[kind].append(StatsFile(p / f"{kind}.safetensors"))
+            mine = []
+            for kind in sorted(kinds):
+                mine.append(StatsFile(p / f"{kind}.safetensors"))
+                found[kind].append(mine[-1])
+            # every stats file of the folder, used or not, must belong to one model
+            others = [p / f"{kind}.safetensors" for kind in STAT_KINDS if kind not in kinds]
+            mine += [StatsFile(f) for f in others if f.is_file()]
+            owners.append((p, mine))
         else:
             sf = StatsFile(p)
             if sf.kind in found:
                 found[sf.kind].append(sf)
+            owners.append((p, [sf]))
     for kind, files in found.items():
         if len(files) != k:
             raise MissingStats(
                 f"{len(files)} {kind} statistics file(s) for {k} models; give one stats folder (or file) per model"
             )
+    cache: dict[Path, str] = {}
+    if len(owners) == k:  # one folder (or file) per model: pair them in order
+        for model, (where, files) in zip(models, owners, strict=True):
+            check_stats_belong(model, files, where, cache)
+    else:  # one file per kind and model, in model order within each kind
+        for i, model in enumerate(models):
+            check_stats_belong(model, [files[i] for files in found.values()], model, cache)
     return found
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite (one reduction; element-wise only when the sum is not finite)."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def _finite_loader(
+    load: Callable[[BufferPool | None, str], torch.Tensor], name: str, where: Path
+) -> Callable[[BufferPool | None, str], torch.Tensor]:
+    """``load`` whose result is checked for NaN / inf (naming ``where`` and ``name``) before any maths sees it."""
+    return lambda p, s: check_finite_tensor(load(p, s), name, where)
 
 
 def merge_checkpoints(
@@ -106,6 +131,7 @@ def merge_checkpoints(
     stats: Sequence[Path] | None = None,
     base: str | Path | None = None,
     overwrite: bool = False,
+    card: Mapping[str, Any] | None = None,
     **params: Any,
 ) -> Path:
     """Merge K checkpoints with a registered strategy and write a ``save_pretrained`` folder.
@@ -118,6 +144,9 @@ def merge_checkpoints(
             order, when the strategy needs statistics.
         base: The base checkpoint (task-vector strategies).
         overwrite: Replace an existing ``out``.
+        card: Facts for the ``README.md`` model card the merger cannot know: ``base_model`` (name of the base the
+            inputs were fine-tuned from; default ``base``), ``symmetries`` (the inputs were matched with; default
+            none), ``extra`` (more front-matter facts, e.g. the run id).
         **params: Strategy parameters (e.g. ``alpha=0.9``, ``weights=[...]``, ``density=0.2``); unknown ones raise.
 
     Returns:
@@ -143,7 +172,7 @@ def merge_checkpoints(
     if merger.needs_base and base is None:
         raise MissingStats(f"strategy {strategy!r} works on task vectors: pass the base model (--base)")
     base_reader = StreamingReader(base) if base is not None else None
-    files = _resolve_stats(merger.required_stats, stats, k)
+    files = _resolve_stats(merger.required_stats, stats, [r.path for r in readers])
     weights = merger.model_weights(k)
     r0 = readers[0]
 
@@ -175,16 +204,27 @@ def merge_checkpoints(
         if base_reader is None:
             return None
         bname = base_reader.prefix + name[len(r0.prefix) :] if name.startswith(r0.prefix) else name
-        return base_reader.get(bname) if base_reader.has(bname) else None
+        if not base_reader.has(bname):
+            return None
+        return check_finite_tensor(base_reader.get(bname), bname, base_reader.file_of(bname))
 
     def merge_one(name: str, first: torch.Tensor) -> torch.Tensor:
+        merged = _merge_one(name, check_finite_tensor(first, name, r0.file_of(name)))
+        if merged is not first and merged.is_floating_point() and not _all_finite(merged):
+            raise NonFiniteError(
+                f"{out}: merged tensor {name!r} came out NaN / inf with {strategy} (inputs were finite) — nothing "
+                "was written; try --dtype float64, a larger --epsilon / smaller --alpha, or another strategy"
+            )
+        return merged
+
+    def _merge_one(name: str, first: torch.Tensor) -> torch.Tensor:
         if separate and name in heads:
             return first
         if not first.is_floating_point():
-            return first
+            return first  # integer / bool tensors pass through untouched
         tensors = LazyTensors(
             [lambda p, s: p.take(s, first.shape, first.dtype).copy_(first) if p is not None else first.clone()]
-            + [lambda p, s, r=r: r.get(name, p, s) for r in readers[1:]],
+            + [_finite_loader(lambda p, s, r=r: r.get(name, p, s), name, r.file_of(name)) for r in readers[1:]],
             pool,
             "tensor",
         )
@@ -194,13 +234,19 @@ def merge_checkpoints(
             return weighted_mean(tensors, weights)
         fisher = None
         if fishers is not None and all(f.has(name) for f in fishers):
-            fisher = LazyTensors([lambda p, s, f=f: f.get(name, p, s) for f in fishers], pool, "fisher")
+            fisher = LazyTensors(
+                [_finite_loader(lambda p, s, f=f: f.get(name, p, s), name, f.path) for f in fishers], pool, "fisher"
+            )
         gram, conv1d = None, False
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if grams is not None and module is not None and first.dim() == 2:
             have = [g.has(module) for g in grams]
             if all(have):
-                gram = LazyTensors([lambda p, s, g=g: g.get(module, p, s) for g in grams], pool, "gram")
+                gram = LazyTensors(
+                    [_finite_loader(lambda p, s, g=g: g.get(module, p, s), module, g.path) for g in grams],
+                    pool,
+                    "gram",
+                )
                 conv1d = module in grams[0].conv1d
             elif any(have):
                 raise MissingStats(f"Gram of {module} is missing from some models' statistics; recollect them")
@@ -241,5 +287,16 @@ def merge_checkpoints(
             "seconds": round(time.perf_counter() - start, 3),
         }
         (tmp / REPORT).write_text(json.dumps(report, indent=2))
+        card = dict(card or {})
+        inputs = [
+            {"name": name, "dataset": name, "path": str(m), "metrics": input_metrics(m)}
+            for name, m in zip(names, models, strict=True)
+        ]
+        text = model_card(
+            strategy, report["params"], inputs, json.loads((tmp / "config.json").read_text()),
+            base=card.get("base_model") or (str(base) if base is not None else None),
+            symmetries=card.get("symmetries") or (), heads=report["heads"]["policy"], extra=card.get("extra"),
+        )  # fmt: skip
+        (tmp / CARD).write_text(text)
     log.info("merged %d models with %s into %s in %.1f s", k, strategy, out, report["seconds"])
     return out

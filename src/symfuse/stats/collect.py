@@ -4,31 +4,53 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from symfuse.checkpoint import load_hf_model, resolve_checkpoint
+from symfuse.checkpoint import load_hf_model, validate_checkpoint
+from symfuse.io import fsync_dir
 from symfuse.stats.fisher import collect_fisher
 from symfuse.stats.gram import collect_gram
-from symfuse.stats.io import STAT_KINDS, file_fingerprint, save_stats
+from symfuse.stats.io import STAT_KINDS, StatsFile, save_stats
+from symfuse.stats.ownership import model_fingerprint
 
 log = logging.getLogger(__name__)
+
+LOG_LINES = 10  # INFO lines per statistics kind
+
+
+def tracked(
+    batches: Sequence[Any], what: str, on_progress: Callable[[float], None] | None = None, start: float = 0.0,
+    share: float = 1.0,
+) -> Iterator[Any]:  # fmt: skip
+    """Yield ``batches``; after each, call ``on_progress(start + share * done / total)`` and log ~10 INFO lines.
+
+    Args:
+        batches: The batches (a sized sequence).
+        what: What the batches are for, in the log lines (e.g. ``"gram"``).
+        on_progress: Progress callback (fraction of the whole job, 0..1), or None.
+        start: Fraction done before these batches.
+        share: Fraction of the whole job these batches are.
+    """
+    total = len(batches)
+    every = max(1, total // LOG_LINES)
+    for i, batch in enumerate(batches, 1):
+        yield batch
+        if i % every == 0 or i == total:
+            log.info("%s: batch %d/%d", what, i, total)
+        if on_progress is not None:
+            on_progress(start + share * i / max(total, 1))
 
 
 def load_model(model: str | os.PathLike) -> nn.Module:
     """Load a checkpoint folder with the head class named in its config (``architectures``), in eval mode."""
     return load_hf_model(model)
-
-
-def model_fingerprint(folder: str | os.PathLike) -> str:
-    """Hash of a checkpoint folder's config and weight files."""
-    folder = Path(folder)
-    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
-    return file_fingerprint(*[f for f in files if f.exists()])
 
 
 def _label_map(model: nn.Module, labels: Sequence[str]) -> dict[int, int] | None:
@@ -53,8 +75,13 @@ def collect_stats(
     fisher_mode: str = "empirical",
     seed: int = 13,
     progress: bool = True,
+    on_progress: Callable[[float], None] | None = None,
 ) -> dict[str, Path]:
     """Collect statistics of a checkpoint on a dataset and write ``<out_dir>/<kind>.safetensors``.
+
+    The folder is written as one unit: every kind is collected into a temporary folder next to ``out_dir``,
+    which is then renamed into place (or, when ``out_dir`` exists, whose files replace their namesakes), so a
+    failed run leaves the previous folder intact and a half-written file is never readable.
 
     Args:
         model: Checkpoint folder (or ``"minilm"`` / hub id).
@@ -69,20 +96,23 @@ def collect_stats(
         fisher_mode: ``empirical`` or ``sampled``.
         seed: Subset and sampling seed.
         progress: Show progress bars.
+        on_progress: Called with the fraction done (0..1] after every batch of every kind.
 
     Returns:
         ``{kind: file}``.
 
     Raises:
         ValueError: on an unknown kind.
+        CheckpointError: a bad checkpoint (``NonFiniteError`` for NaN / inf weights), before any work.
+        TokenizerError: the checkpoint folder has no tokenizer.
     """
     from symfuse.data import load_task_dataset, make_batches
 
     unknown = [k for k in kinds if k not in STAT_KINDS]
     if unknown:
         raise ValueError(f"unknown statistics kind(s) {unknown}; choose from {list(STAT_KINDS)}")
-    folder = resolve_checkpoint(model)
-    net = load_model(folder)
+    folder = validate_checkpoint(model, finite=True, tokenizer=True)
+    net = load_hf_model(folder, validate=False)
     ds = load_task_dataset(data)
     batches = make_batches(ds, folder, split, batch_size, max_length, max_examples, seed)
     common: dict[str, Any] = {
@@ -93,10 +123,40 @@ def collect_stats(
         "dataset_fingerprint": f"{ds.fingerprint}:{split}:{max_examples}:{max_length}:{seed}",
     }
     out_dir = Path(out_dir)
-    written: dict[str, Path] = {}
-    for kind in kinds:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        _collect_into(tmp, net, batches, kinds, common, ds, device, fisher_mode, seed, progress, on_progress)
+        _move_in(tmp, out_dir, common["model_fingerprint"])
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    written = {kind: out_dir / f"{kind}.safetensors" for kind in kinds}
+    for kind, file in written.items():
+        log.info("wrote %s statistics %s", kind, file)
+    del net
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return written
+
+
+def _collect_into(
+    out_dir: Path,
+    net: nn.Module,
+    batches: list,
+    kinds: Sequence[str],
+    common: dict[str, Any],
+    ds: Any,
+    device: str,
+    fisher_mode: str,
+    seed: int,
+    progress: bool,
+    on_progress: Callable[[float], None] | None,
+) -> None:
+    """Collect each kind and write ``out_dir/<kind>.safetensors``."""
+    for i, kind in enumerate(kinds):
+        stream = tracked(batches, f"{kind} statistics", on_progress, i / len(kinds), 1 / len(kinds))
         if kind == "gram":
-            g = collect_gram(net, batches, device=device, progress=progress)
+            g = collect_gram(net, stream, device=device, progress=progress)
             meta = {
                 **common,
                 "kind": "gram",
@@ -106,11 +166,11 @@ def collect_stats(
                 "conv1d": g.conv1d,
                 "same_input": g.same_input,
             }
-            written[kind] = save_stats(g.grams, out_dir / "gram.safetensors", meta)
+            save_stats(g.grams, out_dir / "gram.safetensors", meta)
         else:
             f = collect_fisher(
                 net,
-                batches,
+                stream,
                 mode=fisher_mode,
                 seed=seed,
                 device=device,
@@ -124,10 +184,31 @@ def collect_stats(
                 "n_examples": str(f.n_examples),
                 "fisher_mode": f.mode,
             }
-            written[kind] = save_stats(
-                {k: v.float() for k, v in f.fisher.items()}, out_dir / "fisher.safetensors", meta
-            )
-        log.info("wrote %s statistics %s", kind, written[kind])
-    del net
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return written
+            save_stats({k: v.float() for k, v in f.fisher.items()}, out_dir / "fisher.safetensors", meta)
+
+
+def _move_in(tmp: Path, out: Path, fingerprint: str) -> None:
+    """Put the finished files of ``tmp`` in place: rename the whole folder, or (``out`` exists) file by file.
+
+    Nothing is moved until every kind is collected, so a failed run leaves the previous folder intact. Other
+    files of an existing ``out`` are kept; a stats file there of ANOTHER model gets a warning (the merge refuses
+    the mixed folder until it is recollected).
+    """
+    fsync_dir(tmp)
+    if not out.exists():
+        os.replace(tmp, out)
+    else:
+        new = {f.name for f in tmp.iterdir()}
+        for f in out.iterdir():
+            if f.name in new or f.suffix != ".safetensors" or f.stem not in STAT_KINDS:
+                continue
+            try:
+                other = StatsFile(f).meta.get("model_fingerprint")
+            except Exception:  # unreadable: kept as it was, the merge reports it
+                other = None
+            if other and str(other) != fingerprint:
+                log.warning("%s: belongs to another model (%s); recollect it with this model's statistics", f, other)
+        for name in sorted(new):
+            os.replace(tmp / name, out / name)
+    fsync_dir(out)
+    fsync_dir(out.parent)

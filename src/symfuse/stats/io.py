@@ -21,126 +21,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from symfuse.errors import MissingStats
+from symfuse.io import BufferPool, TensorFile, save_safetensors
 
 FORMAT_VERSION = "1"
 STAT_KINDS = ("gram", "fisher")
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-class SafetensorsFile:
-    """Reads tensors of a safetensors file with plain ``read`` calls, one tensor at a time.
-
-    Unlike ``safe_open`` (mmap), the pages read stay in the page cache, not in this process's resident set,
-    so a merge that streams K models' tensors keeps its RSS at the size of the tensors it holds.
-
-    Args:
-        file: A ``.safetensors`` file.
-    """
-
-    def __init__(self, file: str | os.PathLike):
-        self.path = Path(file)
-        with open(self.path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        self._data_start = 8 + n
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
-        self.header: dict[str, dict[str, Any]] = header
-
-    def keys(self) -> list[str]:
-        """Tensor names in the file."""
-        return list(self.header)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Shape of one tensor, without reading it."""
-        return tuple(self.header[name]["shape"])
-
-    def dtype(self, name: str) -> torch.dtype:
-        """Stored dtype of one tensor, without reading it."""
-        return _DTYPES[self.header[name]["dtype"]]
-
-    def get(self, name: str, pool: BufferPool | None = None, slot: str = "") -> torch.Tensor:
-        """Read one tensor into a new CPU tensor, or into ``pool``'s buffer ``slot`` (reused: see BufferPool).
-
-        Reads with ``os.preadv`` (no shared file position), so several threads may read the same file.
-        """
-        info = self.header[name]
-        start, end = info["data_offsets"]
-        dtype, shape = _DTYPES[info["dtype"]], info["shape"]
-        out = pool.take(slot or "read", shape, dtype) if pool is not None else torch.empty(shape, dtype=dtype)
-        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            pos, offset = 0, self._data_start + start
-            while pos < end - start:
-                n = os.preadv(fd, [view[pos:]], offset + pos)
-                if n <= 0:
-                    raise OSError(f"{self.path}: file ends inside tensor {name!r}; the file is truncated")
-                pos += n
-        finally:
-            os.close(fd)
-        return out
-
-
-class BufferPool:
-    """Reusable CPU buffers by slot name, so that streaming loops do not allocate (and page-fault) every tensor.
-
-    Freshly allocated large tensors cost about as much CPU time in page faults as reading them from the page
-    cache; a loop that reads K models' tensors one after another into the same slot touches its memory once.
-    A tensor taken from a slot is valid until the slot is taken again.
-    """
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def take(self, slot: str, shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of ``shape`` and ``dtype`` backed by slot ``slot`` (contents undefined)."""
-        numel = 1
-        for n in shape:
-            numel *= int(n)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        buf = self._bufs.get(slot)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._bufs[slot] = torch.empty(max(nbytes, 64), dtype=torch.uint8)
-        return buf[:nbytes].view(dtype).view(tuple(shape))
-
-    def swap(self, a: str, b: str) -> None:
-        """Exchange the buffers of two slots (tensors taken from them keep their memory)."""
-        self._bufs[a], self._bufs[b] = self._bufs.pop(b, None), self._bufs.pop(a, None)  # type: ignore[assignment]
-        for k in (a, b):
-            if self._bufs[k] is None:
-                del self._bufs[k]
-
-    def nbytes(self) -> int:
-        """Bytes held by every slot."""
-        return sum(b.numel() for b in self._bufs.values())
-
-    def clear(self) -> None:
-        """Drop every buffer."""
-        self._bufs.clear()
+# The one reader and buffer pool of the package (kept importable from here).
+SafetensorsFile = TensorFile
+__all__ = ["FORMAT_VERSION", "STAT_KINDS", "BufferPool", "SafetensorsFile", "StatsFile", "load_stats", "save_stats"]
 
 
 def save_stats(tensors: Mapping[str, torch.Tensor], file: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
-    """Write a statistics file atomically (temp file + rename).
+    """Write a statistics file atomically (temp file + fsync + rename).
 
     Args:
         tensors: Statistic by key (module or parameter name).
@@ -150,19 +48,9 @@ def save_stats(tensors: Mapping[str, torch.Tensor], file: str | os.PathLike, met
     Returns:
         The written file.
     """
-    file = Path(file)
-    file.parent.mkdir(parents=True, exist_ok=True)
     strmeta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
     strmeta.setdefault("format_version", FORMAT_VERSION)
-    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=strmeta)
-        os.replace(tmp, file)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return file
+    return save_safetensors(tensors, file, strmeta)
 
 
 class StatsFile:

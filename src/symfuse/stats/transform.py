@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from symfuse.checkpoint import CheckpointReader
-from symfuse.stats.io import StatsFile, save_stats
+from symfuse.stats.io import StatsFile, file_fingerprint, save_stats
+from symfuse.stats.ownership import TRANSFORMS_FILE, model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ def transform_stats(
         transforms_file: ``transforms.safetensors`` from matching (module key -> transform).
         model: The source (or matched) checkpoint: gives the architecture, config and tensor names.
         out_file: Where to write the transformed statistics (atomic).
+
+    The result records ``transforms_fingerprint`` and ``source_model_fingerprint``, and, when ``model`` is the
+    matched folder holding these transforms, its ``model_fingerprint``: a merge pairs it with that model only.
 
     Returns:
         ``out_file``, or None when the statistics cannot follow the transforms exactly (diagonal Fisher under a
@@ -111,5 +115,14 @@ def transform_stats(
         meta["same_input"] = {k: v for k, v in sf.same_input.items() if torch.equal(out[k], out[v])}
     meta["transforms"] = str(transforms_file)
     meta["transformed_from"] = str(stats_file)
+    # the statistics now belong to the matched model: the one whose folder holds these very transforms
+    tfp = file_fingerprint(transforms_file)
+    meta["transforms_fingerprint"] = tfp
+    source_fp = meta.pop("model_fingerprint", None)
+    if source_fp:
+        meta["source_model_fingerprint"] = source_fp
+    own = Path(model) / TRANSFORMS_FILE
+    if own.is_file() and file_fingerprint(own) == tfp:
+        meta["model_fingerprint"] = model_fingerprint(model)
     reader.close()
     return save_stats(out, os.fspath(out_file), meta)

@@ -21,6 +21,10 @@ class CorruptArtifact(SymfuseError, OSError):
     """A downloaded file's size or sha256 differs from the artifact's manifest."""
 
 
+class StoreUnreachable(SymfuseError, ConnectionError):
+    """The store's backend did not answer (refused, timed out) within the configured timeouts and attempts."""
+
+
 # Exception class names (from botocore / aiohttp / fsspec) that mean "the backend could not be reached".
 _CONNECTION_NAMES = frozenset(
     {
@@ -39,12 +43,14 @@ _CONNECTION_NAMES = frozenset(
 _PERMISSION_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
 
 
-def translate(exc: BaseException, what: str) -> OSError:
+def translate(exc: BaseException, what: str, hint: str = "") -> OSError:
     """The builtin error for a backend exception, with a message naming the artifact.
 
     Args:
         exc: The backend's exception.
         what: The artifact or path the operation was about (goes into the message).
+        hint: How to fix an unreachable backend (names the endpoint and the timeout settings); a generic hint
+            when empty.
 
     Returns:
         A new :class:`OSError` subclass instance; raise it ``from exc``.
@@ -56,16 +62,18 @@ def translate(exc: BaseException, what: str) -> OSError:
     if isinstance(exc, PermissionError) or names & _PERMISSION_NAMES:
         return PermissionError(f"{what}: access denied; check the AWS_* credentials for the store ({detail})")
     if isinstance(exc, ConnectionError | TimeoutError) or names & _CONNECTION_NAMES:
-        return ConnectionError(f"{what}: store backend unreachable; check AWS_ENDPOINT_URL / network ({detail})")
+        fix = hint or "check AWS_ENDPOINT_URL / network"
+        return StoreUnreachable(f"{what}: store backend unreachable ({detail}); {fix}")
     return OSError(f"{what}: store operation failed ({detail})")
 
 
 @contextlib.contextmanager
-def translated(what: str) -> Iterator[None]:
+def translated(what: str, hint: str = "") -> Iterator[None]:
     """Re-raise backend exceptions as builtins (see :func:`translate`); symfuse's own errors pass through.
 
     Args:
         what: The artifact or path the operation is about.
+        hint: See :func:`translate`.
     """
     try:
         yield
@@ -74,4 +82,4 @@ def translated(what: str) -> Iterator[None]:
     except (ValueError, TypeError, KeyError):
         raise
     except Exception as exc:
-        raise translate(exc, what) from exc
+        raise translate(exc, what, hint) from exc

@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from typing_extensions import override
+
+from symfuse.io import TensorFile, save_safetensors
 
 Weights = dict[str, torch.Tensor]
 _REGISTRY: dict[str, type[Transform]] = {}
@@ -427,16 +427,14 @@ def save_transforms(transforms: Mapping[str, ModuleTransform], file: str | Path)
     """Save module transforms into one safetensors file (names ``<module key>/<i>.<part>.<field>``)."""
     flat = {f"{k}/{n}": t for k, mt in transforms.items() for n, t in mt.tensors().items()}
     meta = {"format": "symfuse-transforms", "modules": json.dumps(sorted(transforms))}
-    file = Path(file)
-    save_file(flat, str(file), metadata=meta)
-    return file
+    return save_safetensors(flat, file, meta)  # atomic: temp file + fsync + rename
 
 
 def load_transforms(file: str | Path) -> dict[str, ModuleTransform]:
     """Inverse of :func:`save_transforms` (modules without parts come back as identities)."""
-    with safe_open(str(file), "pt") as f:
-        meta = f.metadata() or {}
-        tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+    with TensorFile(file) as f:  # header validated (a bad file is a CheckpointError naming it)
+        meta = f.metadata
+        tensors = {n: f.get(n) for n in f.keys()}  # noqa: SIM118
     keys = json.loads(meta.get("modules", "[]"))
     grouped: dict[str, dict[str, torch.Tensor]] = {k: {} for k in keys}
     for n, t in tensors.items():

@@ -21,21 +21,25 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from symfuse.checkpoint import load_hf_model, resolve_checkpoint
+from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data import TaskDataset, collate, encode_split, iter_batches, load_task_dataset, load_tokenizer
+from symfuse.errors import NonFiniteError
 from symfuse.evaluate.predict import forward_logits, resolve_device, run_model, task_loss
 from symfuse.evaluate.scoring import score_logits
+from symfuse.io import check_finite_tensor
 from symfuse.outputs import atomic_output_dir, check_output
 
 log = logging.getLogger(__name__)
 
 TRAIN_REPORT = "symfuse_train.json"
+LOG_LINES_PER_EPOCH = 10  # INFO lines with the running loss per epoch (besides the epoch's summary line)
 
 
 class FinetuneConfig(BaseModel):
@@ -87,7 +91,7 @@ def _build_model(base: Path, data: TaskDataset, cfg: FinetuneConfig) -> torch.nn
                 setattr(config, key, cfg.dropout)
     cls = AutoModelForTokenClassification if data.is_token_task else AutoModelForSequenceClassification
     _seed_all(cfg.seed)  # the new head's initialisation
-    return load_hf_model(base, cls, config=config, ignore_mismatched_sizes=True)
+    return load_hf_model(base, cls, validate=False, config=config, ignore_mismatched_sizes=True)
 
 
 def _lr_lambda(total: int, warmup: int):
@@ -105,6 +109,7 @@ def train_model(
     tokenizer: Any,
     cfg: FinetuneConfig,
     device: str = "cpu",
+    on_progress: Callable[[float], None] | None = None,
 ) -> tuple[torch.nn.Module, list[dict[str, Any]]]:
     """Train a copy of ``model`` (the argument is not modified); return the best copy and per-epoch records.
 
@@ -114,6 +119,7 @@ def train_model(
         tokenizer: Tokenizer object.
         cfg: Settings.
         device: ``cpu`` or ``cuda[:i]``.
+        on_progress: Called with the fraction of optimizer steps done (0..1] after every step.
 
     Returns:
         ``(trained model, [{"epoch", "train_loss", "val_loss", <val metrics>, "seconds"}, ...])``.
@@ -124,6 +130,9 @@ def train_model(
     amp = cfg.amp and dev.type == "cuda"
     amp_dtype = torch.bfloat16 if amp and torch.cuda.is_bf16_supported() else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=amp and amp_dtype == torch.float16)
+    where = getattr(model.config, "_name_or_path", "") or "model"
+    for name, p in model.state_dict().items():
+        check_finite_tensor(p, name, where)
     model = copy.deepcopy(model).to(dev)
     pad = tokenizer.pad_token_id or 0
     train_feats = encode_split(data, tokenizer, "train", cfg.max_length)
@@ -148,6 +157,7 @@ def train_model(
     history: list[dict[str, Any]] = []
     best_state, best_score = None, (-math.inf, -math.inf)
     best_epoch = cfg.epochs
+    log_every = max(1, steps_per_epoch // LOG_LINES_PER_EPOCH)
     _seed_all(cfg.seed)
     for epoch in range(1, cfg.epochs + 1):
         t0 = time.perf_counter()
@@ -166,6 +176,13 @@ def train_model(
                 with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
                     logits = forward_logits(model, batch, dev)
                 loss_sum, _ = task_loss(logits, batch["labels"].to(dev), data.problem_type)
+                if not torch.isfinite(loss_sum.detach()).all():
+                    value = float(loss_sum.detach())
+                    raise NonFiniteError(
+                        f"{where}: training loss on {data.name} became {value} at epoch {epoch}, step {step + 1} "
+                        f"— nothing was written; lower the learning rate (now {cfg.lr:g}) or check the "
+                        "data and the base weights"
+                    )
                 scaler.scale(loss_sum / denom).backward()
                 run_loss += float(loss_sum.detach())
             run_n += denom
@@ -176,6 +193,12 @@ def train_model(
             scaler.update()
             sched.step()
             bar.set_postfix(loss=f"{run_loss / run_n:.4f}")
+            done = (epoch - 1) * steps_per_epoch + step + 1
+            if (step + 1) % log_every == 0 and step + 1 < steps_per_epoch:
+                log.info("epoch %d/%d step %d/%d: train loss %.4f", epoch, cfg.epochs, step + 1, steps_per_epoch,
+                         run_loss / max(run_n, 1))  # fmt: skip
+            if on_progress is not None:
+                on_progress(done / max(total, 1))
         bar.close()
         train_seconds = time.perf_counter() - t0
         logits, labels, val_loss = run_model(model, val_batches, data.problem_type, dev, amp)
@@ -228,6 +251,7 @@ def finetune(
     cfg: FinetuneConfig | None = None,
     device: str = "cpu",
     overwrite: bool = False,
+    on_progress: Callable[[float], None] | None = None,
 ) -> Path:
     """Fine-tune ``base`` on ``data`` and write a ``save_pretrained`` folder (safetensors) + tokenizer + report.
 
@@ -242,6 +266,8 @@ def finetune(
         cfg: Settings (defaults: :class:`FinetuneConfig`).
         device: ``cpu`` or ``cuda[:i]`` (CPU fallback when CUDA is absent).
         overwrite: Replace an existing ``out``.
+        on_progress: Called with the fraction of training done (0..1] after every optimizer step (e.g. to update a
+            progress bar in an orchestrator; the library itself logs the loss ~10 times per epoch at INFO).
 
     Returns:
         ``out``.
@@ -252,11 +278,11 @@ def finetune(
     cfg = cfg or FinetuneConfig()
     t0 = time.perf_counter()
     check_output(out, overwrite)
-    base_path = resolve_checkpoint(base)
-    ds = load_task_dataset(data, max_train_examples=cfg.max_train_examples, seed=cfg.seed)
+    base_path = validate_checkpoint(base, finite=True, tokenizer=True)  # before any data is read
     tok = load_tokenizer(base_path)
+    ds = load_task_dataset(data, max_train_examples=cfg.max_train_examples, seed=cfg.seed)
     with _TRAIN_LOCK:  # reproducible from cfg.seed also when other threads fine-tune (see _TRAIN_LOCK)
-        model, history = train_model(_build_model(base_path, ds, cfg), ds, tok, cfg, device)
+        model, history = train_model(_build_model(base_path, ds, cfg), ds, tok, cfg, device, on_progress)
     report = {
         "base": str(base),
         "data": str(data),

@@ -69,23 +69,29 @@ def test_data_without_manifest_does_not_exist(store: ArtifactStore, tmp_path):
         store.local_cache(KEY)
 
 
+def data_path(store: ArtifactStore, key: str, rel: str) -> str:
+    """Backend path of one data file of the artifact's current version."""
+    return store._data_path(key, store.manifest(key), rel)
+
+
 def test_sha256_catches_same_size_corruption(store: ArtifactStore, tmp_path):
     store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
-    store.fs.pipe_file(store._path(KEY, "model.safetensors"), b"X" * 700)  # same size, other bytes
+    store.fs.pipe_file(data_path(store, KEY, "model.safetensors"), b"X" * 700)  # same size, other bytes
     with pytest.raises(CorruptArtifact, match=r"model\.safetensors: sha256"):
         store.get_dir(KEY, tmp_path / "out")
 
 
 def test_size_check_catches_truncation_in_local_cache(store: ArtifactStore, tmp_path):
     store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
-    store.fs.pipe_file(store._path(KEY, "model.safetensors"), b"short")
+    store.fs.pipe_file(data_path(store, KEY, "model.safetensors"), b"short")
     with pytest.raises(CorruptArtifact, match=r"model\.safetensors"):
         store.local_cache(KEY)
     assert isinstance(CorruptArtifact("x"), OSError)
 
 
-def test_rewrite_replaces_files_and_hides_old_manifest_during_upload(store: ArtifactStore, tmp_path, monkeypatch):
-    store.put_dir(KEY, make_dir(tmp_path / "v1"), producer="t")
+def test_rewrite_keeps_old_version_readable_during_upload(store: ArtifactStore, tmp_path, monkeypatch):
+    v1 = make_dir(tmp_path / "v1")
+    store.put_dir(KEY, v1, producer="t")
     v2 = tmp_path / "v2"
     v2.mkdir()
     (v2 / "only.bin").write_bytes(b"v2")
@@ -93,12 +99,13 @@ def test_rewrite_replaces_files_and_hides_old_manifest_during_upload(store: Arti
     real_put = store.fs.put_file
 
     def spy(lpath, rpath, **kwargs):
-        seen.append(store.exists(KEY))  # what a concurrent reader sees mid-upload
+        # what a concurrent reader sees mid-upload: the previous version, whole and verified
+        seen.append((store.manifest(KEY)["producer"], read_all(store.get_dir(KEY, tmp_path / f"mid{len(seen)}"))))
         return real_put(lpath, rpath, **kwargs)
 
     monkeypatch.setattr(store.fs, "put_file", spy)
     store.put_dir(KEY, v2, producer="t2")
-    assert seen == [False]
+    assert seen == [("t", read_all(v1))]
     assert store.manifest(KEY)["files"] == ["only.bin"]
     assert read_all(store.get_dir(KEY, tmp_path / "out")) == {"only.bin": b"v2"}
 
@@ -121,7 +128,7 @@ def test_put_get_json(store: ArtifactStore):
     key = layout.eval_key("r1", "simple-plain", "isear")
     store.put_json(key, {"accuracy": 0.5, "n": 3}, producer="evaluate", inputs={"model": "x"})
     assert store.get_json(key) == {"accuracy": 0.5, "n": 3}
-    store.fs.pipe_file(store._path(key, "data.json"), json.dumps({"accuracy": 0.9}).encode())
+    store.fs.pipe_file(data_path(store, key, "data.json"), json.dumps({"accuracy": 0.9}).encode())
     with pytest.raises(CorruptArtifact):
         store.get_json(key)
 
@@ -144,10 +151,13 @@ def test_list_shows_only_complete_artifacts(store: ArtifactStore, tmp_path):
 
 def test_delete(store: ArtifactStore, tmp_path):
     store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
+    data = data_path(store, KEY, "model.safetensors")
+    assert store.fs.exists(data)
     store.delete(KEY)
     assert not store.exists(KEY)
     assert store.list("runs") == []
-    assert not store.fs.exists(store._path(KEY, "model.safetensors"))
+    assert not store.fs.exists(data)
+    assert not store.fs.exists(store._path(KEY))
     store.delete(KEY)  # nothing there: no error
 
 
@@ -157,7 +167,7 @@ def test_local_cache_downloads_once_per_content(store: ArtifactStore, tmp_path):
     assert read_all(first) == read_all(tmp_path / "src")
     assert store.local_cache(KEY) == first
     if store.is_local:
-        assert first == Path(store._path(KEY))  # local stores are read in place
+        assert first == Path(data_path(store, KEY, "x")).parent  # local stores are read in place
         return
     assert first.parent == store.cache_dir
     (first / "marker").write_text("cached")  # a second call does not download again

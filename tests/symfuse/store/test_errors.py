@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from botocore.exceptions import EndpointConnectionError, NoCredentialsError
 
-from symfuse.store import ArtifactNotFound, ArtifactStore
+from symfuse.store import ArtifactNotFound, ArtifactStore, StoreUnreachable
 from symfuse.store.errors import translate, translated
 from tests.integration.servers import free_port
 
@@ -13,11 +13,11 @@ from tests.integration.servers import free_port
 @pytest.mark.parametrize(
     ("exc", "expected"),
     [
-        (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), ConnectionError),
+        (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), StoreUnreachable),
         (NoCredentialsError(), PermissionError),
         (PermissionError("denied"), PermissionError),
         (FileNotFoundError("gone"), FileNotFoundError),
-        (TimeoutError("slow"), ConnectionError),
+        (TimeoutError("slow"), StoreUnreachable),
         (RuntimeError("weird"), OSError),
     ],
 )
@@ -26,6 +26,7 @@ def test_translate_maps_backend_errors_to_builtins(exc, expected):
         raise exc
     assert info.value.__cause__ is exc
     assert type(translate(exc, "k")) is expected
+    assert issubclass(StoreUnreachable, ConnectionError)  # callers catching ConnectionError still catch it
 
 
 def test_bad_input_is_not_translated():

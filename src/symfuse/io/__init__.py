@@ -1,0 +1,51 @@
+"""Reading and writing safetensors checkpoints and statistics: one parser, one reader, one writer, validation.
+
+No orchestration or storage here (no Prefect, fsspec or :mod:`symfuse.store`): torch and the safetensors
+format only.
+"""
+
+from symfuse.io.folder import (
+    MIN_VOCAB,
+    TOKENIZER_FILES,
+    WEIGHTS,
+    WEIGHTS_INDEX,
+    check_finite,
+    check_finite_tensor,
+    check_module_shapes,
+    check_tokenizer,
+    check_vocab_size,
+    expected_module_shapes,
+    open_weight_files,
+)
+from symfuse.io.safetensors import (
+    DTYPES,
+    BufferPool,
+    Header,
+    TensorFile,
+    TensorInfo,
+    fsync_dir,
+    read_header,
+    save_safetensors,
+)
+
+__all__ = [
+    "DTYPES",
+    "MIN_VOCAB",
+    "TOKENIZER_FILES",
+    "WEIGHTS",
+    "WEIGHTS_INDEX",
+    "BufferPool",
+    "Header",
+    "TensorFile",
+    "TensorInfo",
+    "check_finite",
+    "check_finite_tensor",
+    "check_module_shapes",
+    "check_tokenizer",
+    "check_vocab_size",
+    "expected_module_shapes",
+    "fsync_dir",
+    "open_weight_files",
+    "read_header",
+    "save_safetensors",
+]

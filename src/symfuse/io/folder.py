@@ -1,0 +1,243 @@
+"""Checkpoint folders validated once, before any heavy work: weight files, shard index, shapes, values, tokenizer.
+
+* :func:`open_weight_files`: the folder's ``model.safetensors`` or sharded index, every header validated
+  (:func:`~symfuse.io.safetensors.read_header`); the index must be a JSON object whose ``weight_map`` names
+  files inside the folder (no absolute path, no ``..``), each of which exists and holds the tensors the index
+  says it holds.
+* :func:`check_module_shapes`: every attention / FFN tensor the architecture spec needs is present, floating
+  point and shaped as the config says.
+* :func:`check_finite` / :func:`check_finite_tensor`: a streamed NaN / inf check, chunk by chunk.
+* :func:`check_tokenizer`: the tokenizer files a tokenizing command needs.
+
+Every failure is a :class:`~symfuse.errors.SymfuseError` whose one-line message names the artifact, what is
+wrong and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+
+from symfuse.errors import CheckpointError, NonFiniteError, TokenizerError
+from symfuse.io.safetensors import BufferPool, TensorFile
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+# Any one of these makes a tokenizer transformers can build (fast JSON, WordPiece, BPE, SentencePiece).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+MIN_VOCAB = 256
+_CHUNK_BYTES = 1 << 24
+
+
+def _index_files(folder: Path) -> dict[str, str]:
+    """``{tensor: file name}`` of a sharded index, validated (JSON, confined to ``folder``)."""
+    index = folder / WEIGHTS_INDEX
+    try:
+        data = json.loads(index.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{index}: not valid JSON ({exc}) — re-export the checkpoint") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: no 'weight_map' object naming the shard of every tensor — re-export it")
+    for name, fname in weight_map.items():
+        pure = PurePosixPath(str(fname))
+        if (
+            not isinstance(fname, str)
+            or not fname
+            or pure.is_absolute()
+            or ".." in pure.parts
+            or "\\" in fname
+            or Path(fname).is_absolute()
+        ):
+            raise CheckpointError(
+                f"{index}: tensor {name!r} points at {fname!r}, outside the checkpoint folder — "
+                "shards must be plain file names inside the folder; fix the index"
+            )
+        # confined by name only: hub snapshots are folders of symlinks into a blob store, which are fine
+    return weight_map
+
+
+def open_weight_files(folder: str | os.PathLike) -> tuple[dict[str, Path], dict[Path, TensorFile]]:
+    """The tensors of a checkpoint folder and its validated weight files.
+
+    Args:
+        folder: A ``save_pretrained`` folder.
+
+    Returns:
+        ``({tensor name: file}, {file: TensorFile})``; every header is validated once here.
+
+    Raises:
+        CheckpointError: no weights, a bad index (see the module docstring), a missing shard, a tensor the
+            index names that its shard lacks, or a bad safetensors file.
+    """
+    folder = Path(folder)
+    index = folder / WEIGHTS_INDEX
+    if index.exists():
+        mapping = {name: folder / fname for name, fname in _index_files(folder).items()}
+        files: dict[Path, TensorFile] = {}
+        for file in sorted(set(mapping.values())):
+            if not file.is_file():
+                raise CheckpointError(f"{index}: shard {file.name} is missing from {folder} — copy the whole folder")
+            files[file] = TensorFile(file)
+        for name, file in mapping.items():
+            if name not in files[file].header.tensors:
+                raise CheckpointError(
+                    f"{index}: says {name!r} is in {file.name}, but that shard does not hold it — re-export the "
+                    "checkpoint (the index and its shards do not belong together)"
+                )
+        return mapping, files
+    single = folder / WEIGHTS
+    if single.exists():
+        tf = TensorFile(single)
+        return dict.fromkeys(tf.keys(), single), {single: tf}
+    raise CheckpointError(f"{folder}: no {WEIGHTS} or {WEIGHTS_INDEX} — save the model with safe_serialization")
+
+
+def expected_module_shapes(spec: Any, ref: Any, config: Any, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Stored shapes of one module's weights and biases as the config implies them (``{name: shape}``).
+
+    Roles whose shape the geometry does not fix (DeBERTa's position projections) are left out.
+    """
+    geo = spec.geometry(config)
+    q_out, kv_out = geo.n_heads * geo.head_dim, geo.n_kv_heads * geo.head_dim
+    d, f = geo.d_model, geo.d_ffn
+    canonical = {
+        "q": (q_out, d),
+        "k": (kv_out, d),
+        "v": (kv_out, d),
+        "qkv": (q_out + 2 * kv_out, d),
+        "o": (d, q_out),
+        "up": (f, d),
+        "gate": (f, d),
+        "down": (d, f),
+    }
+    out: dict[str, tuple[int, ...]] = {}
+    for role, name in spec.tensor_names(ref, config, prefix).items():
+        base = role.removesuffix("_bias")
+        if base not in canonical:
+            continue
+        shape = canonical[base]
+        if role.endswith("_bias"):
+            out[name] = (shape[0],)
+        else:
+            out[name] = (shape[1], shape[0]) if spec.conv1d else shape
+    return out
+
+
+def check_module_shapes(
+    folder: Path, spec: Any, config: Any, prefix: str, files: dict[str, Path], tensor_files: dict[Path, TensorFile]
+) -> None:
+    """Every attention / FFN weight the spec needs is stored, floating point and shaped as the config says.
+
+    Raises:
+        CheckpointError: a missing weight, an integer / bool module tensor, or a shape that disagrees with
+            ``config.json``.
+    """
+    required = {"attn": ("o",), "ffn": ("up", "down")}
+    for ref in spec.modules(config):
+        names = spec.tensor_names(ref, config, prefix)
+        need = [names[r] for r in required[ref.kind]]
+        if ref.kind == "attn":
+            need += [names["qkv"]] if "qkv" in names else [names[r] for r in ("q", "k", "v")]
+        elif spec.ffn.gate is not None:
+            need.append(names["gate"])
+        missing = [n for n in need if n not in files]
+        if missing:
+            raise CheckpointError(
+                f"{folder}: {ref.key} weights {missing[:3]} are missing — the checkpoint is incomplete for its "
+                f"config ({spec.family}, {spec.geometry(config).n_layers} layers); re-export or fix config.json"
+            )
+        for name, shape in expected_module_shapes(spec, ref, config, prefix).items():
+            if name not in files:
+                continue
+            info = tensor_files[files[name]].info(name)
+            if not info.dtype.is_floating_point:
+                raise CheckpointError(
+                    f"{files[name]}: {name} is stored as {info.dtype}; symmetries transform float tensors only — "
+                    "store the weights as float16 / bfloat16 / float32"
+                )
+            if info.shape != shape:
+                raise CheckpointError(
+                    f"{files[name]}: {name} has shape {list(info.shape)} but config.json implies {list(shape)} — "
+                    "the config and the weights do not belong together"
+                )
+
+
+def check_finite_tensor(t: torch.Tensor, name: str, where: str | os.PathLike) -> torch.Tensor:
+    """Raise :class:`NonFiniteError` naming ``where`` and ``name`` if a float tensor holds NaN or inf.
+
+    One reduction: a sum is finite whenever every element is (NaN and inf propagate); only a non-finite sum
+    (NaN / inf, or a finite overflow) is checked element by element. Returns ``t``.
+    """
+    if t.is_floating_point() and t.numel() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
+        bad = int((~torch.isfinite(t)).sum())
+        raise NonFiniteError(
+            f"{where}: tensor {name!r} holds {bad} NaN / inf value(s) — the file is corrupt or training diverged; "
+            "use another checkpoint or re-export it"
+        )
+    return t
+
+
+def check_finite(
+    tensor_files: Iterable[TensorFile], names: Iterable[str] | None = None, chunk_bytes: int = _CHUNK_BYTES
+) -> None:
+    """Stream every float tensor of some files (or only ``names``) and refuse NaN / inf, chunk by chunk.
+
+    Memory is one chunk; each chunk is one ``preadv`` and one reduction.
+
+    Raises:
+        NonFiniteError: naming the file and the tensor.
+    """
+    wanted = set(names) if names is not None else None
+    pool = BufferPool()
+    for tf in tensor_files:
+        for name, info in tf.header.tensors.items():
+            if (wanted is not None and name not in wanted) or not info.dtype.is_floating_point or not info.nbytes:
+                continue
+            if not info.shape or info.nbytes <= chunk_bytes:
+                check_finite_tensor(tf.get(name, pool, "finite"), name, tf.path)
+                continue
+            row = math.prod(info.shape[1:]) * info.dtype.itemsize
+            rows = max(1, chunk_bytes // max(row, 1))
+            for lo in range(0, info.shape[0], rows):
+                n = min(rows, info.shape[0] - lo)
+                buf = pool.take("finite", (n, *info.shape[1:]), info.dtype)
+                check_finite_tensor(tf.read_into(buf, info.begin + lo * row, name), name, tf.path)
+
+
+def check_tokenizer(folder: str | os.PathLike) -> None:
+    """Refuse a folder without tokenizer files (transformers would build a near-empty tokenizer from nothing).
+
+    Raises:
+        TokenizerError: naming the folder and the fix.
+    """
+    folder = Path(folder)
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise TokenizerError(
+            f"{folder}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}) — copy the base model's tokenizer "
+            "into the folder (tokenizer.save_pretrained(folder))"
+        )
+
+
+def check_vocab_size(tokenizer: Any, folder: str | os.PathLike) -> Any:
+    """Refuse a loaded tokenizer with fewer than :data:`MIN_VOCAB` tokens (every word would be ``[UNK]``)."""
+    n = len(tokenizer)
+    if n < MIN_VOCAB:
+        raise TokenizerError(
+            f"{folder}: tokenizer has only {n} tokens, so nearly every input would be [UNK] — copy the base "
+            "model's tokenizer files into the folder (tokenizer.save_pretrained(folder))"
+        )
+    return tokenizer

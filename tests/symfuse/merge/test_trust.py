@@ -1,0 +1,157 @@
+"""Statistics belong to their model, and NaN / inf never reaches (or leaves) a merge."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from symfuse.checkpoint import resolve_checkpoint
+from symfuse.errors import NonFiniteError, StatsMismatchError
+from symfuse.match import disguise_checkpoint
+from symfuse.merge import merge_checkpoints
+from symfuse.stats import StatsFile, collect_stats, save_stats, transform_stats
+from tests.tiny import tiny_config
+
+QUERY = "bert.encoder.layer.0.attention.self.query"
+
+
+def _model(folder, seed):
+    """A tiny 2-label BERT classifier with the real MiniLM tokenizer (fast, real text)."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
+    torch.manual_seed(seed)
+    transformers.BertForSequenceClassification(
+        tiny_config("bert", vocab_size=tok.vocab_size, num_labels=2)
+    ).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _toy_data(folder):
+    folder.mkdir()
+    rows = [
+        {"text": f"i feel so {w} today", "label": lab}
+        for w, lab in [("happy", "joy"), ("angry", "anger"), ("glad", "joy"), ("furious", "anger")] * 3
+    ]
+    for split in ("train", "validation", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "meta.json").write_text(json.dumps({"task": "classification", "labels": ["anger", "joy"]}))
+    return folder
+
+
+def _stats(model, data, out, kinds=("gram", "fisher")):
+    collect_stats(model, str(data), list(kinds), out, batch_size=4, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    data = _toy_data(root / "toy")
+    a, b = _model(root / "A", seed=0), _model(root / "B", seed=1)
+    return a, b, _stats(a, data, root / "SA"), _stats(b, data, root / "SB"), data
+
+
+def _bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_stats_of_another_model_are_refused_naming_both(pair, tmp_path):
+    a, b, sa, sb, _ = pair
+    with pytest.raises(StatsMismatchError) as err:
+        merge_checkpoints("regmean", [a, b], tmp_path / "o1", stats=[sa, sa])  # B's statistics are A's
+    assert str(sa) in str(err.value) and str(b) in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(StatsMismatchError, match="another model"):
+        merge_checkpoints("fisher", [a, b], tmp_path / "o2", stats=[sb, sa])  # swapped
+    assert not [p for p in tmp_path.iterdir()]  # nothing written, no temporary folder left
+    out = merge_checkpoints("regmean", [a, b], tmp_path / "ok", stats=[sa, sb])  # the right pairing still merges
+    assert json.loads((out / "symfuse_report.json").read_text())["counters"]["regmean_solves"] > 0
+
+
+def test_half_overwritten_stats_folder_is_refused(pair, tmp_path):
+    a, b, sa, sb, _ = pair
+    mixed = shutil.copytree(sa, tmp_path / "mixed")
+    shutil.copy2(sb / "fisher.safetensors", mixed / "fisher.safetensors")  # gram of A, fisher of B
+    with pytest.raises(StatsMismatchError, match=r"gram\.safetensors and fisher\.safetensors"):
+        merge_checkpoints("regmean", [a, b], tmp_path / "o", stats=[mixed, sb])  # even if only Grams are used
+    assert not (tmp_path / "o").exists()
+
+
+def test_failed_stats_run_leaves_the_previous_folder_intact(pair, tmp_path, monkeypatch):
+    a, _, _, _, data = pair
+    out = _stats(a, data, tmp_path / "S", kinds=("gram",))
+    before = _bytes(out)
+    from symfuse.stats import collect
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("killed while collecting the Fisher")
+
+    monkeypatch.setattr(collect, "collect_fisher", boom)  # the Gram is done by then, the Fisher fails
+    with pytest.raises(RuntimeError, match="killed"):
+        collect_stats(a, str(data), ["gram", "fisher"], out, batch_size=4, progress=False)
+    assert _bytes(out) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["S"]  # no temporary folder left
+
+
+def test_transformed_stats_belong_to_the_matched_model(pair, tmp_path):
+    a, b, sa, sb, _ = pair
+    matched = disguise_checkpoint(a, tmp_path / "Am", seed=3, kinds=("head-permutation", "ffn-permutation"))
+    moved = tmp_path / "SAm"
+    moved.mkdir()
+    out = transform_stats(
+        sa / "gram.safetensors", matched / "transforms.safetensors", matched, moved / "gram.safetensors"
+    )
+    meta = StatsFile(out).meta
+    assert meta["transforms_fingerprint"] and meta["source_model_fingerprint"] != meta["model_fingerprint"]
+    merge_checkpoints("regmean", [matched, b], tmp_path / "ok", stats=[moved, sb])
+    with pytest.raises(StatsMismatchError, match="matching"):
+        merge_checkpoints("regmean", [a, b], tmp_path / "o", stats=[moved, sb])  # paired with the unmatched source
+    assert not (tmp_path / "o").exists()
+
+
+def _nan_copy(src, dst, name, value=float("nan")):
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    sd[name].view(-1)[5] = value
+    save_file(sd, str(dst / "model.safetensors"), {"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_nan_weights_are_refused_by_merge(pair, tmp_path, which):
+    a, b, *_ = pair
+    bad = _nan_copy([a, b][which], tmp_path / "bad", QUERY + ".weight", float("inf"))
+    models = [bad, b] if which == 0 else [a, bad]
+    with pytest.raises(NonFiniteError) as err:
+        merge_checkpoints("simple", models, tmp_path / "o")
+    assert str(bad / "model.safetensors") in str(err.value) and QUERY + ".weight" in str(err.value)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("kind", ["gram", "fisher"])
+def test_nan_statistics_are_refused_before_the_solve(pair, tmp_path, kind, monkeypatch):
+    a, b, sa, sb, _ = pair
+    bad = shutil.copytree(sb, tmp_path / "SB")
+    file = bad / f"{kind}.safetensors"
+    sf = StatsFile(file)
+    tensors = {k: sf.get(k) for k in sf.keys()}  # noqa: SIM118
+    ffn = "bert.encoder.layer.1.intermediate.dense"  # its Gram is read (q / k / v share one Gram, read once)
+    key = ffn if kind == "gram" else QUERY + ".weight"
+    tensors[key][0, 0] = float("nan")
+    save_stats(tensors, file, {k: v if isinstance(v, str) else json.dumps(v) for k, v in sf.meta.items()})
+    solved = []
+    monkeypatch.setattr(torch.linalg, "lstsq", lambda *x, **k: solved.append(1))
+    with pytest.raises(NonFiniteError) as err:
+        merge_checkpoints("regmean" if kind == "gram" else "fisher", [a, b], tmp_path / "o", stats=[sa, bad])
+    assert str(file) in str(err.value) and key in str(err.value)
+    assert not solved and not (tmp_path / "o").exists()
+
+
+def test_non_finite_merged_output_is_not_written(pair, tmp_path):
+    a, b, *_ = pair
+    base = _model(tmp_path / "base", seed=2)
+    with pytest.raises(NonFiniteError, match="merged tensor"):
+        merge_checkpoints("task-arithmetic", [a, b], tmp_path / "o", base=base, lam=1e300)
+    assert not (tmp_path / "o").exists()

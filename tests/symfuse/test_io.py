@@ -1,0 +1,223 @@
+"""symfuse.io: bad safetensors files, shard indexes, shapes, dtypes, NaN / inf and tokenizers are refused up front."""
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from symfuse.checkpoint import CheckpointReader, validate_checkpoint, write_checkpoint
+from symfuse.data import load_tokenizer
+from symfuse.errors import CheckpointError, NonFiniteError, TokenizerError
+from symfuse.io import TensorFile, check_finite, read_header, save_safetensors
+from symfuse.merge import merge_checkpoints
+from symfuse.stats import StatsFile
+from tests.tiny import save_tiny
+
+QUERY = "encoder.layer.0.attention.self.query.weight"
+
+
+def _rewrite_header(file, edit):
+    """Rewrite a safetensors header with ``edit(header dict)``, keeping the data bytes."""
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    blob = json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
+
+
+def _lie_shape(h):
+    h[QUERY]["shape"] = [64, 32]  # twice the bytes its offsets span
+
+
+def _lie_offsets(h):
+    h[QUERY]["data_offsets"][1] += 10**9  # past the end of the file
+
+
+def _overlap(h):
+    other = next(k for k in h if k not in ("__metadata__", QUERY) and h[k]["shape"] == h[QUERY]["shape"])
+    h[other]["data_offsets"] = list(h[QUERY]["data_offsets"])
+
+
+def _bad_dtype(h):
+    h[QUERY]["dtype"] = "F13"
+
+
+def _damage(file, how):
+    if how == "truncated":
+        data = file.read_bytes()
+        file.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":
+        file.write_bytes(os.urandom(4096))
+    elif how == "empty":
+        file.write_bytes(b"")
+    elif how == "json":
+        file.write_bytes(struct.pack("<Q", 12) + b"{not json!!}" + b"\0" * 64)
+    else:
+        _rewrite_header(
+            file, {"shape": _lie_shape, "offsets": _lie_offsets, "overlap": _overlap, "dtype": _bad_dtype}[how]
+        )
+
+
+BAD = ["truncated", "garbage", "empty", "json", "shape", "offsets", "overlap", "dtype"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "m", "bert", seed=0)
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("how", BAD)
+def test_bad_safetensors_is_a_checkpoint_error_naming_the_file(tiny, tmp_path, how):
+    folder = _copy(tiny, tmp_path / "bad")
+    file = folder / "model.safetensors"
+    _damage(file, how)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors") as err:
+        CheckpointReader(folder)
+    msg = str(err.value)
+    assert str(file) in msg and "\n" not in msg and " — " in msg
+    with pytest.raises(CheckpointError):
+        read_header(file)
+
+
+@pytest.mark.parametrize(("command", "how"), [("match", "truncated"), ("match", "empty"), ("merge", "shape")])
+def test_bad_safetensors_on_the_command_line_exits_nonzero_without_traceback(tiny, tmp_path, how, command):
+    folder = _copy(tiny, tmp_path / "bad")
+    _damage(folder / "model.safetensors", how)
+    if command == "match":
+        args = ["match", str(folder), str(tiny), "--out", str(tmp_path / "out")]
+    else:
+        args = ["merge", "--strategy", "simple", "--models", str(tiny), str(folder), "--out", str(tmp_path / "out")]
+    code = "import sys; from symfuse.cli import main; sys.argv = ['symfuse'] + sys.argv[1:]; main()"
+    res = subprocess.run([sys.executable, "-c", code, *args], check=False, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert not (tmp_path / "out").exists()
+    if command == "match":  # the merge command's one-line error boundary belongs to the CLI work
+        assert "Traceback" not in res.stderr and "model.safetensors" in res.stderr, res.stderr
+    with pytest.raises(CheckpointError, match=str(folder / "model.safetensors")):
+        merge_checkpoints("simple", [tiny, folder], tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+
+
+def _shard(folder, target):
+    """Turn a single-file checkpoint into a one-shard index whose weight_map points at ``target``."""
+    names = list(load_file(str(next(folder.glob("*.safetensors")))))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, target)}))
+
+
+@pytest.mark.parametrize("target", ["../outside.safetensors", "sub/../../outside.safetensors", "ABS"])
+def test_shard_index_pointing_outside_the_folder_is_refused(tiny, tmp_path, target):
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy2(tiny / "model.safetensors", outside)
+    folder = _copy(tiny, tmp_path / "m")
+    _shard(folder, str(outside) if target == "ABS" else target)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        CheckpointReader(folder)
+
+
+def test_shard_index_inside_the_folder_works_and_must_be_complete(tiny, tmp_path):
+    folder = _copy(tiny, tmp_path / "m")
+    os.replace(folder / "model.safetensors", folder / "model-00000.safetensors")
+    _shard(folder, "model-00000.safetensors")
+    with CheckpointReader(folder) as r:
+        torch.testing.assert_close(r.get(QUERY), load_file(str(tiny / "model.safetensors"))[QUERY])
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["encoder.layer.0.ghost.weight"] = "model-00000.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="does not hold it"):
+        CheckpointReader(folder)
+    del index["weight_map"]["encoder.layer.0.ghost.weight"]
+    del index["weight_map"][QUERY]  # the index loses a tensor the architecture needs
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="missing"):
+        CheckpointReader(folder)
+
+
+def test_shapes_must_agree_with_the_config(tiny, tmp_path):
+    folder = _copy(tiny, tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] = 64  # the weights say 48
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config.json implies \[64, 32\]"):
+        CheckpointReader(folder)
+
+
+def test_integer_tensors_are_never_transformed(tiny, tmp_path):
+    from symfuse.match import disguise_checkpoint
+
+    sd = load_file(str(tiny / "model.safetensors"))
+    folder = _copy(tiny, tmp_path / "int")
+    save_file({**sd, QUERY: sd[QUERY].to(torch.int32)}, str(folder / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"torch\.int32"):
+        disguise_checkpoint(folder, tmp_path / "rotated", seed=0)
+    assert not (tmp_path / "rotated").exists()
+    # an integer tensor outside every module passes through a transform untouched; changing it is refused
+    counter = torch.arange(7, dtype=torch.int32)
+    folder2 = _copy(tiny, tmp_path / "extra")
+    save_file({**sd, "extra.counter": counter}, str(folder2 / "model.safetensors"), {"format": "pt"})
+    out = disguise_checkpoint(folder2, tmp_path / "d2", seed=0)
+    got = load_file(str(tmp_path / "d2" / "model.safetensors"))
+    assert out is not None and torch.equal(got["extra.counter"], counter)
+    assert not torch.equal(got[QUERY], sd[QUERY])  # the float weights really were transformed
+    with CheckpointReader(folder2) as r, pytest.raises(CheckpointError, match="never transformed"):
+        write_checkpoint(r, tmp_path / "w", replace=lambda n, t: t * 2 if n == "extra.counter" else t)
+    assert not (tmp_path / "w").exists()
+
+
+def test_streamed_finite_check_names_file_and_tensor(tiny, tmp_path):
+    sd = load_file(str(tiny / "model.safetensors"))
+    name = "embeddings.word_embeddings.weight"  # (64, 32): checked in several chunks below
+    sd[name][50, 3] = float("inf")
+    file = tmp_path / "w.safetensors"
+    save_file(sd, str(file))
+    with TensorFile(file) as tf, pytest.raises(NonFiniteError, match=name) as err:
+        check_finite([tf], chunk_bytes=1024)
+    assert str(file) in str(err.value)
+    with TensorFile(tiny / "model.safetensors") as tf:
+        check_finite([tf], chunk_bytes=1024)  # a finite file passes
+
+
+def test_missing_or_toy_tokenizer_is_refused(tiny, tmp_path):
+    with pytest.raises(TokenizerError, match="no tokenizer files"):
+        load_tokenizer(tiny)
+    with pytest.raises(TokenizerError, match="no tokenizer files"):
+        validate_checkpoint(tiny, tokenizer=True)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[PAD]": 1, "[CLS]": 2, "[SEP]": 3, "a": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder = _copy(tiny, tmp_path / "toy")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(folder)
+    with pytest.raises(TokenizerError, match="only 5 tokens"):
+        load_tokenizer(folder)
+
+
+def test_save_safetensors_is_atomic(tmp_path, monkeypatch):
+    file = tmp_path / "s.safetensors"
+    save_safetensors({"a": torch.ones(3)}, file, {"kind": "gram"})
+    import symfuse.io.safetensors as st
+
+    def half_write(tensors, path, metadata=None):
+        with open(path, "wb") as fh:
+            fh.write(b"\x10\x00\x00")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(st, "save_file", half_write)
+    with pytest.raises(OSError, match="disk full"):
+        save_safetensors({"a": torch.zeros(3)}, file, {"kind": "gram"})
+    assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]  # no temporary file left
+    assert torch.equal(StatsFile(file).get("a"), torch.ones(3))  # the previous version is intact
