@@ -12,16 +12,18 @@ from pathlib import Path
 import symfuse.checkpoint
 from symfuse.cli import main
 
-_save_file = symfuse.checkpoint.save_file
+# the function write_checkpoint writes each shard with
+_SAVE = "save_safetensors" if hasattr(symfuse.checkpoint, "save_safetensors") else "save_file"
+_save = getattr(symfuse.checkpoint, _SAVE)
 
 
 def _save_then_pause(tensors, filename, metadata=None):
-    _save_file(tensors, filename, metadata=metadata)
+    _save(tensors, filename, metadata=metadata)
     Path(MARKER).write_text(str(Path(filename).parent))
     time.sleep(600)
 
 
 if __name__ == "__main__":
     MARKER = sys.argv.pop(1)
-    symfuse.checkpoint.save_file = _save_then_pause
+    setattr(symfuse.checkpoint, _SAVE, _save_then_pause)
     main()
