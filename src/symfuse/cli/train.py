@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from symfuse.cli import app
+from symfuse.cli import app, checks
+from symfuse.outputs import claim_output
 
 
 @app.command()
@@ -27,9 +28,19 @@ def finetune(
     max_length: Annotated[int, typer.Option("--max-length")] = 128,
     seed: Annotated[int, typer.Option("--seed")] = 13,
     device: Annotated[str, typer.Option("--device")] = "cpu",
-    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Fine-tune BASE on a dataset and write the fine-tuned checkpoint."""
+    checks.at_least("--epochs", epochs, 1)
+    checks.at_least("--max-train-examples", max_train_examples, 1)
+    checks.at_least("--max-eval-examples", max_eval_examples, 1)
+    checks.positive("--lr", lr, "a learning rate")
+    checks.at_least("--batch-size", batch_size, 1)
+    checks.at_least("--grad-accum", grad_accum, 1)
+    checks.at_least("--max-length", max_length, 8)
+    checks.device("--device", device)
+    checks.local_path("BASE", base)
+    checks.checkpoint(base, arch=False)
     from symfuse.train import TRAIN_REPORT, FinetuneConfig
     from symfuse.train import finetune as run
 
@@ -43,7 +54,9 @@ def finetune(
         max_eval_examples=max_eval_examples,
         seed=seed,
     )
-    folder = run(base, data, out, cfg, device=device, overwrite=overwrite)
+    with claim_output(out, overwrite):
+        checks.dataset("--data", data)
+        folder = run(base, data, out, cfg, device=device, overwrite=overwrite)
     report = json.loads((folder / TRAIN_REPORT).read_text())
     for e in report["epochs"]:
         primary = e["primary"]

@@ -28,12 +28,13 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from symfuse.checkpoint import atomic_dir, load_hf_model, validate_checkpoint
+from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data import TaskDataset, collate, encode_split, iter_batches, load_task_dataset, load_tokenizer
 from symfuse.errors import NonFiniteError
 from symfuse.evaluate.predict import forward_logits, resolve_device, run_model, task_loss
 from symfuse.evaluate.scoring import score_logits
 from symfuse.io import check_finite_tensor
+from symfuse.outputs import atomic_output_dir, check_output
 
 log = logging.getLogger(__name__)
 
@@ -270,9 +271,13 @@ def finetune(
 
     Returns:
         ``out``.
+
+    Raises:
+        OutputExistsError: ``out`` exists and ``overwrite`` is False (checked before any training).
     """
     cfg = cfg or FinetuneConfig()
     t0 = time.perf_counter()
+    check_output(out, overwrite)
     base_path = validate_checkpoint(base, finite=True, tokenizer=True)  # before any data is read
     tok = load_tokenizer(base_path)
     ds = load_task_dataset(data, max_train_examples=cfg.max_train_examples, seed=cfg.seed)
@@ -292,7 +297,7 @@ def finetune(
         "best_epoch": next(h["epoch"] for h in history if h["best"]),
         "seconds": time.perf_counter() - t0,
     }
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
         (tmp / TRAIN_REPORT).write_text(json.dumps(report, indent=2))
