@@ -10,6 +10,7 @@ import logging
 import typer
 
 from symfuse.cli.boundary import BoundaryGroup
+from symfuse.redact import install_log_redaction
 
 app = typer.Typer(
     cls=BoundaryGroup,
@@ -23,6 +24,8 @@ app = typer.Typer(
 @app.callback()
 def _setup(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging and tracebacks.")) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # botocore / s3fs DEBUG records carry request headers: no credential reaches any handler, even at -v
+    install_log_redaction()
 
 
 def main() -> None:
