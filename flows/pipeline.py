@@ -21,6 +21,7 @@ from symfuse.merge import MERGERS
 from tasks.common import warm_imports
 from tasks.evaluate import evaluate
 from tasks.finetune import bring_checkpoint, finetune
+from tasks.housekeeping import clean_store
 from tasks.match import assemble_matched, choose_anchor, list_modules, match_module, match_module_barycenter
 from tasks.merge import merge
 from tasks.report import report
@@ -31,7 +32,7 @@ VARIANTS = ("plain", "matched")
 STAGES = {
     finetune: "finetune", bring_checkpoint: "other", collect_stats: "stats", follow_stats: "stats",
     list_modules: "match", choose_anchor: "match", match_module: "match", match_module_barycenter: "match",
-    assemble_matched: "match", merge: "merge", evaluate: "evaluate", report: "other",
+    assemble_matched: "match", merge: "merge", evaluate: "evaluate", report: "other", clean_store: "other",
 }  # fmt: skip
 
 
@@ -85,6 +86,7 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     """The body of :func:`fusion_pipeline` (inside its flow run, holding the run lock)."""
     names = config.dataset_names
     T = staged(config, STAGES)  # every task with its stage's timeout
+    T.clean_store(config)  # versions that killed uploads of this run_id left behind
     warm_imports(config.base_model)  # transformers' lazy imports are not thread-safe: resolve them before fan-out
     unknown = [s for s in config.strategies if s not in MERGERS]
     if unknown:

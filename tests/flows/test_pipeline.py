@@ -93,9 +93,14 @@ def test_second_run_recomputes_nothing(first_run, monkeypatch):
     config, state, _ = first_run
     store = ArtifactStore(config.resolved_store_root())
     before = {k: store.manifest(k) for k in store.list(layout.run_prefix("t"))}
+    # what a killed upload of an earlier run left: a version no manifest names, older than the grace period
+    orphan = store._path(layout.model_key("t", "isear"), ".v", "20200101T000000000Z-0123456789abcdef", "model.bin")
+    store.fs.pipe_file(orphan, b"half an upload")
+    monkeypatch.setenv("SYMFUSE_STORE_GC_GRACE", "0")  # its file is new: past the grace period only with 0
     calls = Calls(monkeypatch)
     again = fusion_pipeline(config, return_state=True)
     assert again.is_completed(), again.message
+    assert not store.fs.exists(orphan)  # collected at the start of the run
     assert calls.total() == 0, calls.counts
     assert {k: store.manifest(k) for k in store.list(layout.run_prefix("t"))} == before
     assert again.result()["report"] == state.result()["report"]
