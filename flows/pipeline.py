@@ -20,6 +20,7 @@ from symfuse.config import RunConfig
 from symfuse.merge import MERGERS
 from tasks.common import warm_imports
 from tasks.evaluate import evaluate
+from tasks.fanout import collect_stats_remote, finetune_remote
 from tasks.finetune import bring_checkpoint, finetune
 from tasks.match import assemble_matched, choose_anchor, list_modules, match_module, match_module_barycenter
 from tasks.merge import merge
@@ -32,6 +33,7 @@ STAGES = {
     finetune: "finetune", bring_checkpoint: "other", collect_stats: "stats", follow_stats: "stats",
     list_modules: "match", choose_anchor: "match", match_module: "match", match_module_barycenter: "match",
     assemble_matched: "match", merge: "merge", evaluate: "evaluate", report: "other",
+    finetune_remote: "finetune", collect_stats_remote: "stats",
 }  # fmt: skip
 
 
@@ -93,12 +95,15 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     # 1. One model per dataset: fine-tuned from the base, or the checkpoint the user brings.
     trained = [n for n in names if config.dataset(n).checkpoint is None]
     brought = [n for n in names if n not in trained]
-    models = dict(zip(trained, T.finetune.map(unmapped(config), trained), strict=True))
+    #    fan_out "deployments": one flow run of the finetune / stats stage deployment each, on any worker of the pool.
+    remote = config.fan_out == "deployments"
+    train, collect = (T.finetune_remote, T.collect_stats_remote) if remote else (T.finetune, T.collect_stats)
+    models = dict(zip(trained, train.map(unmapped(config), trained), strict=True))
     models |= dict(zip(brought, T.bring_checkpoint.map(unmapped(config), brought), strict=True))
 
     # 2. Statistics the strategies need, one task per model × kind.
     kinds = needed_kinds(config)
-    stats = {(n, k): T.collect_stats.submit(config, n, models[n], k) for n in names for k in kinds}
+    stats = {(n, k): collect.submit(config, n, models[n], k) for n in names for k in kinds}
 
     # 3. Matching: one task per attention / FFN module per other model onto the anchor model, or (barycenter) one
     #    task per module aligning every model to their mean (either task returns {model: transform URI}); then the
