@@ -1,7 +1,9 @@
 """``fusion_pipeline``: fine-tune, collect statistics, match, merge, evaluate, report — one Prefect flow.
 
 Read it top to bottom: each stage fans out over its inputs and hands URIs (never tensors) to the next. Every task is
-idempotent by content, so re-running the flow (or retrying it) recomputes nothing already in the store.
+idempotent by content, so re-running the flow (or retrying it) recomputes nothing already in the store. With
+``config.fan_out == "deployments"`` the fine-tunes and statistics run as flow runs of the stage deployments
+(``flows/stages.py``) on any worker of the pool, awaited together; everything else is unchanged.
 
     python -m flows.pipeline [--quick] [--config run.yaml] [--store DIR] [--run-id ID]
 """
