@@ -119,6 +119,13 @@ class TimeoutSettings(_Strict):
     other: float | None = Field(default=1800, gt=0, description="Bringing a checkpoint, the report.")
 
 
+class StageDeployments(_Strict):
+    """Deployments (``<flow name>/<deployment name>``) the heavy stages run as when ``fan_out`` is ``deployments``."""
+
+    finetune: str = Field(default="finetune-stage/finetune-stage", description="One fine-tune per flow run.")
+    stats: str = Field(default="stats-stage/stats-stage", description="One model's statistics (one kind) per run.")
+
+
 def _choice(value: object, choices: tuple[str, ...], what: str) -> object:
     """``value`` unchanged, or a one-line error naming the unknown entries and the choices (before the enum check)."""
     if isinstance(value, list):
@@ -157,6 +164,14 @@ class RunConfig(_Strict):
     quick: bool = Field(default=False, description="Marks a reduced demo run (smaller caps); informational.")
     timeouts: TimeoutSettings = Field(
         default_factory=TimeoutSettings, description="Per-stage task time limits in seconds (null: none)."
+    )
+    fan_out: Literal["in-process", "deployments"] = Field(
+        default="in-process",
+        description="Where fine-tunes and statistics run: threads of the pipeline's flow run ('in-process'), or one "
+        "flow run each of the stage deployments on the work pool ('deployments': N workers share one run).",
+    )
+    stage_deployments: StageDeployments = Field(
+        default_factory=StageDeployments, description="Stage deployments used when fan_out is 'deployments'."
     )
 
     @field_validator("run_id")
