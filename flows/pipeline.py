@@ -16,6 +16,7 @@ from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from symfuse.config import RunConfig
+from symfuse.logs import quiet_third_party
 from symfuse.merge import MERGERS
 from tasks.common import warm_imports
 from tasks.evaluate import evaluate
@@ -70,6 +71,7 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
         ``{"report": URI, "merged": {name: URI}, "evaluations": [URI, ...]}``.
     """
     names = config.dataset_names
+    quiet_third_party()  # also when a worker runs the flow: no load report / progress bar per checkpoint
     warm_imports(config.base_model)  # transformers' lazy imports are not thread-safe: resolve them before fan-out
     unknown = [s for s in config.strategies if s not in MERGERS]
     if unknown:

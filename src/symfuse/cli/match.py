@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from symfuse.cli import app
+from symfuse.config import DATASET_RESOLUTION
 from symfuse.errors import SymfuseError
 
 
@@ -32,7 +33,9 @@ def match(
     # --- activation-based matching (issue 5) ---
     data: Annotated[
         str | None,
-        typer.Option("--data", help="Dataset whose texts feed both models: activation-based permutations."),
+        typer.Option(
+            "--data", help="Dataset whose texts feed both models: activation-based permutations. " + DATASET_RESOLUTION
+        ),
     ] = None,
     max_examples: Annotated[int, typer.Option("--max-examples", help="Examples for the statistics.")] = 512,
 ) -> None:
