@@ -31,10 +31,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from symfuse.data.locate import (
+from symfuse.data.locate import (  # shared_datasets_dir: re-exported, it used to live here
     dataset_search_path,
     find_named_dataset,
     not_found_message,
+    shared_datasets_dir,  # noqa: F401
 )
 from symfuse.errors import SymfuseError
 
@@ -374,8 +375,9 @@ def _load_hub(source: str) -> TaskDataset:
         dd = load_dataset(source)
     except Exception as exc:
         raise DatasetError(
-            f"{source}: not a shared dataset name, local folder/file, or reachable hub dataset "
-            f"({type(exc).__name__}: {exc}); local folders searched: {[str(f) for _, f in dataset_search_path()]}"
+            f"{source}: not a local dataset name, folder or file, nor a reachable hub dataset "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())}); local folders searched: "
+            f"{[str(f) for _, f in dataset_search_path()]}"
         ) from exc
     splits = {("validation" if s in ("val", "dev") else s): d for s, d in dd.items()}
     first = next(iter(splits.values()))
