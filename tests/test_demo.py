@@ -15,7 +15,14 @@ import pandas as pd
 from symfuse.config import DEMO_DATASETS, DEMO_OUT_OF_DOMAIN
 
 ROOT = Path(__file__).resolve().parents[1]
-NOISE = ("LOAD REPORT", "MISSING", "were not initialized", "Loading weights", "Generating train split")
+NOISE = (
+    "LOAD REPORT",
+    "MISSING",
+    "were not initialized",
+    "Loading weights",
+    "Writing model shards",
+    "Generating train split",
+)
 
 
 def test_quick_demo_runs_on_bundled_data_without_shared(tmp_path):
