@@ -76,7 +76,7 @@ def bundled_datasets() -> list[str]:
 def find_named_dataset(name: str) -> Path | None:
     """The folder a bare dataset name resolves to (first hit of :func:`dataset_search_path`), or None."""
     for what, folder in dataset_search_path():
-        if (folder / name).is_dir():
+        if (folder / name).is_dir() and (what != "bundled" or name in bundled_datasets()):
             log.debug("%s: %s dataset %s", name, what, folder / name)
             return folder / name
     return None
@@ -92,7 +92,8 @@ def not_found_message(name: str) -> str:
     """The one-line message for a bare name that no location holds (what was searched, what to provide)."""
     env = os.environ.get("SYMFUSE_DATASETS")
     shared = shared_location()
-    names = sorted({p.name for _, f in dataset_search_path() for p in f.iterdir() if p.is_dir()})
+    names = sorted({p.name for w, f in dataset_search_path() if w != "bundled" for p in f.iterdir() if p.is_dir()})
+    names = sorted({*names, *bundled_datasets()})
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.75)
     searched = [
         f"$SYMFUSE_DATASETS={env}" if env else "$SYMFUSE_DATASETS (unset)",

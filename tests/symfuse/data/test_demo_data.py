@@ -127,8 +127,11 @@ def test_offline_name_found_nowhere_is_one_line_naming_what_to_provide(no_shared
     assert "\n" not in msg and msg.startswith("dair_emotion: no dataset of that name")
     for part in ("$SYMFUSE_DATASETS", "../shared/datasets", "bundled demo data (crowdflower", "hf:dair_emotion"):
         assert part in msg, part
+    assert "LICENSES" not in msg  # the licence folder is no dataset
     with pytest.raises(DatasetError, match=r"did you mean meld\?"):
         load_task_dataset("meldd")
+    with pytest.raises(DatasetError, match="LICENSES: no dataset of that name"):
+        load_task_dataset("LICENSES")
 
 
 def test_help_documents_the_resolution_order(capsys):
