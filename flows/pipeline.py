@@ -19,6 +19,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.runtime import forward_library_logs, run_lock, staged
 from symfuse.config import RunConfig
+from symfuse.logs import quiet_third_party
 from symfuse.merge import MERGERS
 from tasks.common import warm_imports
 from tasks.evaluate import evaluate
@@ -89,6 +90,7 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
 def run_stages(config: RunConfig) -> dict[str, Any]:
     """The body of :func:`fusion_pipeline` (inside its flow run, holding the run lock)."""
     names = config.dataset_names
+    quiet_third_party()  # also when a worker runs the flow: no load report / progress bar per checkpoint
     T = staged(config, STAGES)  # every task with its stage's timeout
     T.clean_store(config)  # versions that killed uploads of this run_id left behind
     warm_imports(config.base_model)  # transformers' lazy imports are not thread-safe: resolve them before fan-out

@@ -10,6 +10,7 @@ import logging
 import typer
 
 from symfuse.cli.boundary import BoundaryGroup
+from symfuse.logs import quiet_third_party
 from symfuse.redact import install_log_redaction
 
 app = typer.Typer(
@@ -26,6 +27,7 @@ def _setup(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug lo
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # botocore / s3fs DEBUG records carry request headers: no credential reaches any handler, even at -v
     install_log_redaction()
+    quiet_third_party(verbose)  # no per-checkpoint load reports / progress bars unless -v
 
 
 def main() -> None:

@@ -11,12 +11,13 @@ import typer
 from symfuse.cli import app, checks
 from symfuse.errors import UsageError
 from symfuse.outputs import atomic_output_dir
+from symfuse.config import DATASET_RESOLUTION
 
 
 @app.command()
 def evaluate(
     model: Annotated[str, typer.Argument(help="Checkpoint folder with a task head.")],
-    data: Annotated[str, typer.Option("--data", help="Dataset: shared name, folder, file(s) or hub id.")],
+    data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
     split: Annotated[str, typer.Option("--split")] = "test",
     labels_from: Annotated[str | None, typer.Option("--labels-from", help="Dataset naming the head's outputs.")] = None,
     max_examples: Annotated[int | None, typer.Option("--max-examples")] = None,
@@ -57,7 +58,7 @@ def evaluate(
 def barrier(
     a: Annotated[str, typer.Argument(help="First model (λ = 0).")],
     b: Annotated[str, typer.Argument(help="Second model (λ = 1), same architecture and head shape.")],
-    data: Annotated[str, typer.Option("--data")],
+    data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
     out: Annotated[Path, typer.Option("--out", help="Folder for barrier.json and barrier.png (new).")],
     points: Annotated[int, typer.Option("--points", help="λ values in [0, 1] (>= 2).")] = 21,
     split: Annotated[str, typer.Option("--split")] = "test",

@@ -11,6 +11,7 @@ import typer
 from symfuse.cli import app, checks
 from symfuse.errors import UsageError
 from symfuse.outputs import claim_output
+from symfuse.config import DATASET_RESOLUTION
 
 
 @app.command()
@@ -28,7 +29,9 @@ def match(
     # --- activation-based matching (issue 5) ---
     data: Annotated[
         str | None,
-        typer.Option("--data", help="Dataset whose texts feed both models: activation-based permutations."),
+        typer.Option(
+            "--data", help="Dataset whose texts feed both models: activation-based permutations. " + DATASET_RESOLUTION
+        ),
     ] = None,
     max_examples: Annotated[int, typer.Option("--max-examples", help="Examples for the statistics.")] = 512,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,

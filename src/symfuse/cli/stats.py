@@ -9,12 +9,13 @@ import typer
 
 from symfuse.cli import app, checks
 from symfuse.outputs import atomic_output_dir
+from symfuse.config import DATASET_RESOLUTION
 
 
 @app.command()
 def stats(
     model: Annotated[str, typer.Argument(help="Checkpoint folder (or 'minilm' / hub id).")],
-    data: Annotated[str, typer.Option("--data", help="Shared dataset name, folder of JSONL splits, or hub id.")],
+    data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
     out: Annotated[Path, typer.Option("--out", help="Output folder (<kind>.safetensors; new unless --overwrite).")],
     kind: Annotated[str, typer.Option("--kind", help="Comma-separated kinds: gram,fisher.")] = "gram",
     max_examples: Annotated[int | None, typer.Option("--max-examples", help="Seeded subset size.")] = None,

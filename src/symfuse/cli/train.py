@@ -10,14 +10,13 @@ import typer
 
 from symfuse.cli import app, checks
 from symfuse.outputs import claim_output
+from symfuse.config import DATASET_RESOLUTION
 
 
 @app.command()
 def finetune(
     base: Annotated[str, typer.Argument(help="Base checkpoint folder, 'minilm', or a hub id.")],
-    data: Annotated[
-        str, typer.Option("--data", help="Dataset: shared name (dair_emotion), folder, file(s) or hub id.")
-    ],
+    data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
     out: Annotated[Path, typer.Option("--out", help="Output folder (save_pretrained layout + symfuse_train.json).")],
     epochs: Annotated[int, typer.Option("--epochs")] = 3,
     max_train_examples: Annotated[int | None, typer.Option("--max-train-examples")] = None,
