@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 
 from symfuse.cli import app, checks
+from symfuse.config import DATASET_RESOLUTION
 from symfuse.errors import UsageError
 from symfuse.outputs import claim_output
-from symfuse.config import DATASET_RESOLUTION
 
 
 @app.command()

@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from symfuse.cli import app, checks
-from symfuse.outputs import atomic_output_dir
 from symfuse.config import DATASET_RESOLUTION
+from symfuse.outputs import atomic_output_dir
 
 
 @app.command()

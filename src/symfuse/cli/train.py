@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from symfuse.cli import app, checks
-from symfuse.outputs import claim_output
 from symfuse.config import DATASET_RESOLUTION
+from symfuse.outputs import claim_output
 
 
 @app.command()
