@@ -105,6 +105,15 @@ def test_report_says_matching_was_a_noop(tmp_path):
     assert "| fisher | plain | 0.6300 | 90.0 % | 0.5500 | **yes** |" in text
     assert "| simple | plain | 0.5500 | 78.6 % | 0.4500 | no |" in text
     assert "Merges that beat the best individual out of domain: fisher / plain." in text
+    assert "agree to 4 decimals" not in text  # fisher OOD differs by 0.05
+
+
+def test_report_says_when_matched_equals_plain(tmp_path):
+    evals = [ev for ev in _evals() if ev["strategy"] != "fisher"]
+    assert (
+        "Matched and plain merges agree to 4 decimals for every strategy."
+        in build_report(evals, NOOP, [], tmp_path).markdown
+    )
 
 
 def test_report_says_matching_moved_the_weights(tmp_path):
