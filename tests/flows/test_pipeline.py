@@ -46,6 +46,12 @@ def test_pipeline_completes_after_injected_faults(first_run):
     for name in ("simple", "fisher", "regmean", "goemotions_ekman", "before / after matching", "Timings",
                  "match_module"):  # fmt: skip
         assert name in text
+    # the findings: a verdict on matching, matched minus plain per strategy, merges against the individual models
+    assert "## Did matching change anything?" in text
+    assert ("**Matching was a no-op**" in text) != ("Matching moved the weights:" in text)
+    assert "## Matched minus plain" in text and "| regmean | " in text
+    assert "## Merges against the individual models" in text and "Best individual out of domain:" in text
+    assert "Merges that beat the best individual out of domain:" in text
     assert (folder / "metrics.csv").stat().st_size > 0 and (folder / "metrics.png").exists()
     record = store.get_json(layout.eval_key("t", "regmean-matched", "goemotions_ekman"))
     assert record["domain"] == "out" and record["head"] in config.dataset_names
