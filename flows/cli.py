@@ -13,14 +13,23 @@ import time
 
 import pandas as pd
 
-from symfuse.config import RunConfig
+from symfuse.config import DATASET_RESOLUTION, DEMO_DATASETS, DEMO_OUT_OF_DOMAIN, RunConfig
+from symfuse.logs import quiet_third_party
 from symfuse.report import metrics_table, primary_metric
 from symfuse.store import ArtifactStore
+
+DEMO_DATA_HELP = (
+    f"The embedded demo fine-tunes on {', '.join(DEMO_DATASETS)} and evaluates out of domain on "
+    f"{', '.join(DEMO_OUT_OF_DOMAIN)}: subsets bundled with the package (sources and licences in "
+    f"symfuse/data/demo/SOURCES.md). {DATASET_RESOLUTION}"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The demo's options."""
-    p = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m flows.pipeline", description=__doc__.splitlines()[0], epilog=DEMO_DATA_HELP
+    )
     p.add_argument("--quick", action="store_true", help="the reduced demo (target < 3 min on 2 CPU cores)")
     p.add_argument("--config", help="RunConfig YAML file (default: the embedded demo)")
     p.add_argument("--store", help="artifact store root (default: $SYMFUSE_STORE or ./symfuse-runs)")
@@ -56,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     # library lines in the run's logs (read when Prefect sets up logging; the flows also attach the handler)
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "symfuse,tasks")
+    quiet_third_party()  # the pipeline's progress and table, not a load report per checkpoint
     args = parse_args(argv)
     config = load_config(args)
     from flows.pipeline import fusion_pipeline

@@ -1,7 +1,9 @@
 """``fusion_pipeline``: fine-tune, collect statistics, match, merge, evaluate, report — one Prefect flow.
 
 Read it top to bottom: each stage fans out over its inputs and hands URIs (never tensors) to the next. Every task is
-idempotent by content, so re-running the flow (or retrying it) recomputes nothing already in the store.
+idempotent by content, so re-running the flow (or retrying it) recomputes nothing already in the store. With
+``config.fan_out == "deployments"`` the fine-tunes and statistics run as flow runs of the stage deployments
+(``flows/stages.py``) on any worker of the pool, awaited together; everything else is unchanged.
 
     python -m flows.pipeline [--quick] [--config run.yaml] [--store DIR] [--run-id ID]
 """
@@ -17,10 +19,13 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.runtime import forward_library_logs, run_lock, staged
 from symfuse.config import RunConfig
+from symfuse.logs import quiet_third_party
 from symfuse.merge import MERGERS
 from tasks.common import warm_imports
 from tasks.evaluate import evaluate
+from tasks.fanout import collect_stats_remote, finetune_remote
 from tasks.finetune import bring_checkpoint, finetune
+from tasks.housekeeping import clean_store
 from tasks.match import assemble_matched, choose_anchor, list_modules, match_module, match_module_barycenter
 from tasks.merge import merge
 from tasks.report import report
@@ -31,7 +36,8 @@ VARIANTS = ("plain", "matched")
 STAGES = {
     finetune: "finetune", bring_checkpoint: "other", collect_stats: "stats", follow_stats: "stats",
     list_modules: "match", choose_anchor: "match", match_module: "match", match_module_barycenter: "match",
-    assemble_matched: "match", merge: "merge", evaluate: "evaluate", report: "other",
+    assemble_matched: "match", merge: "merge", evaluate: "evaluate", report: "other", clean_store: "other",
+    finetune_remote: "finetune", collect_stats_remote: "stats",
 }  # fmt: skip
 
 
@@ -84,7 +90,9 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
 def run_stages(config: RunConfig) -> dict[str, Any]:
     """The body of :func:`fusion_pipeline` (inside its flow run, holding the run lock)."""
     names = config.dataset_names
+    quiet_third_party()  # also when a worker runs the flow: no load report / progress bar per checkpoint
     T = staged(config, STAGES)  # every task with its stage's timeout
+    T.clean_store(config)  # versions that killed uploads of this run_id left behind
     warm_imports(config.base_model)  # transformers' lazy imports are not thread-safe: resolve them before fan-out
     unknown = [s for s in config.strategies if s not in MERGERS]
     if unknown:
@@ -93,12 +101,15 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     # 1. One model per dataset: fine-tuned from the base, or the checkpoint the user brings.
     trained = [n for n in names if config.dataset(n).checkpoint is None]
     brought = [n for n in names if n not in trained]
-    models = dict(zip(trained, T.finetune.map(unmapped(config), trained), strict=True))
+    #    fan_out "deployments": one flow run of the finetune / stats stage deployment each, on any worker of the pool.
+    remote = config.fan_out == "deployments"
+    train, collect = (T.finetune_remote, T.collect_stats_remote) if remote else (T.finetune, T.collect_stats)
+    models = dict(zip(trained, train.map(unmapped(config), trained), strict=True))
     models |= dict(zip(brought, T.bring_checkpoint.map(unmapped(config), brought), strict=True))
 
     # 2. Statistics the strategies need, one task per model × kind.
     kinds = needed_kinds(config)
-    stats = {(n, k): T.collect_stats.submit(config, n, models[n], k) for n in names for k in kinds}
+    stats = {(n, k): collect.submit(config, n, models[n], k) for n in names for k in kinds}
 
     # 3. Matching: one task per attention / FFN module per other model onto the anchor model, or (barycenter) one
     #    task per module aligning every model to their mean (either task returns {model: transform URI}); then the

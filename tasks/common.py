@@ -23,6 +23,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from symfuse.config import RunConfig
+from symfuse.logs import quiet_third_party  # third-party bars off inside tasks (the user's env wins)
 from symfuse.store import ArtifactStore, content_key, layout
 from tasks.policy import RETRIES, RETRY_DELAYS, maybe_inject_fault, retry_transient
 
@@ -88,28 +89,6 @@ def warm_imports(base_model: str) -> None:
         getattr(T, arch, None)
     with contextlib.suppress(Exception):  # a base without tokenizer files fails later, with the library's message
         T.AutoTokenizer.from_pretrained(str(folder))
-
-
-def quiet_third_party() -> None:
-    """Turn off transformers' / huggingface_hub's / datasets' progress bars and info chatter in this process.
-
-    Tasks report progress through :class:`Progress` and the ``symfuse.*`` log lines; the third-party bars
-    ("Loading weights", downloads) would only fill the worker's console. Idempotent and cheap.
-    """
-    with contextlib.suppress(ImportError):
-        import transformers.utils.logging as tlog
-
-        tlog.disable_progress_bar()
-        tlog.set_verbosity_error()
-    with contextlib.suppress(ImportError):
-        import huggingface_hub.utils as hub_utils
-
-        hub_utils.disable_progress_bars()
-    with contextlib.suppress(ImportError):
-        import datasets.utils.logging as dlog
-
-        dlog.disable_progress_bar()
-        dlog.set_verbosity_error()
 
 
 def logger() -> logging.Logger | logging.LoggerAdapter:

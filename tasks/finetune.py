@@ -32,13 +32,19 @@ def finetune_settings(config: RunConfig, dataset: str) -> FinetuneConfig:
     )  # fmt: skip
 
 
+def finetune_keys(config: RunConfig, dataset: str) -> tuple[str, str]:
+    """Store key and content key of the fine-tuned model for ``dataset`` (the same in every process and worker)."""
+    cfg, base = finetune_settings(config, dataset), resolve_checkpoint(config.base_model)
+    ck = content_key({"finetune": cfg, "data": config.dataset(dataset).data}, {"base": model_fingerprint(base)})
+    return layout.model_key(config.run_id, dataset), ck
+
+
 @symfuse_task("finetune", "finetune-{dataset}", gpu=True)
 def finetune(config: RunConfig, dataset: str) -> str:
     """Fine-tune the base model on ``dataset``; return the checkpoint's URI (``runs/{run}/models/{dataset}``)."""
     store, cfg = open_store(config), finetune_settings(config, dataset)
-    key = layout.model_key(config.run_id, dataset)
     base = resolve_checkpoint(config.base_model)
-    ck = content_key({"finetune": cfg, "data": config.dataset(dataset).data}, {"base": model_fingerprint(base)})
+    key, ck = finetune_keys(config, dataset)
     if (uri := reuse(store, key, ck, f"fine-tuned model {dataset}")) is not None:
         return uri
     maybe_inject_fault()

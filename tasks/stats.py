@@ -6,6 +6,7 @@ import symfuse.stats
 from symfuse.config import RunConfig
 from symfuse.match import TRANSFORMS_FILE
 from tasks.common import (
+    ArtifactStore,
     Progress,
     content_key,
     fetch,
@@ -34,6 +35,15 @@ def stats_settings(config: RunConfig, dataset: str, kind: str) -> dict:
     }
 
 
+def stats_keys(
+    store: ArtifactStore, config: RunConfig, model: str, model_uri: str, kind: str, dataset: str | None = None
+) -> tuple[str, str]:
+    """Store key and content key of ``kind`` statistics of a model (the same in every process and worker)."""
+    dataset = dataset or model
+    ck = content_key(stats_settings(config, dataset, kind), manifests(store, {"model": model_uri}))
+    return layout.stats_key(config.run_id, model, dataset, kind), ck
+
+
 @symfuse_task("collect_stats", "stats-{model}-{kind}", gpu=True)
 def collect_stats(config: RunConfig, model: str, model_uri: str, kind: str, dataset: str | None = None) -> str:
     """Collect ``kind`` statistics (gram | fisher) of a model on its training data; return the stats URI.
@@ -46,8 +56,7 @@ def collect_stats(config: RunConfig, model: str, model_uri: str, kind: str, data
         dataset: Dataset the statistics come from (default: ``model``).
     """
     store, dataset = open_store(config), dataset or model
-    key = layout.stats_key(config.run_id, model, dataset, kind)
-    ck = content_key(stats_settings(config, dataset, kind), manifests(store, {"model": model_uri}))
+    key, ck = stats_keys(store, config, model, model_uri, kind, dataset)
     if (uri := reuse(store, key, ck, f"{kind} statistics of {model}")) is not None:
         return uri
     maybe_inject_fault()

@@ -5,7 +5,10 @@ so every field is typed and documented. Tasks flatten it at their boundary: libr
 
 The embedded demo (``RunConfig.demo()``) fine-tunes MiniLM on three emotion datasets and merges them; its caps are
 chosen for a 2-core CPU: full ~2000 training examples per dataset and 2 epochs (target < 15 min), quick 200
-examples, 1 epoch and 100 evaluation examples per set (target < 3 min).
+examples, 1 epoch and 100 evaluation examples per set (target < 3 min). Its datasets (``DEMO_DATASETS``,
+``DEMO_OUT_OF_DOMAIN``) ship inside the package at the full demo's caps (``symfuse/data/demo/``, licences in its
+``SOURCES.md``), so it runs on any clone; a ``$SYMFUSE_DATASETS`` or ``../shared/datasets`` folder of the same name
+takes precedence.
 """
 
 from __future__ import annotations
@@ -27,6 +30,16 @@ Strategy = Literal["simple", "fisher", "regmean", "task-arithmetic", "ties", "da
 Symmetry = Literal["rotation", "scaling", "ffn-permutation", "head-permutation"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 SYMMETRY_NAMES: tuple[str, ...] = get_args(Symmetry)
+# The demo's training sets (different label sets: 13 tweet emotions, 28 Reddit emotions, 7 Friends emotions) and its
+# held-out set (Ekman's 6 + neutral on Reddit texts disjoint from the bundled goemotions rows): all redistributable.
+DEMO_DATASETS = ("crowdflower", "goemotions", "meld")
+DEMO_OUT_OF_DOMAIN = ("goemotions_ekman",)
+# How a dataset argument is resolved (symfuse.data.locate); shown by the --help of every command taking a dataset.
+DATASET_RESOLUTION = (
+    "A dataset is an explicit folder or file path, else a bare name looked up in $SYMFUSE_DATASETS, then "
+    "../shared/datasets ($SYMFUSE_SHARED_DATASETS moves it, empty skips it), then the demo data bundled with the "
+    "package (crowdflower, goemotions, goemotions_ekman, meld), else a hub id owner/name or hf:<id> (online)."
+)
 
 
 def _check_name(value: str, what: str) -> str:
@@ -119,6 +132,13 @@ class TimeoutSettings(_Strict):
     other: float | None = Field(default=1800, gt=0, description="Bringing a checkpoint, the report.")
 
 
+class StageDeployments(_Strict):
+    """Deployments (``<flow name>/<deployment name>``) the heavy stages run as when ``fan_out`` is ``deployments``."""
+
+    finetune: str = Field(default="finetune-stage/finetune-stage", description="One fine-tune per flow run.")
+    stats: str = Field(default="stats-stage/stats-stage", description="One model's statistics (one kind) per run.")
+
+
 def _choice(value: object, choices: tuple[str, ...], what: str) -> object:
     """``value`` unchanged, or a one-line error naming the unknown entries and the choices (before the enum check)."""
     if isinstance(value, list):
@@ -157,6 +177,14 @@ class RunConfig(_Strict):
     quick: bool = Field(default=False, description="Marks a reduced demo run (smaller caps); informational.")
     timeouts: TimeoutSettings = Field(
         default_factory=TimeoutSettings, description="Per-stage task time limits in seconds (null: none)."
+    )
+    fan_out: Literal["in-process", "deployments"] = Field(
+        default="in-process",
+        description="Where fine-tunes and statistics run: threads of the pipeline's flow run ('in-process'), or one "
+        "flow run each of the stage deployments on the work pool ('deployments': N workers share one run).",
+    )
+    stage_deployments: StageDeployments = Field(
+        default_factory=StageDeployments, description="Stage deployments used when fan_out is 'deployments'."
     )
 
     @field_validator("run_id")
@@ -251,7 +279,7 @@ class RunConfig(_Strict):
 
     @classmethod
     def demo(cls, quick: bool = False, **overrides) -> RunConfig:
-        """The embedded demo: MiniLM fine-tuned on dair_emotion, isear and meld, merged six ways.
+        """The embedded demo: MiniLM fine-tuned on crowdflower, goemotions and meld, merged six ways.
 
         Full: 2000 training examples per dataset, 2 epochs, max_length 64, stats on 256 examples, evaluation on
         500 test examples per set (target < 15 min on a 2-core CPU). Quick: 200 examples, 1 epoch, stats on 64,
@@ -266,13 +294,12 @@ class RunConfig(_Strict):
             "run_id": "demo-quick" if quick else "demo",
             "base_model": "minilm",
             "datasets": [
-                {"name": name, "max_train_examples": n_train, "max_eval_examples": n_eval}
-                for name in ("dair_emotion", "isear", "meld")
+                {"name": name, "max_train_examples": n_train, "max_eval_examples": n_eval} for name in DEMO_DATASETS
             ],
             "finetune": {"epochs": epochs, "lr": 1e-4, "batch_size": 16, "max_length": 64, "seed": 13},
             "stats": {"kinds": ["gram", "fisher"], "max_examples": n_stats, "batch_size": 16},
             "strategies": ["simple", "fisher", "regmean"],
-            "evaluation": {"in_domain": True, "out_of_domain": ["goemotions_ekman"], "max_examples": n_eval},
+            "evaluation": {"in_domain": True, "out_of_domain": list(DEMO_OUT_OF_DOMAIN), "max_examples": n_eval},
             "device": "auto",
             "quick": quick,
         }

@@ -27,3 +27,19 @@ class StatsMismatchError(SymfuseError, ValueError):
 
 class TokenizerError(SymfuseError, ValueError):
     """A command that tokenizes found no usable tokenizer in the checkpoint folder."""
+
+
+class UsageError(SymfuseError, ValueError):
+    """A bad option or argument value (a command exits 2): ``<option>: <what is wrong> — <fix>``."""
+
+
+class DataError(SymfuseError, ValueError):
+    """An input artifact (checkpoint, statistics, dataset) is unreadable or holds bad values (a command exits 1)."""
+
+
+class OutputExistsError(SymfuseError, FileExistsError):
+    """The output folder exists (and ``overwrite`` was not asked), or appeared while a command was writing it."""
+
+
+class OutputLockedError(SymfuseError, BlockingIOError):
+    """Another process is writing the same output folder (its lock file names the holder's pid)."""

@@ -23,6 +23,8 @@ from typing import Any
 
 import pandas as pd
 
+from symfuse.report_findings import findings_markdown
+
 log = logging.getLogger(__name__)
 
 # The first of these that an evaluation reports is the headline metric of the table.
@@ -267,6 +269,7 @@ def build_report(
         s, v = best[score_col].idxmax()
         parts += [f"Best merge ({score_col}): **{s} / {v}** = {best.loc[(s, v), score_col]:.4f}", ""]
     parts += ["![metrics](metrics.png)", ""]
+    parts += findings_markdown(dist, table, metric)
     if not dist.empty:
         parts += ["## Distance to the anchor before / after matching", "", to_markdown(dist, index=False), ""]
         parts += ["![distances](distances.png)", ""]

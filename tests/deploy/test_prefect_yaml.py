@@ -23,6 +23,13 @@ EXPECTED = {
     "fusion-pipeline": "flows/pipeline.py:fusion_pipeline",
     "watch-checkpoints": "flows/watch.py:watch_checkpoints",
     "remerge": "flows/watch.py:remerge",
+    "finetune-stage": "flows/stages.py:finetune_stage",
+    "stats-stage": "flows/stages.py:stats_stage",
+}
+# What the pipeline's fan-out tasks (tasks/fanout.py) pass to the stage deployments.
+STAGE_PARAMS = {
+    "finetune-stage": {"dataset": "isear"},
+    "stats-stage": {"model": "isear", "model_uri": "s3://bucket/runs/demo/models/isear", "kind": "gram"},
 }
 EVENT = "symfuse.checkpoint.arrived"
 
@@ -57,7 +64,8 @@ def test_prefect_yaml_validates_with_prefects_model():
     assert {d.name: d.entrypoint for d in model.deployments} == EXPECTED
     pools = {d.name: d.work_pool.name for d in model.deployments}
     # the watcher lists the store and emits events: its own pool, never a GPU worker's slot
-    assert pools == {"fusion-pipeline": "gpu", "remerge": "gpu", "watch-checkpoints": "control"}
+    assert pools == {"fusion-pipeline": "gpu", "remerge": "gpu", "watch-checkpoints": "control",
+                     "finetune-stage": "gpu", "stats-stage": "gpu"}  # fmt: skip
     for dep in model.deployments:
         assert "symfuse" in dep.tags, f"{dep.name}: the crash automation matches runs by the tag 'symfuse'"
     # the code's folder in the images, not the deploying machine's checkout
@@ -136,8 +144,20 @@ def test_entrypoints_load_and_accept_the_parameters(name):
             "config": RunConfig.demo(quick=True).model_dump(mode="json"),
             "checkpoints": ["s3://bucket/runs/demo-quick/incoming/ckpt"],
         }
+    if name in STAGE_PARAMS:
+        params = {"config": RunConfig.demo(quick=True).model_dump(mode="json"), **STAGE_PARAMS[name]}
     validated = flow.validate_parameters(params)
     assert isinstance(validated["config"], RunConfig)
+
+
+def test_stage_deployments_are_the_ones_the_config_names():
+    names = RunConfig.demo(quick=True).stage_deployments
+    flows = {d["name"]: load_flow(d["entrypoint"]).name for d in raw()["deployments"]}
+    assert names.finetune == f"{flows['finetune-stage']}/finetune-stage"
+    assert names.stats == f"{flows['stats-stage']}/stats-stage"
+    assert {"finetune-stage", "stats-stage"} <= {
+        d["name"] for d in raw()["deployments"] if d["work_pool"]["name"] == "gpu"
+    }
 
 
 def test_watcher_emits_what_the_trigger_expects():

@@ -143,7 +143,12 @@ class PrefectServer:
         return res
 
     def start_worker(
-        self, pool: str = "gpu", env: Mapping[str, str] | None = None, cwd: str | Path | None = None, name: str = ""
+        self,
+        pool: str = "gpu",
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        name: str = "",
+        limit: int | None = None,
     ) -> subprocess.Popen:
         """Start ``prefect worker start --pool <pool>`` (a process worker); it is stopped before the server.
 
@@ -152,11 +157,14 @@ class PrefectServer:
             env: Extra environment for the worker and its flow runs (e.g. ``S3Server.env``, CUDA_VISIBLE_DEVICES).
             cwd: Working directory of the worker.
             name: Worker name (default: a random one).
+            limit: At most this many flow runs at once on this worker (``--limit``; default: no limit).
         """
         log = open(self.home / "logs" / f"worker-{len(self._workers)}.log", "w")  # noqa: SIM115
         args = [*PREFECT, "worker", "start", "--pool", pool, "--type", "process"]
         if name:
             args += ["--name", name]
+        if limit is not None:
+            args += ["--limit", str(limit)]
         proc = subprocess.Popen(
             args,
             cwd=cwd,

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from symfuse.config import RunConfig
 
-DATASETS = ["dair_emotion", "isear", "meld"]
+DATASETS = ["crowdflower", "goemotions", "meld"]
 
 
 @pytest.mark.parametrize("quick", [False, True])
@@ -30,7 +30,7 @@ def test_demo_defaults(quick):
 def test_demo_overrides_and_helpers(tmp_path, monkeypatch):
     cfg = RunConfig.demo(quick=True, run_id="t1", store_root="memory://x", device="cpu")
     assert (cfg.run_id, cfg.resolved_store_root(), cfg.resolved_device()) == ("t1", "memory://x", "cpu")
-    assert cfg.dataset("isear").data == "isear"
+    assert cfg.dataset("goemotions").data == "goemotions"
     with pytest.raises(KeyError, match="nope"):
         cfg.dataset("nope")
     monkeypatch.setenv("SYMFUSE_STORE", str(tmp_path))
@@ -39,7 +39,7 @@ def test_demo_overrides_and_helpers(tmp_path, monkeypatch):
 
 def test_yaml_round_trip(tmp_path):
     cfg = RunConfig.demo(quick=True)
-    cfg.datasets[1].checkpoint = "s3://bucket/my-isear"
+    cfg.datasets[1].checkpoint = "s3://bucket/my-goemotions"
     path = tmp_path / "run.yaml"
     cfg.to_yaml(path)
     assert RunConfig.from_yaml(path) == cfg

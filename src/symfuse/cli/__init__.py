@@ -1,15 +1,33 @@
-"""The ``symfuse`` command line: one module per command group, registered on one typer app."""
+"""The ``symfuse`` command line: one module per command group, registered on one typer app.
+
+Every command runs inside one error boundary (:mod:`symfuse.cli.boundary`): an error prints one line
+``error: <artifact>: <what is wrong> — <fix>`` on stderr and exits 2 (usage) or 1 (data); ``-v`` (anywhere on the
+command line) adds the traceback and debug logging.
+"""
 
 import logging
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Symmetry-aware fusion of transformer models.")
+from symfuse.cli.boundary import BoundaryGroup
+from symfuse.logs import quiet_third_party
+from symfuse.redact import install_log_redaction
+
+app = typer.Typer(
+    cls=BoundaryGroup,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Symmetry-aware fusion of transformer models.",
+)
 
 
 @app.callback()
-def _setup(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.")) -> None:
+def _setup(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging and tracebacks.")) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # botocore / s3fs DEBUG records carry request headers: no credential reaches any handler, even at -v
+    install_log_redaction()
+    quiet_third_party(verbose)  # no per-checkpoint load reports / progress bars unless -v
 
 
 def main() -> None:
@@ -17,4 +35,4 @@ def main() -> None:
     # Command modules register themselves on `app` when imported.
     from symfuse.cli import commands  # noqa: F401
 
-    app()
+    app(prog_name="symfuse")

@@ -8,13 +8,16 @@ from typing import Annotated
 
 import typer
 
-from symfuse.cli import app
+from symfuse.cli import app, checks
+from symfuse.config import DATASET_RESOLUTION
+from symfuse.errors import UsageError
+from symfuse.outputs import atomic_output_dir
 
 
 @app.command()
 def evaluate(
     model: Annotated[str, typer.Argument(help="Checkpoint folder with a task head.")],
-    data: Annotated[str, typer.Option("--data", help="Dataset: shared name, folder, file(s) or hub id.")],
+    data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
     split: Annotated[str, typer.Option("--split")] = "test",
     labels_from: Annotated[str | None, typer.Option("--labels-from", help="Dataset naming the head's outputs.")] = None,
     max_examples: Annotated[int | None, typer.Option("--max-examples")] = None,
@@ -26,6 +29,15 @@ def evaluate(
     device: Annotated[str, typer.Option("--device")] = "cpu",
 ) -> None:
     """Evaluate MODEL on a dataset split; print and write the metrics JSON."""
+    checks.at_least("--max-examples", max_examples, 1)
+    checks.at_least("--max-length", max_length, 2)
+    checks.at_least("--batch-size", batch_size, 1)
+    checks.device("--device", device)
+    checks.local_path("MODEL", model)
+    checks.checkpoint(model, arch=False)
+    if out is not None and out.is_dir():
+        raise UsageError(f"--out: {out} is a folder — give the metrics JSON file to write")
+    checks.dataset("--data", data)
     from symfuse.evaluate import evaluate_model
 
     metrics = evaluate_model(
@@ -46,20 +58,31 @@ def evaluate(
 def barrier(
     a: Annotated[str, typer.Argument(help="First model (λ = 0).")],
     b: Annotated[str, typer.Argument(help="Second model (λ = 1), same architecture and head shape.")],
-    data: Annotated[str, typer.Option("--data")],
-    out: Annotated[Path, typer.Option("--out", help="Folder for barrier.json and barrier.png.")],
-    points: Annotated[int, typer.Option("--points")] = 21,
+    data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
+    out: Annotated[Path, typer.Option("--out", help="Folder for barrier.json and barrier.png (new).")],
+    points: Annotated[int, typer.Option("--points", help="λ values in [0, 1] (>= 2).")] = 21,
     split: Annotated[str, typer.Option("--split")] = "test",
     max_examples: Annotated[int | None, typer.Option("--max-examples")] = None,
     max_length: Annotated[int, typer.Option("--max-length")] = 128,
     device: Annotated[str, typer.Option("--device")] = "cpu",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Loss barrier along (1-λ)θ_A + λθ_B on a dataset split."""
+    checks.at_least("--points", points, 2)
+    checks.at_least("--max-examples", max_examples, 1)
+    checks.at_least("--max-length", max_length, 2)
+    checks.device("--device", device)
+    checks.local_path("A", a)
+    checks.local_path("B", b)
+    checks.checkpoint(a, arch=False)
+    checks.checkpoint(b, arch=False)
     from symfuse.evaluate import loss_barrier
 
-    r = loss_barrier(
-        a, b, data, out, points=points, split=split, max_examples=max_examples, max_length=max_length, device=device
-    )
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        checks.dataset("--data", data)
+        r = loss_barrier(
+            a, b, data, tmp, points=points, split=split, max_examples=max_examples, max_length=max_length, device=device
+        )
     for lam, loss in zip(r["lambdas"], r["losses"], strict=True):
         typer.echo(f"λ={lam:.2f}  loss={loss:.5f}")
     typer.echo(f"barrier {r['barrier']:.5f} at λ={r['argmax_lambda']:.2f}; wrote {out}/barrier.json, barrier.png")

@@ -8,20 +8,17 @@ from typing import Annotated
 
 import typer
 
-from symfuse.cli import app
-from symfuse.errors import SymfuseError
-
-
-def _fail(exc: Exception) -> None:
-    typer.echo(f"error: {exc}".splitlines()[0], err=True)
-    raise typer.Exit(2)
+from symfuse.cli import app, checks
+from symfuse.config import DATASET_RESOLUTION
+from symfuse.errors import UsageError
+from symfuse.outputs import claim_output
 
 
 @app.command()
 def match(
     source: Annotated[str, typer.Argument(help="Model to align (folder, 'minilm' or hub id).")],
     anchor: Annotated[str, typer.Argument(help="Model to align it to (same family and shapes).")],
-    out: Annotated[Path, typer.Option("--out", help="Output folder (must not exist).")],
+    out: Annotated[Path, typer.Option("--out", help="Output folder (must not exist unless --overwrite).")],
     symmetries: Annotated[
         str,
         typer.Option(
@@ -35,31 +32,39 @@ def match(
         typer.Option(
             "--data",
             help="Dataset whose texts feed both models: activation-based permutations (pixel families such as "
-            "ViT: 'random-pixels').",
+            "ViT: 'random-pixels'). " + DATASET_RESOLUTION,
         ),
     ] = None,
     max_examples: Annotated[int, typer.Option("--max-examples", help="Examples for the statistics.")] = 512,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Align SOURCE to ANCHOR by exact symmetries; write OUT (checkpoint, transforms, report) and print the report.
 
     With --data, permutations (residual-permutation, head-permutation, ffn-permutation) come from activation
     correlations on the dataset's texts; rotation and scaling are then fitted on the weights.
     """
-    from symfuse.match import match_checkpoints
+    checks.at_least("--workers", workers, 1)
+    checks.at_least("--max-examples", max_examples, 1)
+    checks.local_path("SOURCE", source)
+    checks.local_path("ANCHOR", anchor)
+    from symfuse.match.activation import ACTIVATION_SYMMETRIES
 
-    names = [s.strip() for s in symmetries.split(",") if s.strip()]
-    try:
-        if data is not None or "residual-permutation" in names:
-            if data is None:
-                raise ValueError("residual-permutation is found from activations: give --data DATASET")
+    names = checks.names_list("--symmetries", symmetries, ACTIVATION_SYMMETRIES, "symmetries")
+    if data is None and "residual-permutation" in names:
+        raise UsageError("--symmetries: residual-permutation is found from activations — give --data DATASET")
+    checks.checkpoint(source)
+    checks.checkpoint(anchor)
+    if data is not None:
+        checks.dataset("--data", data)
+    with claim_output(out, overwrite):
+        if data is not None:
             from symfuse.match.activation import match_activation_checkpoints
 
-            report = match_activation_checkpoints(source, anchor, out, data, names, max_examples)
+            report = match_activation_checkpoints(source, anchor, out, data, names, max_examples, overwrite=overwrite)
         else:
-            report = match_checkpoints(source, anchor, out, symmetries=names, workers=workers)
-    except (SymfuseError, ValueError, FileExistsError, OSError) as exc:
-        _fail(exc)
-        return
+            from symfuse.match import match_checkpoints
+
+            report = match_checkpoints(source, anchor, out, symmetries=names, workers=workers, overwrite=overwrite)
     summary = {k: v for k, v in report.items() if k != "per_module"}
     typer.echo(json.dumps(summary, indent=2))
     typer.echo(f"per-module report and transforms in {out}")
@@ -68,16 +73,19 @@ def match(
 @app.command()
 def disguise(
     source: Annotated[str, typer.Argument(help="Model to disguise (folder, 'minilm' or hub id).")],
-    out: Annotated[Path, typer.Option("--out", help="Output folder (must not exist).")],
+    out: Annotated[Path, typer.Option("--out", help="Output folder (must not exist unless --overwrite).")],
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
-    noise: Annotated[float, typer.Option("--noise", help="Relative noise on module tensors.")] = 0.0,
+    noise: Annotated[float, typer.Option("--noise", help="Relative noise on module tensors (>= 0).")] = 0.0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Apply random exact symmetry transforms of every kind to SOURCE (same function, different weights)."""
-    from symfuse.match import disguise_checkpoint
+    checks.finite("--noise", noise)
+    if noise < 0:
+        raise UsageError(f"--noise: {noise} is negative — give a relative noise >= 0 (0 keeps the function exactly)")
+    checks.local_path("SOURCE", source)
+    checks.checkpoint(source)
+    with claim_output(out, overwrite):
+        from symfuse.match import disguise_checkpoint
 
-    try:
-        disguise_checkpoint(source, out, seed=seed, noise=noise)
-    except (SymfuseError, ValueError, FileExistsError, OSError) as exc:
-        _fail(exc)
-        return
+        disguise_checkpoint(source, out, seed=seed, noise=noise, overwrite=overwrite)
     typer.echo(f"wrote disguised copy of {source} to {out}")

@@ -7,14 +7,16 @@ from typing import Annotated
 
 import typer
 
-from symfuse.cli import app
+from symfuse.cli import app, checks
+from symfuse.config import DATASET_RESOLUTION
+from symfuse.outputs import atomic_output_dir
 
 
 @app.command()
 def stats(
     model: Annotated[str, typer.Argument(help="Checkpoint folder (or 'minilm' / hub id).")],
-    data: Annotated[str, typer.Option("--data", help="Shared dataset name, folder of JSONL splits, or hub id.")],
-    out: Annotated[Path, typer.Option("--out", help="Output folder (<kind>.safetensors).")],
+    data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
+    out: Annotated[Path, typer.Option("--out", help="Output folder (<kind>.safetensors; new unless --overwrite).")],
     kind: Annotated[str, typer.Option("--kind", help="Comma-separated kinds: gram,fisher.")] = "gram",
     max_examples: Annotated[int | None, typer.Option("--max-examples", help="Seeded subset size.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 16,
@@ -22,22 +24,33 @@ def stats(
     max_length: Annotated[int, typer.Option("--max-length")] = 128,
     fisher_mode: Annotated[str, typer.Option("--fisher-mode", help="empirical or sampled.")] = "empirical",
     device: Annotated[str, typer.Option("--device")] = "cpu",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Collect per-layer input Grams and/or diagonal Fisher of MODEL on DATASET."""
+    checks.at_least("--max-examples", max_examples, 1)
+    checks.at_least("--batch-size", batch_size, 1)
+    checks.at_least("--max-length", max_length, 2)
+    checks.one_of("--fisher-mode", fisher_mode, ("empirical", "sampled"))
+    checks.device("--device", device)
+    checks.local_path("MODEL", model)
     from symfuse.stats import collect_stats
+    from symfuse.stats.io import STAT_KINDS
 
-    kinds = [k.strip() for k in kind.split(",") if k.strip()]
-    written = collect_stats(
-        model,
-        data,
-        kinds,
-        out,
-        max_examples=max_examples,
-        batch_size=batch_size,
-        device=device,
-        split=split,
-        max_length=max_length,
-        fisher_mode=fisher_mode,
-    )
+    kinds = checks.names_list("--kind", kind, STAT_KINDS, "statistics kinds")
+    checks.checkpoint(model, arch=False)
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        checks.dataset("--data", data)
+        written = collect_stats(
+            model,
+            data,
+            kinds,
+            tmp,
+            max_examples=max_examples,
+            batch_size=batch_size,
+            device=device,
+            split=split,
+            max_length=max_length,
+            fisher_mode=fisher_mode,
+        )
     for k, path in written.items():
-        typer.echo(f"{k}: {path}")
+        typer.echo(f"{k}: {Path(out) / path.name}")

@@ -8,15 +8,15 @@ from typing import Annotated
 
 import typer
 
-from symfuse.cli import app
+from symfuse.cli import app, checks
+from symfuse.config import DATASET_RESOLUTION
+from symfuse.outputs import claim_output
 
 
 @app.command()
 def finetune(
     base: Annotated[str, typer.Argument(help="Base checkpoint folder, 'minilm', or a hub id.")],
-    data: Annotated[
-        str, typer.Option("--data", help="Dataset: shared name (dair_emotion), folder, file(s) or hub id.")
-    ],
+    data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
     out: Annotated[Path, typer.Option("--out", help="Output folder (save_pretrained layout + symfuse_train.json).")],
     epochs: Annotated[int, typer.Option("--epochs")] = 3,
     max_train_examples: Annotated[int | None, typer.Option("--max-train-examples")] = None,
@@ -27,9 +27,19 @@ def finetune(
     max_length: Annotated[int, typer.Option("--max-length")] = 128,
     seed: Annotated[int, typer.Option("--seed")] = 13,
     device: Annotated[str, typer.Option("--device")] = "cpu",
-    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Fine-tune BASE on a dataset and write the fine-tuned checkpoint."""
+    checks.at_least("--epochs", epochs, 1)
+    checks.at_least("--max-train-examples", max_train_examples, 1)
+    checks.at_least("--max-eval-examples", max_eval_examples, 1)
+    checks.positive("--lr", lr, "a learning rate")
+    checks.at_least("--batch-size", batch_size, 1)
+    checks.at_least("--grad-accum", grad_accum, 1)
+    checks.at_least("--max-length", max_length, 8)
+    checks.device("--device", device)
+    checks.local_path("BASE", base)
+    checks.checkpoint(base, arch=False)
     from symfuse.train import TRAIN_REPORT, FinetuneConfig
     from symfuse.train import finetune as run
 
@@ -43,7 +53,9 @@ def finetune(
         max_eval_examples=max_eval_examples,
         seed=seed,
     )
-    folder = run(base, data, out, cfg, device=device, overwrite=overwrite)
+    with claim_output(out, overwrite):
+        checks.dataset("--data", data)
+        folder = run(base, data, out, cfg, device=device, overwrite=overwrite)
     report = json.loads((folder / TRAIN_REPORT).read_text())
     for e in report["epochs"]:
         primary = e["primary"]

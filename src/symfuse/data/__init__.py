@@ -3,7 +3,8 @@
 Public API: :func:`load_task_dataset` -> :class:`TaskDataset`; :func:`make_batches` (tokenised, padded batches with
 ``labels``: class ids, float multi-hot, float scores, or NER tag ids on first sub-tokens and -100 elsewhere);
 the lower-level :func:`encode_split` / :func:`collate` / :func:`iter_batches`; :func:`shared_label_names` for
-out-of-domain evaluation.
+out-of-domain evaluation; :func:`dataset_search_path` / :func:`bundled_datasets` (where a bare name is found: see
+:mod:`symfuse.data.locate`).
 """
 
 from symfuse.data.batches import IGNORE_INDEX, collate, encode_split, iter_batches, load_tokenizer, make_batches
@@ -12,10 +13,10 @@ from symfuse.data.dataset import (
     DatasetError,
     TaskDataset,
     load_task_dataset,
-    shared_datasets_dir,
     subsample_indices,
 )
 from symfuse.data.labels import EMOTION_SHARED, shared_label_names
+from symfuse.data.locate import bundled_datasets, dataset_search_path, shared_datasets_dir
 
 __all__ = [
     "EMOTION_SHARED",
@@ -23,7 +24,9 @@ __all__ = [
     "SPLITS",
     "DatasetError",
     "TaskDataset",
+    "bundled_datasets",
     "collate",
+    "dataset_search_path",
     "encode_split",
     "iter_batches",
     "load_task_dataset",

@@ -1,12 +1,16 @@
 """Task datasets: shared JSON Lines folders, local CSV/JSON files and hub ids, through one ``datasets`` code path.
 
-Sources accepted by :func:`load_task_dataset`:
+Sources accepted by :func:`load_task_dataset`, tried in this order:
 
-* a bare shared name (``"dair_emotion"``) looked up in the shared datasets folder (``$SYMFUSE_DATASETS``, else
-  ``<repo>/../shared/datasets`` or ``<repo>/shared/datasets``);
-* a folder holding ``{train,validation,test}.{jsonl,json,csv}`` (+ an optional ``meta.json``);
-* one local ``.jsonl``/``.json``/``.csv`` file (becomes every split), or ``"train=a.csv,test=b.csv"``;
-* a hub dataset id ``owner/name`` or ``hf:<id>`` (for users online; a bare name must be a shared dataset).
+1. an explicit path: a folder holding ``{train,validation,test}.{jsonl,json,csv}`` (+ an optional ``meta.json``), one
+   local ``.jsonl``/``.json``/``.csv`` file (becomes every split), or ``"train=a.csv,test=b.csv"``;
+2. a bare name (``"meld"``) found as a folder in ``$SYMFUSE_DATASETS``;
+3. ... in the shared datasets folder ``../shared/datasets`` (next to or inside the repository or the working
+   directory; ``$SYMFUSE_SHARED_DATASETS`` replaces that location, an empty value skips it);
+4. ... in the demo data bundled with the package (``symfuse/data/demo/``: seeded subsets of crowdflower, goemotions,
+   meld and goemotions_ekman, with their sources and licences in ``SOURCES.md``);
+5. a hub dataset id ``owner/name`` or ``hf:<id>`` (needs network). A bare name found nowhere above fails at once
+   with one line naming what to provide (the hub is never asked for a bare name).
 
 Every local file is checked line by line before it is handed to ``datasets.load_dataset("json"|"csv", ...)``
 (which caches it as Arrow), so a bad record fails with one :class:`DatasetError` naming the file and line.
@@ -18,17 +22,21 @@ multi-label), ``{"text", "text_pair", "label"}`` (pairs; float label = regressio
 from __future__ import annotations
 
 import csv
-import difflib
 import hashlib
 import json
 import logging
-import os
 import random
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from symfuse.data.locate import (  # shared_datasets_dir: re-exported, it used to live here
+    dataset_search_path,
+    find_named_dataset,
+    not_found_message,
+    shared_datasets_dir,  # noqa: F401
+)
 from symfuse.errors import SymfuseError
 
 log = logging.getLogger(__name__)
@@ -117,23 +125,6 @@ class TaskDataset:
 # ----------------------------------------------------------------------------------------------- locating sources
 
 
-def shared_datasets_dir() -> Path | None:
-    """The shared datasets folder: ``$SYMFUSE_DATASETS``, else ``shared/datasets`` next to or inside the repo."""
-    env = os.environ.get("SYMFUSE_DATASETS")
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[3]
-    for cand in (
-        repo / "shared" / "datasets",
-        repo.parent / "shared" / "datasets",
-        Path.cwd() / "shared" / "datasets",
-        Path.cwd().parent / "shared" / "datasets",
-    ):
-        if cand.is_dir():
-            return cand
-    return None
-
-
 def _split_files(folder: Path) -> dict[str, Path]:
     found: dict[str, Path] = {}
     for split, aliases in _SPLIT_ALIASES.items():
@@ -157,9 +148,7 @@ def _resolve_local(source: str) -> tuple[str, dict[str, Path], dict[str, Any] | 
         return Path(next(iter(files.values()))).stem, files, None
     path = Path(source)
     if not path.exists() and "/" not in source and "\\" not in source:
-        shared = shared_datasets_dir()
-        if shared is not None and (shared / source).is_dir():
-            path = shared / source
+        path = find_named_dataset(source) or path
     if path.is_dir():
         files = _split_files(path)
         if not files:
@@ -386,8 +375,9 @@ def _load_hub(source: str) -> TaskDataset:
         dd = load_dataset(source)
     except Exception as exc:
         raise DatasetError(
-            f"{source}: not a shared dataset name, local folder/file, or reachable hub dataset "
-            f"({type(exc).__name__}: {exc}); shared folder searched: {shared_datasets_dir()}"
+            f"{source}: not a local dataset name, folder or file, nor a reachable hub dataset "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())}); local folders searched: "
+            f"{[str(f) for _, f in dataset_search_path()]}"
         ) from exc
     splits = {("validation" if s in ("val", "dev") else s): d for s, d in dd.items()}
     first = next(iter(splits.values()))
@@ -440,8 +430,9 @@ def load_task_dataset(
     """Load a task dataset with its label space.
 
     Args:
-        source: Shared dataset name (``"dair_emotion"``), dataset folder, local data file(s)
-            (``"data.csv"`` or ``"train=a.jsonl,test=b.jsonl"``), or a hub id (``owner/name`` or ``hf:<id>``).
+        source: Dataset folder or local data file(s) (``"data.csv"``, ``"train=a.jsonl,test=b.jsonl"``), a bare
+            name (``"meld"``: ``$SYMFUSE_DATASETS``, ``../shared/datasets``, then the bundled demo data), or a hub
+            id (``owner/name`` or ``hf:<id>``).
         max_train_examples: Keep a seeded random subset of this many training examples (source order kept).
         seed: Seed of the subsampling.
         max_eval_examples: Same for the validation and test splits.
@@ -457,15 +448,8 @@ def load_task_dataset(
         ds = _load_hub(source[3:])
     elif (local := _resolve_local(source)) is not None:
         ds = _load_local_cached(*local, source=source)
-    elif "/" not in source:  # a bare name that is not a shared dataset: fail fast instead of asking the hub
-        shared = shared_datasets_dir()
-        names = sorted(p.name for p in shared.iterdir() if p.is_dir()) if shared else []
-        close = difflib.get_close_matches(source, names, n=3)
-        raise DatasetError(
-            f"{source}: no shared dataset of that name in {shared}"
-            + (f" (did you mean {', '.join(close)}?)" if close else f" (available: {', '.join(names)})")
-            + "; for a hub dataset give its owner/name id or hf:<id>"
-        )
+    elif "/" not in source:  # a bare name that no local location holds: fail fast instead of asking the hub
+        raise DatasetError(not_found_message(source))
     else:
         ds = _load_hub(source)
     for split, limit in (("train", max_train_examples), ("validation", max_eval_examples), ("test", max_eval_examples)):

@@ -231,6 +231,7 @@ def match_activation_checkpoints(
     batch_size: int = 16,
     max_length: int = 128,
     device: str = "cpu",
+    overwrite: bool = False,
 ) -> dict:
     """``symfuse match --data``: activation-based matching of two checkpoints, written like ``symfuse match``.
 
@@ -248,6 +249,7 @@ def match_activation_checkpoints(
         batch_size: Examples per forward pass.
         max_length: Truncation length in tokens.
         device: Where the models run.
+        overwrite: Replace an existing ``out`` (atomically, at the end).
 
     Returns:
         The report (``distance_before``, ``distance_after``, ``max_abs_logit_diff``, ``per_module``, ``seconds``).
@@ -259,11 +261,11 @@ def match_activation_checkpoints(
     from symfuse.data import make_batches
     from symfuse.io import check_tokenizer
     from symfuse.match.checkpoints import REPORT_FILE, TRANSFORMS_FILE, check_compatible
+    from symfuse.outputs import atomic_output_dir, check_output
     from symfuse.symmetry.transforms import save_transforms
 
     t0 = time.perf_counter()
-    if Path(out).exists():
-        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+    check_output(out, overwrite)
     src_path, anc_path = resolve_checkpoint(source), resolve_checkpoint(anchor)
     with CheckpointReader(src_path) as src, CheckpointReader(anc_path) as anc:
         check_compatible(src, anc)
@@ -306,7 +308,8 @@ def match_activation_checkpoints(
         tfile = save_transforms(transforms, Path(tmp) / TRANSFORMS_FILE)
         replace = {n: result.state[n] for n in reader.names() if n in result.state}
         extra = {TRANSFORMS_FILE: tfile.read_bytes(), REPORT_FILE: json.dumps(report, indent=2).encode()}
-        write_checkpoint(reader, out, replace=replace, extra_files=extra)
+        with atomic_output_dir(out, overwrite=overwrite) as dest:
+            write_checkpoint(reader, dest, replace=replace, extra_files=extra, overwrite=True)
     log.info(
         "activation matching %s -> %s: distance %.4g -> %.4g",
         source,

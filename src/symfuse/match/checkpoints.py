@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from symfuse.arch import ModuleRef, get_spec
-from symfuse.checkpoint import CheckpointReader, atomic_dir, load_hf_model, write_checkpoint
+from symfuse.checkpoint import CheckpointReader, load_hf_model, write_checkpoint
 from symfuse.errors import CheckpointError
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.reading import PreadSource, trim_heap
@@ -29,6 +29,7 @@ from symfuse.match.weights import (
     module_distance,
     sq_distance,
 )
+from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.symmetry.random import ALL_KINDS, random_module_transform
 from symfuse.symmetry.transforms import ModuleTransform, load_transforms, save_transforms
 
@@ -162,6 +163,7 @@ def assemble_matched(
     logit_check: bool | None = None,
     shard_bytes: int = 128 * 1024**2,
     extra_report: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Write SOURCE with every module transformed: save_pretrained folder + transforms + report.
 
@@ -174,19 +176,22 @@ def assemble_matched(
         logit_check: Compare outputs of OUT and SOURCE (fp32); None = only below 300M parameters.
         shard_bytes: Largest shard written (bounds memory while streaming).
         extra_report: More report fields.
+        overwrite: Replace an existing ``out`` (atomically, at the end).
 
     Returns:
         The report (also written as ``symfuse_report.json``).
+
+    Raises:
+        OutputExistsError: ``out`` exists and ``overwrite`` is False.
     """
     t_start = time.perf_counter()
+    check_output(out, overwrite)
     mts = {k: (v if isinstance(v, ModuleTransform) else load_transform(Path(v))) for k, v in transforms.items()}
     src = _reader(source)  # an open reader is reused: each folder is opened and validated once per command
     anc = _reader(anchor) if anchor is not None else None
     if anc is not None:
         check_compatible(src, anc)
     out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
     owner: dict[str, ModuleRef] = {}
     for ref in src.modules():
         for n in src.module_tensor_names(ref):
@@ -242,7 +247,7 @@ def assemble_matched(
         "symmetries": list(symmetries) if symmetries is not None else None,
     }
     try:
-        with atomic_dir(out) as tmp:
+        with atomic_output_dir(out, overwrite=overwrite) as tmp:
             write_checkpoint(src, tmp, replace=replace, shard_bytes=shard_bytes, overwrite=True)
             save_transforms(mts, tmp / TRANSFORMS_FILE)
             per_module.sort(key=lambda r: ModuleRef.parse(r["module"]))
@@ -314,6 +319,7 @@ def match_checkpoints(
     symmetries: Sequence[str] = DEFAULT_SYMMETRIES,
     workers: int | None = None,
     logit_check: bool | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """The whole ``symfuse match``: match SOURCE onto ANCHOR module by module and write the matched folder.
 
@@ -324,6 +330,7 @@ def match_checkpoints(
         symmetries: Subset of :data:`symfuse.match.SYMMETRIES`.
         workers: Threads matching modules in parallel (None: 2 for small modules, 1 for 7B widths).
         logit_check: See :func:`assemble_matched`.
+        overwrite: Replace an existing ``out`` (atomically, at the end).
 
     Returns:
         The report (``distance_before``, ``distance_after``, ``max_abs_logit_diff``, ``per_module``,
@@ -331,8 +338,7 @@ def match_checkpoints(
     """
     t0 = time.perf_counter()
     symmetries = check_symmetries(symmetries)
-    if Path(out).exists():
-        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+    check_output(out, overwrite)
     timings: dict[str, float] = {}
     with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:  # headers parsed and validated once
         check_compatible(src, anc)
@@ -352,6 +358,7 @@ def match_checkpoints(
             symmetries=symmetries,
             logit_check=logit_check,
             extra_report={"match_seconds": match_s, "timings": timings, "seconds": match_s},
+            overwrite=overwrite,
         )
     log.info("matched %s onto %s in %.2fs", source, anchor, report["seconds"])
     return report
@@ -363,6 +370,7 @@ def disguise_checkpoint(
     seed: int = 0,
     noise: float = 0.0,
     kinds: Sequence[str] = ALL_KINDS,
+    overwrite: bool = False,
 ) -> Path:
     """Write SOURCE with random exact symmetry transforms of every module (plus optional relative noise).
 
@@ -373,10 +381,15 @@ def disguise_checkpoint(
         noise: Gaussian noise added to every module tensor after the transform, relative to that tensor's std
             (0 = exactly function-preserving).
         kinds: Symmetry kinds (see :data:`symfuse.symmetry.ALL_KINDS`).
+        overwrite: Replace an existing ``out`` (atomically, at the end).
 
     Returns:
         ``out``.
+
+    Raises:
+        OutputExistsError: ``out`` exists and ``overwrite`` is False.
     """
+    check_output(out, overwrite)
     g = torch.Generator().manual_seed(seed)
     gn = torch.Generator().manual_seed(seed + 1_000_003)
     with CheckpointReader(source) as src:
@@ -391,7 +404,7 @@ def disguise_checkpoint(
                         new[r] = (tf + noise * tf.std() * torch.randn(t.shape, generator=gn)).to(t.dtype)
             return new
 
-        with atomic_dir(out) as tmp:
+        with atomic_output_dir(out, overwrite=overwrite) as tmp:
             write_modules(src, fn, tmp)
             save_transforms(ts, tmp / TRANSFORMS_FILE)
             (tmp / REPORT_FILE).write_text(json.dumps({"disguise_of": str(src.path), "seed": seed, "noise": noise}))

@@ -9,6 +9,7 @@ key-side columns (or value-side / output-side for VO), ``A*`` / ``B*`` the ancho
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,6 +18,8 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from symfuse.match.assignment import certified_sparse_assignment
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -147,7 +150,11 @@ def fit_rotation_scale(
     scale: bool,
     rope: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rotation (then scale) aligning source blocks to anchor blocks, batched over leading axes.
+    """Rotation and / or scale aligning source blocks to anchor blocks, batched over leading axes.
+
+    Rotation alone (Procrustes) and scale alone (quartic) are exact global minimisers. Both together: the joint
+    minimiser of :func:`joint_rotation_scale`, which depends only on the source's orbit under rotations and scales
+    (so exactly equivalent sources match to the same weights).
 
     Args:
         ma: (..., dh, dh) ``A* A^T``.
@@ -163,18 +170,131 @@ def fit_rotation_scale(
         ``||a R A − A*||² + ||R B / a − B*||²`` minus ``|A*|² + |B*|²``.
     """
     dh = ma.shape[-1]
-    if rotate:
-        r = rope_procrustes(ma + mb) if rope else procrustes(ma + mb)
-    else:
-        r = torch.eye(dh, dtype=torch.float64).expand_as(ma)
-    # per-row <R A, A*>_r = sum_c R_rc (A* A^T)_rc ; block rotations keep per-block row norms
-    ab = block_sum((r * ma).sum(-1), rope)
-    bab = block_sum((r * mb).sum(-1), rope)
     aa = block_sum(na.double(), rope)
     bb = block_sum(nb.double(), rope)
-    a = solve_scale(aa, ab, bb, bab) if scale else torch.ones_like(aa)
+    if rotate and scale:
+        r, a, _ = joint_rotation_scale(ma, mb, aa, bb, rope)
+    else:
+        r = _rotation(ma.double(), mb.double(), torch.ones_like(aa), rope) if rotate else None
+        if r is None:
+            r = torch.eye(dh, dtype=torch.float64).expand_as(ma)
+        ab, bab = _cross_terms(r, ma, mb, rope)
+        a = solve_scale(aa, ab, bb, bab) if scale else torch.ones_like(aa)
+    ab, bab = _cross_terms(r, ma, mb, rope)
     obj = scale_objective(a, aa, ab, bb, bab).sum(-1)
     return r, block_expand(a, dh, rope), obj
+
+
+def _cross_terms(r: torch.Tensor, ma: torch.Tensor, mb: torch.Tensor, rope: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per scale block ``<R A, A*>`` and ``<R B, B*>``: per row ``sum_c R_rc M_rc`` (block rotations keep norms)."""
+    return block_sum((r * ma).sum(-1), rope), block_sum((r * mb).sum(-1), rope)
+
+
+def _rotation(ma: torch.Tensor, mb: torch.Tensor, a: torch.Tensor, rope: bool) -> torch.Tensor:
+    """Best rotation for fixed per-block scales ``a``: it maximises ``tr(R^T (D Ma + D^-1 Mb))``, ``D = diag(a)``."""
+    d = block_expand(a, ma.shape[-1], rope)[..., :, None]
+    m = d * ma + mb / d
+    return rope_procrustes(m) if rope else procrustes(m)
+
+
+def _pair_vectors(m: torch.Tensor) -> torch.Tensor:
+    """RoPE pairs ``(i, i + d/2)``: ``(M_ii + M_jj, M_ji − M_ij)`` (..., d/2, 2), whose length is the best score."""
+    h = m.shape[-1] // 2
+    i = torch.arange(h)
+    return torch.stack([m[..., i, i] + m[..., i + h, i + h], m[..., i + h, i] - m[..., i, i + h]], dim=-1)
+
+
+def _best_score(ma: torch.Tensor, mb: torch.Tensor, x: torch.Tensor, rope: bool) -> torch.Tensor:
+    """``max_R <R, x Ma + Mb / x>`` per scale block (x (..., blocks)): nuclear norm, or pair vector length (RoPE)."""
+    if rope:  # ma / mb are pair vectors (..., dh/2, 2)
+        return (x[..., None] * ma + mb / x[..., None]).norm(dim=-1)
+    with torch_threads(1):
+        return torch.linalg.svdvals(x[..., None] * ma + mb / x[..., None]).sum(-1, keepdim=True)
+
+
+def joint_rotation_scale(
+    ma: torch.Tensor,
+    mb: torch.Tensor,
+    aa: torch.Tensor,
+    bb: torch.Tensor,
+    rope: bool,
+    grid: int = 0,
+    tol: float = 1e-10,
+    max_iter: int = 500,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Joint minimiser over rotations ``R`` and scales ``a`` of ``||a R A − A*||² + ||R B / a − B*||²`` per block.
+
+    For fixed ``a`` the best ``R`` is the Procrustes solution of ``a Ma + Mb / a``, so the problem is one-dimensional
+    in ``u = log a``: ``h(u) = a²|A|² + |B|²/a² − 2 max_R <R, a Ma + Mb/a>`` (nuclear norm; pair vector length
+    under RoPE, where every frequency pair is its own block). Steps, all in the source's BALANCED coordinates
+    (``a_c = (|B|/|A|)^½`` makes ``|a_c A| = |B / a_c|``, the orbit's canonical scale):
+
+    1. a bracket ``[u_lo, u_hi]`` holding the minimiser, from ``h(u) <= h(0)`` and the triangle inequality
+       ``max_R <R, x Ma + Mb/x> <= x |Ma|_* + |Mb|_* / x``;
+    2. ``h`` on ``grid`` points of the bracket (a global search: ``h`` need not be unimodal);
+    3. from the best grid point, block-coordinate descent (Procrustes for ``R``, quartic for ``a``: each step
+       minimises the objective exactly over its block, so it never increases) until ``|Δ log a| < tol``.
+
+    Every step sees the source only through rotation-invariant quantities of its balanced representative and
+    is rotation-equivariant, so sources ``S`` and ``T·S`` (``T`` any rotation and scale) get the same matched
+    weights, up to floating point and ``tol``.
+
+    Args:
+        ma: (..., dh, dh) ``A* A^T``.
+        mb: (..., dh, dh) ``B* B^T``.
+        aa: (..., blocks) ``|A|²`` per scale block (1 per head, dh/2 with RoPE).
+        bb: (..., blocks) ``|B|²`` per scale block.
+        rope: Restrict ``R`` to RoPE-commuting rotations and scales to frequency pairs.
+        grid: Grid points (0: 16, or 64 under RoPE where an evaluation is cheap).
+        tol: Convergence tolerance on ``max |Δ log a|``.
+        max_iter: Descent iterations at most (a warning is logged when reached).
+
+    Returns:
+        ``R`` (..., dh, dh) float64, scales (..., blocks) float64, descent iterations.
+    """
+    ma, mb, aa, bb = ma.double(), mb.double(), aa.double(), bb.double()
+    ok = (aa > 1e-300) & (bb > 1e-300)
+    c = torch.where(ok, (bb / aa.clamp_min(1e-300)) ** 0.25, torch.ones_like(aa))  # balanced scale
+    m = torch.where(ok, (aa * bb).sqrt(), torch.ones_like(aa))  # |c A|² = |B / c|²
+    # balanced cross matrices: c Ma, Mb / c (per scale block)
+    if rope:
+        va, vb = _pair_vectors(ma) * c[..., None], _pair_vectors(mb) / c[..., None]
+    else:
+        va, vb = ma * c[..., None], mb / c[..., None]
+    one = torch.ones_like(aa)
+    ka = _best_score(va, torch.zeros_like(vb), one, rope)
+    kb = _best_score(torch.zeros_like(va), vb, one, rope)
+    k0 = _best_score(va, vb, one, rope)
+
+    def side(k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
+        # m x² − 2 k1 x <= 2m − 2 k0 + 2 k2 for the minimiser at x = e^{±u} >= 1
+        cc = (2 * m - 2 * k0 + 2 * k2).clamp_min(0)
+        return torch.log((k1 + (k1 * k1 + m * cc).sqrt()) / m).clamp_min(0)
+
+    u_hi, u_lo = side(ka, kb), -side(kb, ka)
+    n = grid or (64 if rope else 16)
+    best_h = torch.full_like(aa, float("inf"))
+    best_u = torch.zeros_like(aa)
+    for i in range(n):
+        u = u_lo + (u_hi - u_lo) * (i / max(n - 1, 1))
+        x = u.exp()
+        h = m * (x * x + 1 / (x * x)) - 2 * _best_score(va, vb, x, rope)
+        better = h < best_h
+        best_h, best_u = torch.where(better, h, best_h), torch.where(better, u, best_u)
+    a = c * best_u.exp()
+    it, delta = 0, float("inf")
+    while it < max_iter and delta >= tol:
+        it += 1
+        r = _rotation(ma, mb, a, rope)
+        ab, bab = _cross_terms(r, ma, mb, rope)
+        new = solve_scale(aa, ab, bb, bab)
+        delta = float((new.log() - a.log()).abs().max()) if new.numel() else 0.0
+        a = new
+    if delta >= tol:
+        log.warning("joint rotation / scale: no convergence in %d iterations (max |Δ log a| = %.3g)", it, delta)
+    else:
+        log.debug("joint rotation / scale: converged in %d iterations", it)
+    return _rotation(ma, mb, a, rope), a, it
 
 
 def assign_max(sim: torch.Tensor, sparse_from: int = 256) -> tuple[torch.Tensor, bool]:

@@ -4,6 +4,7 @@ Both work module by module (memory O(one module x number of models)). The closes
 module tensors (attention and FFN), whose plain average is what an unaligned merge would produce.
 Barycenter = generalised Procrustes, per module: start from the model whose module is closest to the plain average,
 align every model to the running mean, re-average, until the mean stops moving (relative change < ``tol``).
+With scaling, the scales' common factor (a gauge) is fixed every iteration: per head their geometric mean is 1.
 :func:`match_module_many` does it for ONE module (the per-module task of a barycenter pipeline).
 """
 
@@ -20,7 +21,7 @@ from symfuse.arch import Geometry, ModuleRef
 from symfuse.checkpoint import CheckpointReader
 from symfuse.match.checkpoints import check_compatible, check_finite
 from symfuse.match.weights import DEFAULT_SYMMETRIES, check_symmetries, match_module_weights, module_distance
-from symfuse.symmetry.transforms import ModuleTransform
+from symfuse.symmetry.transforms import ModuleTransform, QKScaling, VOScaling
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +92,38 @@ def align_module(
         n_iter += 1
         if anchor != "barycenter":
             return ts, n_iter
+        ts = _centre_scales(ts)
         new = _mean([t.apply({k: v.double() for k, v in w.items()}) for t, w in zip(ts, ws, strict=True)])
         moved = module_distance(new, target) / max(_norm(target), 1e-300)
         target = new
         if moved < tol or n_iter >= max_iter:
+            if moved >= tol:
+                log.warning("%s: barycenter stopped at max_iter=%d (moved %.3g, tol %.3g)", ref.key, n_iter, moved, tol)
+            else:
+                log.debug("%s: barycenter converged in %d iterations", ref.key, n_iter)
             return ts, n_iter
+
+
+def _centre_scales(ts: Sequence[ModuleTransform]) -> list[ModuleTransform]:
+    """Fix the barycenter's scale gauge: per block, the geometric mean of every model's QK / VO scale becomes 1.
+
+    A scale common to all models moves the mean along ``(a A, B / a)`` without changing how well the models agree
+    (the alignment problem is invariant under it up to that common factor), so without a gauge the mean drifts by
+    a little every iteration and never meets the tolerance. Scales are the last parts of a transform and commute
+    with each other, so dividing them is applying the inverse common scaling after the transform.
+    """
+    kinds = (QKScaling, VOScaling)
+    common = {}
+    for kind in kinds:
+        scales = [p.scale for t in ts for p in t.parts if isinstance(p, kind)]
+        if len(scales) == len(ts):
+            common[kind] = torch.stack(scales).log().mean(0).exp()
+    if not common:
+        return list(ts)
+    return [
+        ModuleTransform(t.key, tuple(type(p)(p.scale / common[type(p)]) if type(p) in common else p for p in t.parts))
+        for t in ts
+    ]
 
 
 def match_module_many(

@@ -31,11 +31,12 @@ from typing import Any
 
 import torch
 
-from symfuse.checkpoint import CheckpointReader, atomic_dir, write_checkpoint
+from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.errors import CheckpointError, MissingStats, NonFiniteError
 from symfuse.io import BufferPool, check_finite_tensor
 from symfuse.merge.base import LazyTensors, TensorInputs, weighted_mean
 from symfuse.model_card import CARD, input_metrics, model_card
+from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.stats.io import STAT_KINDS, StatsFile
 from symfuse.stats.ownership import check_stats_belong
 
@@ -153,6 +154,7 @@ def merge_checkpoints(
 
     Raises:
         ValueError: unknown strategy or parameter.
+        OutputExistsError: ``out`` exists and ``overwrite`` is False.
         MissingStats: required statistics or base model not given, or a statistic missing for a layer.
         CheckpointError: models whose body tensors differ in names or shapes.
     """
@@ -163,6 +165,7 @@ def merge_checkpoints(
         raise ValueError(f"unknown merge strategy {strategy!r}; choose from {sorted(MERGERS)}")
     if not models:
         raise ValueError("merge needs at least one model")
+    check_output(out, overwrite)
     merger = MERGERS[strategy](**params)
     readers = [StreamingReader(m) for m in models]
     k = len(readers)
@@ -260,7 +263,7 @@ def merge_checkpoints(
             name = f"{name}-{i}"
         names[name] = "." if i == 0 else f"heads/{name}"
     out = Path(out)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
         write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True)
         if separate:
             merged = StreamingReader(tmp)

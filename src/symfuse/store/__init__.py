@@ -4,11 +4,11 @@
 key. :func:`install_log_redaction` keeps credentials out of every log (the CLI calls it after configuring logging).
 """
 
+from symfuse.redact import install_log_redaction
 from symfuse.store import layout
 from symfuse.store.artifact_store import ArtifactStore, default_cache_dir, default_root
 from symfuse.store.errors import ArtifactNotFound, CorruptArtifact, StoreUnreachable
 from symfuse.store.layout import content_key, manifest_digest
-from symfuse.store.redact import install_log_redaction
 
 __all__ = [
     "ArtifactNotFound",

@@ -31,9 +31,9 @@ from typing import Any
 
 import fsspec
 
+from symfuse.redact import install_log_redaction
 from symfuse.store.errors import ArtifactNotFound, CorruptArtifact, translated
 from symfuse.store.layout import MANIFEST, manifest_digest
-from symfuse.store.redact import install_log_redaction
 from symfuse.store.s3 import option_secrets, s3_options
 from symfuse.store.versions import VERSIONS, check_version, split_version_path
 

@@ -28,12 +28,13 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from symfuse.checkpoint import atomic_dir, load_hf_model, validate_checkpoint
+from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data import TaskDataset, collate, encode_split, iter_batches, load_task_dataset, load_tokenizer
 from symfuse.errors import NonFiniteError
 from symfuse.evaluate.predict import forward_logits, resolve_device, run_model, task_loss
 from symfuse.evaluate.scoring import score_logits
 from symfuse.io import check_finite_tensor
+from symfuse.outputs import atomic_output_dir, check_output
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,16 @@ class FinetuneConfig(BaseModel):
     progress: bool = True
 
 
-# Dropout and head initialisation draw from torch's ONE process-wide CPU generator. Fine-tunes running in threads of
-# one process (Prefect's thread task runner) would interleave their draws and stop being reproducible from their
-# seeds, so a process runs one fine-tune at a time (on a 2-core CPU or one GPU they only competed anyway).
+# Dropout draws from torch's ONE process-wide generator (CPU, or the device's): ``nn.Dropout`` /
+# ``F.dropout`` take no generator argument, and ``torch.random.fork_rng`` only saves and restores that one global
+# state, so it cannot give threads streams of their own. Fine-tunes running in threads of one process (Prefect's
+# thread task runner) would interleave their dropout draws and stop being reproducible from their seeds, so a process
+# runs one fine-tune at a time. The new head is initialised from a generator of its own (:func:`_init_head`), but
+# transformers first initialises it from the global generator when it builds the model, which would also shift a
+# concurrent fine-tune's dropout stream: building stays under the lock too. Separate processes (the pipeline's
+# ``fan_out: deployments``, one flow run per fine-tune) are isolated by construction and run in parallel.
 _TRAIN_LOCK = threading.Lock()
+HEAD_SEED_OFFSET = 7_919  # the head's generator: seed + this, a stream apart from the global one seeded with ``seed``
 
 
 def _seed_all(seed: int) -> None:
@@ -89,8 +96,38 @@ def _build_model(base: Path, data: TaskDataset, cfg: FinetuneConfig) -> torch.nn
             if hasattr(config, key):
                 setattr(config, key, cfg.dropout)
     cls = AutoModelForTokenClassification if data.is_token_task else AutoModelForSequenceClassification
-    _seed_all(cfg.seed)  # the new head's initialisation
-    return load_hf_model(base, cls, validate=False, config=config, ignore_mismatched_sizes=True)
+    _seed_all(cfg.seed)  # whatever transformers initialises besides the head
+    model, info = load_hf_model(base, cls, validate=False, config=config, ignore_mismatched_sizes=True,
+                                output_loading_info=True)  # fmt: skip
+    new = set(info.get("missing_keys") or ()) | {m[0] for m in info.get("mismatched_keys") or ()}
+    return _init_head(model, new, cfg.seed)
+
+
+def _init_head(model: torch.nn.Module, new: set[str], seed: int) -> torch.nn.Module:
+    """Initialise the new (not loaded) Linear / LayerNorm weights from ``torch.Generator`` seeded ``seed + offset``.
+
+    Linear weights ~ N(0, ``config.initializer_range``) and zero biases, LayerNorm ones / zeros (transformers'
+    scheme), drawn in module order: the head depends on the seed alone, whatever the global generator's state.
+    """
+    gen = torch.Generator().manual_seed(seed + HEAD_SEED_OFFSET)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            prefix = f"{name}." if name else ""
+            if not any(f"{prefix}{p}" in new for p, _ in module.named_parameters(recurse=False)):
+                continue
+            if isinstance(module, torch.nn.Linear):
+                w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                module.weight.copy_(w)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, torch.nn.LayerNorm) and module.weight is not None:
+                module.weight.fill_(1.0)
+                if module.bias is not None:
+                    module.bias.zero_()
+            else:
+                log.warning("new %s weights of type %s keep transformers' initialisation", name, type(module).__name__)
+    return model
 
 
 def _lr_lambda(total: int, warmup: int):
@@ -270,9 +307,13 @@ def finetune(
 
     Returns:
         ``out``.
+
+    Raises:
+        OutputExistsError: ``out`` exists and ``overwrite`` is False (checked before any training).
     """
     cfg = cfg or FinetuneConfig()
     t0 = time.perf_counter()
+    check_output(out, overwrite)
     base_path = validate_checkpoint(base, finite=True, tokenizer=True)  # before any data is read
     tok = load_tokenizer(base_path)
     ds = load_task_dataset(data, max_train_examples=cfg.max_train_examples, seed=cfg.seed)
@@ -292,7 +333,7 @@ def finetune(
         "best_epoch": next(h["epoch"] for h in history if h["best"]),
         "seconds": time.perf_counter() - t0,
     }
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
         (tmp / TRAIN_REPORT).write_text(json.dumps(report, indent=2))

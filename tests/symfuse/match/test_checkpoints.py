@@ -146,3 +146,19 @@ def test_match_module_many_aligns_every_module_to_the_barycenter(tmp_path):
             spread = max(float((o[k] - w[0][k]).norm()) for o in w[1:])
             raw = max(float((o[k] - before[0][k]).norm()) for o in before[1:])
             assert spread <= 0.05 * raw, k  # aligned copies differ by the 1 % noise only, the disguised ones a lot
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_disguised_source_matches_onto_the_anchor_like_the_source(family, tmp_path):
+    # S and a disguised copy T.S (random exact transforms of every kind) are one function: both matched onto an
+    # unrelated anchor give the same checkpoint, and each keeps S's function
+    src = save_tiny(tmp_path / "src", family, seed=1, head=_head(family))
+    anc = save_tiny(tmp_path / "anc", family, seed=2, head=_head(family))
+    disguise_checkpoint(src, tmp_path / "d", seed=7)
+    r1 = match_checkpoints(src, anc, tmp_path / "m1", symmetries=SYMMETRIES)
+    r2 = match_checkpoints(tmp_path / "d", anc, tmp_path / "m2", symmetries=SYMMETRIES)
+    assert r1["max_abs_logit_diff"] <= 1e-4 and r2["max_abs_logit_diff"] <= 1e-4
+    a, b = load_file(tmp_path / "m1" / "model.safetensors"), load_file(tmp_path / "m2" / "model.safetensors")
+    diff = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a) ** 0.5
+    assert diff <= 1e-6 * _norm(tmp_path / "m1"), diff
+    assert abs(r1["distance_after"] - r2["distance_after"]) <= 1e-6 * r1["distance_after"]

@@ -1,13 +1,23 @@
 """Module matching on tiny models of every family: disguise recovery, self-match identity, lazy reads."""
 
+import logging
+
 import pytest
 import torch
 
 from symfuse.arch import get_spec
 from symfuse.checkpoint import CheckpointReader
 from symfuse.match import SYMMETRIES, match_module, match_module_weights
+from symfuse.match.many import align_module
 from symfuse.match.weights import module_distance
-from symfuse.symmetry import FFNPermutation, HeadPermutation, QKRotation, QKScaling, random_module_transform
+from symfuse.symmetry import (
+    FFNPermutation,
+    HeadPermutation,
+    QKRotation,
+    QKScaling,
+    VOScaling,
+    random_module_transform,
+)
 from tests.tiny import FAMILIES, save_tiny, tiny_model
 
 
@@ -101,6 +111,46 @@ def test_match_module_reads_only_that_module(tmp_path, monkeypatch):
     t = match_module(a, b, "L01.ffn", SYMMETRIES)
     assert t.key == "L01.ffn" and isinstance(t.parts[0], FFNPermutation)
     assert seen and all(".layer.1.intermediate." in n or ".layer.1.output.dense" in n for n in seen), seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_equivalent_sources_match_to_the_same_weights(family):
+    # S and T.S (T: random exact rotations + scales, and permutations) are one function: matching either onto the
+    # anchor must give the same weights. The former one-pass rotation-then-scale fit was 0.3 apart here.
+    src, anc = tiny_model(family, seed=3), tiny_model(family, seed=4)
+    g = torch.Generator().manual_seed(5)
+    for (ref, geo, ws), (_, _, wa) in zip(_module_weights(src), _module_weights(anc), strict=True):
+        for sym in (SYMMETRIES, ("rotation", "scaling")):
+            if ref.kind == "ffn" and sym != SYMMETRIES:
+                continue
+            wt = random_module_transform(ref, geo, g, sym).apply(ws)
+            m1 = match_module_weights(ref, ws, wa, geo, sym).apply(ws)
+            m2 = match_module_weights(ref, wt, wa, geo, sym).apply(wt)
+            rel = module_distance(m1, m2) / _norm(m1)
+            assert rel <= 1e-6, f"{family} {ref.key} {sym}: S and T.S matched {rel:.2e} apart"
+
+
+def test_barycenter_with_rotation_and_scaling_converges(caplog):
+    # noisy disguised copies of one module (like fine-tunes of one model): generalised Procrustes over rotations
+    # AND scales reaches its tolerance (it ran to max_iter before: orbit-dependent fits, drifting scale gauge)
+    model = tiny_model("bert", seed=3)
+    g = torch.Generator().manual_seed(1)
+    ref, geo, w = next(m for m in _module_weights(model) if m[0].kind == "attn")
+    ws = []
+    for _ in range(3):
+        noisy = {r: t + 0.3 * t.std() * torch.randn(t.shape, generator=g) for r, t in w.items()}
+        ws.append(random_module_transform(ref, geo, g, kinds=("rotation", "scaling")).apply(noisy))
+    with caplog.at_level(logging.DEBUG, logger="symfuse.match.many"):
+        ts, n_iter = align_module(ref, ws, geo, ("rotation", "scaling"), "barycenter", max_iter=30, tol=1e-7)
+    assert n_iter < 30
+    assert f"{ref.key}: barycenter converged in {n_iter} iterations" in caplog.messages
+    # gauge: per head, the models' scales have geometric mean 1
+    for kind in (QKScaling, VOScaling):
+        scales = torch.stack([next(p for p in t.parts if isinstance(p, kind)).scale for t in ts])
+        torch.testing.assert_close(scales.log().mean(0), torch.zeros_like(scales[0]), atol=1e-12, rtol=0)
+    # aligned copies are closer to each other than the disguised ones
+    aligned = [t.apply(x) for t, x in zip(ts, ws, strict=True)]
+    assert module_distance(aligned[0], aligned[1]) < 0.5 * module_distance(ws[0], ws[1])
 
 
 def test_qwen3_matching_recovers_the_exact_disguise_and_skips_qk_maps(caplog):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from symfuse.redact import MASK, redact
 from symfuse.store import ArtifactStore, install_log_redaction
-from symfuse.store.redact import MASK, redact
 
 SENTINELS = {
     "AWS_ACCESS_KEY_ID": "AKIASENTINELKEYID0001",

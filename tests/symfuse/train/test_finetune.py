@@ -123,3 +123,22 @@ def test_concurrent_finetunes_in_threads_are_reproducible(tiny_base, tmp_path):
         got = load_file(out / "model.safetensors")
         assert got.keys() == solo.keys()
         assert all(torch.equal(got[k], solo[k]) for k in solo)
+
+
+def test_new_head_comes_from_its_own_seeded_generator(tiny_base):
+    # the head is drawn from torch.Generator(seed + HEAD_SEED_OFFSET) in module order, not from the global generator:
+    # closed form N(0, initializer_range) weights and zero biases, the same whatever the global state
+    from symfuse.train.finetune import HEAD_SEED_OFFSET
+
+    ds = load_task_dataset("dair_emotion", max_train_examples=16, seed=13)
+    cfg = FinetuneConfig(seed=5, progress=False)
+    model = _build_model(tiny_base, ds, cfg)
+    head = model.classifier
+    gen = torch.Generator().manual_seed(5 + HEAD_SEED_OFFSET)
+    std = model.config.initializer_range
+    expected = torch.empty(head.weight.shape).normal_(0.0, std, generator=gen)
+    assert torch.equal(head.weight, expected) and torch.equal(head.bias, torch.zeros_like(head.bias))
+    other = _build_model(tiny_base, ds, cfg.model_copy(update={"seed": 6}))
+    assert not torch.equal(other.classifier.weight, head.weight)
+    # the encoder is the base's: only the head is new
+    assert torch.equal(other.bert.embeddings.word_embeddings.weight, model.bert.embeddings.word_embeddings.weight)

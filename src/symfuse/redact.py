@@ -1,7 +1,7 @@
 """No credential in any log, at any level: botocore's DEBUG logs print request headers and canonical requests.
 
-:func:`install_log_redaction` (idempotent; every :class:`~symfuse.store.ArtifactStore` calls it, the CLI should
-call it right after configuring logging) rewrites log records whose text holds
+:func:`install_log_redaction` (idempotent; every :class:`~symfuse.store.ArtifactStore` calls it, the CLI calls it
+right after configuring logging) rewrites log records whose text holds
 
 - the value of ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_SECURITY_TOKEN`` or ``AWS_ACCESS_KEY_ID``
   (read from the environment when the record is made, so later changes count) or of a credential passed in store

@@ -1,0 +1,127 @@
+"""The command line's one error boundary: every exception becomes ONE line on stderr and an exit status.
+
+``error: <artifact>: <what is wrong> — <fix>``; exit 2 for usage errors (bad options and values, an existing
+``--out``), 1 for data errors (bad checkpoint, statistics or dataset, non-finite values, a locked output) and for
+internal errors (bugs: ``error: internal error: <type>: <msg> (run with -v for the traceback)``). With ``-v`` the
+traceback is printed first. :func:`exit_status` is the one place exceptions map to exit codes.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import typer
+from typer._click import exceptions as cx  # typer's own click (typer >= 0.20 vendors it)
+from typer.core import TyperGroup
+
+from symfuse.errors import MissingStats, OutputExistsError, SymfuseError, UsageError
+from symfuse.outputs import Terminated
+
+USAGE, DATA, INTERRUPTED = 2, 1, 130
+VERBOSE_FLAGS = ("-v", "--verbose")
+
+# Exceptions from libraries the commands call that mean "this input is bad", not "symfuse has a bug".
+_DATA_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, EOFError)
+try:  # the safetensors reader's own error type (truncated or garbled files)
+    from safetensors import SafetensorError
+
+    _DATA_ERRORS += (SafetensorError,)
+except ImportError:  # pragma: no cover
+    pass
+
+
+def exit_status(exc: BaseException) -> int | None:
+    """The exit status for ``exc``: 2 usage, 1 data, 130 interrupted; None for an internal error (a bug)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return INTERRUPTED
+    if isinstance(exc, (cx.UsageError, UsageError, OutputExistsError, MissingStats)):
+        return USAGE
+    if isinstance(exc, (SymfuseError, cx.ClickException, *_DATA_ERRORS)):
+        return DATA
+    return None
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, cx.UsageError):
+        cmd = exc.ctx.command_path if exc.ctx is not None else "symfuse"
+        return f"{cmd}: {exc.format_message().rstrip('.')} — see '{cmd} --help'"
+    if isinstance(exc, cx.ClickException):
+        return exc.format_message()
+    errors = getattr(exc, "errors", None)  # pydantic ValidationError: one "field: problem" per error
+    if callable(errors) and isinstance(exc, ValueError) and hasattr(exc, "title"):
+        try:
+            parts = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors()]
+            return f"{exc.title}: {'; '.join(parts)}"  # type: ignore[attr-defined]
+        except Exception:
+            pass
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror[:1].lower()}{exc.strerror[1:]} — check the path and its permissions"
+    text = str(exc).strip()
+    return text or type(exc).__name__
+
+
+def one_line(exc: BaseException) -> str:
+    """``error: ...`` for ``exc``: the first line of its message (internal errors name their type)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "error: interrupted — partial output was removed; run the command again"
+    text = " ".join(_message(exc).split("\n", 1)[0].split())
+    text = text.removeprefix("error: ")
+    if exit_status(exc) is None:
+        return f"error: internal error: {type(exc).__name__}: {text} (run with -v for the traceback)"
+    return f"error: {text}"
+
+
+def report(exc: BaseException, verbose: bool) -> int:
+    """Print ``exc`` (traceback first with ``verbose``) on stderr; return the exit status."""
+    if verbose and not isinstance(exc, cx.UsageError):
+        traceback.print_exception(exc, file=sys.stderr)
+    typer.echo(one_line(exc), err=True)
+    return exit_status(exc) or DATA
+
+
+def split_verbose(args: Sequence[str]) -> tuple[bool, list[str]]:
+    """Pull ``-v`` / ``--verbose`` from anywhere in ``args`` (so ``symfuse merge ... -v`` works too)."""
+    verbose = any(a in VERBOSE_FLAGS for a in args)
+    rest = [a for a in args if a not in VERBOSE_FLAGS]
+    return verbose, (["--verbose"] if verbose else []) + rest
+
+
+class BoundaryGroup(TyperGroup):
+    """The app's click group: runs the command without click's standalone handling and reports errors itself."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        """Run the CLI; exit (or return, without ``standalone_mode``) with the status of :func:`exit_status`."""
+        verbose, argv = split_verbose(list(sys.argv[1:] if args is None else args))
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+            if code == INTERRUPTED:  # typer turns KeyboardInterrupt into Exit(130)
+                typer.echo(one_line(KeyboardInterrupt()), err=True)
+        except cx.NoArgsIsHelpError as exc:
+            exc.show()
+            code = exc.exit_code
+        except Terminated as exc:
+            typer.echo("error: terminated by SIGTERM — partial output was removed", err=True)
+            code = int(exc.code or 143)
+        except typer.Exit as exc:
+            code = exc.exit_code
+        except typer.Abort:
+            typer.echo("error: aborted", err=True)
+            code = DATA
+        except SystemExit:
+            raise
+        except BaseException as exc:
+            code = report(exc, verbose)
+        if standalone_mode:
+            sys.exit(code)
+        return code

@@ -1,0 +1,200 @@
+"""Cheap checks of option values, run by every command before any work (each raises :class:`UsageError`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from typer.core import TyperCommand
+
+from symfuse.errors import DataError, SymfuseError, UsageError
+
+
+def positive(option: str, value: float | None, what: str = "a number") -> None:
+    """``value`` > 0 (None passes: the option was not given)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{option}: {value} is not positive — give {what} > 0")
+
+
+def at_least(option: str, value: int | None, low: int) -> None:
+    """``value`` >= ``low`` (None passes)."""
+    if value is not None and value < low:
+        raise UsageError(f"{option}: {value} is below {low} — give an integer >= {low}")
+
+
+def fraction(option: str, value: float | None, closed_low: bool = False) -> None:
+    """``value`` in (0, 1], or [0, 1] with ``closed_low`` (None passes)."""
+    if value is None:
+        return
+    low_ok = value >= 0 if closed_low else value > 0
+    if not (math.isfinite(value) and low_ok and value <= 1):
+        interval = "[0, 1]" if closed_low else "(0, 1]"
+        raise UsageError(f"{option}: {value} is outside {interval} — give a fraction such as 0.2")
+
+
+def finite(option: str, value: float | None) -> None:
+    """``value`` is a finite number (None passes)."""
+    if value is not None and not math.isfinite(value):
+        raise UsageError(f"{option}: {value} is not a finite number — give a real number")
+
+
+def one_of(option: str, value: str | None, choices: Iterable[str]) -> None:
+    """``value`` is one of ``choices`` (None passes)."""
+    choices = sorted(choices)
+    if value is not None and value not in choices:
+        raise UsageError(f"{option}: unknown value {value!r} — choose from {', '.join(choices)}")
+
+
+def names_list(option: str, value: str, choices: Iterable[str], what: str = "names") -> list[str]:
+    """A non-empty comma-separated list of known, distinct names (``what`` names them in messages)."""
+    choices = list(choices)
+    names = [s.strip() for s in value.split(",")]
+    if not any(names):
+        raise UsageError(f"{option}: {value!r} names nothing — give a comma-separated list of {', '.join(choices)}")
+    if not all(names):
+        raise UsageError(f"{option}: {value!r} has an empty item — remove the stray comma")
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        raise UsageError(f"{option}: unknown {what} {', '.join(map(repr, unknown))} — choose from {', '.join(choices)}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"{option}: {value!r} repeats a name — give each once")
+    return names
+
+
+def local_path(option: str, value: str | Path, folder: bool = True) -> None:
+    """A path that looks local (absolute, ``./``, or existing) must exist (as a folder when ``folder``).
+
+    Model and dataset arguments also take hub ids (``owner/name``) and shared names; those pass here and are
+    checked where they are resolved.
+    """
+    text = str(value)
+    path = Path(text)
+    looks_local = path.exists() or text.startswith(("/", "./", "../", "~")) or text.count("/") > 1
+    if not looks_local:
+        return
+    if not path.exists():
+        raise UsageError(f"{option}: {text} does not exist — check the path")
+    if folder and not path.is_dir():
+        raise UsageError(f"{option}: {text} is a file, not a folder — give a folder")
+
+
+class MultiValueCommand(TyperCommand):
+    """A command whose ``list`` options take several space-separated values: ``--models A B C``.
+
+    click options take one value per flag, so the arguments are rewritten to ``--models A --models B ...``
+    before parsing; the options stay ordinary, documented options (``--help`` lists them).
+    """
+
+    multi_value: Sequence[str] = ()
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        """Expand ``--opt v1 v2 ...`` for the multi-value options, then parse as usual."""
+        expanded: list[str] = []
+        flag: str | None = None
+        for a in args:
+            if a.startswith("-") and not _is_number(a):
+                flag = a if a in self.multi_value else None
+                if flag is None:
+                    expanded.append(a)
+            elif flag is not None:
+                expanded += [flag, a]
+            else:
+                expanded.append(a)
+        return super().parse_args(ctx, expanded)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def multi_value_command(*options: str) -> type[MultiValueCommand]:
+    """A :class:`MultiValueCommand` subclass whose ``options`` take several values."""
+    return type("MultiValue", (MultiValueCommand,), {"multi_value": tuple(options)})
+
+
+def unused(strategy: str, given: dict[str, Any], accepted: Iterable[str]) -> None:
+    """Refuse options that the chosen strategy does not read (they would be silently ignored)."""
+    accepted = set(accepted)
+    extra = [k for k, v in given.items() if v is not None and k not in accepted]
+    if extra:
+        opts = ", ".join(f"--{k}" for k in extra)
+        raise UsageError(f"{opts}: not a parameter of --strategy {strategy} — drop it, or pick a strategy that uses it")
+
+
+def device(option: str, value: str) -> None:
+    """A torch device string (``cpu``, ``cuda``, ``cuda:1``, ...)."""
+    if re.fullmatch(r"(cpu|cuda|mps|xpu)(:\d+)?", value):
+        return
+    import torch
+
+    try:
+        torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(f"{option}: {value!r} is not a device — give cpu, cuda or cuda:N") from exc
+
+
+def dataset(option: str, value: str) -> None:
+    """Load the dataset once (cached) so that a bad name or file fails before any model is loaded."""
+    from symfuse.data import load_task_dataset
+
+    load_task_dataset(value)
+
+
+def _unreadable(what: str, value: str | Path, exc: BaseException, fix: str) -> DataError:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return DataError(f"{value}: unreadable {what} ({type(exc).__name__}: {first}) — {fix}")
+
+
+def checkpoint(value: str | Path, arch: bool = True) -> None:
+    """Open a checkpoint's config and safetensors headers (no tensor data): a bad folder fails before any work.
+
+    Args:
+        value: Folder, ``minilm`` or hub id.
+        arch: Also resolve its architecture spec (commands that match or merge by module).
+
+    Raises:
+        DataError: the folder cannot be read (its own error names it otherwise).
+    """
+    from safetensors import safe_open
+
+    from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
+
+    fix = "re-save it with save_pretrained(safe_serialization=True)"
+    try:
+        if arch:
+            with CheckpointReader(value):
+                return
+        folder = resolve_checkpoint(value)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise DataError(f"{value}: no *.safetensors weights — {fix}")
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                f.keys()
+    except SymfuseError:
+        raise
+    except Exception as exc:
+        raise _unreadable("checkpoint", value, exc, fix) from exc
+
+
+def stats_files(values: Sequence[str | Path], kinds: Iterable[str]) -> None:
+    """Open the header of each statistics file a merge will read (one folder or file per model)."""
+    from symfuse.stats.io import StatsFile
+
+    for value in values:
+        path = Path(value)
+        files = [path / f"{k}.safetensors" for k in kinds] if path.is_dir() else [path]
+        for file in files:
+            try:
+                StatsFile(file)
+            except SymfuseError:
+                raise
+            except Exception as exc:
+                raise _unreadable("statistics file", file, exc, "collect it again with `symfuse stats`") from exc

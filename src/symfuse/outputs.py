@@ -1,0 +1,354 @@
+"""Output folders that appear whole or not at all, with one writer at a time.
+
+Every command and library function that writes a folder goes through :func:`atomic_output_dir`::
+
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        ...  # write into tmp
+    # here out holds what was written to tmp, swapped in with one rename
+
+* An existing ``out`` is refused unless ``overwrite`` (:class:`~symfuse.errors.OutputExistsError`), before any
+  work when the caller claims the output first (:func:`claim_output`, :func:`check_output`).
+* The folder is written to a sibling ``.<name>.tmp-<pid>-<rand>`` and renamed onto ``out`` at the end; an old
+  ``out`` (``overwrite``) is exchanged with the new one in one ``renameat2(RENAME_EXCHANGE)`` where the
+  filesystem supports it, so it stays readable until the swap.
+* Nothing the command did not create is deleted: if ``out`` appears (or is replaced) while the command runs, the
+  commit fails and leaves it untouched.
+* One writer per output: an ``fcntl.flock`` on the sibling ``.<name>.lock`` (it holds the writer's pid), taken at
+  the claim, so a second writer fails at once with :class:`~symfuse.errors.OutputLockedError` naming the holder.
+* Temporary folders are removed on failure, on SIGINT / SIGTERM (handlers installed while an output is claimed in
+  the main thread; SIGTERM then ends the command with :class:`Terminated`), and, when a killed process left them,
+  at the next claim of the same output (their pid is dead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from symfuse.errors import OutputExistsError, OutputLockedError, UsageError
+
+log = logging.getLogger(__name__)
+
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread by the SIGTERM handler while an output is claimed (exit status 143)."""
+
+
+@dataclass
+class _Claim:
+    out: Path
+    lock: Path
+    fd: int
+    identity: tuple[int, int] | None  # (st_dev, st_ino) of ``out`` when claimed; None: it did not exist
+    overwrite: bool
+    created: list[Path] = field(default_factory=list)  # parent folders this claim made (removed if left empty)
+    count: int = 1
+    thread: int = field(default_factory=threading.get_ident)  # re-entered only by the thread that claimed it
+
+
+_CLAIMS: dict[Path, _Claim] = {}
+_TEMPS: set[Path] = set()
+_STATE = threading.RLock()
+_SAVED_HANDLERS: dict[int, object] = {}
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def lock_path(out: str | os.PathLike) -> Path:
+    """The lock file of an output folder: ``.<name>.lock`` next to it."""
+    out = Path(os.path.abspath(out))
+    return out.parent / f".{out.name}.lock"
+
+
+def _temp_pattern(name: str) -> re.Pattern[str]:
+    # ours: .<name>.tmp-<pid>-<rand> and .<name>.old-<pid>-<rand>; a writer nested in ours (mkdtemp next to
+    # our temp folder) adds one more leading dot: ..<name>.tmp-<pid>-<rand>.tmp-<rand>
+    return re.compile(rf"^\.\.?{re.escape(name)}\.(?:tmp|old)-(\d+)-")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def clean_stale_temps(out: str | os.PathLike) -> list[Path]:
+    """Remove temporary folders of ``out`` left by killed writers (their pid is no longer alive).
+
+    Returns:
+        The removed folders.
+    """
+    out = Path(os.path.abspath(out))
+    pattern = _temp_pattern(out.name)
+    removed = []
+    try:
+        entries = list(out.parent.iterdir())
+    except FileNotFoundError:
+        return removed
+    for p in entries:
+        m = pattern.match(p.name)
+        if m is None or _pid_alive(int(m.group(1))) or not p.is_dir() or p.is_symlink():
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+        log.info("removed %s, left by a killed writer (pid %s)", p, m.group(1))
+    return removed
+
+
+def check_output(out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Refuse an output path before any work: an existing ``out`` without ``overwrite``, a file, a bad parent.
+
+    Args:
+        out: The output folder.
+        overwrite: Whether an existing folder may be replaced (at the end, atomically).
+
+    Returns:
+        ``out`` as an absolute path.
+
+    Raises:
+        OutputExistsError: ``out`` exists and ``overwrite`` is False, or ``out`` is not a folder.
+        UsageError: a parent of ``out`` is a file.
+    """
+    path = Path(os.path.abspath(out))
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise OutputExistsError(f"{out}: exists and is not a folder — choose another --out")
+    if path.exists() and not overwrite:
+        raise OutputExistsError(f"{out}: already exists — pass --overwrite to replace it, or choose another --out")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{out}: {parent} is a file, not a folder — choose another --out")
+            break
+    return path
+
+
+def _read_pid(fd: int) -> str:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return "unknown"
+    return text if text.isdigit() else "unknown"
+
+
+def _lock(out: Path, lock: Path) -> int:
+    """Take the exclusive lock on ``lock`` (retrying if its previous holder unlinked it meanwhile)."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            holder = _read_pid(fd)
+            os.close(fd)
+            raise OutputLockedError(
+                f"{out}: another symfuse process (pid {holder}) is writing it (lock {lock}) — "
+                "wait for it to finish, or choose another --out"
+            ) from exc
+        # the holder before us unlinks the lock file when it releases: if ours is that unlinked file, retry
+        if _identity(lock) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    """Remove this process's temporary output folders, then end the command (its ``finally`` blocks run)."""
+    with _STATE:
+        temps = list(_TEMPS)
+    for tmp in temps:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated(128 + signum)
+
+
+def _install_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread() or _SAVED_HANDLERS:
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        _SAVED_HANDLERS[sig] = signal.signal(sig, _on_signal)
+
+
+def _restore_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig, old in list(_SAVED_HANDLERS.items()):
+        signal.signal(sig, old)  # type: ignore[arg-type]
+        del _SAVED_HANDLERS[sig]
+
+
+@contextlib.contextmanager
+def claim_output(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Hold the output's lock for the block, after refusing an existing ``out`` (unless ``overwrite``).
+
+    Commands claim their ``--out`` before any work, so that a second writer fails at once and a refused output
+    costs nothing; :func:`atomic_output_dir` inside the block re-enters the same claim. Stale temporary folders
+    of ``out`` (dead pid) are removed. Parent folders the claim creates are removed again if nothing was written.
+
+    Args:
+        out: The output folder.
+        overwrite: Whether an existing ``out`` may be replaced at the end.
+
+    Yields:
+        ``out`` as an absolute path.
+
+    Raises:
+        OutputExistsError: ``out`` exists and ``overwrite`` is False.
+        OutputLockedError: another process holds the lock.
+    """
+    path = check_output(out, overwrite)
+    with _STATE:
+        claim = _CLAIMS.get(path)
+        if claim is not None and claim.thread != threading.get_ident():
+            raise OutputLockedError(
+                f"{out}: another thread of this process (pid {os.getpid()}) is writing it — choose another --out"
+            )
+        if claim is not None:  # re-entered by the same thread (a command, then the library writer)
+            claim.count += 1
+    if claim is None:
+        created = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = lock_path(path)
+        try:
+            fd = _lock(Path(out), lock)
+        except BaseException:
+            _remove_empty(created)
+            raise
+        claim = _Claim(path, lock, fd, _identity(path), overwrite, created)
+        with _STATE:
+            _CLAIMS[path] = claim
+            _install_handlers()
+        try:
+            clean_stale_temps(path)
+            check_output(out, overwrite)  # it may have appeared before we held the lock
+        except BaseException:
+            _release(claim)
+            raise
+    try:
+        yield path
+    finally:
+        _release(claim)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for p in folders:  # deepest first
+        with contextlib.suppress(OSError):
+            p.rmdir()
+
+
+def _release(claim: _Claim) -> None:
+    with _STATE:
+        claim.count -= 1
+        if claim.count > 0:
+            return
+        _CLAIMS.pop(claim.out, None)
+        if not _CLAIMS:
+            _restore_handlers()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(claim.lock)  # while still holding it (see _lock)
+    os.close(claim.fd)
+    if not claim.out.exists():
+        _remove_empty(claim.created)
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``; False where the C library or the filesystem lacks it."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def _commit(tmp: Path, claim: _Claim) -> None:
+    out = claim.out
+    if _identity(out) != claim.identity:
+        raise OutputExistsError(
+            f"{out}: appeared or was replaced while this command was writing it; it was left untouched — "
+            "remove it or choose another --out, then run again"
+        )
+    if claim.identity is None:
+        try:
+            if not _renameat2(tmp, out, _RENAME_NOREPLACE):
+                os.rename(tmp, out)  # we hold the lock and checked above: only a non-symfuse writer can race
+        except FileExistsError as exc:
+            raise OutputExistsError(
+                f"{out}: appeared while this command was writing it; it was left untouched — choose another --out"
+            ) from exc
+        return
+    if _renameat2(tmp, out, _RENAME_EXCHANGE):  # the old folder is now at tmp
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary folder next to ``out``; swap it onto ``out`` only if the block succeeds.
+
+    Args:
+        out: The output folder.
+        overwrite: Replace an existing ``out`` (it stays readable until the final rename).
+
+    Yields:
+        The temporary folder to write into.
+
+    Raises:
+        OutputExistsError: ``out`` exists without ``overwrite``, or appeared / changed while writing.
+        OutputLockedError: another process is writing ``out``.
+    """
+    with claim_output(out, overwrite) as path:
+        with _STATE:
+            claim = _CLAIMS[path]
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        with _STATE:
+            _TEMPS.add(tmp)
+        try:
+            yield tmp
+            _commit(tmp, claim)
+        finally:
+            with _STATE:
+                _TEMPS.discard(tmp)
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,169 @@
+"""What the run's numbers mean: did matching move anything, matched minus plain, merges against the individual models.
+
+Pure functions over the tables of :mod:`symfuse.report` (no files, no store); :func:`findings_markdown` renders
+them as report sections.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+NOOP_THRESHOLD = 0.01  # matching that moved every distance by less than this fraction changed nothing
+IN_MEAN, OUT_MEAN = "in-domain mean", "out-of-domain mean"
+NOOP_WHY = (
+    "the models share one pre-trained base: fine-tuning moves weights too little for symmetries to realign; "
+    "matched merges equal plain merges"
+)
+
+
+@dataclass(frozen=True)
+class MatchingEffect:
+    """How much matching moved the distance to the anchor.
+
+    Attributes:
+        largest_move: The largest ``|1 - after / before|`` over (model, module kind), a fraction.
+        where: ``"model / kind"`` of that largest move.
+        per_kind: Module kind -> ``1 - sum(after) / sum(before)`` over every model (positive: closer).
+        noop: Every move is below :data:`NOOP_THRESHOLD`.
+    """
+
+    largest_move: float
+    where: str
+    per_kind: dict[str, float]
+    noop: bool
+
+
+def matching_effect(dist: pd.DataFrame, threshold: float = NOOP_THRESHOLD) -> MatchingEffect | None:
+    """Summarise :func:`symfuse.report.distances_table` output; ``None`` when there are no (non-zero) distances.
+
+    Args:
+        dist: Columns ``model kind before after`` (sums over modules).
+        threshold: Moves below this fraction count as no move.
+    """
+    dist = dist[dist["before"] > 0] if not dist.empty else dist
+    if dist.empty:
+        return None
+    moves = (1.0 - dist["after"] / dist["before"]).abs()
+    top = int(moves.to_numpy().argmax())
+    sums = dist.groupby("kind")[["before", "after"]].sum()
+    per_kind = {str(k): float(1.0 - r["after"] / r["before"]) for k, r in sums.iterrows()}
+    largest = float(moves.iloc[top])
+    where = f"{dist['model'].iloc[top]} / {dist['kind'].iloc[top]}"
+    return MatchingEffect(largest_move=largest, where=where, per_kind=per_kind, noop=largest < threshold)
+
+
+def matched_minus_plain(table: pd.DataFrame) -> pd.DataFrame:
+    """Matched minus plain headline metric per strategy (in-domain mean and out-of-domain mean).
+
+    Args:
+        table: :func:`symfuse.report.metrics_table` output (index ``(strategy, variant)``).
+
+    Returns:
+        Index ``strategy`` (strategies with both variants, in table order); columns ``Δ in-domain mean`` and
+        ``Δ out-of-domain mean`` where the table has those means. Empty when no strategy has both.
+    """
+    cols = [c for c in (IN_MEAN, OUT_MEAN) if c in table.columns]
+    rows = {}
+    for strategy in dict.fromkeys(s for s, _ in table.index):
+        if (strategy, "plain") in table.index and (strategy, "matched") in table.index:
+            diff = table.loc[(strategy, "matched"), cols] - table.loc[(strategy, "plain"), cols]
+            rows[strategy] = {f"Δ {c}": float(diff[c]) for c in cols}
+    out = pd.DataFrame.from_dict(rows, orient="index", columns=[f"Δ {c}" for c in cols])
+    out.index.name = "strategy"
+    return out
+
+
+@dataclass(frozen=True)
+class VersusIndividuals:
+    """Merged models against the fine-tuned models they were merged from.
+
+    Attributes:
+        own: Dataset -> the individual model's score on its own test set.
+        individual_mean: Mean of ``own``.
+        best_ood: The best individual out-of-domain mean (``nan`` without OOD sets).
+        best_ood_model: Which individual scored ``best_ood``.
+        merges: Index ``(strategy, variant)``; columns ``in-domain mean``, ``% of individual mean``,
+            ``out-of-domain mean`` (when there are OOD sets), ``beats best individual OOD``.
+    """
+
+    own: dict[str, float]
+    individual_mean: float
+    best_ood: float
+    best_ood_model: str
+    merges: pd.DataFrame
+
+
+def versus_individuals(table: pd.DataFrame) -> VersusIndividuals | None:
+    """Each merge's in-domain mean as a % of the individual models' own-domain mean, and OOD against the best one.
+
+    Args:
+        table: :func:`symfuse.report.metrics_table` output; individual models are rows ``("individual", dataset)``.
+
+    Returns:
+        ``None`` when there are no individual models with an own-domain score or no merges.
+    """
+    own = {}
+    for strategy, variant in table.index:
+        if (
+            strategy == "individual"
+            and variant in table.columns
+            and not math.isnan(table.loc[(strategy, variant), variant])
+        ):
+            own[variant] = float(table.loc[(strategy, variant), variant])
+    merges = table.drop(index="individual", level=0, errors="ignore")
+    if not own or merges.empty or IN_MEAN not in table.columns:
+        return None
+    mean = sum(own.values()) / len(own)
+    out = pd.DataFrame(index=merges.index)
+    out[IN_MEAN] = merges[IN_MEAN]
+    out["% of individual mean"] = 100.0 * merges[IN_MEAN] / mean if mean else math.nan
+    best, best_model = math.nan, ""
+    if OUT_MEAN in table.columns:
+        individuals = table.loc[["individual"], OUT_MEAN].dropna() if "individual" in table.index else pd.Series()
+        if not individuals.empty:
+            best_model = str(individuals.idxmax()[1])
+            best = float(individuals.max())
+        out[OUT_MEAN] = merges[OUT_MEAN]
+        out["beats best individual OOD"] = ["**yes**" if v > best else "no" for v in merges[OUT_MEAN]]
+    return VersusIndividuals(own=own, individual_mean=mean, best_ood=best, best_ood_model=best_model, merges=out)
+
+
+def findings_markdown(dist: pd.DataFrame, table: pd.DataFrame, metric: str) -> list[str]:
+    """Report lines: the matching verdict, matched minus plain, merges against the individual models."""
+    from symfuse.report import to_markdown
+
+    parts: list[str] = []
+    effect = matching_effect(dist)
+    if effect is not None:
+        kinds = ", ".join(f"{k} {100 * v:+.1f} %" for k, v in sorted(effect.per_kind.items()))
+        moved = f"largest move {100 * effect.largest_move:.2f} % ({effect.where}); closer to the anchor by {kinds}"
+        parts += ["## Did matching change anything?", ""]
+        if effect.noop:
+            parts += [f"**Matching was a no-op**: it moved the distance to the anchor by less than "
+                      f"{100 * NOOP_THRESHOLD:.0f} % ({moved}). Why: {NOOP_WHY}.", ""]  # fmt: skip
+        else:
+            parts += [f"Matching moved the weights: {moved}.", ""]
+    delta = matched_minus_plain(table)
+    if not delta.empty:
+        parts += [f"## Matched minus plain ({metric})", "", to_markdown(delta, floatfmt="+.4f"), ""]
+        if bool((delta.abs() < 5e-5).all().all()):
+            parts += ["Matched and plain merges agree to 4 decimals for every strategy.", ""]
+    vs = versus_individuals(table)
+    if vs is not None:
+        own = ", ".join(f"{d} {v:.4f}" for d, v in sorted(vs.own.items()))
+        parts += [f"## Merges against the individual models ({metric})", ""]
+        parts += [f"- Individual models on their own test set: {own}; mean **{vs.individual_mean:.4f}**."]
+        if not math.isnan(vs.best_ood):
+            parts += [f"- Best individual out of domain: {vs.best_ood_model} **{vs.best_ood:.4f}**."]
+        shown = vs.merges.astype(object)
+        shown["% of individual mean"] = [f"{v:.1f} %" for v in vs.merges["% of individual mean"]]
+        parts += ["", to_markdown(shown), ""]
+        winners = [
+            f"{s} / {v}" for (s, v), r in vs.merges.iterrows() if r.get("beats best individual OOD") == "**yes**"
+        ]
+        if "beats best individual OOD" in vs.merges.columns:
+            parts += [f"Merges that beat the best individual out of domain: {', '.join(winners) or 'none'}.", ""]
+    return parts

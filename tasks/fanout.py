@@ -1,0 +1,80 @@
+"""Heavy stages as flow runs of their own deployments (``RunConfig.fan_out == "deployments"``).
+
+``finetune_remote`` / ``collect_stats_remote`` stand where ``finetune`` / ``collect_stats`` stand in the pipeline:
+each returns the URI of what the stage flow stored, under the same key and content key as the in-process task
+(computed here by the same functions), so the two paths are interchangeable and a later in-process run reuses what
+the workers stored. Each one waits on ONE flow run of its stage deployment (``flows/stages.py``), created with
+``run_deployment(..., as_subflow=True)``; the pipeline submits them all at once in its thread pool, so every free
+worker of the pool picks one up. They hold no ``gpu`` tag slot themselves: the stage's own task does, on its worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from symfuse.config import RunConfig
+from tasks.common import logger, open_store, reuse, symfuse_task
+from tasks.finetune import finetune_keys
+from tasks.stats import stats_keys
+
+POLL_SECONDS = 2.0
+
+
+def run_stage(deployment: str, parameters: dict[str, Any], label: str) -> None:
+    """Run one flow run of ``deployment`` as a subflow of the current run and wait for it.
+
+    Raises:
+        RuntimeError: if the flow run did not complete (names it, its final state and where to look).
+    """
+    from prefect.deployments import run_deployment
+
+    log = logger()
+    log.info("%s: starting a flow run of deployment %s on its work pool", label, deployment)
+    run = run_deployment(name=deployment, parameters=parameters, timeout=None, poll_interval=POLL_SECONDS,
+                         as_subflow=True)  # fmt: skip
+    state = run.state
+    if state is None or not state.is_completed():
+        name = state.name if state is not None else "unknown"
+        raise RuntimeError(
+            f"{label}: flow run {run.name!r} ({run.id}) of deployment {deployment} ended {name}"
+            f"{': ' + state.message if state is not None and state.message else ''}; see its logs, fix the cause "
+            "and re-run the pipeline (what completed is reused)"
+        )
+    log.info("%s: flow run %s of %s completed", label, run.name, deployment)
+
+
+def _stored(store, key: str, ck: str, what: str, deployment: str) -> str:
+    """The URI the stage flow stored under ``key`` with content key ``ck``; one line naming the mismatch otherwise."""
+    uri = reuse(store, key, ck, what)
+    if uri is None:
+        raise RuntimeError(
+            f"{store.uri(key)}: the {deployment} flow run completed but the store holds no {what} with content key "
+            f"{ck[:16]} there; the worker runs other code or another store root (check its SYMFUSE_STORE / "
+            "code version and redeploy)"
+        )
+    return uri
+
+
+@symfuse_task("finetune_remote", "finetune-{dataset}")
+def finetune_remote(config: RunConfig, dataset: str) -> str:
+    """``finetune`` run as a flow run of ``config.stage_deployments.finetune``; returns the model's URI."""
+    store, (key, ck) = open_store(config), finetune_keys(config, dataset)
+    what, deployment = f"fine-tuned model {dataset}", config.stage_deployments.finetune
+    if (uri := reuse(store, key, ck, what)) is not None:
+        return uri
+    params = {"config": config.model_dump(mode="json"), "dataset": dataset}
+    run_stage(deployment, params, f"finetune-{dataset}")
+    return _stored(store, key, ck, what, deployment)
+
+
+@symfuse_task("collect_stats_remote", "stats-{model}-{kind}")
+def collect_stats_remote(config: RunConfig, model: str, model_uri: str, kind: str) -> str:
+    """``collect_stats`` run as a flow run of ``config.stage_deployments.stats``; returns the statistics' URI."""
+    store = open_store(config)
+    key, ck = stats_keys(store, config, model, model_uri, kind)
+    what, deployment = f"{kind} statistics of {model}", config.stage_deployments.stats
+    if (uri := reuse(store, key, ck, what)) is not None:
+        return uri
+    params = {"config": config.model_dump(mode="json"), "model": model, "model_uri": model_uri, "kind": kind}
+    run_stage(deployment, params, f"stats-{model}-{kind}")
+    return _stored(store, key, ck, what, deployment)

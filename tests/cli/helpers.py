@@ -1,0 +1,49 @@
+"""Run ``symfuse`` as a real subprocess (real exit codes, stderr and signals) and build bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import symfuse
+
+SRC = Path(symfuse.__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli_env() -> dict[str, str]:
+    """The environment for a ``symfuse`` subprocess: this checkout first on the path, offline hub."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", COLUMNS="200")
+    return env
+
+
+def cli_command(*args: object, module: str = "symfuse.cli") -> list[str]:
+    """``python -m symfuse.cli ARGS`` (or another module, e.g. the pausing wrapper)."""
+    return [sys.executable, "-m", module, *map(str, args)]
+
+
+def run_cli(*args: object, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run ``symfuse ARGS`` to completion."""
+    return subprocess.run(
+        cli_command(*args), cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def toy_dataset(folder: Path) -> Path:
+    """A tiny two-label classification dataset (JSONL splits + meta.json)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"text": f"i feel so {w} today", "label": lab} for w, lab in [("happy", "joy"), ("angry", "anger")] * 4]
+    for split in ("train", "validation", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "meta.json").write_text(json.dumps({"task": "classification", "labels": ["anger", "joy"]}))
+    return folder
+
+
+def listing(folder: Path) -> dict[str, bytes | None]:
+    """Every path under ``folder`` (hidden ones included) with its bytes (None for folders)."""
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}

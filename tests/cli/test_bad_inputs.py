@@ -1,0 +1,246 @@
+"""Bad inputs to every command: one clean line, the right exit status, nothing written (issue 13).
+
+Each case runs ``python -m symfuse.cli`` as a subprocess and checks: the exit status (2 usage, 1 data), at most
+three non-empty lines on stderr and none of them a traceback, the offending artifact named, nothing created next to
+``--out`` (no output, temp folder or lock left), and a pre-existing ``--out`` left byte for byte. Some cases run
+again with ``-v`` (at the end of the command line), which must add the traceback and keep the status.
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.cli.helpers import listing, run_cli, toy_dataset
+from tests.tiny import save_tiny
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    args: tuple[str, ...]  # placeholders {NAME} are input paths; {OUT} is the case's --out
+    code: int
+    expect: str  # must appear in the error line (the artifact: option, file or folder name)
+    pre: str | None = None  # "dir" / "file": --out exists before the run
+    verbose: bool = False  # also run with -v: the traceback must appear
+
+
+def C(id: str, args: str, code: int, expect: str, pre: str | None = None, verbose: bool = False) -> Case:
+    return Case(id, tuple(args.split()), code, expect, pre, verbose)
+
+
+OUT = "--out {OUT}"
+MERGE = "merge --strategy"
+CASES = [
+    # --- merge ---
+    C("merge-unknown-strategy", f"{MERGE} nosuch --models {{A}} {{B}} {OUT}", 2, "nosuch", verbose=True),
+    C("merge-density-above-1", f"{MERGE} ties --base {{A}} --density 1.5 --models {{A}} {{B}} {OUT}", 2, "--density"),
+    C("merge-density-zero", f"{MERGE} ties --base {{A}} --density 0 --models {{A}} {{B}} {OUT}", 2, "--density"),
+    C("merge-drop-one", f"{MERGE} dare --base {{A}} --drop 1 --models {{A}} {{B}} {OUT}", 2, "--drop"),
+    C(
+        "merge-alpha-negative",
+        f"{MERGE} regmean --alpha -0.5 --models {{A}} {{B}} --stats {{GS}} {{GS}} {OUT}",
+        2,
+        "--alpha",
+    ),
+    C("merge-weights-count", f"{MERGE} simple --models {{A}} {{B}} --weights 1 {OUT}", 2, "--weights", verbose=True),
+    C("merge-weights-negative", f"{MERGE} simple --models {{A}} {{B}} --weights 1 -2 {OUT}", 2, "--weights"),
+    C("merge-weights-not-a-number", f"{MERGE} simple --models {{A}} {{B}} --weights 1 x {OUT}", 2, "--weights"),
+    C("merge-one-model", f"{MERGE} simple --models {{A}} {OUT}", 2, "--models"),
+    C("merge-no-models", f"{MERGE} simple {OUT}", 2, "--models"),
+    C("merge-missing-model", f"{MERGE} simple --models {{A}} {{MISSING}} {OUT}", 2, "missing"),
+    C("merge-model-is-a-file", f"{MERGE} simple --models {{A}} {{FILE}} {OUT}", 2, "notes.txt"),
+    C("merge-empty-folder", f"{MERGE} simple --models {{A}} {{EMPTY}} {OUT}", 1, "empty"),
+    C("merge-garbage-weights", f"{MERGE} simple --models {{A}} {{GARBAGE}} {OUT}", 1, "garbage", verbose=True),
+    C("merge-truncated-weights", f"{MERGE} simple --models {{A}} {{TRUNC}} {OUT}", 1, "trunc"),
+    C("merge-garbage-config", f"{MERGE} simple --models {{A}} {{BADCONF}} {OUT}", 1, "badconf"),
+    C("merge-different-shapes", f"{MERGE} simple --models {{A}} {{WIDE}} {OUT}", 1, "wide"),
+    C("merge-stats-count", f"{MERGE} regmean --models {{A}} {{B}} --stats {{GS}} {OUT}", 2, "--stats"),
+    C("merge-stats-absent", f"{MERGE} fisher --models {{A}} {{B}} {OUT}", 2, "--stats"),
+    C(
+        "merge-stats-garbage",
+        f"{MERGE} regmean --models {{A}} {{B}} --stats {{GS}} {{GS}} {OUT}",
+        1,
+        "gram.safetensors",
+    ),
+    C("merge-base-not-used", f"{MERGE} simple --base {{A}} --models {{A}} {{B}} {OUT}", 2, "--base"),
+    C("merge-base-missing", f"{MERGE} ties --models {{A}} {{B}} {OUT}", 2, "--base"),
+    C("merge-option-not-used", f"{MERGE} simple --alpha 0.5 --models {{A}} {{B}} {OUT}", 2, "--alpha"),
+    C("merge-unknown-option", f"{MERGE} simple --models {{A}} {{B}} --bogus 1 {OUT}", 2, "--bogus"),
+    C("merge-out-exists", f"{MERGE} simple --models {{A}} {{B}} {OUT}", 2, "{OUT}", pre="dir"),
+    C("merge-out-is-a-file", f"{MERGE} simple --models {{A}} {{B}} {OUT} --overwrite", 2, "{OUT}", pre="file"),
+    # --- match ---
+    C("match-empty-symmetries", f"match {{A}} {{B}} {OUT} --symmetries ,", 2, "--symmetries", verbose=True),
+    C("match-unknown-symmetry", f"match {{A}} {{B}} {OUT} --symmetries rotation,bogus", 2, "bogus"),
+    C("match-residual-without-data", f"match {{A}} {{B}} {OUT} --symmetries residual-permutation", 2, "--data"),
+    C("match-max-examples-zero", f"match {{A}} {{B}} {OUT} --data {{DATA}} --max-examples 0", 2, "--max-examples"),
+    C("match-workers-zero", f"match {{A}} {{B}} {OUT} --workers 0", 2, "--workers"),
+    C("match-missing-source", f"match {{MISSING}} {{B}} {OUT}", 2, "missing"),
+    C("match-family-mismatch", f"match {{A}} {{GPT}} {OUT}", 1, "gpt"),
+    C("match-nan-anchor", f"match {{A}} {{NAN}} {OUT}", 1, "NaN"),
+    C("match-garbage-anchor", f"match {{A}} {{GARBAGE}} {OUT}", 1, "garbage"),
+    C("match-unknown-dataset", f"match {{A}} {{B}} {OUT} --data nosuch_dataset", 1, "nosuch_dataset"),
+    C("match-out-exists", f"match {{A}} {{B}} {OUT}", 2, "{OUT}", pre="dir", verbose=True),
+    # --- disguise ---
+    C("disguise-negative-noise", f"disguise {{A}} {OUT} --noise -1", 2, "--noise"),
+    C("disguise-seed-not-an-int", f"disguise {{A}} {OUT} --seed x", 2, "--seed"),
+    C("disguise-missing-source", f"disguise {{MISSING}} {OUT}", 2, "missing"),
+    C("disguise-empty-folder", f"disguise {{EMPTY}} {OUT}", 1, "empty"),
+    C("disguise-out-exists", f"disguise {{A}} {OUT}", 2, "{OUT}", pre="dir"),
+    # --- stats ---
+    C("stats-unknown-kind", f"stats {{A}} --data {{DATA}} {OUT} --kind bogus", 2, "bogus"),
+    C("stats-empty-kind", f"stats {{A}} --data {{DATA}} {OUT} --kind ,", 2, "--kind"),
+    C("stats-max-examples-zero", f"stats {{A}} --data {{DATA}} {OUT} --max-examples 0", 2, "--max-examples"),
+    C("stats-batch-size-zero", f"stats {{A}} --data {{DATA}} {OUT} --batch-size 0", 2, "--batch-size"),
+    C("stats-unknown-fisher-mode", f"stats {{A}} --data {{DATA}} {OUT} --fisher-mode nope", 2, "--fisher-mode"),
+    C("stats-bad-device", f"stats {{A}} --data {{DATA}} {OUT} --device gpu", 2, "--device"),
+    C("stats-unknown-dataset", f"stats {{A}} --data nosuch_dataset {OUT}", 1, "nosuch_dataset", verbose=True),
+    C("stats-missing-model", f"stats {{MISSING}} --data {{DATA}} {OUT}", 2, "missing"),
+    C("stats-garbage-model", f"stats {{GARBAGE}} --data {{DATA}} {OUT}", 1, "garbage"),
+    C("stats-out-exists", f"stats {{A}} --data {{DATA}} {OUT}", 2, "{OUT}", pre="dir"),
+    # --- finetune ---
+    C("finetune-epochs-zero", f"finetune {{A}} --data {{DATA}} {OUT} --epochs 0", 2, "--epochs"),
+    C("finetune-lr-zero", f"finetune {{A}} --data {{DATA}} {OUT} --lr 0", 2, "--lr"),
+    C("finetune-lr-negative", f"finetune {{A}} --data {{DATA}} {OUT} --lr -1e-5", 2, "--lr"),
+    C("finetune-batch-size-zero", f"finetune {{A}} --data {{DATA}} {OUT} --batch-size 0", 2, "--batch-size"),
+    C("finetune-unknown-dataset", f"finetune {{A}} --data nosuch_dataset {OUT}", 1, "nosuch_dataset"),
+    C("finetune-missing-base", f"finetune {{MISSING}} --data {{DATA}} {OUT}", 2, "missing"),
+    C("finetune-out-exists", f"finetune {{A}} --data {{DATA}} {OUT}", 2, "{OUT}", pre="dir", verbose=True),
+    # --- barrier / evaluate ---
+    C("barrier-one-point", f"barrier {{A}} {{B}} --data {{DATA}} {OUT} --points 1", 2, "--points"),
+    C("barrier-unknown-dataset", f"barrier {{A}} {{B}} --data nosuch_dataset {OUT}", 1, "nosuch_dataset"),
+    C("barrier-missing-model", f"barrier {{A}} {{MISSING}} --data {{DATA}} {OUT}", 2, "missing"),
+    C("barrier-garbage-model", f"barrier {{A}} {{GARBAGE}} --data {{DATA}} {OUT}", 1, "garbage"),
+    C("barrier-out-exists", f"barrier {{A}} {{B}} --data {{DATA}} {OUT}", 2, "{OUT}", pre="dir"),
+    C("evaluate-max-examples-negative", "evaluate {A} --data {DATA} --max-examples -3", 2, "--max-examples"),
+    C("evaluate-unknown-dataset", "evaluate {A} --data nosuch_dataset", 1, "nosuch_dataset"),
+    C("evaluate-missing-model", "evaluate {MISSING} --data {DATA}", 2, "missing"),
+    # --- the app ---
+    C("unknown-command", "nosuchcommand {A}", 2, "nosuchcommand"),
+]
+
+
+def _nan_copy(src: Path, out: Path) -> Path:
+    shutil.copytree(src, out)
+    sd = load_file(str(src / "model.safetensors"))
+    name = next(k for k in sd if k.endswith("attention.self.query.weight"))
+    sd[name][0, 0] = float("nan")
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def build_inputs(d: Path) -> dict[str, Path]:
+    """Good and bad input artifacts in ``d``, shared by every case (never written by the commands)."""
+    p = {
+        "A": save_tiny(d / "a", "bert", seed=1),
+        "B": save_tiny(d / "b", "bert", seed=2),
+        "GPT": save_tiny(d / "gpt", "gpt2"),
+        "WIDE": save_tiny(d / "wide", "bert", intermediate_size=64),
+        "DATA": toy_dataset(d / "toy"),
+        "MISSING": d / "missing",
+        "EMPTY": d / "empty",
+        "FILE": d / "notes.txt",
+    }
+    p["NAN"] = _nan_copy(p["A"], d / "nan")
+    p["EMPTY"].mkdir()
+    p["FILE"].write_text("not a model\n")
+    weights = (p["A"] / "model.safetensors").read_bytes()
+    for name, config, data in [
+        ("GARBAGE", None, b"this is not a safetensors file"),
+        ("TRUNC", None, weights[: len(weights) // 2]),
+        ("BADCONF", b"{not json", weights),
+    ]:
+        folder = d / name.lower()
+        folder.mkdir()
+        (folder / "config.json").write_bytes(config or (p["A"] / "config.json").read_bytes())
+        (folder / "model.safetensors").write_bytes(data)
+        p[name] = folder
+    p["GS"] = d / "stats"
+    p["GS"].mkdir()
+    (p["GS"] / "gram.safetensors").write_bytes(b"\x00" * 5)
+    return p
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    """The shared inputs (see :func:`build_inputs`)."""
+    return build_inputs(tmp_path_factory.mktemp("inputs"))
+
+
+def _args(case: Case, inputs: dict[str, Path], out: Path) -> list[str]:
+    names = {k: str(v) for k, v in inputs.items()} | {"OUT": str(out)}
+    return [a.format(**names) for a in case.args]
+
+
+def _run(case: Case, inputs: dict[str, Path], root: Path) -> dict:
+    folder = root / case.id
+    folder.mkdir()
+    out = folder / "out"
+    if case.pre == "dir":
+        out.mkdir()
+        (out / "keep.txt").write_text("previous version\n")
+    elif case.pre == "file":
+        out.write_text("a file\n")
+    before = listing(folder)
+    res = run_cli(*_args(case, inputs, out), cwd=folder)
+    after = listing(folder)
+    verbose = run_cli(*_args(case, inputs, out), "-v", cwd=folder) if case.verbose else None
+    return {"res": res, "before": before, "after": after, "out": out, "verbose": verbose}
+
+
+@pytest.fixture(scope="module")
+def results(inputs, tmp_path_factory) -> dict[str, dict]:
+    """Every case run once, three subprocesses at a time (each loads torch: minutes one by one)."""
+    root = tmp_path_factory.mktemp("cases")
+    with ThreadPoolExecutor(3) as pool:
+        done = pool.map(lambda c: (c.id, _run(c, inputs, root)), CASES)
+        return dict(done)
+
+
+def test_matrix_is_large_and_covers_every_command():
+    commands = {c.args[0] for c in CASES}
+    assert len(CASES) >= 40
+    assert {"merge", "match", "disguise", "stats", "finetune", "barrier", "evaluate"} <= commands
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_fails_cleanly(case, results):
+    r = results[case.id]
+    res, out = r["res"], r["out"]
+    report = f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == case.code, report
+    assert "Traceback" not in res.stderr + res.stdout, report
+    assert 1 <= len(lines) <= 3, report
+    error = lines[-1]
+    assert error.startswith("error: ") and "internal error" not in error, report
+    assert case.expect.format(OUT=out) in error, report
+    # nothing created, nothing removed: the case folder is byte for byte as before (no output, temp or lock)
+    assert r["after"] == r["before"], report
+    if case.pre == "dir":
+        assert (out / "keep.txt").read_text() == "previous version\n"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.verbose], ids=[c.id for c in CASES if c.verbose])
+def test_verbose_adds_the_traceback(case, results):
+    res, v = results[case.id]["res"], results[case.id]["verbose"]
+    assert v.returncode == res.returncode
+    assert "Traceback (most recent call last)" in v.stderr, v.stderr
+    assert v.stderr.strip().splitlines()[-1] == res.stderr.strip().splitlines()[-1]
+
+
+def test_inputs_are_left_intact(inputs, results):
+    """No case wrote into its inputs (the NaN model still has its NaN, the good models stay finite)."""
+    assert torch.isnan(
+        load_file(str(inputs["NAN"] / "model.safetensors"))[
+            next(k for k in load_file(str(inputs["NAN"] / "model.safetensors")) if k.endswith("query.weight"))
+        ]
+    ).any()
+    for name in ("A", "B"):
+        assert all(torch.isfinite(t).all() for t in load_file(str(inputs[name] / "model.safetensors")).values())

@@ -1,0 +1,128 @@
+"""The CLI's one error boundary: exception -> exit status, one line, traceback only with ``-v`` (in-process)."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from safetensors import SafetensorError
+from typer._click import exceptions as cx
+from typer.testing import CliRunner
+
+from symfuse.cli import checks
+from symfuse.cli.boundary import BoundaryGroup, exit_status, one_line
+from symfuse.errors import (
+    CheckpointError,
+    DataError,
+    MissingStats,
+    OutputExistsError,
+    OutputLockedError,
+    SymfuseError,
+    UsageError,
+)
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (UsageError("--x: bad — fix"), 2),
+        (OutputExistsError("out: exists — --overwrite"), 2),
+        (MissingStats("needs gram — --stats"), 2),
+        (cx.BadParameter("bad"), 2),
+        (cx.NoSuchOption("--nope"), 2),
+        (DataError("m: NaN — re-export"), 1),
+        (CheckpointError("m: no config.json"), 1),
+        (OutputLockedError("out: locked by pid 1"), 1),
+        (SymfuseError("anything deliberate"), 1),
+        (ValueError("bad value"), 1),
+        (FileNotFoundError(2, "No such file or directory", "/x/y"), 1),
+        (SafetensorError("header too small"), 1),
+        (KeyboardInterrupt(), 130),
+        (RuntimeError("a bug"), None),
+        (KeyError("a bug"), None),
+        (AttributeError("a bug"), None),
+    ],
+)
+def test_exit_status_mapping(exc, code):
+    assert exit_status(exc) == code
+
+
+def test_typed_errors_are_builtins():
+    assert issubclass(UsageError, ValueError) and issubclass(DataError, ValueError)
+    assert issubclass(OutputExistsError, FileExistsError) and issubclass(OutputLockedError, OSError)
+    assert all(issubclass(e, SymfuseError) for e in (UsageError, DataError, OutputExistsError, OutputLockedError))
+
+
+def test_one_line_keeps_the_first_line_and_names_os_errors():
+    assert one_line(ValueError("first\nsecond")) == "error: first"
+    assert one_line(FileNotFoundError(2, "No such file or directory", "/x/y")).startswith("error: /x/y")
+    line = one_line(KeyError("k"))
+    assert line.startswith("error: internal error: KeyError:") and "-v" in line
+
+
+def test_a_checkpoint_read_error_keeps_its_cause(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(DataError) as info:
+        checks.checkpoint(tmp_path, arch=False)
+    assert isinstance(info.value.__cause__, SafetensorError)
+    assert str(tmp_path) in str(info.value) and " — " in str(info.value)
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer(cls=BoundaryGroup, pretty_exceptions_enable=False, add_completion=False)
+
+    @app.callback()
+    def _cb(verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+        pass
+
+    @app.command()
+    def bug() -> None:
+        {}["missing"]
+
+    @app.command()
+    def data() -> None:
+        raise DataError("model.safetensors: holds NaN — re-export it")
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "line"),
+    [
+        (["bug"], 1, "error: internal error: KeyError: 'missing' (run with -v for the traceback)"),
+        (["data"], 1, "error: model.safetensors: holds NaN — re-export it"),
+        (["data", "--what"], 2, "No such option: --what"),
+    ],
+)
+def test_boundary_prints_one_line_and_the_traceback_only_with_v(args, code, line):
+    runner = CliRunner()
+    quiet = runner.invoke(_app(), args)
+    assert quiet.exit_code == code
+    lines = quiet.stderr.strip().splitlines()
+    assert len(lines) == 1 and line in lines[0] and "Traceback" not in quiet.output
+    loud = runner.invoke(_app(), [*args, "-v"])
+    assert loud.exit_code == code
+    assert loud.stderr.strip().splitlines()[-1] == lines[0]
+    if code == 1:
+        assert "Traceback (most recent call last)" in loud.stderr
+
+
+def test_merge_help_lists_every_option():
+    from symfuse.cli import app
+    from symfuse.cli import commands as _commands  # noqa: F401
+
+    res = CliRunner().invoke(app, ["merge", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0
+    for opt in ("--strategy", "--models", "--stats", "--weights", "--base", "--alpha", "--lam", "--density", "--drop",
+                "--combine", "--seed", "--dtype", "--epsilon", "--out", "--overwrite"):  # fmt: skip
+        assert opt in res.output, opt
+
+
+def test_merge_multi_value_options_are_split_per_flag(monkeypatch):
+    rewritten = []
+    monkeypatch.setattr(checks.TyperCommand, "parse_args", lambda self, ctx, args: rewritten.append(list(args)) or [])
+    cmd = checks.multi_value_command("--models", "--weights")(name="merge")
+    cmd.parse_args(None, ["--models", "a", "b", "--weights", "1", "-2", "--out", "o", "--models", "c"])
+    assert rewritten == [
+        ["--models", "a", "--models", "b", "--weights", "1", "--weights", "-2", "--out", "o", "--models", "c"]
+    ]

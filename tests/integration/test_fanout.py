@@ -1,0 +1,156 @@
+"""Fan-out over workers: ONE pipeline run whose fine-tunes and statistics run as stage flow runs on TWO workers.
+
+Real server, pool ``gpu`` with two process workers (``--limit 2`` each, so neither can take every stage run), moto
+S3. A ``fusion-pipeline`` run with ``fan_out: deployments`` over three tiny datasets starts three ``finetune-stage``
+runs at once: they execute on both workers with overlapping training windows, and the models they store (and
+everything merged from them) equal, bit for bit, those of the in-process path, under the same content keys.
+Slow (a pipeline run plus six stage runs in worker subprocesses on a small CPU): run with ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from symfuse.store import ArtifactStore, layout
+from tests.flows.conftest import TOKENIZER_FILES, tiny_config
+
+REPO = Path(__file__).resolve().parents[2]
+NAMES = ("isear", "meld", "dair_emotion")
+WHERE = re.compile(r"runs on host (\S+), process (\d+) \(worker process (\d+)\)")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory) -> Path:
+    from symfuse.checkpoint import default_base_model
+    from tests.tiny import save_tiny
+
+    folder = save_tiny(tmp_path_factory.mktemp("base") / "bert", "bert", vocab_size=30522, max_position_embeddings=64)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(default_base_model() / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two_workers(prefect_server, s3, stack, tmp_path_factory):
+    """Every deployment of prefect.yaml (checkout as working directory), two `gpu` workers; yields their pids."""
+    stack.apply_api_setup(prefect_server.api_url, n_slots=3)  # tag `gpu`: room for three fine-tunes at once
+    project = stack.local_project_file(tmp_path_factory.mktemp("project"))
+    prefect_server.cli("--no-prompt", "deploy", "--all", "--prefect-file", str(project), cwd=REPO, timeout=300)
+    env = {**s3.env, "CUDA_VISIBLE_DEVICES": "", "PREFECT_WORKER_QUERY_SECONDS": "2", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
+    workers = [prefect_server.start_worker("gpu", env=env, cwd=REPO, name=f"gpu-fanout-{i}", limit=2) for i in (0, 1)]
+    yield {w.pid for w in workers}
+    for w in workers:
+        prefect_server.stop_worker(w)
+
+
+def _stage_runs(deployment: str, parent_ids: set) -> tuple[list, dict, dict]:
+    """Flow runs of ``deployment`` started by the pipeline run, their logs' `runs on` lines, their task runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    async def read():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment]))
+            )
+            runs = [r for r in runs if r.parent_task_run_id is not None]
+            parents = {r.id: (await client.read_task_run(r.parent_task_run_id)).flow_run_id for r in runs}
+            runs = [r for r in runs if parents[r.id] in parent_ids]
+            ids = [r.id for r in runs]
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
+            return runs, logs, tasks
+
+    runs, logs, tasks = asyncio.run(read())
+    where = {}
+    for line in logs:
+        if m := WHERE.search(line.message):
+            where[line.flow_run_id] = (m.group(1), int(m.group(2)), int(m.group(3)))
+    return runs, where, {t.flow_run_id: t for t in tasks}
+
+
+def _tensors(store: ArtifactStore, key: str, dest: Path) -> dict[str, torch.Tensor]:
+    folder = store.get_dir(key, dest)
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_one_pipeline_run_fans_out_over_two_workers(prefect_api, two_workers, s3, tiny_base, tmp_path, monkeypatch):
+    from prefect.deployments import run_deployment
+
+    from flows.pipeline import fusion_pipeline
+
+    root = f"s3://{s3.make_bucket()}/fanout"
+    settings = dict(anchor="isear", strategies=["simple", "regmean"], stats={"kinds": ["gram"], "max_examples": 16,
+                    "batch_size": 8}, evaluation={"out_of_domain": [], "max_examples": 16},
+                    datasets=[{"name": n, "max_train_examples": 48, "max_eval_examples": 16} for n in NAMES],
+                    finetune={"epochs": 2, "lr": 1e-3, "batch_size": 8, "max_length": 24})  # fmt: skip
+    config = tiny_config(tiny_base, root, fan_out="deployments", **settings)
+    run = run_deployment("fusion-pipeline/fusion-pipeline", parameters={"config": config.model_dump(mode="json")},
+                         timeout=900)  # fmt: skip
+    assert run.state.is_completed(), f"{run.state}\n{prefect_api.log_tail()}"
+
+    # every fine-tune was its own flow run of finetune-stage, a subflow of the pipeline run, on one of the workers
+    runs, where, tasks = _stage_runs("finetune-stage", {run.id})
+    assert sorted(r.parameters["dataset"] for r in runs) == sorted(NAMES), [r.name for r in runs]
+    assert all(r.state.is_completed() for r in runs)
+    assert set(where) == {r.id for r in runs}, f"stage logs without a `runs on` line\n{prefect_api.log_tail()}"
+    workers = {where[r.id][2] for r in runs}
+    assert workers <= two_workers and len(workers) == 2, (workers, two_workers)
+    windows = {r.parameters["dataset"]: (tasks[r.id].start_time, tasks[r.id].end_time, where[r.id][2]) for r in runs}
+    overlaps = {
+        (a, b): (min(windows[a][1], windows[b][1]) - max(windows[a][0], windows[b][0])).total_seconds()
+        for a, b in combinations(sorted(windows), 2)
+        if windows[a][2] != windows[b][2]  # fine-tunes on different workers
+    }
+    print(f"fine-tune windows: {windows}\noverlap (s) of fine-tunes on different workers: {overlaps}")
+    assert max(overlaps.values()) > 0, f"fine-tunes on the two workers never ran at the same time: {windows}"
+    stats_runs, _, _ = _stage_runs("stats-stage", {run.id})
+    assert sorted(r.parameters["model"] for r in stats_runs) == sorted(NAMES)
+
+    # the in-process path on a fresh store: same content keys, the same tensors
+    monkeypatch.setenv("SYMFUSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    local = tiny_config(tiny_base, str(tmp_path / "store"), **settings)
+    assert local.fan_out == "in-process"
+    out = fusion_pipeline(local)
+    fanned, inproc = ArtifactStore(root, **s3.storage_options), ArtifactStore(local.resolved_store_root())
+    worst = 0.0
+    for name in out["merged"]:
+        strategy, variant = name.rsplit("-", 1)
+        key = layout.merged_key("t", strategy, variant)
+        a, b = _tensors(fanned, key, tmp_path / "a" / name), _tensors(inproc, key, tmp_path / "b" / name)
+        assert a.keys() == b.keys(), name
+        worst = max(worst, *(float((a[k].float() - b[k].float()).abs().max()) for k in a))
+    for n in NAMES:
+        key = layout.model_key("t", n)
+        assert fanned.manifest(key)["content_key"] == inproc.manifest(key)["content_key"], key
+        a, b = _tensors(fanned, key, tmp_path / "a" / n), _tensors(inproc, key, tmp_path / "b" / n)
+        worst = max(worst, *(float((a[k].float() - b[k].float()).abs().max()) for k in a))
+    print(f"largest |fan-out - in-process| over fine-tuned and merged weights: {worst:g}")
+    assert worst <= 1e-6
+
+    # a later in-process run over the fan-out store reuses every fine-tune and statistics file the workers stored
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    keys = [layout.model_key("t", n) for n in NAMES] + [layout.stats_key("t", n, n, "gram") for n in NAMES]
+    before = {key: fanned.manifest(key) for key in keys}
+    fusion_pipeline(local.model_copy(update={"store_root": root}))
+    assert {key: fanned.manifest(key) for key in keys} == before

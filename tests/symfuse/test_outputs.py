@@ -1,0 +1,173 @@
+"""``symfuse.outputs``: refused existing outputs, atomic swaps, the lock, stale temp folders (in-process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from symfuse.errors import OutputExistsError, OutputLockedError
+from symfuse.outputs import atomic_output_dir, claim_output, clean_stale_temps, lock_path
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_writes_appear_only_at_the_end(tmp_path):
+    out = tmp_path / "out"
+    with atomic_output_dir(out) as tmp:
+        (tmp / "a.txt").write_text("new")
+        assert not out.exists()
+        assert tmp.parent == tmp_path and tmp.name.startswith(f".out.tmp-{os.getpid()}-")
+        assert lock_path(out).exists()
+    assert (out / "a.txt").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp, no lock left
+
+
+def test_existing_output_is_refused_without_overwrite_and_kept(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(OutputExistsError, match="--overwrite"), atomic_output_dir(out):
+        pytest.fail("the block must not run")
+    assert (out / "old.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_overwrite_keeps_the_old_version_readable_until_the_swap(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+        assert (out / "old.txt").read_text() == "old"
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_failure_removes_the_temp_folder_and_keeps_the_old_version(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError), atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "half.txt").write_text("half")
+        raise RuntimeError("boom")
+    assert sorted(p.name for p in out.iterdir()) == ["old.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_output_that_appears_while_writing_is_not_deleted(tmp_path):
+    out = tmp_path / "out"
+    for overwrite in (False, True):
+        with (
+            pytest.raises(OutputExistsError, match="left untouched"),
+            atomic_output_dir(out, overwrite=overwrite) as tmp,
+        ):
+            (tmp / "ours.txt").write_text("ours")
+            out.mkdir()  # someone else's folder, created meanwhile
+            (out / "theirs.txt").write_text("theirs")
+        assert sorted(p.name for p in out.iterdir()) == ["theirs.txt"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+        (out / "theirs.txt").unlink()
+        out.rmdir()
+
+
+def test_an_output_replaced_while_writing_with_overwrite_is_not_deleted(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(OutputExistsError), atomic_output_dir(out, overwrite=True):
+        out.rename(tmp_path / "moved")
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs")
+    assert sorted(p.name for p in out.iterdir()) == ["theirs.txt"]
+
+
+def test_parent_folders_made_for_a_failed_output_are_removed(tmp_path):
+    out = tmp_path / "x" / "y" / "out"
+    with pytest.raises(RuntimeError), atomic_output_dir(out):
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_claim_is_reentrant_in_one_process(tmp_path):
+    out = tmp_path / "out"
+    with claim_output(out):
+        with atomic_output_dir(out) as tmp:
+            (tmp / "f").write_text("x")
+        assert lock_path(out).exists()  # still held by the outer claim
+    assert not lock_path(out).exists() and (out / "f").exists()
+
+
+def test_a_second_process_fails_fast_naming_the_lock_holder(tmp_path):
+    out = tmp_path / "out"
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from symfuse.errors import OutputLockedError
+        from symfuse.outputs import claim_output
+        try:
+            with claim_output({str(out)!r}):
+                pass
+        except OutputLockedError as exc:
+            print(exc)
+            sys.exit(3)
+        """
+    )
+    with claim_output(out):
+        t0 = time.perf_counter()
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+        assert res.returncode == 3, res.stderr
+        assert f"pid {os.getpid()}" in res.stdout and str(out) in res.stdout
+        assert time.perf_counter() - t0 < 30
+    with claim_output(out):  # released: free again
+        pass
+
+
+def test_lock_error_type_is_a_builtin(tmp_path):
+    assert issubclass(OutputLockedError, OSError) and issubclass(OutputExistsError, FileExistsError)
+
+
+def test_stale_temp_folders_of_dead_writers_are_removed_at_the_next_claim(tmp_path):
+    out = tmp_path / "out"
+    dead, alive = _dead_pid(), os.getppid()
+    stale = [
+        tmp_path / f".out.tmp-{dead}-abcd",
+        tmp_path / f"..out.tmp-{dead}-abcd.tmp-xyz",
+        tmp_path / f".out.old-{dead}-1",
+    ]
+    live = tmp_path / f".out.tmp-{alive}-abcd"
+    other = tmp_path / f".other.tmp-{dead}-abcd"
+    for p in [*stale, live, other]:
+        p.mkdir()
+        (p / "model.safetensors").write_text("half")
+    with atomic_output_dir(out) as tmp:
+        (tmp / "f").write_text("x")
+    assert not any(p.exists() for p in stale)
+    assert live.exists() and other.exists()  # a live writer's, and another output's
+    assert clean_stale_temps(out) == []
+
+
+def test_another_thread_of_the_process_cannot_enter_a_claim(tmp_path):
+    import threading
+
+    out, errors = tmp_path / "out", []
+
+    def other():
+        try:
+            with atomic_output_dir(out):
+                pass
+        except OutputLockedError as exc:
+            errors.append(exc)
+
+    with claim_output(out):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert len(errors) == 1 and "another thread" in str(errors[0]) and not out.exists()
