@@ -58,15 +58,18 @@ def rope_procrustes(m: torch.Tensor) -> torch.Tensor:
     On each pair the 2x2 block ``[[c, -s], [s, c]]`` maximises ``c (M_ii + M_jj) + s (M_ji - M_ij)``:
     ``(c, s)`` is the unit vector along ``(M_ii + M_jj, M_ji - M_ij)``. Reflections do not commute with RoPE.
     """
-    m = m.to(torch.float64)
-    h = m.shape[-1] // 2
+    return _rope_rotation(_pair_vectors(m.to(torch.float64)))
+
+
+def _rope_rotation(v: torch.Tensor) -> torch.Tensor:
+    """RoPE rotation (..., d, d) whose pair ``i`` rotates by the angle of ``v[..., i, :]`` (identity where 0)."""
+    x, y = v[..., 0], v[..., 1]
+    h = x.shape[-1]
     i = torch.arange(h)
-    x = m[..., i, i] + m[..., i + h, i + h]
-    y = m[..., i + h, i] - m[..., i, i + h]
     norm = torch.sqrt(x * x + y * y)
     c = torch.where(norm > 0, x / norm.clamp_min(1e-300), torch.ones_like(x))
     s = torch.where(norm > 0, y / norm.clamp_min(1e-300), torch.zeros_like(y))
-    r = torch.zeros_like(m)
+    r = torch.zeros(*x.shape[:-1], 2 * h, 2 * h, dtype=v.dtype)
     r[..., i, i] = c
     r[..., i + h, i + h] = c
     r[..., i, i + h] = -s
@@ -250,7 +253,7 @@ def _piece_bounds(
     gv: torch.Tensor,
     m: torch.Tensor,
     ends: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    samples: int = 33,
+    samples: int = 17,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lower bound of ``h`` on each piece between sorted points (K, N) and the bracket ends, and where to split it.
 
@@ -413,7 +416,8 @@ def joint_rotation_scale(
         own = (left == ub) | (right == ub)
         small = right - left <= width
         lb = torch.where(own & small, torch.inf, lb)  # the best point's own cells (narrow): Newton's
-        arg = torch.where(own, (left + right) / 2, arg)  # wide ones are halved
+        # wide ones are cut at ``width`` from the best point
+        arg = torch.where(own, torch.where(left == ub, ub + 0.999 * width, ub - 0.999 * width), arg)
         worst = lb.argmin(0)
         need = lb[worst, cols] < best_h - 1e-9 * (m + best_h.abs())
         if not bool(need.any()) or rounds >= bb_rounds:
@@ -464,26 +468,30 @@ def joint_rotation_scale(
         log.warning("joint rotation / scale: no convergence in %d iterations (%d blocks)", it, active.numel())
     else:
         log.debug("joint rotation / scale: converged in %d iterations", it)
-    rot, h_end = _rotation_at(ma, mb, c, u.reshape(shape), m.reshape(shape), rope)
+    pairs = (va, vb) if rope else None
+    rot, h_end = _rotation_at(ma, mb, c, u.reshape(shape), m.reshape(shape), pairs)
     # rounding slack: at convergence h_end ~ best_h, and a coin flip must not pick an earlier iterate
     worse = h_end.reshape(-1) > best_h + 1e-11 * (m + best_h.abs())
     if bool(worse.any()):  # never lose to an evaluated point (grid or Newton iterate)
         u = torch.where(worse, best_u, u)
-        rot, _ = _rotation_at(ma, mb, c, u.reshape(shape), m.reshape(shape), rope)
+        rot, _ = _rotation_at(ma, mb, c, u.reshape(shape), m.reshape(shape), pairs)
     return rot, c * u.reshape(shape).exp(), it
 
 
 def _rotation_at(
-    ma: torch.Tensor, mb: torch.Tensor, c: torch.Tensor, u: torch.Tensor, m: torch.Tensor, rope: bool
+    ma: torch.Tensor, mb: torch.Tensor, c: torch.Tensor, u: torch.Tensor, m: torch.Tensor, pairs: tuple | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best rotation at scales ``c e^u`` and the balanced objective ``h(u)`` per block (one SVD, or closed form)."""
-    a = c * u.exp()
-    d = block_expand(a, ma.shape[-1], rope)[..., :, None]
-    mat = d * ma + mb / d
+    """Best rotation at scales ``c e^u`` and the balanced objective ``h(u)`` per block (one SVD, or closed form).
+
+    ``pairs``: under RoPE, the balanced pair vectors ``(va, vb)`` (N, 2) of :func:`joint_rotation_scale`.
+    """
     x2 = torch.exp(2 * u)
-    if rope:
-        g = _pair_vectors(mat).norm(dim=-1)
-        return rope_procrustes(mat), m * (x2 + 1 / x2) - 2 * g
+    if pairs is not None:
+        x = torch.exp(u).reshape(-1, 1)
+        w = (x * pairs[0] + pairs[1] / x).reshape(*u.shape, 2)
+        return _rope_rotation(w), m * (x2 + 1 / x2) - 2 * w.norm(dim=-1)
+    d = (c * u.exp())[..., :, None]
+    mat = d * ma + mb / d
     with torch_threads(1):
         uu, s, vh = torch.linalg.svd(mat)
     return uu @ vh, m * (x2 + 1 / x2) - 2 * s.sum(-1, keepdim=True)
