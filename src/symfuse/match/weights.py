@@ -4,7 +4,7 @@ Attention, per KV group ``g`` (float64): query side ``A_g = [q_h | b_q,h | pos_q
 heads ``h``, key side ``B_g = [k_g | b_k,g | pos_k,g | ...]`` (QK), and ``A_g = [v_g | b_v,g]``,
 ``B_g = [o_h^T ...]`` (VO). Order: head permutation (Hungarian on the per-pair residual after optimal rotation and
 scaling), then rotations (RoPE-restricted for QK under RoPE) and scales. Rotation and scaling together are solved
-JOINTLY (:func:`symfuse.match.closed_form.joint_rotation_scale`), so the result depends only on the source's orbit:
+JOINTLY (:func:`symfuse.match.joint.joint_rotation_scale`), so the result depends only on the source's orbit:
 an exactly equivalent source (rotated / scaled heads) matches to the same weights.
 With per-head q/k norms (``Geometry.qk_norm``, Qwen3) QK maps are not exact: only the head permutation and V/O
 maps are fitted.

@@ -10,12 +10,12 @@ from scipy.optimize import linear_sum_assignment
 from symfuse.match.closed_form import (
     assign_max,
     fit_rotation_scale,
-    joint_rotation_scale,
     procrustes,
     rope_procrustes,
     scale_objective,
     solve_scale,
 )
+from symfuse.match.joint import joint_rotation_scale
 from symfuse.symmetry import random_orthogonal, rope_rotation
 
 
@@ -183,7 +183,7 @@ def test_joint_rotation_scale_recovers_a_planted_transform_and_logs_iterations(c
     rot = random_orthogonal(dh, n, g)
     sc = torch.tensor([0.05, 1.0, 20.0], dtype=torch.float64)[:, None, None]  # badly scaled heads
     a, b = sc * (rot @ at), (rot @ bt) / sc
-    with caplog.at_level(logging.DEBUG, logger="symfuse.match.closed_form"):
+    with caplog.at_level(logging.DEBUG, logger="symfuse.match.joint"):
         r, s, _ = _fit(a, b, at, bt, False)
     torch.testing.assert_close(s[:, 0], 1 / sc[:, 0, 0], rtol=1e-10, atol=0)
     torch.testing.assert_close(r @ rot, torch.eye(dh, dtype=torch.float64).expand(n, dh, dh), atol=1e-10, rtol=0)
