@@ -73,7 +73,14 @@ def load_merge_file(path: str | Path) -> MergeFile:
     try:
         return MergeFile.model_validate(data)
     except ValidationError as exc:
-        e = exc.errors()[0]
+        # a misspelt key first: it is why the right one is missing
+        e = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")[0]
         key = ".".join(map(str, e["loc"])) or "(top level)"
-        fix = "remove it" if e["type"] == "extra_forbidden" else "fix its value"
-        raise UsageError(f"{path}: {key}: {e['msg']} — {fix} (keys: {', '.join(MergeFile.model_fields)})") from exc
+        if e["type"] == "extra_forbidden":
+            model = MergeFileParams if e["loc"][0] == "params" else MergeFile
+            fix = f"remove it or fix its spelling (keys: {', '.join(model.model_fields)})"
+        elif e["type"] == "missing":
+            fix = "add it"
+        else:
+            fix = "fix its value"
+        raise UsageError(f"{path}: {key}: {e['msg']} — {fix}") from exc

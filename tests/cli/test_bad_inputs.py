@@ -75,6 +75,9 @@ CASES = [
     C("merge-unknown-option", f"{MERGE} simple --models {{A}} {{B}} --bogus 1 {OUT}", 2, "--bogus"),
     C("merge-out-exists", f"{MERGE} simple --models {{A}} {{B}} {OUT}", 2, "{OUT}", pre="dir"),
     C("merge-out-is-a-file", f"{MERGE} simple --models {{A}} {{B}} {OUT} --overwrite", 2, "{OUT}", pre="file"),
+    C("merge-config-missing", f"merge --config {{MISSING}}.yaml {OUT}", 2, "missing.yaml"),
+    C("merge-config-unknown-key", f"merge --config {{BADYAML}} {OUT}", 2, "modles", verbose=True),
+    C("merge-config-and-flags", f"merge --config {{BADYAML}} {OUT} --strategy simple", 2, "--strategy"),
     # --- match ---
     C("match-empty-symmetries", f"match {{A}} {{B}} {OUT} --symmetries ,", 2, "--symmetries", verbose=True),
     C("match-unknown-symmetry", f"match {{A}} {{B}} {OUT} --symmetries rotation,bogus", 2, "bogus"),
@@ -173,6 +176,8 @@ def build_inputs(d: Path) -> dict[str, Path]:
         (folder / "config.json").write_bytes(config or (p["A"] / "config.json").read_bytes())
         (folder / "model.safetensors").write_bytes(data)
         p[name] = folder
+    p["BADYAML"] = d / "merge.yaml"
+    p["BADYAML"].write_text(f"strategy: simple\nmodles: [{p['A']}, {p['B']}]\n")
     p["GS"] = d / "stats"
     p["GS"].mkdir()
     (p["GS"] / "gram.safetensors").write_bytes(b"\x00" * 5)
