@@ -75,6 +75,9 @@ CASES = [
     C("merge-unknown-option", f"{MERGE} simple --models {{A}} {{B}} --bogus 1 {OUT}", 2, "--bogus"),
     C("merge-out-exists", f"{MERGE} simple --models {{A}} {{B}} {OUT}", 2, "{OUT}", pre="dir"),
     C("merge-out-is-a-file", f"{MERGE} simple --models {{A}} {{B}} {OUT} --overwrite", 2, "{OUT}", pre="file"),
+    C("merge-config-missing", f"merge --config {{MISSING}}.yaml {OUT}", 2, "missing.yaml"),
+    C("merge-config-unknown-key", f"merge --config {{BADYAML}} {OUT}", 2, "modles", verbose=True),
+    C("merge-config-and-flags", f"merge --config {{BADYAML}} {OUT} --strategy simple", 2, "--strategy"),
     # --- match ---
     C("match-empty-symmetries", f"match {{A}} {{B}} {OUT} --symmetries ,", 2, "--symmetries", verbose=True),
     C("match-unknown-symmetry", f"match {{A}} {{B}} {OUT} --symmetries rotation,bogus", 2, "bogus"),
@@ -87,7 +90,19 @@ CASES = [
     C("match-garbage-anchor", f"match {{A}} {{GARBAGE}} {OUT}", 1, "garbage"),
     C("match-unknown-dataset", f"match {{A}} {{B}} {OUT} --data nosuch_dataset", 1, "nosuch_dataset"),
     C("match-out-exists", f"match {{A}} {{B}} {OUT}", 2, "{OUT}", pre="dir", verbose=True),
+    # --- match-many ---
+    C("match-many-no-models", f"match-many {OUT}", 2, "M1 M2"),
+    C("match-many-one-model", f"match-many {{A}} {OUT}", 2, "M1 M2", verbose=True),
+    C("match-many-unknown-anchor", f"match-many {{A}} {{B}} {OUT} --anchor nosuch", 2, "nosuch"),
+    C("match-many-unknown-symmetry", f"match-many {{A}} {{B}} {OUT} --symmetries residual-permutation", 2, "residual"),
+    C("match-many-max-iter-zero", f"match-many {{A}} {{B}} {OUT} --anchor barycenter --max-iter 0", 2, "--max-iter"),
+    C("match-many-missing-model", f"match-many {{A}} {{B}} {{MISSING}} {OUT}", 2, "missing"),
+    C("match-many-family-mismatch", f"match-many {{A}} {{B}} {{GPT}} {OUT}", 1, "gpt"),
+    C("match-many-garbage-model", f"match-many {{A}} {{GARBAGE}} {OUT}", 1, "garbage"),
+    C("match-many-out-exists", f"match-many {{A}} {{B}} {OUT}", 2, "{OUT}", pre="dir"),
     # --- disguise ---
+    C("disguise-unknown-kind", f"disguise {{A}} {OUT} --kinds rotation,bogus", 2, "bogus"),
+    C("disguise-empty-kinds", f"disguise {{A}} {OUT} --kinds ,", 2, "--kinds"),
     C("disguise-negative-noise", f"disguise {{A}} {OUT} --noise -1", 2, "--noise"),
     C("disguise-seed-not-an-int", f"disguise {{A}} {OUT} --seed x", 2, "--seed"),
     C("disguise-missing-source", f"disguise {{MISSING}} {OUT}", 2, "missing"),
@@ -161,6 +176,8 @@ def build_inputs(d: Path) -> dict[str, Path]:
         (folder / "config.json").write_bytes(config or (p["A"] / "config.json").read_bytes())
         (folder / "model.safetensors").write_bytes(data)
         p[name] = folder
+    p["BADYAML"] = d / "merge.yaml"
+    p["BADYAML"].write_text(f"strategy: simple\nmodles: [{p['A']}, {p['B']}]\n")
     p["GS"] = d / "stats"
     p["GS"].mkdir()
     (p["GS"] / "gram.safetensors").write_bytes(b"\x00" * 5)
@@ -206,7 +223,13 @@ def results(inputs, tmp_path_factory) -> dict[str, dict]:
 def test_matrix_is_large_and_covers_every_command():
     commands = {c.args[0] for c in CASES}
     assert len(CASES) >= 40
-    assert {"merge", "match", "disguise", "stats", "finetune", "barrier", "evaluate"} <= commands
+    assert {"merge", "match", "match-many", "disguise", "stats", "finetune", "barrier", "evaluate"} <= commands
+    import typer
+
+    import symfuse.cli.commands  # noqa: F401  (registers the commands)
+    from symfuse.cli import app
+
+    assert set(typer.main.get_command(app).commands) <= commands  # a new command needs its cases here
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

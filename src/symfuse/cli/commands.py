@@ -3,6 +3,7 @@
 from symfuse.cli import (  # noqa: F401
     evaluate,
     match,
+    match_many,
     merge,
     stats,
     train,

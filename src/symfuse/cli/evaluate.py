@@ -18,15 +18,17 @@ from symfuse.outputs import atomic_output_dir
 def evaluate(
     model: Annotated[str, typer.Argument(help="Checkpoint folder with a task head.")],
     data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
-    split: Annotated[str, typer.Option("--split")] = "test",
+    split: Annotated[str, typer.Option("--split", help="Dataset split to read.")] = "test",
     labels_from: Annotated[str | None, typer.Option("--labels-from", help="Dataset naming the head's outputs.")] = None,
-    max_examples: Annotated[int | None, typer.Option("--max-examples")] = None,
-    max_length: Annotated[int, typer.Option("--max-length")] = 128,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 64,
+    max_examples: Annotated[
+        int | None, typer.Option("--max-examples", help="Examples to use at most (all when absent).")
+    ] = None,
+    max_length: Annotated[int, typer.Option("--max-length", help="Tokens per example at most.")] = 128,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Examples per batch.")] = 64,
     out: Annotated[
         Path | None, typer.Option("--out", help="Metrics JSON (default <model>/eval_<data>_<split>.json).")
     ] = None,
-    device: Annotated[str, typer.Option("--device")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")] = "cpu",
 ) -> None:
     """Evaluate MODEL on a dataset split; print and write the metrics JSON."""
     checks.at_least("--max-examples", max_examples, 1)
@@ -61,10 +63,12 @@ def barrier(
     data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
     out: Annotated[Path, typer.Option("--out", help="Folder for barrier.json and barrier.png (new).")],
     points: Annotated[int, typer.Option("--points", help="λ values in [0, 1] (>= 2).")] = 21,
-    split: Annotated[str, typer.Option("--split")] = "test",
-    max_examples: Annotated[int | None, typer.Option("--max-examples")] = None,
-    max_length: Annotated[int, typer.Option("--max-length")] = 128,
-    device: Annotated[str, typer.Option("--device")] = "cpu",
+    split: Annotated[str, typer.Option("--split", help="Dataset split to read.")] = "test",
+    max_examples: Annotated[
+        int | None, typer.Option("--max-examples", help="Examples to use at most (all when absent).")
+    ] = None,
+    max_length: Annotated[int, typer.Option("--max-length", help="Tokens per example at most.")] = 128,
+    device: Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")] = "cpu",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Loss barrier along (1-λ)θ_A + λθ_B on a dataset split."""

@@ -13,6 +13,9 @@ from symfuse.config import DATASET_RESOLUTION
 from symfuse.errors import UsageError
 from symfuse.outputs import claim_output
 
+# symfuse.match.checkpoints.DISGUISE_KINDS (spelled out: checked before torch is imported)
+DISGUISE_KINDS = ("rotation", "scaling", "ffn-permutation", "head-permutation", "residual-permutation")
+
 
 @app.command()
 def match(
@@ -76,10 +79,22 @@ def disguise(
     out: Annotated[Path, typer.Option("--out", help="Output folder (must not exist unless --overwrite).")],
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
     noise: Annotated[float, typer.Option("--noise", help="Relative noise on module tensors (>= 0).")] = 0.0,
+    kinds: Annotated[
+        str,
+        typer.Option(
+            "--kinds",
+            help="Comma-separated: rotation, scaling, ffn-permutation, head-permutation, residual-permutation.",
+        ),
+    ] = "rotation,scaling,ffn-permutation,head-permutation",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
-    """Apply random exact symmetry transforms of every kind to SOURCE (same function, different weights)."""
+    """Apply random exact symmetry transforms to SOURCE (same function, different weights).
+
+    --kinds picks them (default: every per-module kind); residual-permutation permutes the whole residual stream
+    (it holds the model in memory) and is undone by `symfuse match --symmetries residual-permutation --data ...`.
+    """
     checks.finite("--noise", noise)
+    names = checks.names_list("--kinds", kinds, DISGUISE_KINDS, "kinds")
     if noise < 0:
         raise UsageError(f"--noise: {noise} is negative — give a relative noise >= 0 (0 keeps the function exactly)")
     checks.local_path("SOURCE", source)
@@ -87,5 +102,5 @@ def disguise(
     with claim_output(out, overwrite):
         from symfuse.match import disguise_checkpoint
 
-        disguise_checkpoint(source, out, seed=seed, noise=noise, overwrite=overwrite)
+        disguise_checkpoint(source, out, seed=seed, noise=noise, kinds=names, overwrite=overwrite)
     typer.echo(f"wrote disguised copy of {source} to {out}")

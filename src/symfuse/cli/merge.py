@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -15,8 +15,17 @@ from symfuse.outputs import claim_output
 
 @app.command(cls=checks.multi_value_command("--models", "--stats", "--weights"))
 def merge(
-    strategy: Annotated[str, typer.Option("--strategy", help="simple|fisher|regmean|task-arithmetic|ties|dare")],
-    out: Annotated[Path, typer.Option("--out", help="Output save_pretrained folder (new unless --overwrite).")],
+    out_arg: Annotated[Path | None, typer.Argument(metavar="[OUT]", help="Output folder (or --out OUT).")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="Merge YAML (strategy, models, stats, base, weights, params); see README."),
+    ] = None,
+    strategy: Annotated[
+        str | None, typer.Option("--strategy", help="simple|fisher|regmean|task-arithmetic|ties|dare")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Output save_pretrained folder (new unless --overwrite).")
+    ] = None,
     models: Annotated[
         list[str] | None, typer.Option("--models", metavar="A B [C ...]", help="Checkpoints to merge (two or more).")
     ] = None,
@@ -40,10 +49,69 @@ def merge(
 ) -> None:
     """Merge models: --models A B [C ...] [--stats SA SB ...] [--weights wA wB ...] --out OUT.
 
+    Or from one YAML file: `symfuse merge --config merge.yaml OUT`. The file holds everything but the output
+    (and --overwrite); flags that it could hold are refused alongside --config rather than silently mixed.
     Writes a save_pretrained folder with symfuse_report.json (strategy, inputs, seconds).
     """
-    # checks that need no registry first: a bad value fails before torch is even imported
+    if out is not None and out_arg is not None:
+        raise UsageError(f"OUT: given twice ({out_arg} and --out {out}) — give the output folder once")
+    out = out if out is not None else out_arg
+    if out is None:
+        raise UsageError("--out: missing — give the output folder: --out OUT (or OUT after --config FILE)")
+    if config is not None:
+        flags = {"--strategy": strategy, "--models": models, "--stats": stats, "--weights": weights, "--base": base}
+        flags |= {"--alpha": alpha, "--lam": lam, "--density": density, "--drop": drop, "--combine": combine}
+        flags |= {"--seed": seed, "--dtype": dtype, "--epsilon": epsilon}
+        clash = [k for k, v in flags.items() if v is not None and v != []]
+        if clash:
+            raise UsageError(
+                f"{', '.join(clash)}: given with --config — put it in {config}, or drop --config and use flags only"
+            )
+        from symfuse.merge_config import load_merge_file
+
+        mf = load_merge_file(config)
+        strategy, models, base, weights = mf.strategy, mf.models, mf.base, mf.weights
+        stats = [Path(s) for s in mf.stats] if mf.stats is not None else None
+        p = mf.params
+        alpha, lam, density, drop, combine, seed, dtype, epsilon = (
+            p.alpha, p.lam, p.density, p.drop, p.combine, p.seed, p.dtype, p.epsilon
+        )  # fmt: skip
+    if strategy is None:
+        raise UsageError("--strategy: missing — give --strategy NAME, or --config merge.yaml")
     models = list(models or [])
+    try:
+        params = _validate(strategy, models, stats, weights, base, alpha, lam, density, drop, combine, seed, dtype,
+                           epsilon)  # fmt: skip
+    except UsageError as exc:
+        if config is None:
+            raise
+        # the shared checks name the flag; in a file it is the key of the same name (params.<flag> for parameters)
+        raise UsageError(f"{config}: {exc}") from exc
+    from symfuse.merge import merge_checkpoints
+
+    with claim_output(out, overwrite):
+        path = merge_checkpoints(strategy, models, out, stats=stats, base=base, overwrite=overwrite, **params)
+    report = json.loads((path / "symfuse_report.json").read_text())
+    typer.echo(f"{path} ({strategy}, {report['seconds']} s)")
+
+
+def _validate(
+    strategy: str,
+    models: list[str],
+    stats: list[Path] | None,
+    weights: list[float] | None,
+    base: str | None,
+    alpha: float | None,
+    lam: float | None,
+    density: float | None,
+    drop: float | None,
+    combine: str | None,
+    seed: int | None,
+    dtype: str | None,
+    epsilon: float | None,
+) -> dict[str, Any]:
+    """Every check of the merge's inputs (cheap ones before torch is imported); return the strategy's params."""
+    # checks that need no registry first: a bad value fails before torch is even imported
     if len(models) < 2:
         raise UsageError(f"--models: {len(models)} model(s) given — give two or more: --models A B [C ...]")
     given = {
@@ -74,7 +142,7 @@ def merge(
         checks.local_path("--models", m)
     if base is not None:
         checks.local_path("--base", base)
-    from symfuse.merge import MERGERS, merge_checkpoints
+    from symfuse.merge import MERGERS
 
     checks.one_of("--strategy", strategy, MERGERS)
     merger = MERGERS[strategy]
@@ -96,8 +164,4 @@ def merge(
         checks.checkpoint(m)
     if stats:
         checks.stats_files(stats, merger.required_stats)
-    params = {k: v for k, v in given.items() if v is not None}
-    with claim_output(out, overwrite):
-        path = merge_checkpoints(strategy, models, out, stats=stats, base=base, overwrite=overwrite, **params)
-    report = json.loads((path / "symfuse_report.json").read_text())
-    typer.echo(f"{path} ({strategy}, {report['seconds']} s)")
+    return {k: v for k, v in given.items() if v is not None}

@@ -19,11 +19,11 @@ def stats(
     out: Annotated[Path, typer.Option("--out", help="Output folder (<kind>.safetensors; new unless --overwrite).")],
     kind: Annotated[str, typer.Option("--kind", help="Comma-separated kinds: gram,fisher.")] = "gram",
     max_examples: Annotated[int | None, typer.Option("--max-examples", help="Seeded subset size.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 16,
-    split: Annotated[str, typer.Option("--split")] = "train",
-    max_length: Annotated[int, typer.Option("--max-length")] = 128,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Examples per batch.")] = 16,
+    split: Annotated[str, typer.Option("--split", help="Dataset split to read.")] = "train",
+    max_length: Annotated[int, typer.Option("--max-length", help="Tokens per example at most.")] = 128,
     fisher_mode: Annotated[str, typer.Option("--fisher-mode", help="empirical or sampled.")] = "empirical",
-    device: Annotated[str, typer.Option("--device")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")] = "cpu",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Collect per-layer input Grams and/or diagonal Fisher of MODEL on DATASET."""

@@ -18,15 +18,17 @@ def finetune(
     base: Annotated[str, typer.Argument(help="Base checkpoint folder, 'minilm', or a hub id.")],
     data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
     out: Annotated[Path, typer.Option("--out", help="Output folder (save_pretrained layout + symfuse_train.json).")],
-    epochs: Annotated[int, typer.Option("--epochs")] = 3,
-    max_train_examples: Annotated[int | None, typer.Option("--max-train-examples")] = None,
+    epochs: Annotated[int, typer.Option("--epochs", help="Training epochs.")] = 3,
+    max_train_examples: Annotated[
+        int | None, typer.Option("--max-train-examples", help="Training examples at most (all when absent).")
+    ] = None,
     max_eval_examples: Annotated[int | None, typer.Option("--max-eval-examples", help="Subsample validation.")] = None,
-    lr: Annotated[float, typer.Option("--lr")] = 1e-5,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 16,
-    grad_accum: Annotated[int, typer.Option("--grad-accum")] = 1,
-    max_length: Annotated[int, typer.Option("--max-length")] = 128,
-    seed: Annotated[int, typer.Option("--seed")] = 13,
-    device: Annotated[str, typer.Option("--device")] = "cpu",
+    lr: Annotated[float, typer.Option("--lr", help="Learning rate (> 0).")] = 1e-5,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Examples per batch.")] = 16,
+    grad_accum: Annotated[int, typer.Option("--grad-accum", help="Gradient accumulation steps.")] = 1,
+    max_length: Annotated[int, typer.Option("--max-length", help="Tokens per example at most.")] = 128,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 13,
+    device: Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")] = "cpu",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Fine-tune BASE on a dataset and write the fine-tuned checkpoint."""

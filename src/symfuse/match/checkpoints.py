@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from symfuse.arch import ModuleRef, get_spec
 from symfuse.checkpoint import CheckpointReader, load_hf_model, write_checkpoint
@@ -31,11 +32,15 @@ from symfuse.match.weights import (
 )
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.symmetry.random import ALL_KINDS, random_module_transform
+from symfuse.symmetry.residual import permute_residual
 from symfuse.symmetry.transforms import ModuleTransform, load_transforms, save_transforms
 
 log = logging.getLogger(__name__)
 
 TRANSFORMS_FILE = "transforms.safetensors"
+RESIDUAL_FILE = "residual_permutation.safetensors"
+# what `disguise` can apply: the per-module kinds, plus one permutation of the whole residual stream
+DISGUISE_KINDS = (*ALL_KINDS, "residual-permutation")
 REPORT_FILE = "symfuse_report.json"
 
 
@@ -380,7 +385,9 @@ def disguise_checkpoint(
         seed: Random seed.
         noise: Gaussian noise added to every module tensor after the transform, relative to that tensor's std
             (0 = exactly function-preserving).
-        kinds: Symmetry kinds (see :data:`symfuse.symmetry.ALL_KINDS`).
+        kinds: Symmetry kinds (see :data:`DISGUISE_KINDS`). ``residual-permutation`` permutes the whole residual
+            stream (embeddings, every module, norms and heads; saved in ``residual_permutation.safetensors``):
+            it holds the whole model in memory, the other kinds stream module by module.
         overwrite: Replace an existing ``out`` (atomically, at the end).
 
     Returns:
@@ -388,7 +395,11 @@ def disguise_checkpoint(
 
     Raises:
         OutputExistsError: ``out`` exists and ``overwrite`` is False.
+        ValueError: an unknown kind.
     """
+    unknown = [k for k in kinds if k not in DISGUISE_KINDS]
+    if unknown:
+        raise ValueError(f"unknown disguise kinds {unknown}; accepted: {', '.join(DISGUISE_KINDS)}")
     check_output(out, overwrite)
     g = torch.Generator().manual_seed(seed)
     gn = torch.Generator().manual_seed(seed + 1_000_003)
@@ -404,11 +415,31 @@ def disguise_checkpoint(
                         new[r] = (tf + noise * tf.std() * torch.randn(t.shape, generator=gn)).to(t.dtype)
             return new
 
+        report = {"disguise_of": str(src.path), "seed": seed, "noise": noise, "kinds": list(kinds)}
         with atomic_output_dir(out, overwrite=overwrite) as tmp:
-            write_modules(src, fn, tmp)
+            if "residual-permutation" in kinds:
+                perm = torch.randperm(src.geometry.d_model, generator=g)
+                write_checkpoint(src, tmp, replace=_residual_disguised(src, fn, perm), overwrite=True)
+                save_file({"perm": perm}, str(tmp / RESIDUAL_FILE))
+            else:
+                write_modules(src, fn, tmp)
             save_transforms(ts, tmp / TRANSFORMS_FILE)
-            (tmp / REPORT_FILE).write_text(json.dumps({"disguise_of": str(src.path), "seed": seed, "noise": noise}))
+            (tmp / REPORT_FILE).write_text(json.dumps(report))
     return Path(out)
+
+
+def _residual_disguised(
+    src: CheckpointReader,
+    fn: Callable[[ModuleRef, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    perm: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``src`` with ``fn`` applied to each module, then the residual stream permuted by ``perm``."""
+    state = {n: src.get(n).clone() for n in src.names()}
+    for ref in src.modules():
+        w = src.spec.read_module(state.__getitem__, state.__contains__, ref, src.config, src.prefix)
+        state.update(src.spec.write_module(fn(ref, w), ref, src.config, src.prefix))
+    src.close()
+    return permute_residual(state, src.spec, src.config, perm, src.prefix)
 
 
 def write_modules(

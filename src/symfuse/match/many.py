@@ -172,7 +172,7 @@ def match_module_many(
 
 def match_many(
     models: Sequence[str | Path],
-    anchor: str = "closest",
+    anchor: str | int = "closest",
     symmetries: Sequence[str] = DEFAULT_SYMMETRIES,
     max_iter: int = 20,
     tol: float = 1e-7,
@@ -181,7 +181,8 @@ def match_many(
 
     Args:
         models: Checkpoints (folders or ids), all of one family and shape.
-        anchor: ``"closest"`` (the model closest to the plain average) or ``"barycenter"``.
+        anchor: ``"closest"`` (the model closest to the plain average), ``"barycenter"``, or the index of the
+            anchor model in ``models``.
         symmetries: Subset of :data:`symfuse.match.SYMMETRIES`.
         max_iter: Barycenter iterations at most (per module).
         tol: Barycenter stops when the mean moves less than ``tol`` relative to its norm.
@@ -193,17 +194,19 @@ def match_many(
     Raises:
         ValueError: unknown anchor mode or fewer than two models.
     """
-    if anchor not in ("closest", "barycenter"):
-        raise ValueError(f"anchor must be 'closest' or 'barycenter', not {anchor!r}")
     if len(models) < 2:
         raise ValueError("match_many needs at least two models")
+    if isinstance(anchor, bool) or not (
+        anchor in ("closest", "barycenter") or (isinstance(anchor, int) and 0 <= anchor < len(models))
+    ):
+        raise ValueError(f"anchor must be 'closest', 'barycenter' or a model index < {len(models)}, not {anchor!r}")
     symmetries = check_symmetries(symmetries)
     readers = [CheckpointReader(m) for m in models]
     try:
         for r in readers[1:]:
             check_compatible(readers[0], r)
         geo = readers[0].geometry
-        best: int | None = None
+        best: int | None = anchor if isinstance(anchor, int) else None
         if anchor == "closest":
             sq = squared_distances_to_mean(readers)
             best = min(range(len(readers)), key=sq.__getitem__)

@@ -1,0 +1,103 @@
+"""``symfuse match-many``: align K models to one anchor (closest, barycenter or a named model) in one run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from symfuse.cli import app, checks
+from symfuse.errors import UsageError
+from symfuse.outputs import atomic_output_dir, claim_output
+
+WEIGHT_SYMMETRIES = ("rotation", "scaling", "ffn-permutation", "head-permutation")  # symfuse.match.SYMMETRIES
+REPORT = "symfuse_many_report.json"
+
+
+def output_names(models: list[str]) -> list[str]:
+    """One sub-folder name per model: its folder name, prefixed with its position when two names clash."""
+    base = [Path(m.rstrip("/")).name or f"model{i}" for i, m in enumerate(models)]
+    if len(set(base)) == len(base):
+        return base
+    return [f"{i}-{b}" for i, b in enumerate(base)]
+
+
+def anchor_index(anchor: str, models: list[str], names: list[str]) -> str | int:
+    """``closest`` / ``barycenter`` as given; a model (as written, or its folder name) as its index."""
+    if anchor in ("closest", "barycenter"):
+        return anchor
+    for i, (m, n) in enumerate(zip(models, names, strict=True)):
+        if anchor in (m, n, Path(m.rstrip("/")).name):
+            return i
+    raise UsageError(
+        f"--anchor: {anchor!r} is not closest, barycenter or one of the models ({', '.join(names)}) — "
+        "give closest, barycenter or a model as written on the command line"
+    )
+
+
+@app.command("match-many")
+def match_many_cmd(
+    models_args: Annotated[
+        list[str] | None, typer.Argument(metavar="M1 M2 [M3 ...]", help="Models to align (two or more).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Output folder (must not exist unless --overwrite).")
+    ] = None,
+    anchor: Annotated[
+        str,
+        typer.Option("--anchor", help="closest (model nearest the plain average), barycenter, or one model's name."),
+    ] = "closest",
+    symmetries: Annotated[
+        str,
+        typer.Option("--symmetries", help="Comma-separated: rotation, scaling, ffn-permutation, head-permutation."),
+    ] = "rotation,scaling,ffn-permutation",
+    max_iter: Annotated[int, typer.Option("--max-iter", help="Barycenter iterations per module at most.")] = 20,
+    tol: Annotated[float, typer.Option("--tol", help="Barycenter tolerance (relative move of the mean).")] = 1e-7,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
+) -> None:
+    """Align M1 M2 [M3 ...] to one anchor; write OUT/<model>/ (matched checkpoints) and a report json.
+
+    The report is OUT/symfuse_many_report.json (anchor, per-model distances and logit differences).
+
+    Every model gets a sub-folder named after its folder (prefixed with its position when names clash); the
+    anchor model itself is written unchanged (identity transforms) so that OUT holds the whole aligned set.
+    """
+    models = list(models_args or [])
+    if len(models) < 2:
+        raise UsageError(f"M1 M2: {len(models)} model(s) given — give two or more models to align")
+    if out is None:
+        raise UsageError("--out: missing — give the output folder with --out DIR")
+    checks.at_least("--max-iter", max_iter, 1)
+    checks.positive("--tol", tol)
+    names = output_names(models)
+    index = anchor_index(anchor, models, names)
+    sym = checks.names_list("--symmetries", symmetries, WEIGHT_SYMMETRIES, "symmetries")
+    for m in models:
+        checks.local_path("M1 M2", m)
+    for m in models:
+        checks.checkpoint(m)
+    with claim_output(out, overwrite):
+        from symfuse.match import assemble_matched, match_many
+
+        result = match_many(models, anchor=index, symmetries=sym, max_iter=max_iter, tol=tol)
+        anchor_model = None if result["anchor"] == "barycenter" else models[result["anchor"]]
+        per_model = []
+        with atomic_output_dir(out, overwrite=overwrite) as tmp:
+            for m, name, ts in zip(models, names, result["transforms"], strict=True):
+                rep = assemble_matched(m, ts, tmp / name, anchor=anchor_model, symmetries=sym, logit_check=True)
+                per_model.append(
+                    {"model": m, "out": name}
+                    | {k: rep.get(k) for k in ("distance_before", "distance_after", "max_abs_logit_diff")}
+                )
+            report = {
+                "anchor": result["anchor"] if anchor_model is None else anchor_model,
+                "anchor_mode": anchor,
+                "symmetries": sym,
+                "models": per_model,
+                "max_iterations": max(result["iterations"].values(), default=0),
+            }
+            (tmp / REPORT).write_text(json.dumps(report, indent=2))
+    typer.echo(json.dumps(report, indent=2))
+    typer.echo(f"aligned checkpoints in {out}")

@@ -1,0 +1,73 @@
+"""``symfuse match-many``: K disguised copies aligned to one anchor, function kept, the disguise recovered."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import symfuse.cli.commands  # noqa: F401  (registers the commands)
+from symfuse.cli import app
+from tests.tiny import save_tiny
+
+SYM = "rotation,scaling,ffn-permutation,head-permutation"
+
+
+def _run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def three(tmp_path):
+    """A tiny model, a disguised copy of it, and an unrelated model."""
+    a = save_tiny(tmp_path / "a", "bert", seed=1, head="seq")
+    r = _run("disguise", a, "--out", tmp_path / "b", "--seed", 3)
+    assert r.exit_code == 0, r.output
+    c = save_tiny(tmp_path / "c", "bert", seed=2, head="seq")
+    return a, tmp_path / "b", c
+
+
+def _close(x: dict, y: dict, tol: float) -> bool:
+    return all(torch.allclose(x[k].double(), y[k].double(), atol=tol) for k in x)
+
+
+def test_named_anchor_recovers_the_disguised_copy_and_keeps_functions(three, tmp_path):
+    a, b, c = three
+    out = tmp_path / "aligned"
+    r = _run("match-many", a, b, c, "--anchor", "a", "--symmetries", SYM, "--out", out)
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "symfuse_many_report.json").read_text())
+    assert report["anchor"] == str(a) and [m["out"] for m in report["models"]] == ["a", "b", "c"]
+    for m in report["models"]:
+        assert m["max_abs_logit_diff"] <= 1e-4, m  # every model keeps its function
+    by = {m["out"]: m for m in report["models"]}
+    assert by["b"]["distance_before"] > 1 and by["b"]["distance_after"] < 1e-4  # the disguise is undone
+    assert by["c"]["distance_after"] < by["c"]["distance_before"]
+    # the disguised copy's aligned weights equal the anchor's, tensor by tensor
+    assert _close(load_file(out / "b" / "model.safetensors"), load_file(a / "model.safetensors"), 1e-4)
+    assert _close(load_file(out / "a" / "model.safetensors"), load_file(a / "model.safetensors"), 0)
+    assert sorted(p.name for p in out.iterdir()) == ["a", "b", "c", "symfuse_many_report.json"]  # no lock or temp
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "aligned", "b", "c"]
+
+
+@pytest.mark.parametrize("anchor", ["closest", "barycenter"])
+def test_closest_and_barycenter_keep_functions(three, tmp_path, anchor):
+    out = tmp_path / "aligned"
+    r = _run("match-many", *three, "--anchor", anchor, "--symmetries", SYM, "--out", out)
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "symfuse_many_report.json").read_text())
+    assert all(m["max_abs_logit_diff"] <= 1e-4 for m in report["models"]), report
+    wa = load_file(out / "a" / "model.safetensors")
+    wb = load_file(out / "b" / "model.safetensors")
+    # a and its disguised copy end up in the same basis whatever the anchor
+    assert _close(wa, wb, 1e-3)
+
+
+def test_out_exists_is_refused_and_left_alone(three, tmp_path):
+    out = tmp_path / "aligned"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    r = _run("match-many", *three, "--out", out)
+    assert r.exit_code == 2 and "aligned" in r.output
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
