@@ -121,3 +121,19 @@ def test_frozen_parameters_and_fallback_for_weights_read_outside_a_call():
     got = collect_fisher(deberta, batches, mode="sampled", progress=False).fisher
     assert len(forwards) == 1 + len(LENGTHS)  # the batched try (nothing drawn or added), then the loop
     _assert_equal(got, _reference(deberta, batches, "sampled"), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["empirical", "sampled"])
+def test_batched_fisher_of_vit_through_vmapped_conv_and_embeddings(mode, monkeypatch):
+    from symfuse.stats import fisher as fisher_mod
+    from tests.tiny import random_inputs
+
+    model = tiny_model("vit", head="seq").double()
+    batch = random_inputs(model, batch=4, seed=1)
+    batch = {"pixel_values": batch["pixel_values"].double(), "labels": torch.tensor([0, 1, 2, 1])}
+    forwards = _count_forwards(model)
+    got = collect_fisher(model, [batch], mode=mode, seed=2, progress=False).fisher
+    assert len(forwards) == 1
+    monkeypatch.setattr(fisher_mod.Recorder, "usable", lambda self: False)  # the per-example loop
+    _assert_equal(got, collect_fisher(model, [batch], mode=mode, seed=2, progress=False).fisher, rtol=1e-6)
+    assert len(forwards) == 1 + 1 + 4
