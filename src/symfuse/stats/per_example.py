@@ -72,7 +72,10 @@ class Recorder:
     def usable(self) -> bool:
         """Whether the recorded calls give every parameter's per-example gradients exactly."""
         if not self.ok or any(
-            c.args[0].dim() < 2 or c.args[0].shape[0] != self.batch_size or not c.output.requires_grad
+            c.args[0].dim() < 2
+            or c.args[0].shape[0] != self.batch_size
+            or not c.output.requires_grad
+            or any(isinstance(v, torch.Tensor) for v in c.kwargs.values())  # unbatched under vmap: could broadcast
             for c in self.calls
         ):
             return False
@@ -161,7 +164,7 @@ def _per_example(call: _Call, go: torch.Tensor, names: dict[str, str]) -> dict[s
         if "bias" in names:
             out[names["bias"]] = gs.sum(1)
         return out
-    if isinstance(m, nn.Embedding) and set(names) == {"weight"} and not x.is_floating_point():
+    if isinstance(m, nn.Embedding) and not (m.max_norm or m.scale_grad_by_freq or m.sparse):
         return {names["weight"]: _embedding_sq(m, x, go)}
     return _vmapped(call, go, names)
 
