@@ -1,6 +1,9 @@
-"""Fine-tuning throughput (examples/s) and full-evaluation time for MiniLM on this machine.
+"""Fine-tuning throughput (train examples/s): the plain shuffled loop vs length-bucketed batches, in one process.
 
-Usage: python bench/finetune_speed.py [--train-examples 160] [--data dair_emotion] [--device cpu]
+Both fine-tunes use the same data, seed and hyper-parameters; only ``FinetuneConfig.length_buckets`` differs
+(``None`` = plain). Each run prints both examples/s, their ratio and both models' primary metric on the eval split.
+
+Usage: python bench/finetune_speed.py [--runs 5] [--train-examples 160] [--eval-examples 1000] [--device cpu]
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ import json
 import logging
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -18,6 +20,22 @@ import torch
 from symfuse.data import load_task_dataset
 from symfuse.evaluate import evaluate_model
 from symfuse.train import TRAIN_REPORT, FinetuneConfig, finetune
+
+
+def _one(args, cfg: FinetuneConfig, tmp: Path, tag: str) -> tuple[float, float, str]:
+    """Train examples/s and the eval primary metric (and its name) of one fine-tune with ``cfg``."""
+    out = finetune(args.base, args.data, tmp / f"ft-{tag}", cfg, device=args.device)
+    epoch = json.loads((out / TRAIN_REPORT).read_text())["epochs"][0]
+    metrics = evaluate_model(
+        out,
+        args.data,
+        split=args.eval_split,
+        max_examples=args.eval_examples,
+        max_length=args.max_length,
+        device=args.device,
+        out_file=tmp / f"m-{tag}.json",
+    )
+    return epoch["train_examples_per_s"], metrics[metrics["primary"]], metrics["primary"]
 
 
 def main() -> None:
@@ -28,10 +46,12 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-length", type=int, default=64)
     ap.add_argument("--eval-split", default="test")
+    ap.add_argument("--eval-examples", type=int, default=None, help="subsample the eval split (seeded)")
+    ap.add_argument("--runs", type=int, default=1, help="plain and length-bucketed fine-tunes per run")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    cfg = FinetuneConfig(
+    common = dict(
         epochs=1,
         lr=1e-5,
         batch_size=args.batch_size,
@@ -40,39 +60,27 @@ def main() -> None:
         max_eval_examples=64,
         progress=False,
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        out = finetune(args.base, args.data, Path(tmp) / "ft", cfg, device=args.device)
-        epoch = json.loads((out / TRAIN_REPORT).read_text())["epochs"][0]
-        n_eval = len(load_task_dataset(args.data).split(args.eval_split))
-        t0 = time.perf_counter()
-        metrics = evaluate_model(
-            out,
-            args.data,
-            split=args.eval_split,
-            max_length=args.max_length,
-            device=args.device,
-            out_file=Path(tmp) / "m.json",
-        )
-        eval_s = time.perf_counter() - t0
-    rows = [
-        ("base", args.base),
-        ("data", args.data),
-        ("device", args.device),
-        ("torch threads", torch.get_num_threads()),
-        ("cpu count", os.cpu_count()),
-        ("load avg (1 min)", f"{os.getloadavg()[0]:.2f}"),
-        ("batch size", args.batch_size),
-        ("max length (dynamic padding)", args.max_length),
-        ("train examples", args.train_examples),
-        ("train seconds", f"{epoch['train_seconds']:.1f}"),
-        ("train examples/s", f"{epoch['train_examples_per_s']:.2f}"),
-        (f"full eval ({args.eval_split}, n={n_eval}, batch 64) seconds", f"{eval_s:.1f}"),
-        ("eval examples/s", f"{n_eval / eval_s:.1f}"),
-        (f"eval {metrics['primary']}", f"{metrics[metrics['primary']]:.4f}"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
+    plain_cfg = FinetuneConfig(**common, length_buckets=None)
+    fast_cfg = FinetuneConfig(**common)  # defaults: length-bucketed batches
+    n_eval = len(load_task_dataset(args.data).split(args.eval_split))
+    n_eval = min(n_eval, args.eval_examples or n_eval)
+    print(f"base {args.base}, data {args.data}, device {args.device}, torch threads {torch.get_num_threads()}, "
+          f"cpu count {os.cpu_count()}, batch {args.batch_size}, max length {args.max_length}, "
+          f"train examples {args.train_examples}, eval {args.eval_split} n={n_eval}")  # fmt: skip
+    print("| run | plain ex/s | bucketed ex/s | ratio | plain metric | bucketed metric | load avg |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    ratios = []
+    for run in range(1, args.runs + 1):
+        with tempfile.TemporaryDirectory() as tmp:
+            plain, plain_m, name = _one(args, plain_cfg, Path(tmp), "plain")
+            fast, fast_m, _ = _one(args, fast_cfg, Path(tmp), "fast")
+        ratios.append(fast / plain)
+        print(f"| {run} | {plain:.2f} | {fast:.2f} | {fast / plain:.2f} | {name} {plain_m:.4f} | {name} {fast_m:.4f} "
+              f"| {os.getloadavg()[0]:.2f} |", flush=True)  # fmt: skip
+    ratios.sort()
+    print(
+        f"ratio median {ratios[len(ratios) // 2]:.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f} over {len(ratios)} runs"
+    )
 
 
 if __name__ == "__main__":

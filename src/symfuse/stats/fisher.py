@@ -2,8 +2,9 @@
 
 ``F = 1/N sum_n (d log p(y_n | x_n; theta) / d theta)^2`` with ``y_n`` either the gold label (``empirical``) or a
 sample from the model's own predictive distribution (``sampled``, the true Fisher's Monte-Carlo estimate).
-Per-example gradients are taken one example at a time (trailing padding trimmed, which leaves the
-example's outputs unchanged), so the estimate is exact and does not depend on the batch composition.
+Per-example gradients are exact and do not depend on the batch composition: read from one batched pass (see
+:mod:`symfuse.stats.per_example`), or, for models where that is impossible, taken one example at a time (trailing
+padding trimmed, which leaves the example's outputs unchanged).
 
 Likelihoods by head (detected from the logits' shape, ``config.problem_type`` and the label tensor):
 
@@ -26,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from symfuse.stats.gram import model_inputs
+from symfuse.stats.per_example import Recorder, squared_grad_sums
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,11 @@ def sample_labels(kind: str, logits: torch.Tensor, generator: torch.Generator) -
     return logits.squeeze(-1) + torch.randn(logits.shape[:-1], generator=generator)
 
 
+def _f(t: torch.Tensor) -> torch.Tensor:
+    """At least float32 (float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32)) if t.is_floating_point() else t.float()
+
+
 def log_likelihood(
     kind: str, logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -85,15 +92,15 @@ def log_likelihood(
         A scalar.
     """
     if kind == "single":
-        return F.log_softmax(logits.float(), -1).gather(-1, labels.long().view(-1, 1)).sum()
+        return F.log_softmax(_f(logits), -1).gather(-1, labels.long().view(-1, 1)).sum()
     if kind == "token":
-        lp = F.log_softmax(logits.float(), -1)  # (1, seq, C)
+        lp = F.log_softmax(_f(logits), -1)  # (1, seq, C)
         keep = valid if valid is not None else labels != IGNORE_INDEX
         lab = labels.long().clamp_min(0)
         return (lp.gather(-1, lab.unsqueeze(-1)).squeeze(-1) * keep).sum()
     if kind == "multi":
-        return -F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="sum")
-    return -0.5 * ((labels.float().view(-1) - logits.float().view(-1)) ** 2).sum()
+        return -F.binary_cross_entropy_with_logits(_f(logits), _f(labels), reduction="sum")
+    return -0.5 * ((_f(labels).view(-1) - _f(logits).view(-1)) ** 2).sum()
 
 
 def _remap_labels(model: nn.Module, label_map: Mapping[int, int] | None, labels: torch.Tensor) -> torch.Tensor:
@@ -116,11 +123,17 @@ def collect_fisher(
 ) -> FisherStats:
     """Diagonal Fisher of every trainable parameter over a stream of labelled batches.
 
+    Each batch takes one forward and one backward pass (per-example gradients recovered exactly from the modules'
+    inputs and output gradients, see :mod:`symfuse.stats.per_example`); models where that is impossible (a
+    parameter read outside a module call, like DeBERTa's relative embeddings) fall back to one pass per example.
+    Both give the same numbers: batch padding is trimmed per example in the loop and masked in the batch.
+
     Args:
         model: A transformers model with a classification / token-classification / regression head (eval
             mode is used: no dropout). Not modified; its ``.grad`` fields are left as found (None).
         batches: Batches with ``labels`` as built by :func:`symfuse.data.make_batches`.
-        mode: ``empirical`` (gold labels) or ``sampled`` (labels drawn from the model, seeded).
+        mode: ``empirical`` (gold labels) or ``sampled`` (labels drawn from the model, seeded; drawn example by
+            example in the stream's order, so batching does not change them).
         seed: Seed of the label sampling.
         device: Where to run.
         progress: Show a tqdm progress bar.
@@ -142,49 +155,109 @@ def collect_fisher(
     model.eval()
     model.to(device)
     n_examples = n_tokens = 0
+    batched = True  # until a batch shows the model's per-example gradients cannot be read from its modules
     try:
         for batch in tqdm(batches, desc=f"fisher ({mode})", disable=not progress, unit="batch"):
             inputs = model_inputs(batch, "cpu")
             labels = batch.get("labels")
             if mode == "empirical" and labels is None:
                 raise ValueError("empirical Fisher needs gold labels: the batches carry no 'labels'")
+            if labels is not None:
+                labels = _remap_labels(model, label_map, labels)
             first = next(iter(inputs.values()))
             mask = inputs.get("attention_mask")
-            for i in range(first.shape[0]):
-                length = int(mask[i].nonzero().max()) + 1 if mask is not None and mask[i].any() else first.shape[1]
-                ex = {
-                    k: v[i : i + 1, :length].to(device) if v.dim() >= 2 else v[i : i + 1].to(device)
-                    for k, v in inputs.items()
-                }
-                if "pixel_values" in inputs:
-                    ex["pixel_values"] = inputs["pixel_values"][i : i + 1].to(device)
-                lab = None
-                if labels is not None:
-                    lab = labels[i : i + 1]
-                    lab = lab[:, :length] if lab.dim() == 2 and not lab.is_floating_point() else lab
-                    lab = _remap_labels(model, label_map, lab)
-                logits = getattr(model(**ex), "logits", None)
-                if logits is None:
-                    raise ValueError(
-                        f"{type(model).__name__} has no task head (no logits): the Fisher needs a likelihood; "
-                        "collect it on a fine-tuned checkpoint with a classification head"
-                    )
-                kind = head_kind(model, logits, lab)
-                valid = None
-                if kind == "token":
-                    valid = (lab != IGNORE_INDEX) if lab is not None else ex["attention_mask"].bool()
-                    valid = valid.to(logits.device)
-                if mode == "sampled":
-                    lab = sample_labels(kind, logits, gen)
-                ll = log_likelihood(kind, logits, lab.to(logits.device), valid)
-                grads = torch.autograd.grad(ll, list(params.values()), allow_unused=True)
-                for (n, _), g in zip(params.items(), grads, strict=True):
-                    if g is not None:
-                        acc[n] += g.detach().to("cpu", torch.float64) ** 2
-                n_examples += 1
-                n_tokens += length if mask is None else int(mask[i].sum())
+            lengths = [
+                int(mask[i].nonzero().max()) + 1 if mask is not None and mask[i].any() else first.shape[1]
+                for i in range(first.shape[0])
+            ]
+            if batched:
+                batched = _batch_pass(model, params, inputs, labels, lengths, mode, gen, device, acc)
+                if not batched:
+                    log.info("%s: per-example gradients not readable from its modules; one pass per example",
+                             type(model).__name__)  # fmt: skip
+            if not batched:
+                _loop_pass(model, params, inputs, labels, lengths, mode, gen, device, acc)
+            n_examples += len(lengths)
+            n_tokens += sum(lengths) if mask is None else int(mask.sum())
     finally:
         model.train(was_training)
     if n_examples == 0:
         raise ValueError("no examples: cannot estimate a Fisher from an empty dataset")
     return FisherStats({n: a / n_examples for n, a in acc.items()}, n_examples, n_tokens, mode)
+
+
+def _logits(model: nn.Module, ex: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    logits = getattr(model(**ex), "logits", None)
+    if logits is None:
+        raise ValueError(
+            f"{type(model).__name__} has no task head (no logits): the Fisher needs a likelihood; "
+            "collect it on a fine-tuned checkpoint with a classification head"
+        )
+    return logits
+
+
+def _trim(inputs: Mapping[str, torch.Tensor], rows: slice, length: int, device: torch.device) -> dict:
+    return {
+        k: v[rows].to(device) if k == "pixel_values" or v.dim() < 2 else v[rows, :length].to(device)
+        for k, v in inputs.items()
+    }
+
+
+def _example_labels(labels: torch.Tensor | None, i: int, length: int) -> torch.Tensor | None:
+    if labels is None:
+        return None
+    lab = labels[i : i + 1]
+    return lab[:, :length] if lab.dim() == 2 and not lab.is_floating_point() else lab
+
+
+def _batch_pass(model, params, inputs, labels, lengths, mode, gen, device, acc) -> bool:
+    """One forward/backward for the whole batch; ``False`` (nothing drawn or added) when it cannot be exact."""
+    width = max(lengths)
+    ex = _trim(inputs, slice(None), width, device)
+    with Recorder(model, params, len(lengths)) as rec:
+        logits = _logits(model, ex)
+        if not rec.usable():
+            return False
+        lab = labels
+        if lab is not None and lab.dim() == 2 and not lab.is_floating_point():
+            lab = lab[:, :width]
+        kind = head_kind(model, logits, None if lab is None else lab[:1])
+        valid = None
+        if kind == "token":
+            pos = torch.arange(logits.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+            valid = ((lab != IGNORE_INDEX) if lab is not None else ex["attention_mask"].cpu().bool()) & pos
+        if mode == "sampled":
+            lab = _sample_each(kind, logits, lengths, gen)
+        ll = log_likelihood(kind, logits, lab.to(logits.device), None if valid is None else valid.to(logits.device))
+    squared_grad_sums(rec, ll, acc)  # hooks removed: the per-module vmaps call modules again
+    return True
+
+
+def _sample_each(kind: str, logits: torch.Tensor, lengths: list[int], gen: torch.Generator) -> torch.Tensor:
+    """Labels drawn example by example (trailing padding trimmed), the generator used as the loop uses it."""
+    if kind != "token":
+        return torch.cat([sample_labels(kind, logits[i : i + 1], gen) for i in range(len(lengths))])
+    out = torch.zeros(logits.shape[:2], dtype=torch.long)
+    for i, n in enumerate(lengths):
+        out[i, :n] = sample_labels(kind, logits[i : i + 1, :n], gen)[0]
+    return out
+
+
+def _loop_pass(model, params, inputs, labels, lengths, mode, gen, device, acc) -> None:
+    """One forward/backward per example, trailing padding trimmed (exact, slow: the fallback)."""
+    for i, length in enumerate(lengths):
+        ex = _trim(inputs, slice(i, i + 1), length, device)
+        lab = _example_labels(labels, i, length)
+        logits = _logits(model, ex)
+        kind = head_kind(model, logits, lab)
+        valid = None
+        if kind == "token":
+            valid = (lab != IGNORE_INDEX) if lab is not None else ex["attention_mask"].bool()
+            valid = valid.to(logits.device)
+        if mode == "sampled":
+            lab = sample_labels(kind, logits, gen)
+        ll = log_likelihood(kind, logits, lab.to(logits.device), valid)
+        grads = torch.autograd.grad(ll, list(params.values()), allow_unused=True)
+        for (n, _), g in zip(params.items(), grads, strict=True):
+            if g is not None:
+                acc[n] += g.detach().to("cpu", torch.float64) ** 2

@@ -10,6 +10,14 @@ whatever the split into micro-batches, and each micro-batch's SUMMED loss is div
 step — so ``batch_size=8, grad_accum=2`` gives the same updates as ``batch_size=16`` (bitwise up to float
 summation order when dropout is off; with dropout on, equal in distribution only, because the dropout masks are drawn
 per micro-batch).
+
+Batch order (``length_buckets``): each epoch's seeded shuffle is cut into chunks of ``length_buckets`` optimizer
+steps; each chunk is sorted by token count (stable) and cut into steps, and the steps of the whole epoch are
+shuffled again with the same seeded generator. Every step then holds examples of similar length, so dynamic padding
+wastes little compute, while the order stays a pure function of ``seed`` and the epoch. The grouping is by optimizer
+step (``batch_size * grad_accum`` examples), so the accumulation identity above still holds. ``None`` keeps the
+plain shuffled order. Frozen parameters (``requires_grad=False``) get no optimizer state, clipping or gradient. On
+CUDA the AdamW is fused and batches are copied from pinned memory without blocking.
 """
 
 from __future__ import annotations
@@ -60,6 +68,9 @@ class FinetuneConfig(BaseModel):
     max_grad_norm: float | None = Field(1.0, gt=0)
     dropout: float | None = Field(None, ge=0, le=1, description="override hidden/attention dropout; None keeps it")
     amp: bool = True
+    length_buckets: int | None = Field(
+        50, ge=1, description="sort by length within shuffled chunks of this many optimizer steps; None: plain order"
+    )
     eval_batch_size: int = Field(64, ge=1)
     keep_best: bool = True
     progress: bool = True
@@ -184,10 +195,13 @@ def train_model(
     step_size = cfg.batch_size * cfg.grad_accum
     steps_per_epoch = math.ceil(len(train_feats) / step_size)
     total = steps_per_epoch * cfg.epochs
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "LayerNorm" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "LayerNorm" not in n)]
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen parts: no work
+    decay = [p for n, p in trainable if p.ndim >= 2 and "LayerNorm" not in n]
+    no_decay = [p for n, p in trainable if not (p.ndim >= 2 and "LayerNorm" not in n)]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        fused=dev.type == "cuda" or None,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, math.ceil(cfg.warmup_ratio * total)))
     history: list[dict[str, Any]] = []
@@ -198,13 +212,14 @@ def train_model(
     for epoch in range(1, cfg.epochs + 1):
         t0 = time.perf_counter()
         model.train()
-        order = list(range(len(train_feats)))
-        random.Random(cfg.seed * 1000 + epoch).shuffle(order)
+        steps = epoch_steps(train_feats, step_size, random.Random(cfg.seed * 1000 + epoch), cfg.length_buckets)
         run_loss, run_n = 0.0, 0
         bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch}/{cfg.epochs}", disable=not cfg.progress, leave=False)
         for step in bar:
-            chunk = [train_feats[i] for i in order[step * step_size : (step + 1) * step_size]]
+            chunk = [train_feats[i] for i in steps[step]]
             micro = [collate(chunk[i : i + cfg.batch_size], pad) for i in range(0, len(chunk), cfg.batch_size)]
+            if dev.type == "cuda":  # pinned host memory: the copies overlap the previous micro-batch's compute
+                micro = [{k: v.pin_memory().to(dev, non_blocking=True) for k, v in b.items()} for b in micro]
             counts = [_count(b["labels"], data.problem_type) for b in micro]
             denom = max(sum(counts), 1)
             opt.zero_grad(set_to_none=True)
@@ -224,7 +239,7 @@ def train_model(
             run_n += denom
             scaler.unscale_(opt)
             if cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_([p for _, p in trainable], cfg.max_grad_norm)
             scaler.step(opt)
             scaler.update()
             sched.step()
@@ -268,6 +283,33 @@ def train_model(
     if best_state is not None and cfg.keep_best:
         model.load_state_dict(best_state)
     return model.cpu().eval(), history
+
+
+def epoch_steps(
+    features: list[dict[str, Any]], step_size: int, rng: random.Random, length_buckets: int | None
+) -> list[list[int]]:
+    """One epoch's optimizer steps as lists of example indices (see the module docstring, batch order).
+
+    Args:
+        features: Encoded examples (``input_ids`` lengths are used).
+        step_size: Examples per optimizer step (``batch_size * grad_accum``).
+        rng: The epoch's seeded generator (consumed).
+        length_buckets: Steps per length-sorted chunk; ``None`` for the plain shuffled order.
+
+    Returns:
+        ``ceil(len(features) / step_size)`` steps covering every example once.
+    """
+    order = list(range(len(features)))
+    rng.shuffle(order)
+    if length_buckets is None:
+        return [order[i : i + step_size] for i in range(0, len(order), step_size)]
+    width = step_size * length_buckets
+    steps = []
+    for start in range(0, len(order), width):
+        chunk = sorted(order[start : start + width], key=lambda i: len(features[i]["input_ids"]))
+        steps += [chunk[i : i + step_size] for i in range(0, len(chunk), step_size)]
+    rng.shuffle(steps)
+    return steps
 
 
 def _count(labels: torch.Tensor, problem: str) -> int:
