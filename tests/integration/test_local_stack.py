@@ -57,8 +57,8 @@ def test_local_stack_deploys_and_triggers_remerge(stack, tmp_path):
                     break
                 time.sleep(1)
         assert set(deps) == set(expected)
-        pools = {"fusion-pipeline": "gpu", "remerge": "gpu", "watch-checkpoints": "control"}
-        assert {n: d.work_pool_name for n, d in deps.items()} == {n: pools[n] for n in deps}
+        pools = {"watch-checkpoints": "control"}  # the watcher's own pool; every other deployment runs on `gpu`
+        assert {n: d.work_pool_name for n, d in deps.items()} == {n: pools.get(n, "gpu") for n in deps}
         for dep in deps.values():  # the flows run in this checkout (the project file's step names /opt/symfuse)
             assert dep.pull_steps == [
                 {"prefect.deployments.steps.set_working_directory": {"directory": str(stack.REPO)}}

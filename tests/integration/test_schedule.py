@@ -73,7 +73,8 @@ def test_watch_schedule_creates_scheduled_runs(stack, tmp_path, monkeypatch):
         starts = sorted(run.expected_start_time for run in runs)
         gaps = {(b - a).total_seconds() for a, b in itertools.pairwise(starts)}
         assert len(runs) >= 2 and gaps == {interval}, f"runs not {interval:.0f} s apart: {starts}"
-        assert all(run.work_pool_name == "gpu" and run.auto_scheduled for run in runs)
+        pool = spec["work_pool"]["name"]  # the watcher's own pool (never a GPU worker's slot)
+        assert all(run.work_pool_name == pool and run.auto_scheduled for run in runs)
         assert runs[0].parameters["config"]["run_id"] == spec["parameters"]["config"]["run_id"]
     finally:
         stack.stop(home)
