@@ -26,20 +26,9 @@ __all__ = ["JSON_FILE", "ArtifactStore", "default_cache_dir", "default_root"]
 
 
 class ArtifactStore(ArtifactReader):
-    """Folders of files with a manifest, under one fsspec root.
+    """Folders of files with a manifest, under one fsspec root: :class:`ArtifactReader` plus versioned writes and gc.
 
-    Methods take a key (``runs/demo/models/isear``) or a full URI under this root (as returned by
-    :meth:`uri` and :meth:`put_dir`), so tasks can pass URIs between each other.
-
-    Args:
-        root: Any fsspec URL or local path; default :func:`default_root`.
-        cache_dir: Local folder for :meth:`local_cache` downloads; default :func:`default_cache_dir`.
-        **storage_options: Passed to the filesystem (e.g. ``client_kwargs={"endpoint_url": ...}`` for s3fs; S3
-            timeouts and attempts default to ``SYMFUSE_S3_TIMEOUT`` / ``SYMFUSE_S3_ATTEMPTS``, see
-            :mod:`symfuse.store.s3`).
-
-    Raises:
-        ValueError: if ``SYMFUSE_S3_TIMEOUT`` / ``SYMFUSE_S3_ATTEMPTS`` hold no positive number.
+    Constructor arguments, keys and URIs as for :class:`~symfuse.store.reader.ArtifactReader`.
     """
 
     # ----------------------------------------------------------------------------------------------- writing
