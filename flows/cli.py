@@ -49,11 +49,12 @@ def load_config(args: argparse.Namespace) -> RunConfig:
 def print_metrics(report_uri: str, config: RunConfig) -> pd.DataFrame:
     """Print the headline metric per strategy x {plain, matched} and evaluation set; return that table."""
     store = ArtifactStore(config.resolved_store_root())
-    long = pd.read_csv(store.local_cache(report_uri) / "metrics.csv")
+    folder = store.local_cache(report_uri)  # the published version (a local store: its own folder)
+    long = pd.read_csv(folder / "metrics.csv")
     metric = primary_metric(long)
     table = metrics_table(long, metric)
     with pd.option_context("display.width", 160, "display.max_columns", 20):
-        print(f"\n{metric} per strategy x matching (report: {report_uri}/report.md)\n")
+        print(f"\n{metric} per strategy x matching (report: {folder / 'report.md'})\n")
         print(table.round(4).to_string())
     return table
 

@@ -63,5 +63,7 @@ def test_quick_demo_runs_on_bundled_data_without_shared(tmp_path):
 
     report = ArtifactStore(str(store)).local_cache(layout.report_key("demo-quick"))  # the published version
     long = pd.read_csv(report / "metrics.csv")
+    assert f"(report: {report / 'report.md'})" in out  # the printed link names a file that exists
+    assert (report / "report.md").is_file()
     assert set(long["dataset"]) == {*DEMO_DATASETS, *DEMO_OUT_OF_DOMAIN}
     print(f"quick demo on bundled data: {seconds:.0f} s", table, sep="\n")  # shown with -s (CI logs)
