@@ -72,3 +72,18 @@ def stack() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory) -> Path:
+    """A tiny random BERT with the real MiniLM tokenizer files (the deployed pipelines fine-tune it)."""
+    import shutil
+
+    from symfuse.checkpoint import default_base_model
+    from tests.flows.conftest import TOKENIZER_FILES
+    from tests.tiny import save_tiny
+
+    folder = save_tiny(tmp_path_factory.mktemp("base") / "bert", "bert", vocab_size=30522, max_position_embeddings=64)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(default_base_model() / name, folder / name)
+    return folder

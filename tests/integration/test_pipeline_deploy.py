@@ -16,23 +16,10 @@ from pathlib import Path
 import pytest
 
 from symfuse.store import ArtifactStore, layout
-from tests.flows.conftest import TOKENIZER_FILES, tiny_config
+from tests.flows.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory) -> Path:
-    import shutil
-
-    from symfuse.checkpoint import default_base_model
-    from tests.tiny import save_tiny
-
-    folder = save_tiny(tmp_path_factory.mktemp("base") / "bert", "bert", vocab_size=30522, max_position_embeddings=64)
-    for name in TOKENIZER_FILES:
-        shutil.copy2(default_base_model() / name, folder / name)
-    return folder
 
 
 @pytest.fixture(scope="module")
