@@ -6,6 +6,11 @@ each returns the URI of what the stage flow stored, under the same key and conte
 the workers stored. Each one waits on ONE flow run of its stage deployment (``flows/stages.py``), created with
 ``run_deployment(..., as_subflow=True)``; the pipeline submits them all at once in its thread pool, so every free
 worker of the pool picks one up. They hold no ``gpu`` tag slot themselves: the stage's own task does, on its worker.
+
+A retry of one of these tasks (a transient fault while it waits, e.g. a dropped API connection) must not start a
+second stage run next to the first: every stage run is created with an idempotency key made of the pipeline's flow
+run, the stage and the content key, so the server hands the retry the run already started and the task waits on it
+again. A new pipeline run (a new flow run id) starts new stage runs.
 """
 
 from __future__ import annotations
@@ -20,8 +25,28 @@ from tasks.stats import stats_keys
 POLL_SECONDS = 2.0
 
 
-def run_stage(deployment: str, parameters: dict[str, Any], label: str) -> None:
+def idempotency_key(label: str, ck: str) -> str | None:
+    """The stage run's idempotency key: the current pipeline flow run, the stage label and the content key.
+
+    None outside a flow run (a direct ``.fn()`` call): the server would otherwise hand a later call an old run.
+    """
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    flow_ctx, task_ctx = FlowRunContext.get(), TaskRunContext.get()
+    owner = flow_ctx.flow_run.id if flow_ctx is not None and flow_ctx.flow_run is not None else None
+    if owner is None and task_ctx is not None:
+        owner = task_ctx.task_run.flow_run_id
+    return None if owner is None else f"symfuse:{owner}:{label}:{ck}"
+
+
+def run_stage(deployment: str, parameters: dict[str, Any], label: str, key: str | None) -> None:
     """Run one flow run of ``deployment`` as a subflow of the current run and wait for it.
+
+    Args:
+        deployment: ``flow-name/deployment-name``.
+        parameters: The stage flow's parameters.
+        label: The stage run's label in log lines (``stats-isear-gram``).
+        key: Idempotency key (:func:`idempotency_key`): a retried call waits on the run the first call started.
 
     Raises:
         RuntimeError: if the flow run did not complete (names it, its final state and where to look).
@@ -31,7 +56,7 @@ def run_stage(deployment: str, parameters: dict[str, Any], label: str) -> None:
     log = logger()
     log.info("%s: starting a flow run of deployment %s on its work pool", label, deployment)
     run = run_deployment(name=deployment, parameters=parameters, timeout=None, poll_interval=POLL_SECONDS,
-                         as_subflow=True)  # fmt: skip
+                         as_subflow=True, idempotency_key=key)  # fmt: skip
     state = run.state
     if state is None or not state.is_completed():
         name = state.name if state is not None else "unknown"
@@ -63,7 +88,8 @@ def finetune_remote(config: RunConfig, dataset: str) -> str:
     if (uri := reuse(store, key, ck, what)) is not None:
         return uri
     params = {"config": config.model_dump(mode="json"), "dataset": dataset}
-    run_stage(deployment, params, f"finetune-{dataset}")
+    label = f"finetune-{dataset}"
+    run_stage(deployment, params, label, idempotency_key(label, ck))
     return _stored(store, key, ck, what, deployment)
 
 
@@ -76,5 +102,6 @@ def collect_stats_remote(config: RunConfig, model: str, model_uri: str, kind: st
     if (uri := reuse(store, key, ck, what)) is not None:
         return uri
     params = {"config": config.model_dump(mode="json"), "model": model, "model_uri": model_uri, "kind": kind}
-    run_stage(deployment, params, f"stats-{model}-{kind}")
+    label = f"stats-{model}-{kind}"
+    run_stage(deployment, params, label, idempotency_key(label, ck))
     return _stored(store, key, ck, what, deployment)

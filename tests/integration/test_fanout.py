@@ -110,7 +110,9 @@ def test_one_pipeline_run_fans_out_over_two_workers(prefect_api, two_workers, s3
     print(f"fine-tune windows: {windows}\noverlap (s) of fine-tunes on different workers: {overlaps}")
     assert max(overlaps.values()) > 0, f"fine-tunes on the two workers never ran at the same time: {windows}"
     stats_runs, _, _ = _stage_runs("stats-stage", {run.id})
-    assert sorted(r.parameters["model"] for r in stats_runs) == sorted(NAMES)
+    assert sorted(r.parameters["model"] for r in stats_runs) == sorted(NAMES), [
+        (r.name, r.parameters["model"], r.state.name, r.state.message) for r in stats_runs
+    ]
 
     # the in-process path on a fresh store: same content keys, the same tensors
     monkeypatch.setenv("SYMFUSE_CACHE", str(tmp_path / "cache"))

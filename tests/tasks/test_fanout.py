@@ -24,8 +24,8 @@ def _fake_deployments(monkeypatch, state=Completed, work=True) -> list[tuple[str
     """Replace ``run_deployment``: record the call, run the stage's task in-process (if ``work``), return a run."""
     calls = []
 
-    def run_deployment(name, parameters, timeout, poll_interval, as_subflow):
-        calls.append((name, parameters))
+    def run_deployment(name, parameters, timeout, poll_interval, as_subflow, idempotency_key):
+        calls.append((name, parameters, idempotency_key))
         assert as_subflow and timeout is None
         cfg = RunConfig.model_validate(parameters["config"])
         if work and name == cfg.stage_deployments.finetune:
@@ -46,8 +46,9 @@ def test_remote_stages_store_what_the_in_process_tasks_would(base, tmp_path, mon
     store = ArtifactStore(cfg.resolved_store_root())
     assert model == store.uri(layout.model_key("u", "isear"))
     assert stats == store.uri(layout.stats_key("u", "isear", "isear", "gram"))
-    assert [name for name, _ in calls] == ["finetune-stage/finetune-stage", "stats-stage/stats-stage"]
+    assert [name for name, _, _ in calls] == ["finetune-stage/finetune-stage", "stats-stage/stats-stage"]
     assert calls[0][1]["dataset"] == "isear" and calls[1][1]["model_uri"] == model
+    assert calls[0][2] is None  # outside a flow run: no idempotency key (a later call must not get an old run)
     # the in-process tasks find the very same content (same content keys): nothing is recomputed, no stage re-run
     assert finetune.fn(cfg.model_copy(update={"fan_out": "in-process"}), "isear") == model
     assert finetune_remote.fn(cfg, "isear") == model and len(calls) == 2
@@ -71,3 +72,32 @@ def test_a_failed_stage_run_fails_the_task_naming_the_run(base, tmp_path, monkey
     with pytest.raises(RuntimeError, match=r"finetune-isear: flow run 'fake-run' .* ended Failed: stage says no"):
         finetune_remote.fn(cfg, "isear")
     assert not ArtifactStore(cfg.resolved_store_root()).exists(layout.model_key("u", "isear"))
+
+
+def test_a_retried_stage_task_waits_on_the_stage_run_it_started(base, tmp_path, monkeypatch):  # noqa: F811
+    """Inside a pipeline flow run, the retry of a task asks for the stage run with the first attempt's key."""
+    from prefect import flow
+
+    keys: list[str | None] = []
+
+    def run_deployment(name, parameters, timeout, poll_interval, as_subflow, idempotency_key):
+        keys.append(idempotency_key)
+        if len(keys) == 1:
+            raise ConnectionError("API connection dropped while waiting")  # transient: the task is retried
+        cfg = RunConfig.model_validate(parameters["config"])
+        finetune.fn(cfg, parameters["dataset"])
+        return SimpleNamespace(name="fake-run", id="0000", state=Completed())
+
+    monkeypatch.setattr(prefect.deployments, "run_deployment", run_deployment)
+
+    @flow
+    def pipeline(root: str) -> str:
+        cfg = config(base, root, fan_out="deployments")
+        return finetune_remote.with_options(retry_delay_seconds=0)(cfg, "isear")
+
+    pipeline(str(tmp_path / "a"))
+    assert len(keys) == 2 and keys[0] is not None and keys[0] == keys[1], keys
+    assert keys[0].startswith("symfuse:") and keys[0].split(":")[2] == "finetune-isear"
+    # another pipeline flow run (here over another store) starts its own stage run: its key names its flow run
+    pipeline(str(tmp_path / "b"))
+    assert len(keys) == 3 and keys[2].split(":")[1] != keys[0].split(":")[1]
