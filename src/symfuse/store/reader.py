@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -60,6 +61,31 @@ def _sha256_file(path: Path) -> str:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+# Files whose sha256 this process already checked against a manifest: (device, inode, size, mtime_ns) -> digest.
+# A rewrite (or a replacement by rename) changes the identity, so it is hashed again; the same unchanged file is
+# hashed once per process however many tasks read it.
+_VERIFIED: dict[tuple[int, int, int, int], str] = {}
+_VERIFIED_LOCK = threading.Lock()
+
+
+def _file_identity(path: Path) -> tuple[int, int, int, int]:
+    st = path.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _matches_sha256(path: Path, expected: str) -> bool:
+    """Whether ``path`` hashes to ``expected``, hashing an unchanged file at most once per process."""
+    ident = _file_identity(path)
+    with _VERIFIED_LOCK:
+        if _VERIFIED.get(ident) == expected:
+            return True
+    digest = _sha256_file(path)
+    if digest == expected and _file_identity(path) == ident:  # unchanged while it was hashed
+        with _VERIFIED_LOCK:
+            _VERIFIED[ident] = digest
+    return digest == expected
 
 
 class ArtifactReader:
@@ -353,7 +379,7 @@ class ArtifactReader:
                     f"{self.uri(key)}/{rel}: {size} bytes, manifest says {manifest['sizes'][rel]}; "
                     "the artifact is damaged: delete and recompute it"
                 )
-            if sha and _sha256_file(file) != manifest["sha256"][rel]:
+            if sha and not _matches_sha256(file, manifest["sha256"][rel]):
                 raise CorruptArtifact(
                     f"{self.uri(key)}/{rel}: sha256 differs from the manifest; the artifact is damaged: "
                     "delete and recompute it"

@@ -81,6 +81,27 @@ def test_sha256_catches_same_size_corruption(store: ArtifactStore, tmp_path):
         store.get_dir(KEY, tmp_path / "out")
 
 
+def test_local_cache_hashes_an_unchanged_file_once_and_a_rewritten_one_again(tmp_path, monkeypatch):
+    import os
+
+    from symfuse.store import reader
+
+    store = ArtifactStore(str(tmp_path / "root"))
+    store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
+    hashed = []
+    real = reader._sha256_file
+    monkeypatch.setattr(reader, "_sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    folder = store.local_cache(KEY)
+    first = len(hashed)
+    assert first >= 1 and store.local_cache(KEY) == folder and len(hashed) == first  # verified digests remembered
+    target = data_path(store, KEY, "model.safetensors")
+    stat = os.stat(target)
+    store.fs.pipe_file(target, b"X" * stat.st_size)  # same size, other bytes, written in place
+    os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # (coarse clocks: a later mtime)
+    with pytest.raises(CorruptArtifact, match=r"model\.safetensors: sha256"):
+        store.local_cache(KEY)
+
+
 def test_size_check_catches_truncation_in_local_cache(store: ArtifactStore, tmp_path):
     store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
     store.fs.pipe_file(data_path(store, KEY, "model.safetensors"), b"short")
