@@ -4,7 +4,8 @@ Real server, pool ``gpu`` with two process workers (``--limit 2`` each, so neith
 S3. A ``fusion-pipeline`` run with ``fan_out: deployments`` over three tiny datasets starts three ``finetune-stage``
 runs at once: they execute on both workers with overlapping training windows, and the models they store (and
 everything merged from them) equal, bit for bit, those of the in-process path, under the same content keys.
-Slow (a pipeline run plus six stage runs in worker subprocesses on a small CPU): run with ``-m slow``.
+It runs in the default test run (about 4-6 min on two cores: a pipeline run plus six stage runs in worker
+subprocesses), so CI checks the fan-out on every stop.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from tests.flows.conftest import tiny_config
 REPO = Path(__file__).resolve().parents[2]
 NAMES = ("isear", "meld", "dair_emotion")
 WHERE = re.compile(r"runs on host (\S+), process (\d+) \(worker process (\d+)\)")
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
