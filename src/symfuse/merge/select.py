@@ -95,3 +95,25 @@ def select_greedy(order_scores: Mapping[str, float], merge_and_score: Callable[[
         path.append(Step(name, trial, score, kept))
         log.info("greedy selection: %s -> %.4f (%s)", "+".join(trial), score, "kept" if kept else "left out")
     return Selection(tuple(chosen), best, tuple(path))
+
+
+def validation_score(records: Sequence[Mapping]) -> float:
+    """Greedy selection's score of one model: the mean primary metric of its evaluation records.
+
+    Args:
+        records: Evaluation records ``{"dataset", "metrics": {"primary": name, name: value, ...}}``, one per
+            validation set.
+
+    Raises:
+        ValueError: no record, or one without a finite primary metric (the message names its dataset).
+    """
+    if not records:
+        raise ValueError("greedy selection: no validation evaluation to score the model with")
+    values = []
+    for r in records:
+        m = r.get("metrics") or {}
+        v = m.get(m.get("primary", ""))
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"greedy selection: the evaluation on {r.get('dataset')} has no finite primary metric")
+        values.append(float(v))
+    return sum(values) / len(values)
