@@ -238,6 +238,8 @@ class RunConfig(_Strict):
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names must be unique, got {names}")
+        if self.select_on is not None and self.select != "greedy":
+            raise ValueError(f"select_on {self.select_on!r} is read only with select: greedy; set it or drop select_on")
         if self.anchor not in ANCHOR_POLICIES and self.anchor not in names:
             raise ValueError(f"anchor {self.anchor!r}: expected 'closest', 'barycenter' or one of the datasets {names}")
         return self
