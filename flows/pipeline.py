@@ -18,6 +18,7 @@ from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.runtime import forward_library_logs, run_lock, staged
+from flows.select import greedy_merges
 from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party
 from symfuse.merge import MERGERS
@@ -29,6 +30,7 @@ from tasks.housekeeping import clean_store
 from tasks.match import assemble_matched, choose_anchor, list_modules, match_module, match_module_barycenter
 from tasks.merge import merge
 from tasks.report import report
+from tasks.select import record_selection, validation_score
 from tasks.stats import collect_stats, follow_stats
 
 VARIANTS = ("plain", "matched")
@@ -37,7 +39,7 @@ STAGES = {
     finetune: "finetune", bring_checkpoint: "other", collect_stats: "stats", follow_stats: "stats",
     list_modules: "match", choose_anchor: "match", match_module: "match", match_module_barycenter: "match",
     assemble_matched: "match", merge: "merge", evaluate: "evaluate", report: "other", clean_store: "other",
-    finetune_remote: "finetune", collect_stats_remote: "stats",
+    finetune_remote: "finetune", collect_stats_remote: "stats", validation_score: "other", record_selection: "other",
 }  # fmt: skip
 
 
@@ -74,7 +76,7 @@ def result_of(future: PrefectFuture, upstream: list[PrefectFuture]) -> Any:
 
 @flow(name="fusion-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=workers()), log_prints=True)
 def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
-    """Fine-tune → statistics → match (one task per module) → merge (strategies × plain/matched) → evaluate → report.
+    """Fine-tune → statistics → match (per module) → merge (strategies × plain/matched, [greedy]) → evaluate → report.
 
     Args:
         config: The run (Prefect renders it as a form; YAML via ``RunConfig.from_yaml``).
@@ -156,6 +158,13 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
         strict=True,
     ))  # fmt: skip
 
+    # 5b. select: greedy — per strategy, the subset of the plain models whose merge scores best on validation data
+    #     (flows/select.py); its merge joins the run as "<strategy>-greedy".
+    selections: list[PrefectFuture] = []
+    if config.select == "greedy":
+        chosen, selections = greedy_merges(T, config, models, stats, kinds)
+        merged |= chosen
+
     # 6. Evaluate every merged model (and each fine-tuned model, for reference) on every evaluation set.
     evaluated = {**{n: models[n] for n in names}, **merged}
     eval_sets = config.eval_datasets()
@@ -168,10 +177,10 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     others_uris = [*models.values(), *stats.values(), *matched_stats.values()]
     transform_tasks = list(dict.fromkeys(f for fs in transforms.values() for f in fs))  # barycenter: shared tasks
     report_uri = T.report.submit(
-        config, evaluations, list(matched.values()), list(merged.values()), others_uris, transform_tasks
+        config, evaluations, list(matched.values()), list(merged.values()), others_uris, transform_tasks, selections
     )
     every = [*models.values(), *stats.values(), *transform_tasks, *matched.values()]
-    raise_first_failure([*every, *matched_stats.values(), *merged.values(), *evaluations, report_uri])
+    raise_first_failure([*every, *matched_stats.values(), *merged.values(), *evaluations, *selections, report_uri])
     return {
         "report": report_uri.result(),
         "anchor": anchor or "barycenter",

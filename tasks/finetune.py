@@ -7,6 +7,7 @@ from symfuse.config import RunConfig
 from symfuse.stats import model_fingerprint
 from symfuse.train import FinetuneConfig
 from symfuse.train import finetune as finetune_model
+from symfuse.train.finetune import HEAD_SEED_OFFSET
 from tasks.common import (
     Progress,
     content_key,
@@ -25,11 +26,23 @@ from tasks.policy import batch_settings, maybe_inject_fault
 def finetune_settings(config: RunConfig, dataset: str) -> FinetuneConfig:
     """The library's fine-tuning config for one dataset (nominal micro-batch; see :func:`batch_settings`)."""
     ds, ft = config.dataset(dataset), config.finetune
+    different = config.head_init == "different"  # one head seed per dataset, else the seed's one head for all
+    head_seed = ft.seed + HEAD_SEED_OFFSET + 1 + config.dataset_names.index(dataset) if different else None
     return FinetuneConfig(
         epochs=ft.epochs, lr=ft.lr, batch_size=ft.batch_size, grad_accum=ft.grad_accum, max_length=ft.max_length,
         warmup_ratio=ft.warmup_ratio, seed=ft.seed, max_train_examples=ds.max_train_examples,
-        max_eval_examples=ds.max_eval_examples, progress=False,
+        max_eval_examples=ds.max_eval_examples, progress=False, label_space=union_labels(config), head_seed=head_seed,
     )  # fmt: skip
+
+
+def union_labels(config: RunConfig) -> list[str] | None:
+    """The union of the training datasets' classes (in dataset order) with ``labels: union``; else None."""
+    if config.labels != "union":
+        return None
+    from symfuse.data import load_task_dataset
+    from symfuse.data.labels import union_label_names
+
+    return union_label_names(load_task_dataset(config.dataset(n).data).labels for n in config.dataset_names)
 
 
 def finetune_keys(config: RunConfig, dataset: str) -> tuple[str, str]:

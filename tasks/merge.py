@@ -1,6 +1,7 @@
 """``merge``: one task per (strategy, variant).
 
-Variant ``plain`` merges the fine-tuned models; ``matched`` merges the anchor with the others matched onto it.
+Variant ``plain`` merges the fine-tuned models; ``matched`` merges the anchor with the others matched onto it;
+``greedy`` merges a subset of the fine-tuned models that greedy selection tries (stored under the subset's names).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from tasks.common import (
 )
 from tasks.policy import maybe_inject_fault
 
+GREEDY = "greedy"  # the variant of greedy selection's subset merges
+
 
 def strategy_params(config: RunConfig, strategy: str) -> dict:
     """The strategy's parameters from the run config (flattened at the task boundary)."""
@@ -42,7 +45,7 @@ def merge(
     Args:
         config: The run.
         strategy: A key of ``symfuse.merge.MERGERS``.
-        variant: ``plain`` or ``matched`` (names the artifact).
+        variant: ``plain``, ``matched`` or ``greedy`` (a subset; names the artifact).
         models: Dataset name -> checkpoint URI.
         stats: Dataset name -> statistics URIs of the kinds the strategy needs (may be empty).
 
@@ -51,7 +54,11 @@ def merge(
         sub-folder holding the merged body with that dataset's head.
     """
     store, merger = open_store(config), MERGERS[strategy]
-    key, params = layout.merged_key(config.run_id, strategy, variant), strategy_params(config, strategy)
+    params = strategy_params(config, strategy)
+    if variant == GREEDY:  # one of greedy selection's subsets
+        key = layout.selected_key(config.run_id, strategy, list(models))
+    else:
+        key = layout.merged_key(config.run_id, strategy, variant)  # type: ignore[arg-type]
     stats_uris = [u for name in models for u in stats.get(name, [])] if merger.required_stats else []
     inputs = {f"model.{n}": u for n, u in models.items()} | {f"stats{i}": u for i, u in enumerate(stats_uris)}
     base = resolve_checkpoint(config.base_model) if merger.needs_base else None

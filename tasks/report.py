@@ -75,6 +75,7 @@ def report(
     merged: Sequence[str],
     others: Sequence[str],
     transforms: Sequence[Mapping[str, str]] = (),
+    selections: Sequence[str] = (),
 ) -> str:
     """Build ``report/report.md``, ``metrics.csv`` and plots; publish markdown, table and link artifacts.
 
@@ -85,22 +86,24 @@ def report(
         merged: Merged-model artifacts (linked from the Prefect UI).
         others: Every other artifact of the run (models, statistics), for the timings table.
         transforms: The matching tasks' results ``{model: transform URI}``, for the timings table.
+        selections: Greedy selection records (``record_selection``): chosen subset and path, one per strategy.
 
     Returns:
         The report's URI.
     """
     store = open_store(config)
     flat = [*others, *(uri for by_model in transforms for uri in by_model.values())]
-    inputs = {f"input{i}": uri for i, uri in enumerate(dict.fromkeys([*evaluations, *matched, *merged, *flat]))}
+    every = dict.fromkeys([*evaluations, *matched, *merged, *flat, *selections])
+    inputs = {f"input{i}": uri for i, uri in enumerate(every)}
     key = layout.report_key(config.run_id)
     ck = content_key({"report": 1}, manifests(store, inputs))
     if reuse(store, key, ck, "report") is None:
         maybe_inject_fault()
-        _build(config, store, key, ck, inputs, evaluations, matched)
+        _build(config, store, key, ck, inputs, evaluations, matched, selections)
     return _publish(config, store, key, merged)
 
 
-def _build(config, store, key, ck, inputs, evaluations, matched) -> None:
+def _build(config, store, key, ck, inputs, evaluations, matched, selections=()) -> None:
     """Gather the records from the store and write the report artifact."""
     records = [store.get_json(uri) for uri in evaluations]
     metas = {uri: store.manifest(uri).get("meta", {}) for uri in inputs.values()}
@@ -116,7 +119,8 @@ def _build(config, store, key, ck, inputs, evaluations, matched) -> None:
     }
     with scratch("report") as tmp:
         with timed() as t:
-            built = build_report(records, distances, timings, tmp, title=f"symfuse run {config.run_id}", facts=facts)
+            built = build_report(records, distances, timings, tmp, title=f"symfuse run {config.run_id}", facts=facts,
+                                 selections=[store.get_json(uri) for uri in selections])  # fmt: skip
         meta = stage_meta("report", f"report-{config.run_id}", t.seconds, metric=built.metric)
         store.put_dir(key, tmp, "report", inputs, ck, meta)
     logger().info("report metrics (%s):\n%s", built.metric, built.table.round(4).to_string())

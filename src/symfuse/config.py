@@ -169,6 +169,25 @@ class RunConfig(_Strict):
         default_factory=lambda: ["simple", "fisher", "regmean"], min_length=1, description="Merge strategies."
     )
     regmean_alpha: float = Field(default=0.9, ge=0, le=1, description="RegMean: scale of off-diagonal Gram terms.")
+    labels: Literal["per-dataset", "union"] = Field(
+        default="per-dataset",
+        description="Label space: 'per-dataset' heads (merged body, each dataset's own head), or 'union': every "
+        "model gets one multi-label head over the union of the datasets' classes, and each class is merged only "
+        "over the models that learned it (RegMean paper, Appendix B).",
+    )
+    head_init: Literal["same", "different"] = Field(
+        default="same", description="New heads start from one seeded initialisation ('same') or one per dataset."
+    )
+    select: Literal["all", "greedy"] = Field(
+        default="all",
+        description="Models to merge: 'all', or 'greedy': in order of their validation score, each model is kept "
+        "when adding it improves the merged model's validation score (RegMean paper, section 5.2).",
+    )
+    select_on: str | None = Field(
+        default=None,
+        description="Greedy selection's validation set: a dataset name whose validation split scores the models "
+        "(e.g. an out-of-domain set); default: the mean over the training datasets' validation splits.",
+    )
     evaluation: EvalSettings = Field(default_factory=EvalSettings)
     store_root: str | None = Field(
         default=None, description="Artifact store URL (local folder, s3://bucket/prefix). Default: $SYMFUSE_STORE."
@@ -186,6 +205,11 @@ class RunConfig(_Strict):
     stage_deployments: StageDeployments = Field(
         default_factory=StageDeployments, description="Stage deployments used when fan_out is 'deployments'."
     )
+
+    @field_validator("select_on")
+    @classmethod
+    def _select_on(cls, value: str | None) -> str | None:
+        return None if value is None else _check_name(value, "selection dataset")
 
     @field_validator("run_id")
     @classmethod
@@ -214,6 +238,8 @@ class RunConfig(_Strict):
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names must be unique, got {names}")
+        if self.select_on is not None and self.select != "greedy":
+            raise ValueError(f"select_on {self.select_on!r} is read only with select: greedy; set it or drop select_on")
         if self.anchor not in ANCHOR_POLICIES and self.anchor not in names:
             raise ValueError(f"anchor {self.anchor!r}: expected 'closest', 'barycenter' or one of the datasets {names}")
         return self

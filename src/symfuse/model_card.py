@@ -58,7 +58,8 @@ def model_card(
         config: The merged model's ``config.json`` (architecture, labels).
         base: Base model the inputs were fine-tuned from.
         symmetries: Symmetries the inputs were matched with before merging (empty: merged as they are).
-        heads: ``merged`` (one head) or ``per-dataset`` (one head folder per input under ``heads/``).
+        heads: ``merged`` (one head), ``union`` (one union head, merged per class) or ``per-dataset`` (one head
+            folder per input under ``heads/``).
         extra: More facts for the front matter's ``symfuse`` entry (e.g. run id, variant).
 
     Returns:
@@ -102,6 +103,8 @@ def model_card(
         + (
             "one merged classification head"
             if heads == "merged"
+            else "one head over the union of the inputs' classes, each class merged from the inputs that learned it"
+            if heads == "union"
             else "one merged body; each input's own head in `heads/<dataset>/` (the first input's here)"
         ),
     ]

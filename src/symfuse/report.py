@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # The first of these that an evaluation reports is the headline metric of the table.
 PRIMARY_METRICS = ("accuracy", "macro_f1", "f1", "micro_f1", "pearson", "spearman", "neg_loss")
-VARIANT_ORDER = ("plain", "matched")
+VARIANT_ORDER = ("plain", "matched", "greedy")
 
 
 @dataclass(frozen=True)
@@ -217,6 +217,28 @@ def _plot_distances(distances: Iterable[Mapping[str, Any]], file: Path) -> Path 
     return file
 
 
+def selection_markdown(selections: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Report lines for greedy selection: per strategy the chosen subset, its score and the path of tries."""
+    if not selections:
+        return []
+    lines = ["## Greedy selection of the models to merge", ""]
+    for sel in selections:
+        on = ", ".join(sel.get("on") or [])
+        lines += [
+            f"**{sel['strategy']}**: chosen {' + '.join(sel['chosen'])} (validation score {sel['score']:.4f}, "
+            f"mean primary metric on the validation splits of {on}); model `{sel['strategy']}-greedy`.",
+            "",
+            "| step | tried | validation score | kept |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {i} | {' + '.join(step['subset'])} | {step['score']:.4f} | {'yes' if step['kept'] else 'no'} |"
+            for i, step in enumerate(sel["path"], 1)
+        ]
+        lines.append("")
+    return lines
+
+
 def build_report(
     evaluations: Iterable[Mapping[str, Any]],
     distances: Iterable[Mapping[str, Any]],
@@ -224,6 +246,7 @@ def build_report(
     out_dir: str | Path,
     title: str = "symfuse run",
     facts: Mapping[str, Any] | None = None,
+    selections: Sequence[Mapping[str, Any]] = (),
 ) -> Report:
     """Write ``report.md``, ``metrics.csv`` (every metric, long form), ``metrics.png`` and ``distances.png``.
 
@@ -234,6 +257,7 @@ def build_report(
         out_dir: Folder to write into (created).
         title: Report heading.
         facts: Run facts listed under the heading (run id, base model, datasets, ...).
+        selections: Greedy selection records (``strategy``, ``chosen``, ``score``, ``on``, ``path`` of tries).
 
     Returns:
         The :class:`Report`.
@@ -270,6 +294,7 @@ def build_report(
         parts += [f"Best merge ({score_col}): **{s} / {v}** = {best.loc[(s, v), score_col]:.4f}", ""]
     parts += ["![metrics](metrics.png)", ""]
     parts += findings_markdown(dist, table, metric)
+    parts += selection_markdown(selections)
     if not dist.empty:
         parts += ["## Distance to the anchor before / after matching", "", to_markdown(dist, index=False), ""]
         parts += ["![distances](distances.png)", ""]

@@ -66,6 +66,11 @@ def test_minimal_yaml_gets_defaults(tmp_path):
         ({"stats": {"kinds": ["hessian"]}}, "kinds"),
         ({"strategies": ["simple", "simple"]}, "duplicate"),
         ({"regmean_alpha": 1.5}, "regmean_alpha"),
+        ({"labels": "shared"}, "labels"),
+        ({"head_init": "random"}, "head_init"),
+        ({"select": "best"}, "select"),
+        ({"select_on": "goemotions_ekman"}, "select_on 'goemotions_ekman' is read only with select: greedy"),
+        ({"select": "greedy", "select_on": "../x"}, "selection dataset"),
     ],
 )
 def test_invalid_configs_are_refused(change, message):

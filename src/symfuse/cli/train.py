@@ -10,6 +10,7 @@ import typer
 
 from symfuse.cli import app, checks
 from symfuse.config import DATASET_RESOLUTION
+from symfuse.errors import UsageError
 from symfuse.outputs import claim_output
 
 
@@ -30,6 +31,23 @@ def finetune(
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 13,
     device: Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")] = "cpu",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
+    labels: Annotated[
+        str,
+        typer.Option(
+            "--labels",
+            help="Label space: 'per-dataset' (a head over --data's classes) or 'union' (one binary output per class "
+            "of the union of the --union-of datasets' classes, trained on --data's own; merge then merges each class "
+            "only over the models that learned it).",
+        ),
+    ] = "per-dataset",
+    union_of: Annotated[
+        str | None,
+        typer.Option("--union-of", help="With --labels union: the training datasets, comma-separated, in order."),
+    ] = None,
+    head_seed: Annotated[
+        int | None,
+        typer.Option("--head-seed", help="Seed of the new head's initialisation (default: derived from --seed)."),
+    ] = None,
 ) -> None:
     """Fine-tune BASE on a dataset and write the fine-tuned checkpoint."""
     checks.at_least("--epochs", epochs, 1)
@@ -40,11 +58,26 @@ def finetune(
     checks.at_least("--grad-accum", grad_accum, 1)
     checks.at_least("--max-length", max_length, 8)
     checks.device("--device", device)
+    checks.one_of("--labels", labels, ("per-dataset", "union"))
+    if (labels == "union") != (union_of is not None):
+        raise UsageError(
+            "--union-of: give it exactly with --labels union — the comma-separated training datasets whose classes "
+            "form the union (e.g. --labels union --union-of crowdflower,goemotions,meld)"
+        )
     checks.local_path("BASE", base)
     checks.checkpoint(base, arch=False)
     from symfuse.train import TRAIN_REPORT, FinetuneConfig
     from symfuse.train import finetune as run
 
+    space = None
+    if union_of is not None:
+        from symfuse.data import load_task_dataset
+        from symfuse.data.labels import union_label_names
+
+        names = checks.names_list("--union-of", union_of, [s.strip() for s in union_of.split(",")], "datasets")
+        for name in names:
+            checks.dataset("--union-of", name)
+        space = union_label_names(load_task_dataset(n).labels for n in names)
     cfg = FinetuneConfig(
         epochs=epochs,
         lr=lr,
@@ -54,6 +87,8 @@ def finetune(
         max_train_examples=max_train_examples,
         max_eval_examples=max_eval_examples,
         seed=seed,
+        label_space=space,
+        head_seed=head_seed,
     )
     with claim_output(out, overwrite):
         checks.dataset("--data", data)

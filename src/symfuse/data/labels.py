@@ -1,17 +1,27 @@
-"""Label spaces shared between datasets (out-of-domain emotion evaluation)."""
+"""Label spaces shared between datasets (out-of-domain emotion evaluation, the union label space).
+
+Class names are matched case-insensitively everywhere here (``Joy`` and ``joy`` are one class); results keep the
+spelling of the side they are taken from.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 # Ekman's basic emotions that the emotion datasets have in common (each dataset has some of them).
 EMOTION_SHARED = ("anger", "disgust", "fear", "joy", "sadness", "surprise")
 
 
+def _key(name: str) -> str:
+    return str(name).casefold()
+
+
 def shared_label_names(
     a: Iterable[str], b: Iterable[str], restrict: Iterable[str] | None = EMOTION_SHARED
 ) -> list[str]:
-    """Class names two label spaces share, in ``a``'s order.
+    """Class names two label spaces share (case-insensitively), in ``a``'s order and spelling.
 
     Args:
         a: First label space (e.g. the evaluated dataset's classes).
@@ -21,6 +31,125 @@ def shared_label_names(
     Returns:
         The shared names (may be empty).
     """
-    names_b = set(b)
-    keep = set(restrict) if restrict is not None else None
-    return [n for n in a if n in names_b and (keep is None or n in keep)]
+    names_b = {_key(n) for n in b}
+    keep = {_key(n) for n in restrict} if restrict is not None else None
+    return [n for n in a if _key(n) in names_b and (keep is None or _key(n) in keep)]
+
+
+def label_index(names: Sequence[str]) -> dict[str, int]:
+    """Case-insensitive class name -> position in ``names`` (the first spelling wins)."""
+    out: dict[str, int] = {}
+    for i, n in enumerate(names):
+        out.setdefault(_key(n), i)
+    return out
+
+
+def union_label_names(spaces: Iterable[Sequence[str]]) -> list[str]:
+    """The union of label spaces: every class once (case-insensitively), in order of first appearance.
+
+    Args:
+        spaces: Each training dataset's class names, in dataset order.
+
+    Returns:
+        The union's class names (the first spelling met is kept).
+    """
+    seen: dict[str, str] = {}
+    for names in spaces:
+        for n in names:
+            seen.setdefault(_key(n), str(n))
+    return list(seen.values())
+
+
+def columns_of(labels: Sequence[str], space: Sequence[str]) -> list[int]:
+    """Positions in ``space`` of each of ``labels`` (case-insensitive).
+
+    Raises:
+        ValueError: a label missing from ``space`` (the message names it).
+    """
+    index = label_index(space)
+    missing = [n for n in labels if _key(n) not in index]
+    if missing:
+        raise ValueError(f"classes {missing} are not in the label space {list(space)}")
+    return [index[_key(n)] for n in labels]
+
+
+# ----------------------------------------------------------------------------------------------- union metadata
+
+LABEL_SPACE_KEY = "symfuse_label_space"  # config.json entry of a union-head checkpoint (see :class:`LabelSpace`)
+
+
+@dataclass(frozen=True)
+class LabelSpace:
+    """A union head's label metadata, stored in the checkpoint's ``config.json`` under :data:`LABEL_SPACE_KEY`.
+
+    Attributes:
+        labels: The head's classes, in output order (equal to ``config.id2label``).
+        learned: Per class, whether the model was trained on it (loss was computed on that output).
+        datasets: Dataset name -> the classes it has (the datasets the model, or the merged models, learned from).
+    """
+
+    labels: tuple[str, ...]
+    learned: tuple[bool, ...]
+    datasets: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``config.json`` entry."""
+        return {
+            "space": "union",
+            "labels": list(self.labels),
+            "learned": list(self.learned),
+            "datasets": {k: list(v) for k, v in self.datasets.items()},
+        }
+
+    @property
+    def learned_names(self) -> list[str]:
+        """The classes some training data had."""
+        return [n for n, ok in zip(self.labels, self.learned, strict=True) if ok]
+
+    def covers(self, dataset: str, labels: Sequence[str]) -> bool:
+        """Whether ``dataset`` (by name, with these classes) is one the head learned from (in-domain)."""
+        mine = self.datasets.get(dataset)
+        return mine is not None and {_key(n) for n in labels} == {_key(n) for n in mine}
+
+
+def learned_space(labels: Sequence[str], dataset: str, dataset_labels: Sequence[str]) -> LabelSpace:
+    """The :class:`LabelSpace` of a model fine-tuned on ``dataset`` with the union head ``labels``.
+
+    Raises:
+        ValueError: a class of the dataset missing from ``labels``.
+    """
+    cols = set(columns_of(dataset_labels, labels))
+    return LabelSpace(tuple(labels), tuple(i in cols for i in range(len(labels))), {dataset: tuple(dataset_labels)})
+
+
+def read_label_space(config: Any, where: object) -> LabelSpace | None:
+    """The union label metadata of a checkpoint config (object or ``config.json`` dict); None for other heads.
+
+    Raises:
+        CheckpointError: the entry is malformed or disagrees with ``id2label`` (names ``where`` and the fix).
+    """
+    from symfuse.errors import CheckpointError
+
+    get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+    raw = get(LABEL_SPACE_KEY)
+    if raw is None:
+        return None
+    fix = "fine-tune it again with union labels (symfuse finetune --labels union)"
+    if not isinstance(raw, Mapping) or raw.get("space") != "union":
+        raise CheckpointError(f"{where}: config.json {LABEL_SPACE_KEY} is not a union label space; {fix}")
+    labels, learned, datasets = raw.get("labels"), raw.get("learned"), raw.get("datasets") or {}
+    if not isinstance(labels, list) or not all(isinstance(n, str) for n in labels):
+        raise CheckpointError(f"{where}: config.json {LABEL_SPACE_KEY}.labels must be a list of names; {fix}")
+    if not isinstance(learned, list) or len(learned) != len(labels) or not all(isinstance(b, bool) for b in learned):
+        raise CheckpointError(
+            f"{where}: config.json {LABEL_SPACE_KEY}.learned must hold one true/false per class ({len(labels)}); {fix}"
+        )
+    id2label = get("id2label") or {}
+    head = [str(id2label[k]) for k in sorted(id2label, key=int)]
+    if head != labels:
+        raise CheckpointError(
+            f"{where}: config.json id2label {head[:5]}... differs from {LABEL_SPACE_KEY}.labels {labels[:5]}...; {fix}"
+        )
+    if not isinstance(datasets, Mapping) or not all(isinstance(v, list) for v in datasets.values()):
+        raise CheckpointError(f"{where}: config.json {LABEL_SPACE_KEY}.datasets must map names to class lists; {fix}")
+    return LabelSpace(tuple(labels), tuple(learned), {str(k): tuple(map(str, v)) for k, v in datasets.items()})

@@ -12,9 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split
+from symfuse.data.labels import read_label_space
 from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, resolve_device, run_model
 from symfuse.evaluate.scoring import score_logits
 
@@ -60,7 +63,9 @@ def evaluate_model(
 
     Classes are matched by name between the head (``config.id2label``, or the labels of ``labels_from``) and the
     dataset; out-of-domain emotion data is scored over the shared classes only (rule in
-    :mod:`symfuse.evaluate.scoring`).
+    :mod:`symfuse.evaluate.scoring`). A union head (label metadata in ``config.json``, see
+    :class:`symfuse.data.labels.LabelSpace`) scores the datasets it learned from in-domain, and never predicts a
+    class no training set had.
 
     Args:
         model: Checkpoint folder with a sequence- or token-classification head.
@@ -99,7 +104,13 @@ def evaluate_model(
     same_space = head_labels == ds.labels and head_problem == ds.problem_type
     loss_problem = ds.problem_type if same_space or ds.problem_type == "regression" else None
     logits, labels, loss = run_model(net, batches, loss_problem, dev, amp=dev.type == "cuda")
-    metrics = score_logits(ds, head_labels, head_problem, logits, labels)
+    space = read_label_space(net.config, path) if labels_from is None else None
+    in_domain = None
+    if space is not None:  # union head: in-domain iff it learned from this dataset; unlearned classes never predicted
+        in_domain = space.covers(ds.name, ds.labels)
+        never = [i for i, ok in enumerate(space.learned) if not ok]
+        logits = [z.index_fill(1, torch.tensor(never, dtype=torch.long), float("-inf")) for z in logits]
+    metrics = score_logits(ds, head_labels, head_problem, logits, labels, in_domain=in_domain)
     if same_space or ds.problem_type == "regression":
         metrics["loss"] = loss
     metrics.update(

@@ -5,6 +5,10 @@ Label-space rule (in-domain and out-of-domain alike):
 * The head's classes are ``config.id2label`` (or the labels of ``--labels-from``); the dataset's come from its
   ``meta.json``. Classes are matched by name, never by id.
 * Same class set (in-domain): every class is scored (ids may be in any order).
+* Union heads (one binary output per class of every training set's labels): the dataset is in-domain when the
+  head learned from it (the caller says so, from the checkpoint's label metadata); all its classes are scored.
+* In-domain single-label data gets one predicted class per example (argmax over the dataset's classes, whatever the
+  head's problem type), and Matthews' correlation besides the F1s.
 * Different sets (out-of-domain emotion): only the shared classes are scored — the six Ekman emotions (anger,
   disgust, fear, joy, sadness, surprise) that both sides have. Predictions are restricted to the shared classes
   (argmax over those logits only; sigmoid > 0.5 of those columns for a multi-label head); gold is restricted to
@@ -24,7 +28,7 @@ import torch
 
 from symfuse.data.batches import IGNORE_INDEX
 from symfuse.data.dataset import DatasetError, TaskDataset
-from symfuse.data.labels import shared_label_names
+from symfuse.data.labels import label_index, shared_label_names
 from symfuse.evaluate import metrics as M
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,7 @@ def score_logits(
     head_problem: str,
     logits: Sequence[torch.Tensor],
     labels: Sequence[torch.Tensor],
+    in_domain: bool | None = None,
 ) -> dict:
     """Metrics of a head's logits against a dataset's gold labels (see the module docstring for the label rule).
 
@@ -49,6 +54,8 @@ def score_logits(
         head_problem: The head's problem type (see :func:`~symfuse.evaluate.predict.head_problem_type`).
         logits: Per-batch logits.
         labels: Per-batch gold labels (as collated).
+        in_domain: Whether the head was trained on this dataset (every class of the dataset is scored); None: when
+            head and dataset have the same class names.
 
     Returns:
         Metrics (floats), ``n`` (scored examples), ``classes`` (the scored class names), ``primary`` (metric name).
@@ -65,7 +72,8 @@ def score_logits(
         return {**M.pearson_spearman(pred, gold), "mse": mse, "n": len(gold), "primary": primary}
     if problem == "token_classification":
         return _score_ner(dataset, list(head_labels), logits, labels, primary)
-    in_domain = set(head_labels) == set(dataset.labels)
+    if in_domain is None:
+        in_domain = set(label_index(head_labels)) == set(label_index(dataset.labels))
     classes = list(dataset.labels) if in_domain else shared_label_names(dataset.labels, head_labels)
     if not classes:
         classes = shared_label_names(dataset.labels, head_labels, restrict=None)
@@ -74,11 +82,13 @@ def score_logits(
             f"{dataset.name}: the model's classes {list(head_labels)} share none with the dataset's "
             f"{dataset.labels}; pass --labels-from with the dataset the head was trained on"
         )
-    h_idx = [list(head_labels).index(c) for c in classes]
+    head_index = label_index(head_labels)
+    h_idx = [head_index[c.casefold()] for c in classes]
     g_idx = [dataset.labels.index(c) for c in classes]
     z = torch.cat(logits)[:, h_idx]  # (n, shared)
     y = torch.cat(labels)
-    if head_problem == "multi_label_classification":
+    one_class = not dataset.multi_label and in_domain  # single-label in-domain data: one class per example
+    if head_problem == "multi_label_classification" and not one_class:
         pred = (torch.sigmoid(z) > 0.5).numpy()
     else:
         pred = np.eye(len(classes), dtype=bool)[z.argmax(-1).numpy()]
@@ -98,7 +108,7 @@ def score_logits(
         "accuracy": M.accuracy(pred, gold),
         "per_class_f1": dict(zip(classes, map(float, M.per_class_f1(pred, gold)), strict=True)),
     }
-    if not dataset.multi_label and head_problem != "multi_label_classification":
+    if not dataset.multi_label and (one_class or head_problem != "multi_label_classification"):
         out["matthews"] = M.matthews(pred.argmax(1), gold.argmax(1))
     out.update({"n": int(keep.sum()), "classes": classes, "in_domain": in_domain, "primary": primary})
     return out

@@ -13,7 +13,10 @@ Classification heads (tensors outside the base model, e.g. ``classifier.*``, ``p
   ``save_pretrained`` folder with the merged body and the FIRST model's head; every other model ``i`` gets
   ``out/heads/<name_i>/``, a complete ``save_pretrained`` folder with the same merged body and model i's own head
   and config (``name_i`` = the dataset named in its statistics, else its folder name). ``symfuse_report.json``
-  maps each name to its folder (``"."`` for the first).
+  maps each name to its folder (``"."`` for the first);
+* union heads (every model has one head over the union of the datasets' classes, label metadata in
+  ``config.json``): ONE merged head, each class row merged only over the models that learned that class
+  (:mod:`symfuse.merge.heads`).
 
 Every output folder gets a ``README.md`` model card (:mod:`symfuse.model_card`): base, inputs and their fine-tuning
 metrics, strategy, symmetries, heads.
@@ -35,6 +38,7 @@ from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.errors import CheckpointError, MissingStats, NonFiniteError
 from symfuse.io import BufferPool, check_finite_tensor
 from symfuse.merge.base import LazyTensors, TensorInputs, weighted_mean
+from symfuse.merge.heads import merge_class_rows, union_heads, write_label_space
 from symfuse.model_card import CARD, input_metrics, model_card
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.stats.io import STAT_KINDS, StatsFile
@@ -177,6 +181,8 @@ def merge_checkpoints(
     r0 = readers[0]
 
     heads = head_names(r0)
+    union = union_heads([r.config for r in readers], [r.path for r in readers])  # None: no union label space
+    learned = union.learned if union is not None else None
     separate = bool(heads) and not all(
         head_names(r) == heads and _labels(r) == _labels(r0) and all(r.shape(n) == r0.shape(n) for n in heads)
         for r in readers[1:]
@@ -229,8 +235,12 @@ def merge_checkpoints(
             "tensor",
         )
         b = base_tensor(name)
+        rows = union is not None and union.per_class(name, first.shape, heads)  # merged per class, over its learners
         if merger.needs_base and b is None:  # e.g. a head absent from a bare base model
             merger.count("no_base_averaged")
+            if rows:
+                mean = lambda t: weighted_mean(t.tensors, t.weights)  # noqa: E731
+                return merge_class_rows(mean, TensorInputs(name, tensors, weights), learned)
             return weighted_mean(tensors, weights)
         fisher = None
         if fishers is not None and all(f.has(name) for f in fishers):
@@ -251,7 +261,8 @@ def merge_checkpoints(
             elif any(have):
                 raise MissingStats(f"Gram of {module} is missing from some models' statistics; recollect them")
         key = same_input.get(module, module) if gram is not None else None
-        return merger.merge_tensor(TensorInputs(name, tensors, weights, b, fisher, gram, conv1d, key))
+        inputs = TensorInputs(name, tensors, weights, b, fisher, gram, conv1d, key)
+        return merge_class_rows(merger.merge_tensor, inputs, learned) if rows else merger.merge_tensor(inputs)
 
     names: dict[str, str] = {}
     for i, m in enumerate(models):
@@ -265,6 +276,8 @@ def merge_checkpoints(
     out = Path(out)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True)
+        if union is not None:  # the merged head learned every class some model learned
+            write_label_space(tmp, union.merged())
         if separate:
             merged = StreamingReader(tmp)
             for rel, r in zip(names.values(), readers, strict=True):
@@ -282,7 +295,11 @@ def merge_checkpoints(
             "models": [str(m) for m in models],
             "stats": [str(s) for s in stats or []],
             "base": str(base) if base is not None else None,
-            "heads": {"policy": "per-dataset" if separate else "merged", "folders": names if separate else {}},
+            "heads": {
+                "policy": "union" if union is not None else ("per-dataset" if separate else "merged"),
+                "folders": names if separate else {},
+                **({"learners": union.learners()} if union is not None else {}),
+            },
             "counters": merger.counters,
             "seconds": round(time.perf_counter() - start, 3),
         }

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel
@@ -116,6 +116,19 @@ def merged_key(run: str, strategy: str, variant: Literal["plain", "matched"]) ->
     if variant not in VARIANTS:
         raise ValueError(f"merge variant {variant!r}: expected one of {VARIANTS}")
     return f"{run_prefix(run)}/merged/{check_segment(strategy, 'strategy')}/{variant}"
+
+
+def selected_key(run: str, strategy: str, models: Sequence[str]) -> str:
+    """``runs/{run}/selected/{strategy}/{m1+m2+...}``: a merge of a subset of the models tried by greedy selection."""
+    if not models:
+        raise ValueError("a selected merge needs at least one model")
+    names = "+".join(check_segment(m, "model") for m in models)
+    return f"{run_prefix(run)}/selected/{check_segment(strategy, 'strategy')}/{names}"
+
+
+def selection_key(run: str, strategy: str) -> str:
+    """``runs/{run}/selection/{strategy}``: greedy selection's record (chosen subset, path of tries)."""
+    return f"{run_prefix(run)}/selection/{check_segment(strategy, 'strategy')}"
 
 
 def merged_prefix(run: str) -> str:

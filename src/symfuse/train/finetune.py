@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data import TaskDataset, collate, encode_split, iter_batches, load_task_dataset, load_tokenizer
+from symfuse.data.labels import LABEL_SPACE_KEY, columns_of, learned_space, read_label_space
 from symfuse.errors import NonFiniteError
 from symfuse.evaluate.predict import forward_logits, resolve_device, run_model, task_loss
 from symfuse.evaluate.scoring import score_logits
@@ -72,6 +73,12 @@ class FinetuneConfig(BaseModel):
         50, ge=1, description="sort by length within shuffled chunks of this many optimizer steps; None: plain order"
     )
     eval_batch_size: int = Field(64, ge=1)
+    label_space: list[str] | None = Field(
+        None,
+        description="union labels: one binary output per class of this list (the union of every training set's "
+        "classes), loss only on the dataset's own; None: a head over the dataset's classes",
+    )
+    head_seed: int | None = Field(None, description="seed of the new head's generator; None: seed + HEAD_SEED_OFFSET")
     keep_best: bool = True
     progress: bool = True
 
@@ -97,11 +104,18 @@ def _build_model(base: Path, data: TaskDataset, cfg: FinetuneConfig) -> torch.nn
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     config = AutoConfig.from_pretrained(str(base))
-    config.num_labels = data.num_labels
-    config.id2label = data.id2label
-    config.label2id = {v: k for k, v in data.id2label.items()}
-    if data.problem_type != "token_classification":
-        config.problem_type = data.problem_type
+    if cfg.label_space is not None:  # union labels: one binary output per class of the union
+        space = learned_space(cfg.label_space, data.name, data.labels)
+        config.num_labels = len(space.labels)
+        config.id2label = dict(enumerate(space.labels))
+        config.problem_type = "multi_label_classification"
+        setattr(config, LABEL_SPACE_KEY, space.to_json())
+    else:
+        config.num_labels = data.num_labels
+        config.id2label = data.id2label
+        if data.problem_type != "token_classification":
+            config.problem_type = data.problem_type
+    config.label2id = {v: k for k, v in config.id2label.items()}
     if cfg.dropout is not None:
         for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout"):
             if hasattr(config, key):
@@ -111,16 +125,16 @@ def _build_model(base: Path, data: TaskDataset, cfg: FinetuneConfig) -> torch.nn
     model, info = load_hf_model(base, cls, validate=False, config=config, ignore_mismatched_sizes=True,
                                 output_loading_info=True)  # fmt: skip
     new = set(info.get("missing_keys") or ()) | {m[0] for m in info.get("mismatched_keys") or ()}
-    return _init_head(model, new, cfg.seed)
+    return _init_head(model, new, cfg.seed + HEAD_SEED_OFFSET if cfg.head_seed is None else cfg.head_seed)
 
 
 def _init_head(model: torch.nn.Module, new: set[str], seed: int) -> torch.nn.Module:
-    """Initialise the new (not loaded) Linear / LayerNorm weights from ``torch.Generator`` seeded ``seed + offset``.
+    """Initialise the new (not loaded) Linear / LayerNorm weights from ``torch.Generator`` seeded ``seed``.
 
     Linear weights ~ N(0, ``config.initializer_range``) and zero biases, LayerNorm ones / zeros (transformers'
     scheme), drawn in module order: the head depends on the seed alone, whatever the global generator's state.
     """
-    gen = torch.Generator().manual_seed(seed + HEAD_SEED_OFFSET)
+    gen = torch.Generator().manual_seed(seed)
     std = float(getattr(model.config, "initializer_range", 0.02))
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -180,6 +194,8 @@ def train_model(
     where = getattr(model.config, "_name_or_path", "") or "model"
     for name, p in model.state_dict().items():
         check_finite_tensor(p, name, where)
+    cols = union_columns(model.config, data, where)  # union head: the outputs of the dataset's own classes
+    problem = data.problem_type if cols is None else "multi_label_classification"
     model = copy.deepcopy(model).to(dev)
     pad = tokenizer.pad_token_id or 0
     train_feats = encode_split(data, tokenizer, "train", cfg.max_length)
@@ -220,13 +236,14 @@ def train_model(
             micro = [collate(chunk[i : i + cfg.batch_size], pad) for i in range(0, len(chunk), cfg.batch_size)]
             if dev.type == "cuda":  # pinned host memory: the copies overlap the previous micro-batch's compute
                 micro = [{k: v.pin_memory().to(dev, non_blocking=True) for k, v in b.items()} for b in micro]
-            counts = [_count(b["labels"], data.problem_type) for b in micro]
+            counts = [_count(b["labels"], problem) if cols is None else len(b["labels"]) * len(cols) for b in micro]
             denom = max(sum(counts), 1)
             opt.zero_grad(set_to_none=True)
             for batch in micro:
                 with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
                     logits = forward_logits(model, batch, dev)
-                loss_sum, _ = task_loss(logits, batch["labels"].to(dev), data.problem_type)
+                logits, gold = own_outputs(logits, batch["labels"].to(dev), cols, data.multi_label)
+                loss_sum, _ = task_loss(logits, gold, problem)
                 if not torch.isfinite(loss_sum.detach()).all():
                     value = float(loss_sum.detach())
                     raise NonFiniteError(
@@ -252,8 +269,13 @@ def train_model(
                 on_progress(done / max(total, 1))
         bar.close()
         train_seconds = time.perf_counter() - t0
-        logits, labels, val_loss = run_model(model, val_batches, data.problem_type, dev, amp)
-        metrics = score_logits(data, data.labels, data.problem_type, logits, labels)
+        logits, labels, val_loss = run_model(model, val_batches, problem if cols is None else None, dev, amp)
+        if cols is not None:  # the loss of the dataset's own outputs, as in training
+            pairs = [own_outputs(z, y, cols, data.multi_label) for z, y in zip(logits, labels, strict=True)]
+            logits = [z for z, _ in pairs]
+            terms = sum(y.numel() for _, y in pairs)
+            val_loss = sum(float(task_loss(z, y, problem)[0]) for z, y in pairs) / max(1, terms)
+        metrics = score_logits(data, data.labels, problem, logits, labels)
         record = {
             "epoch": epoch,
             "train_loss": run_loss / max(run_n, 1),
@@ -283,6 +305,38 @@ def train_model(
     if best_state is not None and cfg.keep_best:
         model.load_state_dict(best_state)
     return model.cpu().eval(), history
+
+
+def union_columns(config: Any, data: TaskDataset, where: object) -> list[int] | None:
+    """The head outputs of ``data``'s classes when the head is a union head (see :class:`LabelSpace`), else None.
+
+    Raises:
+        CheckpointError: malformed union metadata.
+        ValueError: a class of ``data`` missing from the union, or a task that is not classification.
+    """
+    space = read_label_space(config, where)
+    if space is None:
+        return None
+    if data.task not in ("classification", "pair_classification"):
+        raise ValueError(f"{data.name}: union labels need a classification dataset, not {data.task}")
+    try:
+        return columns_of(data.labels, space.labels)
+    except ValueError as exc:
+        raise ValueError(f"{data.name}: {exc}; include this dataset in the union") from None
+
+
+def own_outputs(
+    logits: torch.Tensor, labels: torch.Tensor, cols: list[int] | None, multi_label: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Union heads: the logits of the dataset's own classes and multi-hot gold over them; else both unchanged.
+
+    Each class of the union is a binary classifier; a dataset trains (and is scored on) only the classes it has,
+    so the loss sees no output of a class the dataset lacks.
+    """
+    if cols is None:
+        return logits, labels
+    gold = labels.float() if multi_label else torch.nn.functional.one_hot(labels.long(), len(cols)).float()
+    return logits[:, cols], gold
 
 
 def epoch_steps(
@@ -359,6 +413,13 @@ def finetune(
     base_path = validate_checkpoint(base, finite=True, tokenizer=True)  # before any data is read
     tok = load_tokenizer(base_path)
     ds = load_task_dataset(data, max_train_examples=cfg.max_train_examples, seed=cfg.seed)
+    if cfg.label_space is not None:  # before any model is built: the union must hold the dataset's classes
+        if ds.task not in ("classification", "pair_classification"):
+            raise ValueError(f"{data}: union labels need a classification dataset, not {ds.task}")
+        try:
+            columns_of(ds.labels, cfg.label_space)
+        except ValueError as exc:
+            raise ValueError(f"{data}: {exc}; build the union from every training dataset") from None
     with _TRAIN_LOCK:  # reproducible from cfg.seed also when other threads fine-tune (see _TRAIN_LOCK)
         model, history = train_model(_build_model(base_path, ds, cfg), ds, tok, cfg, device, on_progress)
     report = {
@@ -367,6 +428,7 @@ def finetune(
         "dataset": ds.name,
         "problem_type": ds.problem_type,
         "labels": ds.labels,
+        "label_space": "per-dataset" if cfg.label_space is None else "union",
         "train_examples": len(ds.splits["train"]),
         "data_fingerprint": ds.fingerprint,
         "config": cfg.model_dump(),

@@ -77,6 +77,21 @@ def test_out_of_domain_scoring_maps_by_name_over_shared_classes():
     assert m["accuracy"] == pytest.approx(0.5)
 
 
+def test_union_head_in_domain_scores_every_dataset_class_with_one_class_per_example():
+    # a multi-label union head (names in another case) on its single-label in-domain data: argmax over the
+    # dataset's classes (never "Fear", which this dataset lacks), Matthews reported
+    data = _ds(["anger", "joy"])
+    head = ["Joy", "fear", "Anger"]
+    logits = torch.tensor([[-1.0, 9.0, -2.0], [-3.0, 9.0, -1.0], [-2.0, 9.0, -3.0], [-4.0, 9.0, -5.0]])
+    gold = torch.tensor([1, 0, 1, 1])  # joy, anger, joy, joy
+    m = score_logits(data, head, "multi_label_classification", [logits], [gold], in_domain=True)
+    assert m["classes"] == ["anger", "joy"] and m["in_domain"] and m["n"] == 4
+    # predictions: joy (-1 > -2), anger (-1 > -3), joy, joy: all right although no sigmoid is above 0.5
+    assert m["accuracy"] == 1.0 and m["matthews"] == pytest.approx(1.0) and m["macro_f1"] == 1.0
+    ood = score_logits(_ds(["anger", "joy", "neutral"]), head, "multi_label_classification", [logits], [gold])
+    assert ood["classes"] == ["anger", "joy"] and not ood["in_domain"] and "matthews" not in ood
+
+
 def test_multilabel_gold_against_single_label_head():
     data = _ds(["anger", "joy", "neutral"], multi=True)
     head = ["anger", "joy", "love"]

@@ -61,3 +61,23 @@ def test_finetune_evaluate_barrier_commands(tmp_path):
     )
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "bar" / "barrier.json").read_text())["barrier"] == 0.0
+
+
+def test_finetune_union_labels_writes_the_union_head(tmp_path):
+    data = tmp_path / "toy"
+    data.mkdir()
+    rows = [{"text": f"i feel so {w} today", "label": lab} for w, lab in [("happy", "joy"), ("furious", "anger")] * 4]
+    for split in ("train", "validation", "test"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (data / "meta.json").write_text(json.dumps({"task": "classification", "labels": ["anger", "joy"]}))
+    base = save_tiny_base(tmp_path / "base")
+    runner = CliRunner()
+    common = ["finetune", str(base), "--data", str(data), "--out", str(tmp_path / "ft"), "--epochs", "1"]
+    res = runner.invoke(app, [*common, "--union-of", f"{data},meld"])
+    assert res.exit_code != 0 and "--union-of: give it exactly with --labels union" in res.output
+    assert not (tmp_path / "ft").exists()
+    res = runner.invoke(app, [*common, "--labels", "union", "--union-of", f"{data},meld", "--max-length", "16"])
+    assert res.exit_code == 0, res.output
+    space = json.loads((tmp_path / "ft" / "config.json").read_text())["symfuse_label_space"]
+    assert space["labels"] == ["anger", "joy", "disgust", "fear", "neutral", "sadness", "surprise"]
+    assert space["learned"] == [True, True, False, False, False, False, False]
