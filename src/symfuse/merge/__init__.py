@@ -6,12 +6,15 @@ Every merger class declares ``name``, ``required_stats`` (statistics kinds it re
 from symfuse.merge.base import LazyTensors, MergeParams, Merger, TensorInputs, weighted_mean
 from symfuse.merge.checkpoints import REPORT, StreamingReader, head_names, merge_checkpoints
 from symfuse.merge.regmean import RegMeanMerger, regmean_solve
+from symfuse.merge.regmean_plusplus_merger import RegMeanPlusPlusMerger
 from symfuse.merge.simple import FisherMerger, SimpleMerger
 from symfuse.merge.task_vectors import DareMerger, TaskArithmeticMerger, TiesMerger
 
 MERGERS: dict[str, type[Merger]] = {
-    m.name: m for m in (SimpleMerger, FisherMerger, RegMeanMerger, TaskArithmeticMerger, TiesMerger, DareMerger)
-}
+    m.name: m
+    for m in (SimpleMerger, FisherMerger, RegMeanMerger, RegMeanPlusPlusMerger, TaskArithmeticMerger, TiesMerger,
+              DareMerger)
+}  # fmt: skip
 
 __all__ = [
     "MERGERS",
@@ -22,6 +25,7 @@ __all__ = [
     "MergeParams",
     "Merger",
     "RegMeanMerger",
+    "RegMeanPlusPlusMerger",
     "SimpleMerger",
     "StreamingReader",
     "TaskArithmeticMerger",
