@@ -1,6 +1,7 @@
 """Merge strategies, registered as plug-ins (see :mod:`symfuse.merge.checkpoints` for the head policy).
 
-Every merger class declares ``name``, ``required_stats`` (statistics kinds it reads) and ``needs_base``.
+Every merger class declares ``name``, ``required_stats`` (statistics kinds it reads), ``needs_base`` and
+``needs_data`` (RegMean++: it reads each model's dataset and collects its statistics during the merge).
 """
 
 from symfuse.merge.base import LazyTensors, MergeParams, Merger, TensorInputs, weighted_mean

@@ -101,3 +101,13 @@ def test_kept_heads_are_not_merged_and_bad_inputs_are_refused():
     albert = [tiny_model("albert", seed=s, head="seq") for s in range(2)]
     with pytest.raises(UnsupportedArchitecture, match="one stored layer several times"):
         regmean_plusplus_state(albert, _batches(albert[0]))
+
+
+def test_copies_of_one_model_merge_to_that_model():
+    model = tiny_model("bert", seed=4, head="seq", num_hidden_layers=2)
+    batches = _batches(model, 3)  # different data per copy: different Grams, the same weights
+    got = regmean_plusplus_state([model] * 3, batches, [1.0, 2.0, 1.0])
+    want = {n: t for n, t in model.state_dict().items() if t.is_floating_point()}
+    assert set(got) == set(want)
+    for n, t in want.items():
+        torch.testing.assert_close(got[n], t, rtol=1e-5, atol=1e-6, msg=n)
