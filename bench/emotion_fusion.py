@@ -97,7 +97,9 @@ def settings(skip_extra: bool) -> tuple[list[tuple[str, dict[str, Any]]], list[s
 
 def build_config(args: argparse.Namespace, seed: int, label: str, overrides: dict[str, Any]) -> RunConfig:
     """The run of one seed and setting."""
-    tag = label.replace("=", "-")
+    # select only changes which models are merged: it shares the default run (fine-tunes, statistics and merges are
+    # reused by content) and adds its "<strategy>-greedy" merges
+    tag = "default" if set(overrides) <= {"select"} else label.replace("=", "-")
     data = {
         "run_id": f"emo-s{seed}-{tag}-n{args.train_examples}-e{args.epochs}",
         "base_model": "minilm",

@@ -149,6 +149,30 @@ def _capture_layer_inputs(
     return hidden, rest
 
 
+def _outside_linears(
+    model: nn.Module, lins: Mapping[str, nn.Module], paths: Sequence[str], batch: Batch, device: torch.device
+) -> tuple[list[str], list[str]]:
+    """The linear modules outside the layer stack: ``(those that run before layer 0, all of them)``.
+
+    One forward of ``model`` on ``batch`` (stopped at the last layer) records which ran before the stack.
+    """
+    outside = {m: mod for m, mod in lins.items() if not any(m.startswith(p + ".") for p in paths)}
+    order: list[str] = []
+    hooks = [mod.register_forward_hook(lambda *_a, m=m: order.append(m)) for m, mod in outside.items()]
+    hooks.append(model.get_submodule(paths[0]).register_forward_pre_hook(lambda *_a: order.append("<layers>")))
+    was = model.training
+    try:
+        model.eval().to(device)
+        with torch.no_grad():
+            _capture_layer_inputs(model, [model.get_submodule(p) for p in paths], batch, device)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was)
+    cut = order.index("<layers>") if "<layers>" in order else len(order)
+    return [m for m in dict.fromkeys(order[:cut]) if m in outside], list(outside)
+
+
 def regmean_plusplus_state(
     models: Sequence[nn.Module],
     batches: Sequence[Sequence[Batch]],
@@ -200,23 +224,8 @@ def regmean_plusplus_state(
     paths = layer_paths(models[0])
     in_layer = {n: next((i for i, p in enumerate(paths) if n.startswith(p + ".")), None) for n in names}
     lins = linear_modules(models[0])
-    outside = {m: mod for m, mod in lins.items() if not any(m.startswith(p + ".") for p in paths)}
-    # linear layers outside the stack that run before layer 0 (stage 0) or after the last layer (the tail)
-    order: list[str] = []
-    hooks = [mod.register_forward_hook(lambda *_a, m=m: order.append(m)) for m, mod in outside.items()]
-    first = models[0].get_submodule(paths[0]).register_forward_pre_hook(lambda *_a: order.append("<layers>"))
-    try:
-        was = models[0].training
-        models[0].eval().to(dev)
-        with torch.no_grad():
-            _capture_layer_inputs(models[0], [models[0].get_submodule(p) for p in paths], batches[0][0], dev)
-    finally:
-        for h in [*hooks, first]:
-            h.remove()
-        models[0].train(was)
-    cut = order.index("<layers>") if "<layers>" in order else len(order)
-    pre = [m for m in dict.fromkeys(order[:cut]) if m in outside]
-    ptrs = {}
+    pre, outside = _outside_linears(models[0], lins, paths, batches[0][0], dev)
+    ptrs: dict[int, list[str]] = {}
     for n, t in models[0].state_dict().items():
         ptrs.setdefault(t.data_ptr(), []).append(n)
     tied = {n for ns in ptrs.values() if len(ns) > 1 for n in ns}  # e.g. an LM head tied to the embeddings
