@@ -112,3 +112,15 @@ def test_data_is_refused_by_strategies_that_do_not_read_it(tmp_path):
                               "--out", str(tmp_path / "o")])  # fmt: skip
     assert res.exit_code == 2 and "--data: not a parameter of --strategy simple" in res.output
     assert not (tmp_path / "o").exists()
+
+
+def test_merge_yaml_takes_its_data_and_refuses_it_missing(tmp_path):
+    a, b = save_tiny(tmp_path / "a", "bert", seed=1), save_tiny(tmp_path / "b", "bert", seed=2)
+    cfg = tmp_path / "merge.yaml"
+    cfg.write_text(f"strategy: regmean++\nmodels: [{a}, {b}]\nparams: {{max_examples: 8}}\n")
+    res = runner.invoke(app, ["merge", "--config", str(cfg), str(tmp_path / "o")])
+    assert res.exit_code == 2 and f"{cfg}: --data: --strategy regmean++ collects its Grams" in res.output
+    cfg.write_text(f"strategy: regmean++\nmodels: [{a}, {b}]\nparams: {{data: [x], max_examples: 8}}\n")
+    res = runner.invoke(app, ["merge", "--config", str(cfg), str(tmp_path / "o")])
+    assert res.exit_code == 2 and "--data: 1 dataset(s) for 2 models" in res.output
+    assert not (tmp_path / "o").exists()
