@@ -31,9 +31,24 @@ from tasks.policy import maybe_inject_fault
 GREEDY = "greedy"  # the variant of greedy selection's subset merges
 
 
-def strategy_params(config: RunConfig, strategy: str) -> dict:
-    """The strategy's parameters from the run config (flattened at the task boundary)."""
-    return {"alpha": config.regmean_alpha} if strategy == "regmean" else {}
+def strategy_params(config: RunConfig, strategy: str, models: Sequence[str] = ()) -> dict:
+    """The strategy's parameters from the run config (flattened at the task boundary).
+
+    RegMean++ collects its Grams during the merge (they depend on the merged layers): it gets each model's dataset
+    (``models``: the dataset names, in merge order) and the statistics stage's sampling settings.
+    """
+    if strategy == "regmean":
+        return {"alpha": config.regmean_alpha}
+    if strategy == "regmean++":
+        return {
+            "alpha": config.regmean_alpha,
+            "data": [config.dataset(n).data for n in models],
+            "max_examples": config.stats.max_examples,
+            "batch_size": config.stats.batch_size,
+            "max_length": config.finetune.max_length,
+            "seed": config.finetune.seed,
+        }
+    return {}
 
 
 @symfuse_task("merge", "merge-{strategy}-{variant}")
@@ -54,7 +69,7 @@ def merge(
         sub-folder holding the merged body with that dataset's head.
     """
     store, merger = open_store(config), MERGERS[strategy]
-    params = strategy_params(config, strategy)
+    params = strategy_params(config, strategy, list(models))
     if variant == GREEDY:  # one of greedy selection's subsets
         key = layout.selected_key(config.run_id, strategy, list(models))
     else:
@@ -76,9 +91,10 @@ def merge(
         for name, uri in models.items():
             (links / name).symlink_to(fetch(store, uri), target_is_directory=True)
         files = [fetch_file(store, u) for u in stats_uris]
+        run_on = {"device": config.resolved_device()} if getattr(merger, "needs_data", False) else {}  # not in ck
         with timed() as t:
             out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
-                                    base=base, card=card, **params)  # fmt: skip
+                                    base=base, card=card, **params, **run_on)  # fmt: skip
         folders = json.loads((out / REPORT).read_text())["heads"].get("folders") or {}
         heads = dict(zip(models, folders.values(), strict=True)) if folders else dict.fromkeys(models, ".")
         digests = [layout.manifest_digest(store.manifest(u)) for u in models.values()]  # read by watch_checkpoints

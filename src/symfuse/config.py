@@ -26,7 +26,7 @@ STATS_KINDS = ("gram", "fisher")
 ANCHOR_POLICIES = ("closest", "barycenter")
 # The choices the UI form offers (JSON-schema enums); tests/symfuse/test_config.py keeps them equal to the registries
 # (symfuse.merge.MERGERS, symfuse.match.SYMMETRIES), which import torch and so are not imported here.
-Strategy = Literal["simple", "fisher", "regmean", "task-arithmetic", "ties", "dare"]
+Strategy = Literal["simple", "fisher", "regmean", "regmean++", "task-arithmetic", "ties", "dare"]
 Symmetry = Literal["rotation", "scaling", "ffn-permutation", "head-permutation"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 SYMMETRY_NAMES: tuple[str, ...] = get_args(Symmetry)

@@ -37,6 +37,9 @@ class MergeFileParams(_Strict):
     seed: int | None = Field(default=None, description="DARE seed.")
     dtype: Literal["float64", "float32"] | None = Field(default=None, description="RegMean precision.")
     epsilon: float | None = Field(default=None, gt=0, allow_inf_nan=False, description="Fisher floor.")
+    data: list[str] | None = Field(default=None, description="regmean++: each model's own dataset, in model order.")
+    max_examples: int | None = Field(default=None, gt=0, description="regmean++: examples per dataset for its Grams.")
+    device: str | None = Field(default=None, description="regmean++: where its forward passes run (cpu, cuda).")
 
 
 class MergeFile(_Strict):

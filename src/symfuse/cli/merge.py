@@ -13,7 +13,7 @@ from symfuse.errors import UsageError
 from symfuse.outputs import claim_output
 
 
-@app.command(cls=checks.multi_value_command("--models", "--stats", "--weights"))
+@app.command(cls=checks.multi_value_command("--models", "--stats", "--weights", "--data"))
 def merge(
     out_arg: Annotated[Path | None, typer.Argument(metavar="[OUT]", help="Output folder (or --out OUT).")] = None,
     config: Annotated[
@@ -21,7 +21,7 @@ def merge(
         typer.Option("--config", help="Merge YAML (strategy, models, stats, base, weights, params); see README."),
     ] = None,
     strategy: Annotated[
-        str | None, typer.Option("--strategy", help="simple|fisher|regmean|task-arithmetic|ties|dare")
+        str | None, typer.Option("--strategy", help="simple|fisher|regmean|regmean++|task-arithmetic|ties|dare")
     ] = None,
     out: Annotated[
         Path | None, typer.Option("--out", help="Output save_pretrained folder (new unless --overwrite).")
@@ -45,6 +45,14 @@ def merge(
     seed: Annotated[int | None, typer.Option("--seed", help="DARE seed.")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="RegMean precision: float64|float32.")] = None,
     epsilon: Annotated[float | None, typer.Option("--epsilon", help="Fisher floor (> 0).")] = None,
+    data: Annotated[
+        list[str] | None,
+        typer.Option("--data", metavar="DA DB [...]", help="regmean++: each model's own dataset, in model order."),
+    ] = None,
+    max_examples: Annotated[
+        int | None, typer.Option("--max-examples", help="regmean++: examples per dataset for its Grams (256).")
+    ] = None,
+    device: Annotated[str | None, typer.Option("--device", help="regmean++: forward passes on cpu|cuda.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Merge models: --models A B [C ...] [--stats SA SB ...] [--weights wA wB ...] --out OUT.
@@ -61,7 +69,8 @@ def merge(
     if config is not None:
         flags = {"--strategy": strategy, "--models": models, "--stats": stats, "--weights": weights, "--base": base}
         flags |= {"--alpha": alpha, "--lam": lam, "--density": density, "--drop": drop, "--combine": combine}
-        flags |= {"--seed": seed, "--dtype": dtype, "--epsilon": epsilon}
+        flags |= {"--seed": seed, "--dtype": dtype, "--epsilon": epsilon, "--data": data}
+        flags |= {"--max-examples": max_examples, "--device": device}
         clash = [k for k, v in flags.items() if v is not None and v != []]
         if clash:
             raise UsageError(
@@ -76,12 +85,13 @@ def merge(
         alpha, lam, density, drop, combine, seed, dtype, epsilon = (
             p.alpha, p.lam, p.density, p.drop, p.combine, p.seed, p.dtype, p.epsilon
         )  # fmt: skip
+        data, max_examples, device = p.data, p.max_examples, p.device
     if strategy is None:
         raise UsageError("--strategy: missing — give --strategy NAME, or --config merge.yaml")
     models = list(models or [])
     try:
         params = _validate(strategy, models, stats, weights, base, alpha, lam, density, drop, combine, seed, dtype,
-                           epsilon)  # fmt: skip
+                           epsilon, {"data": data or None, "max_examples": max_examples, "device": device})  # fmt: skip
     except UsageError as exc:
         if config is None:
             raise
@@ -109,8 +119,12 @@ def _validate(
     seed: int | None,
     dtype: str | None,
     epsilon: float | None,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Every check of the merge's inputs (cheap ones before torch is imported); return the strategy's params."""
+    """Every check of the merge's inputs (cheap ones before torch is imported); return the strategy's params.
+
+    ``sampling``: the options of strategies that read the models' data (``data``, ``max_examples``, ``device``).
+    """
     # checks that need no registry first: a bad value fails before torch is even imported
     if len(models) < 2:
         raise UsageError(f"--models: {len(models)} model(s) given — give two or more: --models A B [C ...]")
@@ -124,7 +138,9 @@ def _validate(
         "seed": seed,
         "dtype": dtype,
         "epsilon": epsilon,
+        **(sampling or {}),
     }
+    data = given.get("data")
     checks.fraction("--alpha", alpha, closed_low=True)
     checks.finite("--lam", lam)
     checks.fraction("--density", density)
@@ -133,6 +149,9 @@ def _validate(
     checks.one_of("--combine", combine, ("task-arithmetic", "ties"))
     checks.one_of("--dtype", dtype, ("float64", "float32"))
     checks.positive("--epsilon", epsilon)
+    checks.at_least("--max-examples", given.get("max_examples"), 1)
+    if given.get("device") is not None:
+        checks.device("--device", given["device"])
     if weights:
         if len(weights) != len(models):
             raise UsageError(f"--weights: {len(weights)} weight(s) for {len(models)} models — give one per model")
@@ -154,6 +173,14 @@ def _validate(
         raise UsageError(f"--stats: --strategy {strategy} needs {kinds} statistics — give one folder per model")
     if stats and len(stats) != len(models):
         raise UsageError(f"--stats: {len(stats)} statistics for {len(models)} models — give one per model, in order")
+    needs_data = getattr(merger, "needs_data", False)
+    if needs_data and not data:
+        raise UsageError(
+            f"--data: --strategy {strategy} collects its Grams on each model's own data — give one dataset per "
+            "model: --data DA DB [...]"
+        )
+    if data and len(data) != len(models):
+        raise UsageError(f"--data: {len(data)} dataset(s) for {len(models)} models — give one per model, in order")
     if merger.needs_base and base is None:
         raise UsageError(f"--base: --strategy {strategy} works on task vectors — give the base model with --base")
     if base is not None and not merger.needs_base:
@@ -164,4 +191,6 @@ def _validate(
         checks.checkpoint(m)
     if stats:
         checks.stats_files(stats, merger.required_stats)
+    for d in data or []:
+        checks.dataset("--data", d)
     return {k: v for k, v in given.items() if v is not None}

@@ -132,6 +132,7 @@ class Merger:
     name: ClassVar[str]
     required_stats: ClassVar[frozenset[str]] = frozenset()
     needs_base: ClassVar[bool] = False
+    needs_data: ClassVar[bool] = False  # reads the models' datasets in :meth:`prepare` (RegMean++)
     Params: ClassVar[type[MergeParams]] = MergeParams
 
     def __init__(self, **params: Any):
@@ -150,6 +151,13 @@ class Merger:
             raise ValueError(f"{self.name}: weights {w} must be {k} non-negative numbers with a positive sum")
         s = float(sum(w))
         return [float(x) / s for x in w]
+
+    def prepare(self, models: Sequence[Any], keep: frozenset[str] = frozenset()) -> None:
+        """Called once with the K checked checkpoint folders before the first :meth:`merge_tensor` (default: nothing).
+
+        A merger whose tensors depend on the whole models (RegMean++) does its work here. ``keep``: tensor names kept
+        per model (per-dataset heads), not merged.
+        """
 
     def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
         """Merge one tensor of K models."""

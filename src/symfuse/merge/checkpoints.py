@@ -197,6 +197,7 @@ def merge_checkpoints(
             if r.shape(n) != r0.shape(n):
                 raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, model 0 has {r0.shape(n)}")
 
+    merger.prepare([r.path for r in readers], frozenset(heads) if separate else frozenset())  # e.g. RegMean++
     grams, fishers = files.get("gram"), files.get("fisher")
     # Gram keys whose module reads the same input as another in EVERY model (q / k / v): one factorisation.
     same_input: dict[str, str] = {}

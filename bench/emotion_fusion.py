@@ -1,0 +1,279 @@
+"""RegMean's emotion protocol with MiniLM (issue 15): fine-tune per dataset, merge, evaluate in and out of domain.
+
+MiniLM (``base_model: minilm``) is fine-tuned on each of the four shared emotion sets (dair_emotion, crowdflower,
+isear, meld; different label sets, so one merged body with per-dataset heads); the models are merged with simple,
+fisher, regmean and regmean++, each on the plain and on the symmetry-matched models; every model is evaluated on
+each training set's test split (macro-F1 over that dataset's classes) and on goemotions_ekman (held out; macro-F1
+over the classes its head shares with it). Everything runs through the pipeline (``flows.pipeline``), one run per
+seed and setting, in a local store (``bench/out/emotion_fusion`` by default).
+
+Settings beyond the default one (per-dataset heads, all models) are driven by RunConfig fields when the checkout
+has them: ``labels`` (e.g. ``union``: one head over the union of the label sets), ``head_init`` (``same`` /
+``different`` head initialisation) and ``select`` (e.g. ``greedy``: a greedily chosen subset of the models). For
+each such field every choice besides the default is one more setting; a field the checkout lacks is skipped with a
+note in the results.
+
+    python bench/emotion_fusion.py --quick                         # ~5 min on 2 CPU cores: 1 seed, tiny caps
+    python bench/emotion_fusion.py --train-examples 2000 --epochs 2 --seeds 13,14,15
+
+Writes ``bench/results/emotion_fusion.md`` (``--results``) and ``.json`` next to it (every number, per seed). This
+is a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import typing
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+
+from symfuse.config import RunConfig  # noqa: E402  (after the path set-up: runs from any folder)
+
+log = logging.getLogger("emotion_fusion")
+
+DATASETS = ("dair_emotion", "crowdflower", "isear", "meld")
+OOD = "goemotions_ekman"
+STRATEGIES = ("simple", "fisher", "regmean", "regmean++")
+OPTIONAL_FIELDS = {  # RunConfig field -> what the issue calls its rows (helper union15 adds them)
+    "labels": "per-dataset vs union heads",
+    "head_init": "same vs different head init",
+    "select": "all models vs greedy subset",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's options."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="1 seed, 200 training examples, 1 epoch, 100 test examples")
+    p.add_argument("--train-examples", type=int, default=2000, help="training examples per dataset")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--seeds", default="13,14,15", help="comma-separated fine-tuning seeds")
+    p.add_argument("--eval-examples", type=int, default=500, help="test examples per evaluation set")
+    p.add_argument("--stats-examples", type=int, default=256, help="examples per model for Grams / Fishers")
+    p.add_argument("--max-length", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--no-extra-settings", action="store_true", help="only the default setting (no labels/...)")
+    p.add_argument("--store", default=str(ROOT / "bench" / "out" / "emotion_fusion"))
+    p.add_argument("--results", default=str(ROOT / "bench" / "results" / "emotion_fusion.md"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.train_examples, args.epochs, args.seeds, args.eval_examples, args.stats_examples = 200, 1, "13", 100, 64
+    args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.strategy_list = [s for s in args.strategies.split(",") if s.strip()]
+    return args
+
+
+def settings(skip_extra: bool) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """``[(label, RunConfig overrides)]``: the default setting, then one per non-default choice of each optional
+    field the checkout's RunConfig has; and notes on the fields it lacks."""
+    out: list[tuple[str, dict[str, Any]]] = [("default", {})]
+    notes = []
+    for name, what in OPTIONAL_FIELDS.items():
+        field = RunConfig.model_fields.get(name)
+        if field is None:
+            notes.append(f"`{name}` ({what}): not a RunConfig field in this checkout — rows skipped")
+            continue
+        if skip_extra:
+            notes.append(f"`{name}` ({what}): skipped (--no-extra-settings)")
+            continue
+        choices = [c for c in typing.get_args(field.annotation) if isinstance(c, str)]
+        default = field.get_default(call_default_factory=True)
+        others = [c for c in choices if c != default]
+        if not others:
+            notes.append(f"`{name}` ({what}): no literal choices besides {default!r} — rows skipped")
+        out += [(f"{name}={c}", {name: c}) for c in others]
+    return out, notes
+
+
+def build_config(args: argparse.Namespace, seed: int, label: str, overrides: dict[str, Any]) -> RunConfig:
+    """The run of one seed and setting."""
+    # select only changes which models are merged: it shares the default run (fine-tunes, statistics and merges are
+    # reused by content) and adds its "<strategy>-greedy" merges
+    tag = "default" if set(overrides) <= {"select"} else label.replace("=", "-")
+    data = {
+        "run_id": f"emo-s{seed}-{tag}-n{args.train_examples}-e{args.epochs}",
+        "base_model": "minilm",
+        "datasets": [
+            {"name": n, "max_train_examples": args.train_examples, "max_eval_examples": args.eval_examples}
+            for n in DATASETS
+        ],
+        "finetune": {
+            "epochs": args.epochs,
+            "lr": args.lr,
+            "batch_size": 16,
+            "max_length": args.max_length,
+            "seed": seed,
+        },
+        "stats": {"kinds": ["gram", "fisher"], "max_examples": args.stats_examples, "batch_size": 16},
+        "strategies": args.strategy_list,
+        "evaluation": {"in_domain": True, "out_of_domain": [OOD], "max_examples": args.eval_examples},
+        "device": "auto",
+        "store_root": args.store,
+        **overrides,
+    }
+    return RunConfig.model_validate(data)
+
+
+def _seconds(store: Any, uri: str) -> float:
+    return float(store.manifest(uri).get("meta", {}).get("seconds") or 0.0)
+
+
+def rows_of_run(config: RunConfig, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per model of a finished run: in-domain macro-F1 (mean over the training sets), OOD macro-F1, time."""
+    from symfuse.store import ArtifactStore, layout
+
+    store = ArtifactStore(config.resolved_store_root())
+    records = [store.get_json(u) for u in result["evaluations"]]
+    by_model: dict[str, dict[str, float]] = {}
+    for r in records:
+        by_model.setdefault(r["model"], {})[r["dataset"]] = float(r["metrics"].get("macro_f1", float("nan")))
+    names = config.dataset_names
+    stats_s = {}
+    for n in names:
+        for kind in config.stats.kinds:
+            key = layout.stats_key(config.run_id, n, n, kind)
+            if store.exists(key):
+                stats_s[kind] = stats_s.get(kind, 0.0) + _seconds(store, store.uri(key))
+    finetune_s = {n: _seconds(store, store.uri(layout.model_key(config.run_id, n))) for n in names}
+    reads = {"fisher": ["fisher"], "regmean": ["gram"]}
+    rows = []
+    for model, scores in by_model.items():
+        if model in names:
+            row = {"model": "individual", "variant": model, "in_domain": scores[model], "ood": scores.get(OOD),
+                   "seconds": finetune_s[model], "own": True}  # fmt: skip
+        else:
+            strategy, _, variant = model.rpartition("-")
+            seconds = _seconds(store, result["merged"][model]) + sum(stats_s.get(k, 0) for k in reads.get(strategy, []))
+            row = {"model": strategy, "variant": variant, "in_domain": statistics.fmean(scores[n] for n in names),
+                   "ood": scores.get(OOD), "seconds": seconds, "own": False}  # fmt: skip
+        row["per_dataset"] = {n: scores.get(n) for n in names}
+        rows.append(row)
+    return rows
+
+
+def _ms(values: list[float]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def summarise(runs: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
+    """Markdown table lines per setting, and the issue's targets checked on the seed means."""
+    lines, verdicts = [], {}
+    for label in dict.fromkeys(r["setting"] for r in runs):
+        mine = [r for r in runs if r["setting"] == label]
+        lines += [f"### Setting `{label}`", "",
+                  "| model | variant | in-domain macro-F1 | OOD macro-F1 (shared classes) | time (s) |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        keys = list(dict.fromkeys((r["model"], r["variant"]) for run in mine for r in run["rows"]))
+        means: dict[tuple[str, str], tuple[float, float | None]] = {}
+        for key in keys:
+            got = [r for run in mine for r in run["rows"] if (r["model"], r["variant"]) == key]
+            ind, ood = [r["in_domain"] for r in got], [r["ood"] for r in got if r["ood"] is not None]
+            means[key] = (statistics.fmean(ind), statistics.fmean(ood) if ood else None)
+            lines.append(f"| {key[0]} | {key[1]} | {_ms(ind)} | {_ms(ood)} | {_ms([r['seconds'] for r in got])} |")
+        lines.append("")
+        indiv = {k: v for k, v in means.items() if k[0] == "individual"}
+        merged = {k: v for k, v in means.items() if k[0] != "individual"}
+        if indiv and merged:
+            own_mean = statistics.fmean(v[0] for v in indiv.values())
+            best_ood = max((v[1] for v in indiv.values() if v[1] is not None), default=float("nan"))
+            best_key = max(merged, key=lambda k: (merged[k][1] or 0) + merged[k][0])
+            best = merged[best_key]
+            plain = {k[0]: v[0] for k, v in merged.items() if k[1] == "plain"}
+            verdicts[label] = {
+                "individual_own_domain_mean": own_mean,
+                "best_individual_ood": best_ood,
+                "best_merge": "-".join(best_key),
+                "best_merge_in_domain": best[0],
+                "best_merge_ood": best[1],
+                "ood_target_met": best[1] is not None and best[1] >= best_ood,
+                "in_domain_target_met": best[0] >= 0.9 * own_mean,
+                "regmean>=fisher>=simple (plain)": (
+                    plain.get("regmean", -1) >= plain.get("fisher", -1) >= plain.get("simple", -1)
+                    if {"regmean", "fisher", "simple"} <= set(plain)
+                    else None
+                ),
+                "regmean++>=regmean (plain)": (
+                    plain["regmean++"] >= plain["regmean"] if {"regmean", "regmean++"} <= set(plain) else None
+                ),
+            }
+    return lines, verdicts
+
+
+def write_results(args: argparse.Namespace, runs: list[dict[str, Any]], notes: list[str], wall: float) -> None:
+    """``--results`` (markdown) and the same stem ``.json`` (every row of every run)."""
+    lines, verdicts = summarise(runs)
+    cmd = "python bench/emotion_fusion.py " + " ".join(sys.argv[1:])
+    text = [
+        "# Emotion fusion benchmark (RegMean protocol, MiniLM)",
+        "",
+        f"Command: `{cmd}` (wall time {wall / 60:.1f} min, device: {runs[0]['device'] if runs else '?'}).",
+        "",
+        f"Sizes: {args.train_examples} training examples per dataset, {args.epochs} epoch(s), seeds "
+        f"{args.seed_list}, {args.eval_examples} test examples per evaluation set, statistics on "
+        f"{args.stats_examples} examples per model, max_length {args.max_length}, lr {args.lr}.",
+        "Datasets: " + ", ".join(DATASETS) + f"; out of domain: {OOD}. In-domain: mean over the four test sets of",
+        "macro-F1 over each dataset's own classes (merged models: each dataset with its own head). OOD: macro-F1 on",
+        f"{OOD} over the classes the chosen head shares with it. Time: fine-tuning (individual), merge (+ the",
+        "statistics the strategy reads, summed over models; regmean++ collects its Grams inside the merge).",
+        "Table cells: mean ± standard deviation over seeds.",
+        "",
+        *lines,
+        "## Targets (on the seed means)",
+        "",
+        "```json",
+        json.dumps(verdicts, indent=2),
+        "```",
+        "",
+    ]
+    if notes:
+        text += ["## Settings not run", "", *[f"- {n}" for n in notes], ""]
+    out = Path(args.results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "runs": runs, "verdicts": verdicts}, indent=2))
+    out.write_text("\n".join(text))
+    print("\n".join(text))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every seed x setting through the pipeline and write the results."""
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = parse_args(argv)
+    todo, notes = settings(args.no_extra_settings)
+    from flows.pipeline import fusion_pipeline
+    from symfuse.logs import quiet_third_party
+
+    quiet_third_party()
+    start, runs = time.perf_counter(), []
+    for seed in args.seed_list:
+        for label, overrides in todo:
+            config = build_config(args, seed, label, overrides)
+            t0 = time.perf_counter()
+            result = fusion_pipeline(config)
+            runs.append({"seed": seed, "setting": label, "run_id": config.run_id, "device": config.resolved_device(),
+                         "seconds": time.perf_counter() - t0, "rows": rows_of_run(config, result)})  # fmt: skip
+            log.info("seed %d, setting %s: %.0f s", seed, label, runs[-1]["seconds"])
+    write_results(args, runs, notes, time.perf_counter() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The ``regmean++`` merger plug-in: RegMean++ with its statistics collected on the partially merged model.
+
+Unlike RegMean it reads no stored statistics: layer ``l``'s Grams depend on the merged layers ``0 .. l-1``, so they
+are collected during the merge (:func:`symfuse.stats.sequential.regmean_plusplus_state`). It needs, per model,
+the dataset its Grams come from (``data``, one per model, in model order: each model's own training data) and
+runs forward passes on ``device``. :meth:`RegMeanPlusPlusMerger.prepare` (called by
+:func:`symfuse.merge.checkpoints.merge_checkpoints` once the inputs are checked) does the whole merge;
+:meth:`~RegMeanPlusPlusMerger.merge_tensor` then hands out its tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from symfuse.errors import MissingStats
+from symfuse.merge.base import MergeParams, Merger, TensorInputs, weighted_mean
+
+log = logging.getLogger(__name__)
+
+
+class RegMeanPlusPlusParams(MergeParams):
+    """RegMean++ parameters: RegMean's, and where its Grams come from."""
+
+    alpha: float = Field(default=0.9, ge=0, le=1)  # off-diagonal scale of each Gram
+    dtype: Literal["float64", "float32"] = "float64"  # solve precision
+    data: list[str] = Field(default_factory=list)  # one dataset per model, in model order (its own training data)
+    split: str = "train"
+    max_examples: int | None = Field(default=256, gt=0)  # seeded subset of each dataset (None: all of it)
+    batch_size: int = Field(default=16, gt=0)
+    max_length: int = Field(default=128, gt=0)
+    seed: int = 13
+    device: str = "cpu"
+
+
+class RegMeanPlusPlusMerger(Merger):
+    """RegMean++ (Nguyen et al., 2025): every layer's Grams on the merged model's own earlier layers."""
+
+    name = "regmean++"
+    needs_data: ClassVar[bool] = True  # reads the models' datasets (``data``) instead of statistics files
+    Params = RegMeanPlusPlusParams
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        self._merged: dict[str, torch.Tensor] | None = None
+
+    def prepare(self, models: Sequence[Path], keep: frozenset[str] = frozenset()) -> None:
+        """Load the K checkpoints and their data, and merge them all (the statistics stage and the solves).
+
+        Args:
+            models: The K checkpoint folders (checked by the caller).
+            keep: Tensor names kept per model (per-dataset heads): not merged.
+
+        Raises:
+            MissingStats: ``data`` does not name one dataset per model.
+            DataError: a dataset cannot be loaded.
+        """
+        from symfuse.checkpoint import load_hf_model
+        from symfuse.data import load_task_dataset, make_batches
+        from symfuse.stats.sequential import regmean_plusplus_state
+
+        p = self.params
+        data: list[str] = p.data  # type: ignore[attr-defined]
+        if len(data) != len(models):
+            raise MissingStats(
+                f"regmean++ collects its Grams on each model's data: {len(data)} dataset(s) for {len(models)} "
+                "models — give one per model, in order (--data)"
+            )
+        loaders = []
+        for folder, source in zip(models, data, strict=True):  # every dataset loads before any heavy work
+            ds = load_task_dataset(source)
+            loaders.append(
+                make_batches(ds, folder, p.split, p.batch_size, p.max_length, p.max_examples, p.seed)  # type: ignore[attr-defined]
+            )
+        nets = [load_hf_model(m, validate=False) for m in models]
+        self._merged = regmean_plusplus_state(
+            nets, loaders, self.model_weights(len(models)), p.alpha, keep,  # type: ignore[attr-defined]
+            device=p.device, dtype=getattr(torch, p.dtype),  # type: ignore[attr-defined]
+        )  # fmt: skip
+        self.counters["models_run"] = len(nets)
+        del nets
+
+    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
+        """The tensor RegMean++ merged in :meth:`prepare`, in the checkpoint's dtype.
+
+        A stored tensor the loaded model does not hold (a tied copy) gets the weighted mean.
+        """
+        if self._merged is None:
+            raise RuntimeError("regmean++: prepare() was not called before merge_tensor()")
+        got = self._merged.get(t.name)
+        if got is None:
+            self.count("weighted_mean")
+            return weighted_mean(t.tensors, t.weights)
+        self.count("regmean_plusplus_tensors")
+        return got.to(t.tensors[0].dtype)

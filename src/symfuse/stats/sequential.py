@@ -1,0 +1,309 @@
+"""RegMean++'s statistics: each layer's input Grams collected on the partially MERGED model, layer by layer.
+
+:func:`regmean_plusplus_state` merges K models of one architecture family (:mod:`symfuse.arch`) with
+:func:`symfuse.merge.regmean_plusplus.regmean_plusplus`, in stages (as FusionBench's ``regmean_plusplus``):
+
+0. Everything outside the layer stack except the linear layers that run after it: embedding tables and norms get
+   the weighted mean, linear layers that run BEFORE the stack (ELECTRA ``embeddings_project``) get RegMean with
+   each candidate's own Grams (the merged prefix is empty, so this is RegMean).
+1. Layer ``l = 0 .. L-1``: each model ``i``'s data runs through the merged embeddings and merged layers
+   ``0 .. l-1`` (hidden states cached at the layer boundary, so every layer is run once per batch: O(L) forwards),
+   then through candidate ``i``'s layer ``l``, whose hooks collect the Gram of every linear input of the layer;
+   the layer is merged, and the cached states advance through the MERGED layer ``l``.
+2. The linear layers after the stack (pooler, classifier, LM head, score): Grams of candidate ``i``'s own tail on
+   the fully merged body (one full forward per model).
+
+Grams follow :func:`symfuse.stats.gram.collect_gram`'s rules (padding rows excluded for (batch, seq, in) inputs,
+each batch's product in float32, sums in float64), so with identical embeddings the first layer's Grams, and its
+merged weights, are exactly RegMean's. Tensors named in ``keep`` (per-dataset heads) are not merged.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from symfuse.arch.registry import get_spec
+from symfuse.errors import UnsupportedArchitecture
+from symfuse.merge.regmean_plusplus import regmean_plusplus
+from symfuse.stats.gram import collect_gram, is_conv1d, linear_modules, model_inputs
+
+log = logging.getLogger(__name__)
+
+Batch = Mapping[str, torch.Tensor]
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass early."""
+
+
+def layer_paths(model: nn.Module) -> list[str]:
+    """Module paths of the model's layer stack, in forward order (from its family spec).
+
+    Raises:
+        UnsupportedArchitecture: no spec for the model type, or a stored layer applied several times (ALBERT).
+    """
+    spec = get_spec(model.config)
+    spec, prefix = spec.for_checkpoint(dict(model.named_parameters()).keys())
+    if spec.n_layers_key != "num_hidden_layers":
+        raise UnsupportedArchitecture(
+            f"regmean++: {model.config.model_type} applies one stored layer several times; it needs one stored layer "
+            "per application — use regmean"
+        )
+    n = int(spec.geometry(model.config).n_layers)
+    return [prefix + spec.layer.format(i=i) for i in range(n)]
+
+
+class _GramHooks:
+    """Forward hooks accumulating the input Gram of named linear modules (collect_gram's rules)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module]):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, int] = dict.fromkeys(modules, 0)
+        self.mask: torch.Tensor | None = None
+        self._memo: dict[Any, tuple] = {}
+        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
+
+    def batch(self, mask: torch.Tensor | None) -> None:
+        """Start a batch whose token mask is ``mask`` ((batch, seq), or None)."""
+        self.mask, self._memo = mask, {}
+
+    def _hook(self, name: str):
+        def fn(_mod: nn.Module, args: tuple, _out: object) -> None:
+            x = args[0].detach()
+            key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
+            if key in self._memo:  # q / k / v read one tensor: its Gram once
+                inc, n = self._memo[key][1], self._memo[key][2]
+            else:
+                m = self.mask
+                if m is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(m.shape):
+                    flat = x[m.bool()]
+                else:
+                    flat = x.reshape(-1, x.shape[-1])
+                flat = flat.to(torch.float32)
+                inc, n = (flat.T @ flat).to(torch.float64), flat.shape[0]
+                self._memo[key] = (x, inc, n)
+            self.sums[name] = self.sums[name] + inc if name in self.sums else inc.clone()
+            self.rows[name] += n
+
+        return fn
+
+    def close(self) -> dict[str, torch.Tensor]:
+        """Remove the hooks; the mean Grams ``X^T X / rows`` (CPU, float64) of the modules that saw inputs."""
+        for h in self._handles:
+            h.remove()
+        self._memo = {}
+        return {n: (s / self.rows[n]).cpu() for n, s in self.sums.items() if self.rows[n] > 0}
+
+
+def _floating_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach() for n, t in model.state_dict().items() if t.is_floating_point()}
+
+
+def _layer_out(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _capture_layer_inputs(
+    model: nn.Module, layers: Sequence[nn.Module], batch: Batch, device: torch.device
+) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+    """One forward of ``model``: layer 0's hidden states and every layer's other arguments (masks, positions).
+
+    Raises:
+        UnsupportedArchitecture: the layers are not each called once, in order.
+    """
+    seen: list[tuple[int, tuple, dict]] = []
+
+    def pre(i: int):
+        def fn(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            seen.append((i, args, kwargs))
+            if i == len(layers) - 1:
+                raise _Stop
+
+        return fn
+
+    handles = [m.register_forward_pre_hook(pre(i), with_kwargs=True) for i, m in enumerate(layers)]
+    try:
+        kw = {"use_cache": False} if getattr(model.config, "use_cache", False) else {}
+        model(**model_inputs(batch, device), **kw)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    if [i for i, _, _ in seen] != list(range(len(layers))):
+        raise UnsupportedArchitecture(
+            f"regmean++: the layers of {model.config.model_type} are not called once each in order — use regmean"
+        )
+    first_args, first_kwargs = seen[0][1], seen[0][2]
+    hidden = first_args[0] if first_args else first_kwargs["hidden_states"]
+    rest = []
+    for _, args, kwargs in seen:
+        kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        rest.append((tuple(args[1:]), kwargs))
+    return hidden, rest
+
+
+def _outside_linears(
+    model: nn.Module, lins: Mapping[str, nn.Module], paths: Sequence[str], batch: Batch, device: torch.device
+) -> tuple[list[str], list[str]]:
+    """The linear modules outside the layer stack: ``(those that run before layer 0, all of them)``.
+
+    One forward of ``model`` on ``batch`` (stopped at the last layer) records which ran before the stack.
+    """
+    outside = {m: mod for m, mod in lins.items() if not any(m.startswith(p + ".") for p in paths)}
+    order: list[str] = []
+    hooks = [mod.register_forward_hook(lambda *_a, m=m: order.append(m)) for m, mod in outside.items()]
+    hooks.append(model.get_submodule(paths[0]).register_forward_pre_hook(lambda *_a: order.append("<layers>")))
+    was = model.training
+    try:
+        model.eval().to(device)
+        with torch.no_grad():
+            _capture_layer_inputs(model, [model.get_submodule(p) for p in paths], batch, device)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was)
+    cut = order.index("<layers>") if "<layers>" in order else len(order)
+    return [m for m in dict.fromkeys(order[:cut]) if m in outside], list(outside)
+
+
+def regmean_plusplus_state(
+    models: Sequence[nn.Module],
+    batches: Sequence[Sequence[Batch]],
+    model_weights: Sequence[float] | None = None,
+    alpha: float = 0.9,
+    keep: Iterable[str] = (),
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float64,
+) -> dict[str, torch.Tensor]:
+    """Merge K models with RegMean++ (see the module docstring); the caller's weights are not modified.
+
+    Args:
+        models: K transformers models of one family and shape (any head), e.g. from
+            :func:`symfuse.checkpoint.load_hf_model`.
+        batches: Per model, its own data as tokenised batches (:func:`symfuse.data.make_batches`).
+        model_weights: K non-negative model weights (default 1 each).
+        alpha: RegMean off-diagonal scale in [0, 1].
+        keep: Tensor names not merged (per-dataset heads); they are left out of the result.
+        device: Where the forward passes run.
+        dtype: Solve precision.
+
+    Returns:
+        ``{name: merged tensor}`` (CPU, the models' dtypes) for every floating tensor of the state dict not in
+        ``keep``.
+
+    Raises:
+        ValueError: K differs between ``models`` and ``batches``, a model has no batches, or the models' tensors
+            differ in names or shapes (outside ``keep``).
+        UnsupportedArchitecture: a family without a spec, or whose layers are not applied once each in order.
+    """
+    k = len(models)
+    if k == 0 or len(batches) != k:
+        raise ValueError(f"regmean++: {k} models and {len(batches)} data loaders; give one loader per model")
+    if any(len(b) == 0 for b in batches):
+        raise ValueError("regmean++: a model has no data batches; give each model a non-empty data sample")
+    dev = torch.device(device if torch.cuda.is_available() or str(device) == "cpu" else "cpu")
+    keep = set(keep)
+    states = [_floating_state(m) for m in models]
+    names = [n for n in states[0] if n not in keep]
+    for i, s in enumerate(states[1:], 1):
+        mine = {n for n in s if n not in keep}
+        if mine != set(names):
+            diff = sorted(mine.symmetric_difference(names))[:5]
+            raise ValueError(f"regmean++: model {i}'s tensors differ from model 0's (e.g. {diff})")
+        bad = [n for n in names if s[n].shape != states[0][n].shape]
+        if bad:
+            raise ValueError(f"regmean++: model {i}: {bad[0]} has shape {tuple(s[bad[0]].shape)}, model 0 differs")
+
+    paths = layer_paths(models[0])
+    in_layer = {n: next((i for i, p in enumerate(paths) if n.startswith(p + ".")), None) for n in names}
+    lins = linear_modules(models[0])
+    pre, outside = _outside_linears(models[0], lins, paths, batches[0][0], dev)
+    ptrs: dict[int, list[str]] = {}
+    for n, t in models[0].state_dict().items():
+        ptrs.setdefault(t.data_ptr(), []).append(n)
+    tied = {n for ns in ptrs.values() if len(ns) > 1 for n in ns}  # e.g. an LM head tied to the embeddings
+    tail = [m for m in outside if m not in pre and f"{m}.weight" in names and f"{m}.weight" not in tied]
+    tail_names = {n for m in tail for n in (f"{m}.weight", f"{m}.bias") if n in names}
+    conv1d = [f"{m}.weight" for m, mod in lins.items() if is_conv1d(mod)]
+
+    stages: list[list[str]] = [[n for n in names if in_layer[n] is None and n not in tail_names]]
+    stages += [[n for n in names if in_layer[n] == i] for i in range(len(paths))]
+    stages.append([n for n in names if n in tail_names])
+    tensors = [[{n: s[n] for n in stage} for s in states] for stage in stages]
+
+    merged_model = copy.deepcopy(models[0]).eval().to(dev)
+    merged_layers = [merged_model.get_submodule(p) for p in paths]
+    cache: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []  # per model, per batch: (hidden, mask)
+    extra: list[list[list[tuple[tuple, dict]]]] = []  # per model, per batch, per layer: other layer arguments
+
+    def load(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> None:
+        missing = model.load_state_dict(dict(merged), strict=False).unexpected_keys
+        if missing:
+            raise ValueError(f"regmean++: merged tensors {missing[:3]} are not in the model")
+
+    def grams(model: nn.Module, modules: Sequence[str], data: Sequence[Batch]) -> dict[str, torch.Tensor]:
+        if not modules:
+            return {}
+        g = collect_gram(model, data, device=dev, progress=False, modules=modules)
+        return {f"{m}.weight": t for m, t in g.grams.items()}
+
+    def collect(stage: int, merged: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        if stage == 0:
+            return [grams(m, pre, b) for m, b in zip(models, batches, strict=True)]
+        load(merged_model, merged[-1])
+        layer = stage - 1
+        with torch.no_grad():
+            if layer == 0:  # the merged embeddings' outputs on every model's data, and every layer's arguments
+                for b in batches:
+                    got = [_capture_layer_inputs(merged_model, merged_layers, batch, dev) for batch in b]
+                    masks = [model_inputs(batch, dev).get("attention_mask") for batch in b]
+                    cache.append([(h, m) for (h, _), m in zip(got, masks, strict=True)])
+                    extra.append([rest for _, rest in got])
+            elif layer < len(paths):  # advance through the merged layer just finished
+                done = merged_layers[layer - 1]
+                for i in range(k):
+                    cache[i] = [
+                        (_layer_out(done(h, *extra[i][j][layer - 1][0], **extra[i][j][layer - 1][1])), m)
+                        for j, (h, m) in enumerate(cache[i])
+                    ]
+        if layer == len(paths):  # the tail: candidate i's own tail on the fully merged body
+            body = {n: t for s in merged for n, t in s.items()}
+            out = []
+            for m, b in zip(models, batches, strict=True):
+                cand = copy.deepcopy(m)
+                load(cand, body)
+                out.append(grams(cand, tail, b))
+                del cand
+            return out
+        out = []
+        for i, m in enumerate(models):
+            cand = m.get_submodule(paths[layer])
+            was = cand.training
+            cand.eval().to(dev)
+            hooks = _GramHooks({f"{paths[layer]}.{n}": mod for n, mod in linear_modules(cand).items()})
+            try:
+                with torch.no_grad():
+                    for j, (h, mask) in enumerate(cache[i]):
+                        hooks.batch(mask)
+                        args, kwargs = extra[i][j][layer]
+                        cand(h, *args, **kwargs)
+            finally:
+                got = hooks.close()
+                cand.train(was)
+            out.append({f"{n}.weight": g for n, g in got.items()})
+        log.info("regmean++: layer %d/%d Grams collected", layer + 1, len(paths))
+        return out
+
+    try:
+        merged = regmean_plusplus(tensors, collect, model_weights, alpha, conv1d=conv1d, dtype=dtype)
+    finally:
+        for m in models:
+            m.to("cpu")
+    return {n: t.detach().cpu().clone() for s in merged for n, t in s.items()}

@@ -1,0 +1,126 @@
+"""`symfuse merge --strategy regmean++` end to end on tiny BERTs, and its bad inputs (one line, nothing written)."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from symfuse.checkpoint import resolve_checkpoint
+from symfuse.cli import app
+from symfuse.cli import commands as _commands  # noqa: F401  (registers the commands)
+from tests.cli.helpers import listing, run_cli, toy_dataset
+from tests.tiny import save_tiny, tiny_config
+
+runner = CliRunner()
+
+
+def _toy(folder, labels):
+    """A toy classification dataset with ``labels`` (a few rows each)."""
+    folder.mkdir(parents=True)
+    words = ["happy", "angry", "calm", "sad", "scared"]
+    rows = [{"text": f"i feel so {w} and {v} today", "label": lab} for w, lab in zip(words, labels * 2) for v in words]
+    for split in ("train", "validation", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "meta.json").write_text(json.dumps({"task": "classification", "labels": sorted(labels)}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Two tiny 2-layer BERTs with the MiniLM tokenizer, the SAME embeddings, different label sets and data."""
+    d = tmp_path_factory.mktemp("rmpp")
+    tok = transformers.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
+    data = [_toy(d / "joyful", ["anger", "joy"]), _toy(d / "fearful", ["fear", "joy", "sadness"])]
+    folders, emb = [], None
+    for s, ds in enumerate(data):
+        cfg = tiny_config("bert", vocab_size=tok.vocab_size, num_labels=2 + s)
+        torch.manual_seed(s)
+        model = transformers.BertForSequenceClassification(cfg)
+        if emb is None:
+            emb = {n: t for n, t in model.state_dict().items() if "embeddings" in n}
+        model.load_state_dict(emb, strict=False)  # shared embeddings: layer 0 is exactly RegMean's
+        folder = d / ds.name
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        folders.append(folder)
+    return d, folders, data
+
+
+def _ok(args):
+    res = runner.invoke(app, list(map(str, args)))
+    assert res.exit_code == 0, res.output
+    return res
+
+
+def test_cli_regmean_plusplus_merges_layer_0_like_regmean_and_keeps_heads(tiny):
+    d, folders, data = tiny
+    out = d / "pp"
+    _ok(["merge", "--strategy", "regmean++", "--models", *folders, "--data", *data, "--alpha", "0.9", "--out", out])
+    for i, (m, ds) in enumerate(zip(folders, data, strict=True)):
+        _ok(["stats", m, "--data", ds, "--kind", "gram", "--out", d / f"s{i}"])
+    _ok(["merge", "--strategy", "regmean", "--models", *folders, "--stats", d / "s0", d / "s1", "--out", d / "rm"])
+    pp, rm = load_file(str(out / "model.safetensors")), load_file(str(d / "rm" / "model.safetensors"))
+    layer0 = [n for n in pp if n.startswith("bert.encoder.layer.0.") and n.endswith("dense.weight")]
+    assert len(layer0) == 3
+    for n in layer0:  # same inputs to layer 0: RegMean's solution
+        torch.testing.assert_close(pp[n], rm[n], rtol=0, atol=1e-6)
+    n1 = "bert.encoder.layer.1.output.dense.weight"  # Grams of the merged layer 0's outputs: not RegMean's
+    assert float((pp[n1] - rm[n1]).norm()) > 1e-5 * float(rm[n1].norm())
+    report = json.loads((out / "symfuse_report.json").read_text())
+    assert report["strategy"] == "regmean++" and report["heads"]["policy"] == "per-dataset"
+    assert report["params"]["data"] == [str(p) for p in data] and report["counters"]["models_run"] == 2
+    # the other dataset's folder: the same merged body, its own classifier
+    other = load_file(str(out / report["heads"]["folders"]["fearful"] / "model.safetensors"))
+    torch.testing.assert_close(other[n1], pp[n1], rtol=0, atol=0)
+    own = load_file(str(folders[1] / "model.safetensors"))
+    assert torch.equal(other["classifier.weight"], own["classifier.weight"])
+    assert other["classifier.weight"].shape[0] == 3
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(out))  # a loadable checkpoint
+    assert model.config.num_labels == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "expect"),
+    [
+        ("--models {A} {B}", 2, "--data: --strategy regmean++ collects its Grams"),
+        ("--models {A} {B} --data {DATA}", 2, "--data: 1 dataset(s) for 2 models"),
+        ("--models {A} {B} --data {DATA} {DATA} --max-examples 0", 2, "--max-examples"),
+        ("--models {A} {B} --data {DATA} nosuch_dataset", 1, "nosuch_dataset"),
+        ("--models {A} {B} --data {DATA} {DATA} --stats {DATA} {DATA}", 2, "--stats"),
+    ],
+    ids=["no-data", "data-count", "max-examples-zero", "unknown-dataset", "stats-not-read"],
+)
+def test_bad_inputs_fail_in_one_line(tmp_path, args, code, expect):
+    paths = {"A": save_tiny(tmp_path / "a", "bert", seed=1), "B": save_tiny(tmp_path / "b", "bert", seed=2)}
+    paths["DATA"] = toy_dataset(tmp_path / "toy")
+    before = listing(tmp_path)
+    argv = ["merge", "--strategy", "regmean++", *args.format(**paths).split(), "--out", tmp_path / "out"]
+    res = run_cli(*argv, cwd=tmp_path)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == code, res.stderr
+    # the error is one line (an INFO line of a dataset loaded before it may precede it)
+    assert 1 <= len(lines) <= 2 and lines[-1].startswith("error: ") and expect in lines[-1], res.stderr
+    assert "Traceback" not in res.stderr and listing(tmp_path) == before
+
+
+def test_data_is_refused_by_strategies_that_do_not_read_it(tmp_path):
+    a, b = save_tiny(tmp_path / "a", "bert", seed=1), save_tiny(tmp_path / "b", "bert", seed=2)
+    res = runner.invoke(app, ["merge", "--strategy", "simple", "--models", str(a), str(b), "--data", "x", "x",
+                              "--out", str(tmp_path / "o")])  # fmt: skip
+    assert res.exit_code == 2 and "--data: not a parameter of --strategy simple" in res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_merge_yaml_takes_its_data_and_refuses_it_missing(tmp_path):
+    a, b = save_tiny(tmp_path / "a", "bert", seed=1), save_tiny(tmp_path / "b", "bert", seed=2)
+    cfg = tmp_path / "merge.yaml"
+    cfg.write_text(f"strategy: regmean++\nmodels: [{a}, {b}]\nparams: {{max_examples: 8}}\n")
+    res = runner.invoke(app, ["merge", "--config", str(cfg), str(tmp_path / "o")])
+    assert res.exit_code == 2 and f"{cfg}: --data: --strategy regmean++ collects its Grams" in res.output
+    cfg.write_text(f"strategy: regmean++\nmodels: [{a}, {b}]\nparams: {{data: [x], max_examples: 8}}\n")
+    res = runner.invoke(app, ["merge", "--config", str(cfg), str(tmp_path / "o")])
+    assert res.exit_code == 2 and "--data: 1 dataset(s) for 2 models" in res.output
+    assert not (tmp_path / "o").exists()
