@@ -100,7 +100,7 @@ def transport_plan(cost: torch.Tensor, reg: float = 0.0) -> torch.Tensor:
     n, m = c.shape
     a, b = np.full(n, 1.0 / n), np.full(m, 1.0 / m)
     if reg > 0:
-        plan = ot.sinkhorn(a, b, c.numpy(), reg, method="sinkhorn_log", numItermax=20000, stopThr=1e-10)
+        plan = ot.sinkhorn(a, b, c.numpy(), reg, method="sinkhorn_log", numItermax=20000, stopThr=1e-9)
     else:
         plan = ot.emd(a, b, c.numpy(), numItermax=max(100_000, 50 * n * m))
     return torch.as_tensor(np.asarray(plan), dtype=torch.float64)
