@@ -3,8 +3,9 @@
 Two small BERT-style MLM models are pre-trained from scratch from two seeds on the text of the shared datasets;
 then the MLM loss on held-out text is measured along the linear path between them after aligning model B to
 model A by: nothing (plain averaging), weight-based permutations, activation-based permutations
-(FFN + heads + residual stream), and activation-based permutations + rotation + scaling. Finally both are
-fine-tuned on one emotion dataset and the midpoint accuracy is reported for each method.
+(FFN + heads + residual stream), activation-based permutations + rotation + scaling, and OT fusion
+(``symfuse.match.ot``, issue 16: EMD on weights and on activations, and soft entropic OT, which is not exact).
+Finally both are fine-tuned on one emotion dataset and the midpoint accuracy is reported for each method.
 
 Stages (each reads / writes under ``bench/out/different_init``)::
 
@@ -150,6 +151,7 @@ def main() -> None:
     ev.add_argument("--ft-batch", type=int, default=32)
     ev.add_argument("--ft-dropout", type=float, default=0.1)
     ev.add_argument("--ft-eval", type=int, default=2000)
+    ev.add_argument("--ot-reg", type=float, default=0.05, help="entropic regularisation of the soft OT rows")
     ev.add_argument("--results", type=Path, default=RESULTS, help="output folder (default bench/results)")
     args = p.parse_args()
     if args.stage == "prepare":

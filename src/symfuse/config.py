@@ -27,7 +27,10 @@ ANCHOR_POLICIES = ("closest", "barycenter")
 # The choices the UI form offers (JSON-schema enums); tests/symfuse/test_config.py keeps them equal to the registries
 # (symfuse.merge.MERGERS, symfuse.match.SYMMETRIES), which import torch and so are not imported here.
 Strategy = Literal["simple", "fisher", "regmean", "regmean++", "task-arithmetic", "ties", "dare"]
-Symmetry = Literal["rotation", "scaling", "ffn-permutation", "head-permutation"]
+Symmetry = Literal["rotation", "scaling", "ffn-permutation", "head-permutation", "ot", "ot-soft"]
+# OT fusion (symfuse.match.ot): soft alignment, exact only where a plan is a permutation ("ot" with equal widths);
+# "ot-soft" (entropic) is never exact — matched reports say `exact: false` and statistics are recollected.
+SOFT_SYMMETRIES = ("ot", "ot-soft")
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 SYMMETRY_NAMES: tuple[str, ...] = get_args(Symmetry)
 # The demo's training sets (different label sets: 13 tweet emotions, 28 Reddit emotions, 7 Friends emotions) and its

@@ -25,7 +25,10 @@ def match(
     symmetries: Annotated[
         str,
         typer.Option(
-            "--symmetries", help="Comma-separated: rotation, scaling, ffn-/head-permutation, residual-permutation."
+            "--symmetries",
+            help="Comma-separated: rotation, scaling, ffn-/head-permutation, residual-permutation; or OT fusion "
+            "(soft alignment, exact only where the plan is a permutation): ot, ot-soft (weights), ot-acts, "
+            "ot-acts-soft (activations, need --data), optionally with rotation, scaling.",
         ),
     ] = "rotation,scaling,ffn-permutation",
     workers: Annotated[int | None, typer.Option("--workers", help="Modules matched in parallel.")] = None,
@@ -51,8 +54,10 @@ def match(
     checks.local_path("SOURCE", source)
     checks.local_path("ANCHOR", anchor)
     from symfuse.match.activation import ACTIVATION_SYMMETRIES
+    from symfuse.match.ot import OT_KINDS
 
-    names = checks.names_list("--symmetries", symmetries, ACTIVATION_SYMMETRIES, "symmetries")
+    names = checks.names_list("--symmetries", symmetries, (*ACTIVATION_SYMMETRIES, *OT_KINDS), "symmetries")
+    ot_kind = _ot_kind(names, data is not None, OT_KINDS)
     if data is None and "residual-permutation" in names:
         raise UsageError("--symmetries: residual-permutation is found from activations — give --data DATASET")
     checks.checkpoint(source)
@@ -60,7 +65,12 @@ def match(
     if data is not None:
         checks.dataset("--data", data)
     with claim_output(out, overwrite):
-        if data is not None:
+        if ot_kind is not None:  # OT fusion (symfuse.match.ot): the report's `exact` says if it stayed exact
+            from symfuse.match.ot_checkpoints import match_ot_checkpoints
+
+            extra = [n for n in names if n != ot_kind]
+            report = match_ot_checkpoints(source, anchor, out, ot_kind, extra, data, max_examples, overwrite=overwrite)
+        elif data is not None:
             from symfuse.match.activation import match_activation_checkpoints
 
             report = match_activation_checkpoints(source, anchor, out, data, names, max_examples, overwrite=overwrite)
@@ -71,6 +81,25 @@ def match(
     summary = {k: v for k, v in report.items() if k != "per_module"}
     typer.echo(json.dumps(summary, indent=2))
     typer.echo(f"per-module report and transforms in {out}")
+
+
+def _ot_kind(names: list[str], has_data: bool, ot_kinds: tuple[str, ...]) -> str | None:
+    """The OT kind among ``names`` (None without one); refuses mixes OT does not take, in one line."""
+    kinds = [n for n in names if n in ot_kinds]
+    if not kinds:
+        return None
+    other = [n for n in names if n not in ot_kinds and n not in ("rotation", "scaling")]
+    if len(kinds) > 1 or other:
+        raise UsageError(
+            f"--symmetries: {', '.join(kinds + other)} do not combine — OT fusion takes ONE of "
+            f"{', '.join(ot_kinds)} (it replaces the permutations), optionally with rotation, scaling"
+        )
+    kind = kinds[0]
+    if "acts" in kind and not has_data:
+        raise UsageError(f"--symmetries: {kind} aligns by activations — give --data DATASET")
+    if "acts" not in kind and has_data:
+        raise UsageError(f"--data: {kind} aligns by weights and reads no data — use {kind.replace('ot', 'ot-acts')}")
+    return kind
 
 
 @app.command()

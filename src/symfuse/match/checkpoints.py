@@ -34,6 +34,7 @@ from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.symmetry.random import ALL_KINDS, random_module_transform
 from symfuse.symmetry.residual import permute_residual
 from symfuse.symmetry.transforms import ModuleTransform, load_transforms, save_transforms
+from symfuse.symmetry.transport import SOFT_PARTS
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +251,8 @@ def assemble_matched(
         "anchor": str(anc.path) if anc is not None else None,
         "family": src.spec.family,
         "symmetries": list(symmetries) if symmetries is not None else None,
+        # False when a soft OT map (symfuse.symmetry.transport) is among the parts: not function-preserving
+        "exact": not any(p.name in SOFT_PARTS for t in mts.values() for p in t.parts),
     }
     try:
         with atomic_output_dir(out, overwrite=overwrite) as tmp:

@@ -36,7 +36,7 @@ from symfuse.symmetry.transforms import (
 
 log = logging.getLogger(__name__)
 
-SYMMETRIES = ("rotation", "scaling", "ffn-permutation", "head-permutation")
+SYMMETRIES = ("rotation", "scaling", "ffn-permutation", "head-permutation", "ot", "ot-soft")
 DEFAULT_SYMMETRIES = ("rotation", "scaling", "ffn-permutation")
 Timings = MutableMapping[str, float]
 
@@ -289,6 +289,10 @@ def match_module_weights(
     """
     ref = ModuleRef.parse(ref) if isinstance(ref, str) else ref
     check_symmetries(symmetries)
+    if "ot" in symmetries or "ot-soft" in symmetries:  # OT fusion (soft where the plan is no permutation)
+        from symfuse.match.ot import match_module_ot
+
+        return match_module_ot(ref, src, anc, geo, symmetries)
     if ref.kind == "attn":
         return match_attention(src, anc, geo, symmetries, ref.key, timings)
     return match_ffn(src, anc, symmetries, ref.key, timings)

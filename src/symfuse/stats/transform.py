@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # Part names (``Transform.name``) and how a diagonal Fisher follows them; anything else -> recollect.
 FISHER_EXACT_PARTS = ("head_perm", "ffn_perm", "qk_scale", "vo_scale")
-GRAM_UNSUPPORTED_PARTS = ("resid_perm",)
+GRAM_UNSUPPORTED_PARTS = ("resid_perm", "ffn_transport", "head_transport", "resid_transport")  # + soft OT maps
 
 
 def _fisher_part(part):
@@ -79,7 +79,10 @@ def transform_stats(
         raise ValueError(f"{stats_file}: kind {sf.kind!r} is neither 'gram' nor 'fisher'")
     if parts & set(GRAM_UNSUPPORTED_PARTS):
         log.warning(
-            "%s: residual permutation in %s; recollect %s on the matched model", stats_file, transforms_file, sf.kind
+            "%s: residual permutation or soft OT map in %s; recollect %s on the matched model",
+            stats_file,
+            transforms_file,
+            sf.kind,
         )
         return None
     out: dict[str, torch.Tensor] = {}

@@ -14,14 +14,18 @@ from symfuse.symmetry.transforms import (
     register_transform,
     save_transforms,
 )
+from symfuse.symmetry.transport import FFNTransport, HeadTransport, ResidualTransport  # soft OT maps (registered)
 
 __all__ = [
     "ALL_KINDS",
     "FFNPermutation",
+    "FFNTransport",
     "HeadPermutation",
+    "HeadTransport",
     "ModuleTransform",
     "QKRotation",
     "QKScaling",
+    "ResidualTransport",
     "Transform",
     "VORotation",
     "VOScaling",
