@@ -22,7 +22,8 @@ def test_demo_defaults(quick):
     assert cfg.anchor == "closest" and cfg.quick is quick
     n_train = 200 if quick else 2000
     assert all(d.max_train_examples == n_train and d.checkpoint is None for d in cfg.datasets)
-    assert cfg.finetune.epochs == (1 if quick else 2)
+    assert cfg.finetune.epochs == (3 if quick else 2)
+    assert (cfg.finetune.lr, cfg.finetune.batch_size) == ((2e-4, 8) if quick else (1e-4, 16))
     assert cfg.finetune.max_length == 64
     assert cfg.evaluation.max_examples == (100 if quick else 500)
 
