@@ -251,6 +251,8 @@ def merge_checkpoints(
                 conv1d = module in grams[0].conv1d
             elif any(have):
                 raise MissingStats(f"Gram of {module} is missing from some models' statistics; recollect them")
+        if gram is None and module is not None and first.dim() == 2:
+            gram = merger.supplied_grams(module)  # Grams the merger collected itself (RegMean++'s tail)
         key = same_input.get(module, module) if gram is not None else None
         return merger.merge_tensor(TensorInputs(name, tensors, weights, b, fisher, gram, conv1d, key))
 
