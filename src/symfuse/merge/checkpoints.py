@@ -148,6 +148,8 @@ def merge_checkpoints(
             inputs were fine-tuned from; default ``base``), ``symmetries`` (the inputs were matched with; default
             none), ``extra`` (more front-matter facts, e.g. the run id).
         **params: Strategy parameters (e.g. ``alpha=0.9``, ``weights=[...]``, ``density=0.2``); unknown ones raise.
+            A merger that reads the models' data (``needs_data``: regmean++, ``data=[one dataset per model]``) does
+            its work in :meth:`~symfuse.merge.base.Merger.prepare`, once the inputs are checked.
 
     Returns:
         ``out``.
