@@ -13,7 +13,7 @@ has them: ``labels`` (e.g. ``union``: one head over the union of the label sets)
 each such field every choice besides the default is one more setting; a field the checkout lacks is skipped with a
 note in the results.
 
-    python bench/emotion_fusion.py --quick                         # ~5 min on 2 CPU cores: 1 seed, tiny caps
+    python bench/emotion_fusion.py --quick                         # 1 seed, tiny caps (2 CPU cores: 32 ex. took 6 min)
     python bench/emotion_fusion.py --train-examples 2000 --epochs 2 --seeds 13,14,15
 
 Writes ``bench/results/emotion_fusion.md`` (``--results``) and ``.json`` next to it (every number, per seed). This

@@ -159,6 +159,10 @@ class Merger:
         per model (per-dataset heads), not merged.
         """
 
+    def supplied_grams(self, module: str) -> list[torch.Tensor] | None:
+        """K input Grams of a linear module that the merger collected itself (RegMean++), else None (the default)."""
+        return None
+
     def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
         """Merge one tensor of K models."""
         raise NotImplementedError

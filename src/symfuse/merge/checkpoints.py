@@ -152,6 +152,8 @@ def merge_checkpoints(
             inputs were fine-tuned from; default ``base``), ``symmetries`` (the inputs were matched with; default
             none), ``extra`` (more front-matter facts, e.g. the run id).
         **params: Strategy parameters (e.g. ``alpha=0.9``, ``weights=[...]``, ``density=0.2``); unknown ones raise.
+            A merger that reads the models' data (``needs_data``: regmean++, ``data=[one dataset per model]``) does
+            its work in :meth:`~symfuse.merge.base.Merger.prepare`, once the inputs are checked.
 
     Returns:
         ``out``.
@@ -261,6 +263,8 @@ def merge_checkpoints(
                 conv1d = module in grams[0].conv1d
             elif any(have):
                 raise MissingStats(f"Gram of {module} is missing from some models' statistics; recollect them")
+        if gram is None and module is not None and first.dim() == 2:
+            gram = merger.supplied_grams(module)  # Grams the merger collected itself (RegMean++'s tail)
         key = same_input.get(module, module) if gram is not None else None
         inputs = TensorInputs(name, tensors, weights, b, fisher, gram, conv1d, key)
         return merge_class_rows(merger.merge_tensor, inputs, learned) if rows else merger.merge_tensor(inputs)

@@ -20,6 +20,7 @@ from pydantic import Field
 
 from symfuse.errors import MissingStats
 from symfuse.merge.base import MergeParams, Merger, TensorInputs, weighted_mean
+from symfuse.merge.regmean import regmean_solve
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class RegMeanPlusPlusMerger(Merger):
     def __init__(self, **params):
         super().__init__(**params)
         self._merged: dict[str, torch.Tensor] | None = None
+        self._tail_grams: dict[str, list[torch.Tensor]] = {}
 
     def prepare(self, models: Sequence[Path], keep: frozenset[str] = frozenset()) -> None:
         """Load the K checkpoints and their data, and merge them all (the statistics stage and the solves).
@@ -78,20 +80,34 @@ class RegMeanPlusPlusMerger(Merger):
                 make_batches(ds, folder, p.split, p.batch_size, p.max_length, p.max_examples, p.seed)  # type: ignore[attr-defined]
             )
         nets = [load_hf_model(m, validate=False) for m in models]
+        self._tail_grams = {}
         self._merged = regmean_plusplus_state(
             nets, loaders, self.model_weights(len(models)), p.alpha, keep,  # type: ignore[attr-defined]
-            device=p.device, dtype=getattr(torch, p.dtype),  # type: ignore[attr-defined]
+            device=p.device, dtype=getattr(torch, p.dtype), tail_grams=self._tail_grams,  # type: ignore[attr-defined]
         )  # fmt: skip
         self.counters["models_run"] = len(nets)
         del nets
 
+    def supplied_grams(self, module: str) -> list[torch.Tensor] | None:
+        """The K Grams :meth:`prepare` collected for a linear layer after the stack (on the merged body), else None."""
+        return self._tail_grams.get(module)
+
     def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
         """The tensor RegMean++ merged in :meth:`prepare`, in the checkpoint's dtype.
 
-        A stored tensor the loaded model does not hold (a tied copy) gets the weighted mean.
+        A linear layer after the stack comes with the Grams of :meth:`supplied_grams` (``t.gram``): it is solved
+        here, so a caller may merge it over a subset of the models or of its rows (union heads, class by class);
+        over all K models this is the solve :meth:`prepare` made. A stored tensor the loaded model does not hold (a
+        tied copy) gets the weighted mean.
         """
         if self._merged is None:
             raise RuntimeError("regmean++: prepare() was not called before merge_tensor()")
+        if t.gram is not None:
+            p = self.params
+            out, _ = regmean_solve(t.tensors, t.gram, t.weights, p.alpha, conv1d=t.conv1d,  # type: ignore[attr-defined]
+                                   dtype=getattr(torch, p.dtype))  # type: ignore[attr-defined]  # fmt: skip
+            self.count("regmean_solves")
+            return out
         got = self._merged.get(t.name)
         if got is None:
             self.count("weighted_mean")

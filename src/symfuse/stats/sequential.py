@@ -181,6 +181,7 @@ def regmean_plusplus_state(
     keep: Iterable[str] = (),
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float64,
+    tail_grams: dict[str, list[torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Merge K models with RegMean++ (see the module docstring); the caller's weights are not modified.
 
@@ -193,6 +194,9 @@ def regmean_plusplus_state(
         keep: Tensor names not merged (per-dataset heads); they are left out of the result.
         device: Where the forward passes run.
         dtype: Solve precision.
+        tail_grams: If given, filled with the Grams of the linear layers after the stack, ``{module: [K Grams]}``
+            (each model's on the fully merged body): a caller may re-solve those layers over a subset of the models
+            or of their rows (union heads, merged class by class).
 
     Returns:
         ``{name: merged tensor}`` (CPU, the models' dtypes) for every floating tensor of the state dict not in
@@ -281,6 +285,10 @@ def regmean_plusplus_state(
                 load(cand, body)
                 out.append(grams(cand, tail, b))
                 del cand
+            if tail_grams is not None:
+                for name in out[0]:
+                    if all(name in o for o in out):
+                        tail_grams[name.removesuffix(".weight")] = [o[name] for o in out]
             return out
         out = []
         for i, m in enumerate(models):

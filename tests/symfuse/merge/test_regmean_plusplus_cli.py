@@ -124,3 +124,40 @@ def test_merge_yaml_takes_its_data_and_refuses_it_missing(tmp_path):
     res = runner.invoke(app, ["merge", "--config", str(cfg), str(tmp_path / "o")])
     assert res.exit_code == 2 and "--data: 1 dataset(s) for 2 models" in res.output
     assert not (tmp_path / "o").exists()
+
+
+def test_checkpoint_merge_equals_the_library_and_solves_the_tail_per_row_subset(tmp_path):
+    # same label set: the classifier is merged too, after the stack, from Grams the merger hands to merge_checkpoints
+    from symfuse.checkpoint import load_hf_model
+    from symfuse.data import load_task_dataset, make_batches
+    from symfuse.merge import MERGERS, TensorInputs, merge_checkpoints
+    from symfuse.merge.regmean import regmean_solve
+    from symfuse.stats.sequential import regmean_plusplus_state
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
+    data = [_toy(tmp_path / f"d{i}", ["anger", "joy"]) for i in range(2)]
+    folders = []
+    for s in range(2):
+        torch.manual_seed(s)
+        transformers.BertForSequenceClassification(tiny_config("bert", vocab_size=tok.vocab_size, num_labels=2)
+                                                   ).save_pretrained(tmp_path / f"m{s}")  # fmt: skip
+        tok.save_pretrained(tmp_path / f"m{s}")
+        folders.append(tmp_path / f"m{s}")
+    out = merge_checkpoints("regmean++", folders, tmp_path / "out", data=[str(d) for d in data], max_examples=8)
+    got = load_file(str(out / "model.safetensors"))
+    nets = [load_hf_model(f) for f in folders]
+    batches = [make_batches(load_task_dataset(str(d)), f, "train", 16, 128, 8, 13) for d, f in zip(data, folders)]
+    tail: dict = {}
+    want = regmean_plusplus_state(nets, batches, [0.5, 0.5], 0.9, tail_grams=tail)
+    assert set(tail) == {"bert.pooler.dense", "classifier"}
+    for n, t in want.items():
+        torch.testing.assert_close(got[n], t, rtol=1e-5, atol=1e-6, msg=n)
+    report = json.loads((out / "symfuse_report.json").read_text())
+    assert report["heads"]["policy"] == "merged" and report["counters"]["regmean_solves"] == 2
+    # a caller merging the classifier row by row over a subset of models (union heads) gets RegMean of that subset
+    merger = MERGERS["regmean++"](data=[str(d) for d in data], max_examples=8)
+    merger.prepare(folders)
+    ws = [net.classifier.weight.detach()[1:] for net in nets]
+    sub = merger.merge_tensor(TensorInputs("classifier.weight", ws, [0.5, 0.5], gram=tail["classifier"]))
+    torch.testing.assert_close(sub, regmean_solve(ws, tail["classifier"], [0.5, 0.5], 0.9)[0])
+    torch.testing.assert_close(sub, got["classifier.weight"][1:], rtol=1e-5, atol=1e-6)

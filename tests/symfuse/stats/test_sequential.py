@@ -82,8 +82,21 @@ def test_every_layer_is_regmean_on_the_merged_prefix(family):
     lins = _linears(models[0], paths[1])
     plain = _regmean(models, batches, lins, None, 0.8)
     assert any(float((plain[n] - got[n]).norm()) > 1e-4 * float(plain[n].norm()) for n in plain)
-    # the classifier (after the stack) is merged from Grams of the merged body: it is in the result
-    assert any(n.startswith(("classifier", "score")) for n in got)
+    # the linear layers after the stack: RegMean on Grams of candidate i's own tail on the fully merged body
+    tail = [n for n, m in models[0].named_modules() if isinstance(m, torch.nn.Linear) and "layers." not in n
+            and ".layer." not in n]  # fmt: skip
+    assert tail and any(n.startswith(("classifier", "score")) for n in tail)
+    tail_names = {f"{n}.{p}" for n in tail for p in ("weight", "bias")}
+    hybrids = []
+    for m in models:
+        h = copy.deepcopy(m)
+        h.load_state_dict({n: t for n, t in got.items() if n not in tail_names}, strict=False)
+        hybrids.append(h)
+    grams = [collect_gram(h, b, progress=False, modules=tail).grams for h, b in zip(hybrids, batches, strict=True)]
+    for n in tail:
+        ws = [m.get_submodule(n).weight.detach() for m in models]
+        want, _ = regmean_solve(ws, [g[n] for g in grams], None, 0.8)
+        torch.testing.assert_close(got[f"{n}.weight"], want, rtol=1e-5, atol=1e-6)
 
 
 def test_kept_heads_are_not_merged_and_bad_inputs_are_refused():
