@@ -79,6 +79,13 @@ class FinetuneConfig(BaseModel):
         "classes), loss only on the dataset's own; None: a head over the dataset's classes",
     )
     head_seed: int | None = Field(None, description="seed of the new head's generator; None: seed + HEAD_SEED_OFFSET")
+    head_lr_scale: float = Field(
+        1.0,
+        gt=0,
+        le=1000,
+        description="learning rate of the task head (parameters outside the base model) = lr x this; the head starts "
+        "from random weights and learns faster with a larger rate on small data",
+    )
     keep_best: bool = True
     progress: bool = True
 
@@ -155,6 +162,25 @@ def _init_head(model: torch.nn.Module, new: set[str], seed: int) -> torch.nn.Mod
     return model
 
 
+def _param_groups(model: torch.nn.Module, cfg: FinetuneConfig) -> list[dict[str, Any]]:
+    """AdamW groups: weight decay on matrices only; the head (outside the base model) at ``lr * head_lr_scale``.
+
+    Frozen parameters (``requires_grad=False``) are left out: no optimizer state, no work.
+    """
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            head = prefix != "." and not name.startswith(prefix)
+            decay = p.ndim >= 2 and "LayerNorm" not in name
+            groups.setdefault((head, decay), []).append(p)
+    return [
+        {"params": params, "weight_decay": cfg.weight_decay if decay else 0.0,
+         "lr": cfg.lr * (cfg.head_lr_scale if head else 1.0)}
+        for (head, decay), params in sorted(groups.items(), key=lambda item: (item[0][0], not item[0][1]))
+    ]  # fmt: skip
+
+
 def _lr_lambda(total: int, warmup: int):
     def f(step: int) -> float:
         if step < warmup:
@@ -211,14 +237,7 @@ def train_model(
     step_size = cfg.batch_size * cfg.grad_accum
     steps_per_epoch = math.ceil(len(train_feats) / step_size)
     total = steps_per_epoch * cfg.epochs
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen parts: no work
-    decay = [p for n, p in trainable if p.ndim >= 2 and "LayerNorm" not in n]
-    no_decay = [p for n, p in trainable if not (p.ndim >= 2 and "LayerNorm" not in n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        fused=dev.type == "cuda" or None,
-    )
+    opt = torch.optim.AdamW(_param_groups(model, cfg), lr=cfg.lr, fused=dev.type == "cuda" or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, math.ceil(cfg.warmup_ratio * total)))
     history: list[dict[str, Any]] = []
     best_state, best_score = None, (-math.inf, -math.inf)
@@ -256,7 +275,7 @@ def train_model(
             run_n += denom
             scaler.unscale_(opt)
             if cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_([p for _, p in trainable], cfg.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.max_grad_norm)
             scaler.step(opt)
             scaler.update()
             sched.step()

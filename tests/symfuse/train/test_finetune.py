@@ -142,3 +142,27 @@ def test_new_head_comes_from_its_own_seeded_generator(tiny_base):
     assert not torch.equal(other.classifier.weight, head.weight)
     # the encoder is the base's: only the head is new
     assert torch.equal(other.bert.embeddings.word_embeddings.weight, model.bert.embeddings.word_embeddings.weight)
+
+
+def test_head_learning_rate_scale_applies_to_the_head_only(tiny_base):
+    # the AdamW groups: the classifier (outside the base model) at lr x head_lr_scale, every other trainable
+    # parameter at lr, each parameter in exactly one group, frozen ones in none
+    from symfuse.train.finetune import _param_groups
+
+    ds = load_task_dataset("dair_emotion", max_train_examples=16, seed=13)
+    cfg = FinetuneConfig(lr=1e-3, head_lr_scale=30, weight_decay=0.0, progress=False)
+    model = _build_model(tiny_base, ds, cfg)
+    groups = _param_groups(model, cfg)
+    head = {id(p) for p in model.classifier.parameters()}
+    for group in groups:
+        is_head = {id(p) in head for p in group["params"]}
+        assert len(is_head) == 1, "a group mixes head and body parameters"
+        assert group["lr"] == pytest.approx(3e-2 if is_head.pop() else 1e-3)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sorted(id(p) for g in groups for p in g["params"]) == sorted(id(p) for p in trainable)
+    # frozen parameters get no group
+    model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+    frozen = id(model.bert.embeddings.word_embeddings.weight)
+    assert frozen not in {id(p) for g in _param_groups(model, cfg) for p in g["params"]}
+    # the default scale keeps one learning rate for every group
+    assert {g["lr"] for g in _param_groups(model, FinetuneConfig(lr=1e-3))} == {1e-3}
