@@ -93,6 +93,9 @@ class FinetuneSettings(_Strict):
     grad_accum: int = Field(default=1, ge=1, description="Gradient accumulation; an OOM retry doubles it.")
     max_length: int = Field(default=128, ge=8, description="Token cap per example.")
     warmup_ratio: float = Field(default=0.1, ge=0, lt=1)
+    head_lr_scale: float = Field(
+        default=1.0, gt=0, le=1000, description="Learning rate of the new task head = lr x this (it starts random)."
+    )
     seed: int = 13
 
 

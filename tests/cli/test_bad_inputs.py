@@ -123,6 +123,8 @@ CASES = [
     C("finetune-epochs-zero", f"finetune {{A}} --data {{DATA}} {OUT} --epochs 0", 2, "--epochs"),
     C("finetune-lr-zero", f"finetune {{A}} --data {{DATA}} {OUT} --lr 0", 2, "--lr"),
     C("finetune-lr-negative", f"finetune {{A}} --data {{DATA}} {OUT} --lr -1e-5", 2, "--lr"),
+    C("finetune-head-lr-scale-zero", f"finetune {{A}} --data {{DATA}} {OUT} --head-lr-scale 0", 2, "--head-lr-scale"),
+    C("finetune-head-lr-scale-huge", f"finetune {{A}} --data {{DATA}} {OUT} --head-lr-scale 1e6", 2, "--head-lr-scale"),
     C("finetune-batch-size-zero", f"finetune {{A}} --data {{DATA}} {OUT} --batch-size 0", 2, "--batch-size"),
     C("finetune-unknown-dataset", f"finetune {{A}} --data nosuch_dataset {OUT}", 1, "nosuch_dataset"),
     C("finetune-missing-base", f"finetune {{MISSING}} --data {{DATA}} {OUT}", 2, "missing"),

@@ -48,12 +48,19 @@ def finetune(
         int | None,
         typer.Option("--head-seed", help="Seed of the new head's initialisation (default: derived from --seed)."),
     ] = None,
+    head_lr_scale: Annotated[
+        float,
+        typer.Option("--head-lr-scale", help="Learning rate of the new task head = --lr x this (0 < x <= 1000)."),
+    ] = 1.0,
 ) -> None:
     """Fine-tune BASE on a dataset and write the fine-tuned checkpoint."""
     checks.at_least("--epochs", epochs, 1)
     checks.at_least("--max-train-examples", max_train_examples, 1)
     checks.at_least("--max-eval-examples", max_eval_examples, 1)
     checks.positive("--lr", lr, "a learning rate")
+    checks.positive("--head-lr-scale", head_lr_scale, "a learning-rate multiplier")
+    if head_lr_scale > 1000:
+        raise UsageError(f"--head-lr-scale: {head_lr_scale:g} is above 1000 — give a multiplier in (0, 1000], e.g. 10")
     checks.at_least("--batch-size", batch_size, 1)
     checks.at_least("--grad-accum", grad_accum, 1)
     checks.at_least("--max-length", max_length, 8)
@@ -89,6 +96,7 @@ def finetune(
         seed=seed,
         label_space=space,
         head_seed=head_seed,
+        head_lr_scale=head_lr_scale,
     )
     with claim_output(out, overwrite):
         checks.dataset("--data", data)
