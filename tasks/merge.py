@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
-from symfuse.merge import MERGERS, REPORT, merge_checkpoints
+from symfuse.merge import MERGERS, REPORT, merge_checkpoints, merger_params
 from symfuse.stats import model_fingerprint
 from tasks.common import (
     content_key,
@@ -28,11 +28,6 @@ from tasks.common import (
 from tasks.policy import maybe_inject_fault
 
 
-def strategy_params(config: RunConfig, strategy: str) -> dict:
-    """The strategy's parameters from the run config (flattened at the task boundary)."""
-    return {"alpha": config.regmean_alpha} if strategy == "regmean" else {}
-
-
 @symfuse_task("merge", "merge-{strategy}-{variant}")
 def merge(
     config: RunConfig, strategy: str, variant: str, models: Mapping[str, str], stats: Mapping[str, Sequence[str]]
@@ -41,7 +36,8 @@ def merge(
 
     Args:
         config: The run.
-        strategy: A key of ``symfuse.merge.MERGERS``.
+        strategy: A registered strategy (``symfuse.merge.registry``); its parameters are
+            ``config.merge_params[strategy]``.
         variant: ``plain`` or ``matched`` (names the artifact).
         models: Dataset name -> checkpoint URI.
         stats: Dataset name -> statistics URIs of the kinds the strategy needs (may be empty).
@@ -51,14 +47,15 @@ def merge(
         sub-folder holding the merged body with that dataset's head.
     """
     store, merger = open_store(config), MERGERS[strategy]
-    key, params = layout.merged_key(config.run_id, strategy, variant), strategy_params(config, strategy)
+    key, params = layout.merged_key(config.run_id, strategy, variant), config.strategy_params(strategy)
     stats_uris = [u for name in models for u in stats.get(name, [])] if merger.required_stats else []
     inputs = {f"model.{n}": u for n, u in models.items()} | {f"stats{i}": u for i, u in enumerate(stats_uris)}
     base = resolve_checkpoint(config.base_model) if merger.needs_base else None
     extra = {"base": model_fingerprint(base)} if base is not None else {}
     card = {"base_model": config.base_model, "symmetries": config.symmetries if variant == "matched" else [],
             "extra": {"run_id": config.run_id, "variant": variant}}  # fmt: skip
-    ck = content_key({"strategy": strategy, "params": params, "order": list(models), "card": card},
+    resolved = merger_params(strategy, params).model_dump(mode="json")  # defaults included: a new default re-merges
+    ck = content_key({"strategy": strategy, "params": resolved, "order": list(models), "card": card},
                      manifests(store, inputs) | extra)  # fmt: skip
     if (uri := reuse(store, key, ck, f"merged model {strategy}-{variant}")) is not None:
         return uri

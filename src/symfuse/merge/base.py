@@ -7,18 +7,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from symfuse.errors import MissingStats
+from symfuse.merge.registry import MergeParams
 from symfuse.stats.io import BufferPool
-
-
-class MergeParams(BaseModel):
-    """Parameters shared by every merger; subclasses add their own (unknown keys are an error)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    weights: list[float] | None = None  # per-model weights (normalised to sum 1); default uniform
 
 
 class LazyTensors(Sequence[torch.Tensor]):
