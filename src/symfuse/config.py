@@ -17,20 +17,20 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from symfuse.merge.registry import MERGERS, merger_params
+from symfuse.symmetry.registry import kind_names
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+=-]*$")
 STATS_KINDS = ("gram", "fisher")
 ANCHOR_POLICIES = ("closest", "barycenter")
-# Merge strategies are the names of symfuse.merge.registry.MERGERS (read when a config is validated and when the UI
-# form's JSON schema is built, so a strategy registered later is a choice too; the registry imports no torch).
-Symmetry = Literal["rotation", "scaling", "ffn-permutation", "head-permutation"]
-SYMMETRY_NAMES: tuple[str, ...] = get_args(Symmetry)
+# Merge strategies are the names of symfuse.merge.registry.MERGERS, symmetries the kinds of symfuse.symmetry.registry
+# found from weights: read when a config is validated and when the UI form's JSON schema is built, so a strategy or
+# kind registered later is a choice too (the registries import no torch).
 # The demo's training sets (different label sets: 13 tweet emotions, 28 Reddit emotions, 7 Friends emotions) and its
 # held-out set (Ekman's 6 + neutral on Reddit texts disjoint from the bundled goemotions rows): all redistributable.
 DEMO_DATASETS = ("crowdflower", "goemotions", "meld")
@@ -170,10 +170,11 @@ class RunConfig(_Strict):
     datasets: list[DatasetConfig] = Field(min_length=1, description="Tasks to fine-tune on (at least 1).")
     finetune: FinetuneSettings = Field(default_factory=FinetuneSettings)
     stats: StatsSettings = Field(default_factory=StatsSettings)
-    symmetries: list[Symmetry] = Field(
+    symmetries: list[str] = Field(
         default_factory=lambda: ["rotation", "scaling", "ffn-permutation"],
         min_length=1,
-        description="Symmetries matching may use (see symfuse.match.SYMMETRIES).",
+        description="Symmetry kinds matching may use (see symfuse.symmetry.registry).",
+        json_schema_extra=_enum(lambda: kind_names("weights")),
     )
     anchor: str = Field(
         default="closest",
@@ -221,7 +222,7 @@ class RunConfig(_Strict):
     @field_validator("symmetries", mode="before")
     @classmethod
     def _symmetries(cls, value: object) -> object:
-        return _choice(value, SYMMETRY_NAMES, "symmetries")
+        return _choice(value, kind_names("weights"), "symmetries")
 
     @field_validator("symmetries", "strategies")
     @classmethod

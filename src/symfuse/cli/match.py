@@ -12,9 +12,7 @@ from symfuse.cli import app, checks
 from symfuse.config import DATASET_RESOLUTION
 from symfuse.errors import UsageError
 from symfuse.outputs import claim_output
-
-# symfuse.match.checkpoints.DISGUISE_KINDS (spelled out: checked before torch is imported)
-DISGUISE_KINDS = ("rotation", "scaling", "ffn-permutation", "head-permutation", "residual-permutation")
+from symfuse.symmetry.registry import SYMMETRY_KINDS, kind_names  # no torch: names are checked before it loads
 
 
 @app.command()
@@ -50,11 +48,10 @@ def match(
     checks.at_least("--max-examples", max_examples, 1)
     checks.local_path("SOURCE", source)
     checks.local_path("ANCHOR", anchor)
-    from symfuse.match.activation import ACTIVATION_SYMMETRIES
-
-    names = checks.names_list("--symmetries", symmetries, ACTIVATION_SYMMETRIES, "symmetries")
-    if data is None and "residual-permutation" in names:
-        raise UsageError("--symmetries: residual-permutation is found from activations — give --data DATASET")
+    names = checks.names_list("--symmetries", symmetries, kind_names("activations"), "symmetries")
+    from_data = [n for n in names if not SYMMETRY_KINDS[n].offers("weights")]
+    if data is None and from_data:
+        raise UsageError(f"--symmetries: {', '.join(from_data)} is found from activations — give --data DATASET")
     checks.checkpoint(source)
     checks.checkpoint(anchor)
     if data is not None:
@@ -94,7 +91,7 @@ def disguise(
     (it holds the model in memory) and is undone by `symfuse match --symmetries residual-permutation --data ...`.
     """
     checks.finite("--noise", noise)
-    names = checks.names_list("--kinds", kinds, DISGUISE_KINDS, "kinds")
+    names = checks.names_list("--kinds", kinds, kind_names("draw"), "kinds")
     if noise < 0:
         raise UsageError(f"--noise: {noise} is negative — give a relative noise >= 0 (0 keeps the function exactly)")
     checks.local_path("SOURCE", source)
