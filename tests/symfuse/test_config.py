@@ -132,6 +132,7 @@ def test_a_typo_in_a_choice_is_refused_with_the_choices(change, message):
 def test_choices_are_the_registries_and_schema_enums():
     from symfuse.match import SYMMETRIES
     from symfuse.merge import MERGERS
+
     props = RunConfig.model_json_schema()["properties"]
     assert set(props["strategies"]["items"]["enum"]) == set(MERGERS)
     assert set(props["symmetries"]["items"]["enum"]) == set(SYMMETRIES)

@@ -117,6 +117,8 @@ def register_kind(kind: SymmetryKind) -> SymmetryKind:
     """
     if not isinstance(kind, SymmetryKind):
         raise TypeError(f"register_kind needs a SymmetryKind, got {kind!r}")
+    if kind.name in SYMMETRY_KINDS:
+        raise ValueError(f"symmetry kind {kind.name!r} is already registered; unregister it first")
     taken = {p: k.name for k in SYMMETRY_KINDS.values() for p in k.parts}
     clash = [p for p in kind.parts if p in taken]
     if clash:
