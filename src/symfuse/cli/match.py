@@ -23,7 +23,7 @@ def match(
     symmetries: Annotated[
         str,
         typer.Option(
-            "--symmetries", help="Comma-separated: rotation, scaling, ffn-/head-permutation, residual-permutation."
+            "--symmetries", help=f"Comma-separated: {', '.join(kind_names('activations'))} (some need --data)."
         ),
     ] = "rotation,scaling,ffn-permutation",
     workers: Annotated[int | None, typer.Option("--workers", help="Modules matched in parallel.")] = None,
@@ -80,7 +80,7 @@ def disguise(
         str,
         typer.Option(
             "--kinds",
-            help="Comma-separated: rotation, scaling, ffn-permutation, head-permutation, residual-permutation.",
+            help=f"Comma-separated: {', '.join(kind_names('draw'))}.",
         ),
     ] = "rotation,scaling,ffn-permutation,head-permutation",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,

@@ -51,7 +51,7 @@ def match_many_cmd(
     ] = "closest",
     symmetries: Annotated[
         str,
-        typer.Option("--symmetries", help="Comma-separated: rotation, scaling, ffn-permutation, head-permutation."),
+        typer.Option("--symmetries", help=f"Comma-separated: {', '.join(kind_names('weights'))}."),
     ] = "rotation,scaling,ffn-permutation",
     max_iter: Annotated[int, typer.Option("--max-iter", help="Barycenter iterations per module at most.")] = 20,
     tol: Annotated[float, typer.Option("--tol", help="Barycenter tolerance (relative move of the mean).")] = 1e-7,

@@ -11,6 +11,7 @@ import yaml
 
 from symfuse.cli import app, checks
 from symfuse.errors import UsageError
+from symfuse.merge.registry import MERGERS  # no torch: names only
 from symfuse.outputs import claim_output
 
 
@@ -22,7 +23,7 @@ def merge(
         typer.Option("--config", help="Merge YAML (strategy, models, stats, base, weights, params); see README."),
     ] = None,
     strategy: Annotated[
-        str | None, typer.Option("--strategy", help="A registered strategy: simple|fisher|regmean|task-arithmetic|...")
+        str | None, typer.Option("--strategy", help=f"A registered strategy: {'|'.join(MERGERS.names())}.")
     ] = None,
     out: Annotated[
         Path | None, typer.Option("--out", help="Output save_pretrained folder (new unless --overwrite).")
@@ -144,7 +145,7 @@ def _validate(
         checks.local_path("--models", m)
     if base is not None:
         checks.local_path("--base", base)
-    from symfuse.merge.registry import MERGERS, merger_params
+    from symfuse.merge.registry import merger_params
 
     checks.one_of("--strategy", strategy, MERGERS.names())
     merger = MERGERS[strategy]  # imports the strategy's module (torch)

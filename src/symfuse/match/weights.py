@@ -304,7 +304,7 @@ def match_module_weights(
     check_symmetries(symmetries)
     finders: list = []
     for kind in kinds_for(symmetries, ref.kind, "weights"):
-        if kind.weights is not None and kind.fn("weights") not in finders:
+        if kind.fn("weights") not in finders:
             finders.append(kind.fn("weights"))
     parts: list[Transform] = []
     for i, find in enumerate(finders):
