@@ -25,6 +25,7 @@ from symfuse.merge import MERGERS, MergeParams, Merger, TensorInputs, merge_chec
 from symfuse.merge.registry import register_merger, unregister_merger
 from symfuse.stats import StatsFile, collect_fisher, collect_gram, save_stats, transform_stats
 from symfuse.symmetry import ModuleTransform, Transform, load_transforms, register_transform
+from symfuse.symmetry.follow import fisher_of_permutation
 from symfuse.symmetry.registry import SymmetryKind, kind_names, register_kind, unregister_kind
 from tests.tiny import random_inputs, save_tiny
 
@@ -281,10 +282,15 @@ def test_unknown_kinds_are_refused_in_one_line_listing_the_choices(ffn_shift, se
     assert not (tmp_path / "d").exists() and not (tmp_path / "m").exists()
 
 
-def test_a_kind_is_registered_once_and_its_parts_belong_to_it_alone(ffn_shift):
+def test_a_kind_is_registered_once_and_shares_parts_only_when_statistics_agree(ffn_shift):
     with pytest.raises(ValueError, match="already registered"):
         register_kind(SHIFT)
-    with pytest.raises(ValueError, match=r"parts \['ffn_perm'\] already belong to 'ffn-permutation'"):
+    # another finder of FFN permutations may share the part when statistics follow it the same way ...
+    register_kind(SymmetryKind("other", "ffn", ("ffn_perm",), fisher=fisher_of_permutation))
+    unregister_kind("other")
+    # ... not when they would follow it differently
+    with pytest.raises(ValueError, match=r"parts \['ffn_perm'\] also come from 'ffn-permutation', whose statistics"):
         register_kind(SymmetryKind("other", "ffn", ("ffn_perm",)))
+    assert "other" not in kind_names()
     with pytest.raises(ValueError, match="only an exact kind may have a random draw"):
         SymmetryKind("inexact", "ffn", ("x",), exact=False, draw=draw_shift)

@@ -119,15 +119,6 @@ def multi_value_command(*options: str) -> type[MultiValueCommand]:
     return type("MultiValue", (MultiValueCommand,), {"multi_value": tuple(options)})
 
 
-def unused(strategy: str, given: dict[str, Any], accepted: Iterable[str]) -> None:
-    """Refuse options that the chosen strategy does not read (they would be silently ignored)."""
-    accepted = set(accepted)
-    extra = [k for k, v in given.items() if v is not None and k not in accepted]
-    if extra:
-        opts = ", ".join(f"--{k}" for k in extra)
-        raise UsageError(f"{opts}: not a parameter of --strategy {strategy} — drop it, or pick a strategy that uses it")
-
-
 def device(option: str, value: str) -> None:
     """A torch device string (``cpu``, ``cuda``, ``cuda:1``, ...)."""
     if re.fullmatch(r"(cpu|cuda|mps|xpu)(:\d+)?", value):

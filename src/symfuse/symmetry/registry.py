@@ -109,20 +109,30 @@ class SymmetryKind:
 SYMMETRY_KINDS: Registry[SymmetryKind] = Registry("symmetry kind")
 
 
+def _same_ref(a: Any, b: Any) -> bool:
+    return a == b or (a is not None and b is not None and resolve(a) is resolve(b))
+
+
 def register_kind(kind: SymmetryKind) -> SymmetryKind:
     """Register ``kind`` under its name; return it.
 
+    Several kinds may produce one part (e.g. two finders of FFN permutations) when they agree on how statistics
+    follow it (``gram`` and ``fisher``): statistics look a saved part up by its name.
+
     Raises:
-        ValueError: the name is taken, or one of its parts already belongs to another kind.
+        ValueError: the name is taken, or a part it shares with another kind follows statistics differently there.
     """
     if not isinstance(kind, SymmetryKind):
         raise TypeError(f"register_kind needs a SymmetryKind, got {kind!r}")
     if kind.name in SYMMETRY_KINDS:
         raise ValueError(f"symmetry kind {kind.name!r} is already registered; unregister it first")
-    taken = {p: k.name for k in SYMMETRY_KINDS.values() for p in k.parts}
-    clash = [p for p in kind.parts if p in taken]
-    if clash:
-        raise ValueError(f"symmetry kind {kind.name!r}: parts {clash} already belong to {taken[clash[0]]!r}")
+    for other in SYMMETRY_KINDS.values():
+        shared = [p for p in kind.parts if p in other.parts]
+        if shared and (kind.gram != other.gram or not _same_ref(kind.fisher, other.fisher)):
+            raise ValueError(
+                f"symmetry kind {kind.name!r}: parts {shared} also come from {other.name!r}, whose statistics "
+                "follow them differently — declare the same gram and fisher"
+            )
     SYMMETRY_KINDS.register(kind.name, kind)
     return kind
 
@@ -161,7 +171,7 @@ def kinds_for(names: Sequence[str], acts_on: str, capability: Capability | None 
 
 
 def kind_of_part(part: str) -> SymmetryKind | None:
-    """The kind producing transform parts named ``part`` (None: no registered kind)."""
+    """The (first registered) kind producing transform parts named ``part`` (None: no registered kind)."""
     return next((k for k in SYMMETRY_KINDS.values() if part in k.parts), None)
 
 
