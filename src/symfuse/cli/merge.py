@@ -11,7 +11,7 @@ import yaml
 
 from symfuse.cli import app, checks
 from symfuse.errors import UsageError
-from symfuse.merge.registry import MERGERS  # no torch: names only
+from symfuse.merge.registry import MERGERS, merger_params  # no torch: names only (a class loads on MERGERS[name])
 from symfuse.outputs import claim_output
 
 
@@ -145,8 +145,6 @@ def _validate(
         checks.local_path("--models", m)
     if base is not None:
         checks.local_path("--base", base)
-    from symfuse.merge.registry import merger_params
-
     checks.one_of("--strategy", strategy, MERGERS.names())
     merger = MERGERS[strategy]  # imports the strategy's module (torch)
     labels = {k: label for k, (_, label) in given.items()}
