@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
@@ -27,6 +28,40 @@ from tasks.common import (
 )
 from tasks.policy import maybe_inject_fault
 
+# Where a merge runs, not what it computes: left out of the content key.
+PLACEMENT = ("device",)
+
+
+def run_context(config: RunConfig, models: Sequence[str]) -> dict[str, Any]:
+    """What a merger may take from the run besides its ``merge_params`` (it names them in ``Merger.run_params``).
+
+    Args:
+        config: The run.
+        models: The dataset names, in merge order.
+    """
+    return {
+        "data": [config.dataset(n).data for n in models],  # each model's own dataset
+        "max_examples": config.stats.max_examples,
+        "batch_size": config.stats.batch_size,
+        "max_length": config.finetune.max_length,
+        "seed": config.finetune.seed,
+        "device": config.resolved_device(),
+    }
+
+
+def strategy_params(config: RunConfig, strategy: str, models: Sequence[str] = ()) -> dict[str, Any]:
+    """The strategy's parameters, flattened at the task boundary: the run values it asks for, then its merge_params.
+
+    Raises:
+        ValueError: the merger asks for a run value :func:`run_context` does not have.
+    """
+    wanted = MERGERS[strategy].run_params
+    context = run_context(config, models) if wanted else {}
+    unknown = [k for k in wanted if k not in context]
+    if unknown:
+        raise ValueError(f"merge strategy {strategy}: run_params {unknown} unknown — choose from {sorted(context)}")
+    return {k: context[k] for k in wanted} | config.strategy_params(strategy)
+
 
 @symfuse_task("merge", "merge-{strategy}-{variant}")
 def merge(
@@ -37,7 +72,7 @@ def merge(
     Args:
         config: The run.
         strategy: A registered strategy (``symfuse.merge.registry``); its parameters are
-            ``config.merge_params[strategy]``.
+            ``config.merge_params[strategy]`` and the run values it names in ``run_params``.
         variant: ``plain`` or ``matched`` (names the artifact).
         models: Dataset name -> checkpoint URI.
         stats: Dataset name -> statistics URIs of the kinds the strategy needs (may be empty).
@@ -47,7 +82,7 @@ def merge(
         sub-folder holding the merged body with that dataset's head.
     """
     store, merger = open_store(config), MERGERS[strategy]
-    key, params = layout.merged_key(config.run_id, strategy, variant), config.strategy_params(strategy)
+    key, params = layout.merged_key(config.run_id, strategy, variant), strategy_params(config, strategy, list(models))
     stats_uris = [u for name in models for u in stats.get(name, [])] if merger.required_stats else []
     inputs = {f"model.{n}": u for n, u in models.items()} | {f"stats{i}": u for i, u in enumerate(stats_uris)}
     base = resolve_checkpoint(config.base_model) if merger.needs_base else None
@@ -55,6 +90,7 @@ def merge(
     card = {"base_model": config.base_model, "symmetries": config.symmetries if variant == "matched" else [],
             "extra": {"run_id": config.run_id, "variant": variant}}  # fmt: skip
     resolved = merger_params(strategy, params).model_dump(mode="json")  # defaults included: a new default re-merges
+    resolved = {k: v for k, v in resolved.items() if k not in PLACEMENT}
     ck = content_key({"strategy": strategy, "params": resolved, "order": list(models), "card": card},
                      manifests(store, inputs) | extra)  # fmt: skip
     if (uri := reuse(store, key, ck, f"merged model {strategy}-{variant}")) is not None:

@@ -117,13 +117,16 @@ class Merger:
     """Base of the registered mergers.
 
     Subclasses set ``name``, ``required_stats`` (kinds of :mod:`symfuse.stats` files they read), ``needs_base``,
-    a pydantic ``Params`` class, and implement :meth:`merge_tensor`, which must return a NEW tensor and never
-    modify its inputs.
+    ``run_params`` (parameters the merge task takes from the run), a pydantic ``Params`` class, and implement
+    :meth:`merge_tensor`, which must return a NEW tensor and never modify its inputs.
     """
 
     name: ClassVar[str]
     required_stats: ClassVar[frozenset[str]] = frozenset()
     needs_base: ClassVar[bool] = False
+    # Params fields the merge task fills from the run (tasks/merge.py run_context: data, max_examples, batch_size,
+    # max_length, seed, device), e.g. a merger that runs each model's own dataset; the user's merge_params win.
+    run_params: ClassVar[tuple[str, ...]] = ()
     Params: ClassVar[type[MergeParams]] = MergeParams
 
     def __init__(self, **params: Any):

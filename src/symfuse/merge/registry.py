@@ -11,7 +11,9 @@ How to add a strategy (its own file plus one registration line):
 
 1. ``src/symfuse/merge/<name>.py``: ``class <Name>Params(MergeParams)`` with its fields, and
    ``class <Name>Merger(Merger)`` with ``name = "<name>"``, ``required_stats``, ``needs_base``,
-   ``Params = <Name>Params`` and ``merge_tensor(self, t: TensorInputs) -> torch.Tensor`` (a NEW tensor).
+   ``Params = <Name>Params`` and ``merge_tensor(self, t: TensorInputs) -> torch.Tensor`` (a NEW tensor); a
+   merger that needs values of the run (each model's dataset, the statistics sample size, the device) names those
+   ``Params`` fields in ``run_params`` and the merge task fills them (``tasks.merge.run_context``).
 2. One line at the end of this module::
 
        register_merger("symfuse.merge.<name>:<Name>Merger", name="<name>")
