@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from symfuse.merge.registry import MERGERS, merger_params
-from symfuse.symmetry.registry import kind_names
+from symfuse.symmetry.registry import check_kinds, kind_names
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+=-]*$")
 STATS_KINDS = ("gram", "fisher")
@@ -229,6 +229,12 @@ class RunConfig(_Strict):
     def _unique(cls, value: list[str]) -> list[str]:
         if len(set(value)) != len(value):
             raise ValueError(f"duplicate entries in {value}")
+        return value
+
+    @field_validator("symmetries")
+    @classmethod
+    def _compatible(cls, value: list[str]) -> list[str]:
+        check_kinds(value, "weights")  # kinds that exclude each other (SymmetryKind.excludes)
         return value
 
     @model_validator(mode="before")

@@ -294,3 +294,29 @@ def test_a_kind_is_registered_once_and_shares_parts_only_when_statistics_agree(f
     assert "other" not in kind_names()
     with pytest.raises(ValueError, match="only an exact kind may have a random draw"):
         SymmetryKind("inexact", "ffn", ("x",), exact=False, draw=draw_shift)
+
+
+def test_a_kind_may_act_on_both_modules_and_exclude_others(seq_model, tmp_path):
+    seen = []
+
+    def find_nothing(src, anc, geo, symmetries, key="", timings=None) -> ModuleTransform:
+        seen.append(key)
+        return ModuleTransform(key, ())
+
+    kind = SymmetryKind("align-all", ("attn", "ffn"), ("nothing",), weights=find_nothing, excludes=("ffn-permutation",))
+    register_kind(kind)
+    try:
+        report = match_checkpoints(seq_model, seq_model, tmp_path / "m", symmetries=["rotation", "align-all"])
+        assert sorted(seen) == ["L00.attn", "L00.ffn", "L01.attn", "L01.ffn"] and report["distance_after"] < 1e-6
+        with pytest.raises(ValueError, match="symmetries ffn-permutation and align-all exclude each other"):
+            match_checkpoints(seq_model, seq_model, tmp_path / "x", symmetries=["ffn-permutation", "align-all"])
+        with pytest.raises(ValidationError, match="exclude each other"):
+            RunConfig.demo(symmetries=["align-all", "ffn-permutation"])
+        res = _cli(
+            "match-many", seq_model, seq_model, "--out", tmp_path / "x", "--symmetries", "align-all,ffn-permutation"
+        )
+        lines = [ln for ln in res.output.splitlines() if ln.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and "--symmetries: symmetries align-all and ffn-perm" in lines[0]
+        assert not (tmp_path / "x").exists()
+    finally:
+        unregister_kind("align-all")

@@ -11,6 +11,7 @@ from typing import Any
 from typer.core import TyperCommand
 
 from symfuse.errors import DataError, SymfuseError, UsageError
+from symfuse.symmetry.registry import Capability, check_kinds, kind_names  # no torch
 
 
 def positive(option: str, value: float | None, what: str = "a number") -> None:
@@ -61,6 +62,16 @@ def names_list(option: str, value: str, choices: Iterable[str], what: str = "nam
         raise UsageError(f"{option}: unknown {what} {', '.join(map(repr, unknown))} — choose from {', '.join(choices)}")
     if len(set(names)) != len(names):
         raise UsageError(f"{option}: {value!r} repeats a name — give each once")
+    return names
+
+
+def kinds(option: str, value: str, capability: Capability, what: str = "symmetries") -> list[str]:
+    """Comma-separated registered symmetry kinds offering ``capability`` (weights, activations, draw), compatible."""
+    names = names_list(option, value, kind_names(capability), what)
+    try:
+        check_kinds(names, capability)
+    except ValueError as exc:  # kinds that exclude each other
+        raise UsageError(f"{option}: {exc}") from exc
     return names
 
 

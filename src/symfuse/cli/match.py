@@ -48,7 +48,7 @@ def match(
     checks.at_least("--max-examples", max_examples, 1)
     checks.local_path("SOURCE", source)
     checks.local_path("ANCHOR", anchor)
-    names = checks.names_list("--symmetries", symmetries, kind_names("activations"), "symmetries")
+    names = checks.kinds("--symmetries", symmetries, "activations")
     from_data = [n for n in names if not SYMMETRY_KINDS[n].offers("weights")]
     if data is None and from_data:
         raise UsageError(f"--symmetries: {', '.join(from_data)} is found from activations — give --data DATASET")
@@ -91,7 +91,7 @@ def disguise(
     (it holds the model in memory) and is undone by `symfuse match --symmetries residual-permutation --data ...`.
     """
     checks.finite("--noise", noise)
-    names = checks.names_list("--kinds", kinds, kind_names("draw"), "kinds")
+    names = checks.kinds("--kinds", kinds, "draw", "kinds")
     if noise < 0:
         raise UsageError(f"--noise: {noise} is negative — give a relative noise >= 0 (0 keeps the function exactly)")
     checks.local_path("SOURCE", source)

@@ -73,7 +73,7 @@ def match_many_cmd(
     checks.positive("--tol", tol)
     names = output_names(models)
     index = anchor_index(anchor, models, names)
-    sym = checks.names_list("--symmetries", symmetries, kind_names("weights"), "symmetries")
+    sym = checks.kinds("--symmetries", symmetries, "weights")
     for m in models:
         checks.local_path("M1 M2", m)
     for m in models:

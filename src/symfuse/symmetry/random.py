@@ -26,7 +26,7 @@ from symfuse.symmetry.transforms import (
 )
 
 # the per-module kinds registered at import (defaults; the registry is read again at every call)
-ALL_KINDS = tuple(n for n, k in SYMMETRY_KINDS.items() if k.draw is not None and k.acts_on != "residual")
+ALL_KINDS = tuple(n for n, k in SYMMETRY_KINDS.items() if k.draw is not None and "residual" not in k.acts_on)
 
 
 def random_orthogonal(n: int, batch: int, generator: torch.Generator) -> torch.Tensor:

@@ -56,8 +56,10 @@ class SymmetryKind:
 
     Attributes:
         name: The name users give (``--symmetries``, ``--kinds``, ``RunConfig.symmetries``).
-        acts_on: ``attn`` / ``ffn`` (one transform per module) or ``residual`` (one for the whole stream).
-        parts: ``Transform.name`` of every part it produces (how statistics find the kind of a saved part).
+        acts_on: ``attn`` and / or ``ffn`` (one transform per module; a tuple for both), or ``residual`` (one
+            transform of the whole stream).
+        parts: ``Transform.name`` of the parts it introduces (how statistics find the kind of a saved part); parts
+            it may also produce that another kind introduced (an FFN permutation) follow that kind's declaration.
         exact: Function-preserving (a matched or disguised model computes the same function).
         stage: Position of its parts within a module's transform (lower first).
         draw: Random draw for ``disguise``, or None.
@@ -66,10 +68,11 @@ class SymmetryKind:
         fisher: Maps a part to the transform of a diagonal Fisher, or None (recollect).
         gram: Grams follow its parts by ``apply_to_gram`` (False: recollect).
         restricted_by: Geometry flags under which some of its parts are left out (not exact there).
+        excludes: Kinds it cannot be asked for together with (e.g. one alignment replacing the permutations).
     """
 
     name: str
-    acts_on: Literal["attn", "ffn", "residual"]
+    acts_on: str | tuple[str, ...]
     parts: tuple[str, ...]
     exact: bool = True
     stage: int = 0
@@ -79,10 +82,13 @@ class SymmetryKind:
     fisher: Callable[..., Any] | str | None = None
     gram: bool = True
     restricted_by: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.acts_on not in ("attn", "ffn", "residual"):
-            raise ValueError(f"symmetry kind {self.name!r}: acts_on {self.acts_on!r} is not attn, ffn or residual")
+        acts_on = (self.acts_on,) if isinstance(self.acts_on, str) else tuple(self.acts_on)
+        object.__setattr__(self, "acts_on", acts_on)
+        if not acts_on or not (set(acts_on) <= {"attn", "ffn"} or acts_on == ("residual",)):
+            raise ValueError(f"symmetry kind {self.name!r}: acts_on {acts_on} is not attn and / or ffn, or residual")
         if self.draw is not None and not self.exact:
             raise ValueError(f"symmetry kind {self.name!r}: only an exact kind may have a random draw (disguise)")
         if not self.parts:
@@ -154,19 +160,24 @@ def check_kinds(
 
     Raises:
         UnknownChoiceError: a name is not registered or its kind lacks ``capability``.
+        ValueError: two names exclude each other (``excludes``).
     """
     names = tuple(names)
     choices = kind_names(capability)
     unknown = [n for n in names if n not in choices]
     if unknown:
         raise UnknownChoiceError(f"unknown {what} {', '.join(map(repr, unknown))} — choose from {', '.join(choices)}")
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if b in SYMMETRY_KINDS[a].excludes or a in SYMMETRY_KINDS[b].excludes:
+                raise ValueError(f"{what} {a} and {b} exclude each other — take one of them")
     return names
 
 
 def kinds_for(names: Sequence[str], acts_on: str, capability: Capability | None = None) -> list[SymmetryKind]:
-    """The kinds among ``names`` acting on ``acts_on`` (offering ``capability``), ordered by ``stage``."""
+    """The kinds among ``names`` acting on ``acts_on`` (attn, ffn, residual) offering ``capability``, by ``stage``."""
     kinds = [SYMMETRY_KINDS[n] for n in SYMMETRY_KINDS if n in names]
-    kinds = [k for k in kinds if k.acts_on == acts_on and (capability is None or k.offers(capability))]
+    kinds = [k for k in kinds if acts_on in k.acts_on and (capability is None or k.offers(capability))]
     return sorted(kinds, key=lambda k: k.stage)
 
 
