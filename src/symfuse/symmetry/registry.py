@@ -22,6 +22,16 @@ kinds with ``weights``, ``match --data`` those with ``activations`` or ``weights
 ``stage`` orders the parts of one module's transform (lower first; a random draw consumes the generator in that
 order). ``restricted_by`` names :class:`symfuse.arch.Geometry` flags under which the kind's draw and finder leave
 some parts out because they would not be exact (``qk_norm``: Qwen3's per-head q/k norms forbid QK maps).
+``acts_on`` may name both modules (``("attn", "ffn")``: one finder for every module), and ``excludes`` kinds that
+cannot be asked for together with it (the config, the CLI and the matchers refuse the pair in one line). An inexact
+kind (``exact=False``, e.g. a soft alignment) declares no ``draw``, and its own parts ``gram=False`` / no ``fisher``.
+
+For example, an optimal-transport alignment of attention heads and FFN neurons that replaces the permutations
+(exact parts ``ffn_perm`` / ``head_perm`` where its plan is a permutation, soft ``*_transport`` parts otherwise)::
+
+    register_kind(SymmetryKind("ot", ("attn", "ffn"), ("ffn_transport", "head_transport"), exact=False,
+                               weights="symfuse.match.ot:find_ot", gram=False,
+                               excludes=("ffn-permutation", "head-permutation")))
 
 How to add a kind (its own file plus one registration line):
 
