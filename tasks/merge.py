@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
-from symfuse.merge import MERGERS, REPORT, merge_checkpoints
+from symfuse.merge import MERGERS, REPORT, merge_checkpoints, merger_params
 from symfuse.stats import model_fingerprint
 from tasks.common import (
     content_key,
@@ -29,26 +30,39 @@ from tasks.common import (
 from tasks.policy import maybe_inject_fault
 
 GREEDY = "greedy"  # the variant of greedy selection's subset merges
+# Where a merge runs, not what it computes: left out of the content key.
+PLACEMENT = ("device",)
 
 
-def strategy_params(config: RunConfig, strategy: str, models: Sequence[str] = ()) -> dict:
-    """The strategy's parameters from the run config (flattened at the task boundary).
+def run_context(config: RunConfig, models: Sequence[str]) -> dict[str, Any]:
+    """What a merger may take from the run besides its ``merge_params`` (it names them in ``Merger.run_params``).
 
-    RegMean++ collects its Grams during the merge (they depend on the merged layers): it gets each model's dataset
-    (``models``: the dataset names, in merge order) and the statistics stage's sampling settings.
+    Args:
+        config: The run.
+        models: The dataset names, in merge order.
     """
-    if strategy == "regmean":
-        return {"alpha": config.regmean_alpha}
-    if strategy == "regmean++":
-        return {
-            "alpha": config.regmean_alpha,
-            "data": [config.dataset(n).data for n in models],
-            "max_examples": config.stats.max_examples,
-            "batch_size": config.stats.batch_size,
-            "max_length": config.finetune.max_length,
-            "seed": config.finetune.seed,
-        }
-    return {}
+    return {
+        "data": [config.dataset(n).data for n in models],  # each model's own dataset
+        "max_examples": config.stats.max_examples,
+        "batch_size": config.stats.batch_size,
+        "max_length": config.finetune.max_length,
+        "seed": config.finetune.seed,
+        "device": config.resolved_device(),
+    }
+
+
+def strategy_params(config: RunConfig, strategy: str, models: Sequence[str] = ()) -> dict[str, Any]:
+    """The strategy's parameters, flattened at the task boundary: the run values it asks for, then its merge_params.
+
+    Raises:
+        ValueError: the merger asks for a run value :func:`run_context` does not have.
+    """
+    wanted = MERGERS[strategy].run_params
+    context = run_context(config, models) if wanted else {}
+    unknown = [k for k in wanted if k not in context]
+    if unknown:
+        raise ValueError(f"merge strategy {strategy}: run_params {unknown} unknown — choose from {sorted(context)}")
+    return {k: context[k] for k in wanted} | config.strategy_params(strategy)
 
 
 @symfuse_task("merge", "merge-{strategy}-{variant}")
@@ -59,7 +73,8 @@ def merge(
 
     Args:
         config: The run.
-        strategy: A key of ``symfuse.merge.MERGERS``.
+        strategy: A registered strategy (``symfuse.merge.registry``); its parameters are
+            ``config.merge_params[strategy]`` and the run values it names in ``run_params``.
         variant: ``plain``, ``matched`` or ``greedy`` (a subset; names the artifact).
         models: Dataset name -> checkpoint URI.
         stats: Dataset name -> statistics URIs of the kinds the strategy needs (may be empty).
@@ -80,7 +95,9 @@ def merge(
     extra = {"base": model_fingerprint(base)} if base is not None else {}
     card = {"base_model": config.base_model, "symmetries": config.symmetries if variant == "matched" else [],
             "extra": {"run_id": config.run_id, "variant": variant}}  # fmt: skip
-    ck = content_key({"strategy": strategy, "params": params, "order": list(models), "card": card},
+    resolved = merger_params(strategy, params).model_dump(mode="json")  # defaults included: a new default re-merges
+    resolved = {k: v for k, v in resolved.items() if k not in PLACEMENT}
+    ck = content_key({"strategy": strategy, "params": resolved, "order": list(models), "card": card},
                      manifests(store, inputs) | extra)  # fmt: skip
     if (uri := reuse(store, key, ck, f"merged model {strategy}-{variant}")) is not None:
         return uri
@@ -91,10 +108,9 @@ def merge(
         for name, uri in models.items():
             (links / name).symlink_to(fetch(store, uri), target_is_directory=True)
         files = [fetch_file(store, u) for u in stats_uris]
-        run_on = {"device": config.resolved_device()} if getattr(merger, "needs_data", False) else {}  # not in ck
         with timed() as t:
             out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
-                                    base=base, card=card, **params, **run_on)  # fmt: skip
+                                    base=base, card=card, **params)  # fmt: skip
         folders = json.loads((out / REPORT).read_text())["heads"].get("folders") or {}
         heads = dict(zip(models, folders.values(), strict=True)) if folders else dict.fromkeys(models, ".")
         digests = [layout.manifest_digest(store.manifest(u)) for u in models.values()]  # read by watch_checkpoints

@@ -15,24 +15,22 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from symfuse.merge.registry import MERGERS, merger_params
+from symfuse.symmetry.registry import check_kinds, kind_names
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+=-]*$")
 STATS_KINDS = ("gram", "fisher")
 ANCHOR_POLICIES = ("closest", "barycenter")
-# The choices the UI form offers (JSON-schema enums); tests/symfuse/test_config.py keeps them equal to the registries
-# (symfuse.merge.MERGERS, symfuse.match.SYMMETRIES), which import torch and so are not imported here.
-Strategy = Literal["simple", "fisher", "regmean", "regmean++", "task-arithmetic", "ties", "dare"]
-Symmetry = Literal["rotation", "scaling", "ffn-permutation", "head-permutation", "ot", "ot-soft"]
-# OT fusion (symfuse.match.ot): soft alignment, exact only where a plan is a permutation ("ot" with equal widths);
-# "ot-soft" (entropic) is never exact — matched reports say `exact: false` and statistics are recollected.
-SOFT_SYMMETRIES = ("ot", "ot-soft")
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
-SYMMETRY_NAMES: tuple[str, ...] = get_args(Symmetry)
+# Merge strategies are the names of symfuse.merge.registry.MERGERS, symmetries the kinds of symfuse.symmetry.registry
+# found from weights: read when a config is validated and when the UI form's JSON schema is built, so a strategy or
+# kind registered later is a choice too (the registries import no torch).
 # The demo's training sets (different label sets: 13 tweet emotions, 28 Reddit emotions, 7 Friends emotions) and its
 # held-out set (Ekman's 6 + neutral on Reddit texts disjoint from the bundled goemotions rows): all redistributable.
 DEMO_DATASETS = ("crowdflower", "goemotions", "meld")
@@ -145,6 +143,19 @@ class StageDeployments(_Strict):
     stats: str = Field(default="stats-stage/stats-stage", description="One model's statistics (one kind) per run.")
 
 
+def _enum(names: Callable[[], Sequence[str]]) -> Callable[[dict[str, Any]], None]:
+    """``json_schema_extra`` offering the registry's current ``names()`` as the list items' choices (UI form)."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        schema["items"] = {**schema.get("items", {}), "enum": list(names())}
+
+    return extra
+
+
+# Keys of older configs, moved into merge_params: key -> (strategy, parameter). Applied when the strategy is run.
+LEGACY_PARAM_KEYS = {"regmean_alpha": ("regmean", "alpha")}
+
+
 def _choice(value: object, choices: tuple[str, ...], what: str) -> object:
     """``value`` unchanged, or a one-line error naming the unknown entries and the choices (before the enum check)."""
     if isinstance(value, list):
@@ -162,19 +173,27 @@ class RunConfig(_Strict):
     datasets: list[DatasetConfig] = Field(min_length=1, description="Tasks to fine-tune on (at least 1).")
     finetune: FinetuneSettings = Field(default_factory=FinetuneSettings)
     stats: StatsSettings = Field(default_factory=StatsSettings)
-    symmetries: list[Symmetry] = Field(
+    symmetries: list[str] = Field(
         default_factory=lambda: ["rotation", "scaling", "ffn-permutation"],
         min_length=1,
-        description="Symmetries matching may use (see symfuse.match.SYMMETRIES).",
+        description="Symmetry kinds matching may use (see symfuse.symmetry.registry).",
+        json_schema_extra=_enum(lambda: kind_names("weights")),
     )
     anchor: str = Field(
         default="closest",
         description="Model the others are matched onto: 'closest' (to the others), 'barycenter', or a dataset name.",
     )
-    strategies: list[Strategy] = Field(
-        default_factory=lambda: ["simple", "fisher", "regmean"], min_length=1, description="Merge strategies."
+    strategies: list[str] = Field(
+        default_factory=lambda: ["simple", "fisher", "regmean"],
+        min_length=1,
+        description="Merge strategies (see symfuse.merge.registry).",
+        json_schema_extra=_enum(MERGERS.names),
     )
-    regmean_alpha: float = Field(default=0.9, ge=0, le=1, description="RegMean: scale of off-diagonal Gram terms.")
+    merge_params: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Typed parameters per strategy, e.g. {regmean: {alpha: 0.9}, ties: {density: 0.3}}; a strategy "
+        "not listed uses its defaults. (regmean_alpha: X in older configs means {regmean: {alpha: X}}.)",
+    )
     labels: Literal["per-dataset", "union"] = Field(
         default="per-dataset",
         description="Label space: 'per-dataset' heads (merged body, each dataset's own head), or 'union': every "
@@ -225,12 +244,12 @@ class RunConfig(_Strict):
     @field_validator("strategies", mode="before")
     @classmethod
     def _strategies(cls, value: object) -> object:
-        return _choice(value, STRATEGIES, "merge strategies")
+        return _choice(value, MERGERS.names(), "merge strategies")
 
     @field_validator("symmetries", mode="before")
     @classmethod
     def _symmetries(cls, value: object) -> object:
-        return _choice(value, SYMMETRY_NAMES, "symmetries")
+        return _choice(value, kind_names("weights"), "symmetries")
 
     @field_validator("symmetries", "strategies")
     @classmethod
@@ -238,6 +257,33 @@ class RunConfig(_Strict):
         if len(set(value)) != len(value):
             raise ValueError(f"duplicate entries in {value}")
         return value
+
+    @field_validator("symmetries")
+    @classmethod
+    def _compatible(cls, value: list[str]) -> list[str]:
+        check_kinds(value, "weights")  # kinds that exclude each other (SymmetryKind.excludes)
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_keys(cls, data: Any) -> Any:
+        """Move keys of older configs into ``merge_params`` (dropped when their strategy is not run, as before)."""
+        if not isinstance(data, dict) or not LEGACY_PARAM_KEYS.keys() & data.keys():
+            return data
+        data = dict(data)
+        params = {k: dict(v) for k, v in (data.get("merge_params") or {}).items()}
+        strategies = data.get("strategies", cls.model_fields["strategies"].get_default(call_default_factory=True))
+        for key, (strategy, name) in LEGACY_PARAM_KEYS.items():
+            if key not in data:
+                continue
+            value = data.pop(key)
+            merger_params(strategy, {name: value}, label=lambda _k, key=key: key)  # one line naming the old key
+            if name in params.get(strategy, {}):
+                raise ValueError(f"{key} and merge_params.{strategy}.{name} both given — keep merge_params only")
+            if isinstance(strategies, list) and strategy in strategies:
+                params.setdefault(strategy, {})[name] = value
+        data["merge_params"] = params
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
@@ -248,7 +294,19 @@ class RunConfig(_Strict):
             raise ValueError(f"select_on {self.select_on!r} is read only with select: greedy; set it or drop select_on")
         if self.anchor not in ANCHOR_POLICIES and self.anchor not in names:
             raise ValueError(f"anchor {self.anchor!r}: expected 'closest', 'barycenter' or one of the datasets {names}")
+        for strategy, values in self.merge_params.items():
+            if strategy not in self.strategies:
+                MERGERS.require([strategy])
+                raise ValueError(
+                    f"merge_params.{strategy}: {strategy} is not in strategies {self.strategies} — add it there or "
+                    "drop its parameters"
+                )
+            merger_params(strategy, values, label=lambda k, s=strategy: f"merge_params.{s}.{k}")
         return self
+
+    def strategy_params(self, strategy: str) -> dict[str, Any]:
+        """The parameters given for ``strategy`` (``merge_params[strategy]``; empty: its defaults)."""
+        return dict(self.merge_params.get(strategy, {}))
 
     # ------------------------------------------------------------------------------------------ helpers
     @property

@@ -43,3 +43,10 @@ class OutputExistsError(SymfuseError, FileExistsError):
 
 class OutputLockedError(SymfuseError, BlockingIOError):
     """Another process is writing the same output folder (its lock file names the holder's pid)."""
+
+
+class UnknownChoiceError(SymfuseError, ValueError, KeyError):
+    """A name (merge strategy, symmetry kind) that no registry holds; the message lists the choices."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

@@ -11,6 +11,7 @@ from typing import Any
 from typer.core import TyperCommand
 
 from symfuse.errors import DataError, SymfuseError, UsageError
+from symfuse.symmetry.registry import Capability, check_kinds, kind_names  # no torch
 
 
 def positive(option: str, value: float | None, what: str = "a number") -> None:
@@ -61,6 +62,16 @@ def names_list(option: str, value: str, choices: Iterable[str], what: str = "nam
         raise UsageError(f"{option}: unknown {what} {', '.join(map(repr, unknown))} — choose from {', '.join(choices)}")
     if len(set(names)) != len(names):
         raise UsageError(f"{option}: {value!r} repeats a name — give each once")
+    return names
+
+
+def kinds(option: str, value: str, capability: Capability, what: str = "symmetries") -> list[str]:
+    """Comma-separated registered symmetry kinds offering ``capability`` (weights, activations, draw), compatible."""
+    names = names_list(option, value, kind_names(capability), what)
+    try:
+        check_kinds(names, capability)
+    except ValueError as exc:  # kinds that exclude each other
+        raise UsageError(f"{option}: {exc}") from exc
     return names
 
 
@@ -117,15 +128,6 @@ def _is_number(text: str) -> bool:
 def multi_value_command(*options: str) -> type[MultiValueCommand]:
     """A :class:`MultiValueCommand` subclass whose ``options`` take several values."""
     return type("MultiValue", (MultiValueCommand,), {"multi_value": tuple(options)})
-
-
-def unused(strategy: str, given: dict[str, Any], accepted: Iterable[str]) -> None:
-    """Refuse options that the chosen strategy does not read (they would be silently ignored)."""
-    accepted = set(accepted)
-    extra = [k for k, v in given.items() if v is not None and k not in accepted]
-    if extra:
-        opts = ", ".join(f"--{k}" for k in extra)
-        raise UsageError(f"{opts}: not a parameter of --strategy {strategy} — drop it, or pick a strategy that uses it")
 
 
 def device(option: str, value: str) -> None:

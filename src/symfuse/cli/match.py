@@ -12,9 +12,12 @@ from symfuse.cli import app, checks
 from symfuse.config import DATASET_RESOLUTION
 from symfuse.errors import UsageError
 from symfuse.outputs import claim_output
+from symfuse.symmetry.registry import SYMMETRY_KINDS, kind_names  # no torch: names are checked before it loads
 
-# symfuse.match.checkpoints.DISGUISE_KINDS (spelled out: checked before torch is imported)
-DISGUISE_KINDS = ("rotation", "scaling", "ffn-permutation", "head-permutation", "residual-permutation")
+# OT fusion from the command line aligns the whole model, residual stream included (symfuse.match.ot_checkpoints):
+# the registered kinds ot / ot-soft (weights), and their activation-based forms, known to this command only.
+OT_ACTS = ("ot-acts", "ot-acts-soft")
+OT_CLI_KINDS = ("ot", "ot-soft", *OT_ACTS)
 
 
 @app.command()
@@ -26,9 +29,10 @@ def match(
         str,
         typer.Option(
             "--symmetries",
-            help="Comma-separated: rotation, scaling, ffn-/head-permutation, residual-permutation; or OT fusion "
-            "(soft alignment, exact only where the plan is a permutation): ot, ot-soft (weights), ot-acts, "
-            "ot-acts-soft (activations, need --data), optionally with rotation, scaling.",
+            help=f"Comma-separated: {', '.join(kind_names('activations'))} (some need --data). OT fusion (soft "
+            f"alignment of heads, FFN units and the residual stream, exact only where the plan is a permutation): "
+            f"one of {', '.join(OT_CLI_KINDS)} (*-acts: from activations, need --data), optionally with rotation, "
+            "scaling.",
         ),
     ] = "rotation,scaling,ffn-permutation",
     workers: Annotated[int | None, typer.Option("--workers", help="Modules matched in parallel.")] = None,
@@ -53,13 +57,13 @@ def match(
     checks.at_least("--max-examples", max_examples, 1)
     checks.local_path("SOURCE", source)
     checks.local_path("ANCHOR", anchor)
-    from symfuse.match.activation import ACTIVATION_SYMMETRIES
-    from symfuse.match.ot import OT_KINDS
-
-    names = checks.names_list("--symmetries", symmetries, (*ACTIVATION_SYMMETRIES, *OT_KINDS), "symmetries")
-    ot_kind = _ot_kind(names, data is not None, OT_KINDS)
-    if data is None and "residual-permutation" in names:
-        raise UsageError("--symmetries: residual-permutation is found from activations — give --data DATASET")
+    names = checks.names_list("--symmetries", symmetries, (*kind_names("activations"), *OT_ACTS), "symmetries")
+    ot_kind = _ot_kind(names, data is not None, OT_CLI_KINDS)
+    if ot_kind is None:
+        names = checks.kinds("--symmetries", symmetries, "activations")
+        from_data = [n for n in names if not SYMMETRY_KINDS[n].offers("weights")]
+        if data is None and from_data:
+            raise UsageError(f"--symmetries: {', '.join(from_data)} is found from activations — give --data DATASET")
     checks.checkpoint(source)
     checks.checkpoint(anchor)
     if data is not None:
@@ -112,7 +116,7 @@ def disguise(
         str,
         typer.Option(
             "--kinds",
-            help="Comma-separated: rotation, scaling, ffn-permutation, head-permutation, residual-permutation.",
+            help=f"Comma-separated: {', '.join(kind_names('draw'))}.",
         ),
     ] = "rotation,scaling,ffn-permutation,head-permutation",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
@@ -123,7 +127,7 @@ def disguise(
     (it holds the model in memory) and is undone by `symfuse match --symmetries residual-permutation --data ...`.
     """
     checks.finite("--noise", noise)
-    names = checks.names_list("--kinds", kinds, DISGUISE_KINDS, "kinds")
+    names = checks.kinds("--kinds", kinds, "draw", "kinds")
     if noise < 0:
         raise UsageError(f"--noise: {noise} is negative — give a relative noise >= 0 (0 keeps the function exactly)")
     checks.local_path("SOURCE", source)

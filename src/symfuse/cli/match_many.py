@@ -11,8 +11,8 @@ import typer
 from symfuse.cli import app, checks
 from symfuse.errors import UsageError
 from symfuse.outputs import atomic_output_dir, claim_output
+from symfuse.symmetry.registry import kind_names  # no torch: names are checked before it loads
 
-WEIGHT_SYMMETRIES = ("rotation", "scaling", "ffn-permutation", "head-permutation")  # symfuse.match.SYMMETRIES
 REPORT = "symfuse_many_report.json"
 
 
@@ -51,7 +51,7 @@ def match_many_cmd(
     ] = "closest",
     symmetries: Annotated[
         str,
-        typer.Option("--symmetries", help="Comma-separated: rotation, scaling, ffn-permutation, head-permutation."),
+        typer.Option("--symmetries", help=f"Comma-separated: {', '.join(kind_names('weights'))}."),
     ] = "rotation,scaling,ffn-permutation",
     max_iter: Annotated[int, typer.Option("--max-iter", help="Barycenter iterations per module at most.")] = 20,
     tol: Annotated[float, typer.Option("--tol", help="Barycenter tolerance (relative move of the mean).")] = 1e-7,
@@ -73,7 +73,7 @@ def match_many_cmd(
     checks.positive("--tol", tol)
     names = output_names(models)
     index = anchor_index(anchor, models, names)
-    sym = checks.names_list("--symmetries", symmetries, WEIGHT_SYMMETRIES, "symmetries")
+    sym = checks.kinds("--symmetries", symmetries, "weights")
     for m in models:
         checks.local_path("M1 M2", m)
     for m in models:

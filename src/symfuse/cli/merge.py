@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+import yaml
 
 from symfuse.cli import app, checks
 from symfuse.errors import UsageError
+from symfuse.merge.registry import MERGERS, merger_params  # no torch: names only (a class loads on MERGERS[name])
 from symfuse.outputs import claim_output
 
 
@@ -21,7 +23,7 @@ def merge(
         typer.Option("--config", help="Merge YAML (strategy, models, stats, base, weights, params); see README."),
     ] = None,
     strategy: Annotated[
-        str | None, typer.Option("--strategy", help="simple|fisher|regmean|regmean++|task-arithmetic|ties|dare")
+        str | None, typer.Option("--strategy", help=f"A registered strategy: {'|'.join(MERGERS.names())}.")
     ] = None,
     out: Annotated[
         Path | None, typer.Option("--out", help="Output save_pretrained folder (new unless --overwrite).")
@@ -37,6 +39,10 @@ def merge(
         list[float] | None, typer.Option("--weights", metavar="wA wB [...]", help="One weight per model (>= 0).")
     ] = None,
     base: Annotated[str | None, typer.Option("--base", help="Base checkpoint (task vectors).")] = None,
+    param: Annotated[
+        list[str] | None,
+        typer.Option("--param", metavar="NAME=VALUE", help="Any parameter of the strategy (repeat for several)."),
+    ] = None,
     alpha: Annotated[float | None, typer.Option("--alpha", help="RegMean off-diagonal scale in [0, 1] (0.9).")] = None,
     lam: Annotated[float | None, typer.Option("--lam", help="Task-vector scale.")] = None,
     density: Annotated[float | None, typer.Option("--density", help="TIES: fraction kept, in (0, 1].")] = None,
@@ -66,11 +72,13 @@ def merge(
     out = out if out is not None else out_arg
     if out is None:
         raise UsageError("--out: missing — give the output folder: --out OUT (or OUT after --config FILE)")
+    # the parameter flags are shortcuts for --param NAME=VALUE: the strategy's Params validates them all
+    shortcuts = {"alpha": alpha, "lam": lam, "density": density, "drop": drop, "combine": combine, "seed": seed}
+    shortcuts |= {"dtype": dtype, "epsilon": epsilon, "data": data or None, "max_examples": max_examples}
+    shortcuts |= {"device": device}
     if config is not None:
         flags = {"--strategy": strategy, "--models": models, "--stats": stats, "--weights": weights, "--base": base}
-        flags |= {"--alpha": alpha, "--lam": lam, "--density": density, "--drop": drop, "--combine": combine}
-        flags |= {"--seed": seed, "--dtype": dtype, "--epsilon": epsilon, "--data": data}
-        flags |= {"--max-examples": max_examples, "--device": device}
+        flags |= {"--param": param} | {f"--{k}": v for k, v in shortcuts.items()}
         clash = [k for k, v in flags.items() if v is not None and v != []]
         if clash:
             raise UsageError(
@@ -81,21 +89,20 @@ def merge(
         mf = load_merge_file(config)
         strategy, models, base, weights = mf.strategy, mf.models, mf.base, mf.weights
         stats = [Path(s) for s in mf.stats] if mf.stats is not None else None
-        p = mf.params
-        alpha, lam, density, drop, combine, seed, dtype, epsilon = (
-            p.alpha, p.lam, p.density, p.drop, p.combine, p.seed, p.dtype, p.epsilon
-        )  # fmt: skip
-        data, max_examples, device = p.data, p.max_examples, p.device
+        given = {k: (v, f"params.{k}") for k, v in mf.params.items()}
+    else:
+        given = {k: (v, f"--{k}") for k, v in shortcuts.items() if v is not None} | _param_options(
+            param or [], shortcuts
+        )
     if strategy is None:
         raise UsageError("--strategy: missing — give --strategy NAME, or --config merge.yaml")
     models = list(models or [])
     try:
-        params = _validate(strategy, models, stats, weights, base, alpha, lam, density, drop, combine, seed, dtype,
-                           epsilon, {"data": data or None, "max_examples": max_examples, "device": device})  # fmt: skip
+        params = _validate(strategy, models, stats, weights, base, given)
     except UsageError as exc:
         if config is None:
             raise
-        # the shared checks name the flag; in a file it is the key of the same name (params.<flag> for parameters)
+        # the shared checks name the flag; in a file it is the key of the same name
         raise UsageError(f"{config}: {exc}") from exc
     from symfuse.merge import merge_checkpoints
 
@@ -105,53 +112,42 @@ def merge(
     typer.echo(f"{path} ({strategy}, {report['seconds']} s)")
 
 
+def _param_options(values: list[str], shortcuts: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """``--param NAME=VALUE`` options as ``{name: (value, label)}`` (values read as YAML scalars: 1, 0.5, ties)."""
+    out: dict[str, tuple[Any, str]] = {}
+    for item in values:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise UsageError(f"--param: {item!r} is not NAME=VALUE — give e.g. --param density=0.3")
+        if name in out or shortcuts.get(name) is not None:
+            raise UsageError(f"--param: {name} given twice — give each parameter once")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as exc:
+            raise UsageError(f"--param: {item!r} has an unreadable value — give a number, word or true/false") from exc
+        out[name] = (value, f"--param {name}")
+    return out
+
+
 def _validate(
     strategy: str,
     models: list[str],
     stats: list[Path] | None,
     weights: list[float] | None,
     base: str | None,
-    alpha: float | None,
-    lam: float | None,
-    density: float | None,
-    drop: float | None,
-    combine: str | None,
-    seed: int | None,
-    dtype: str | None,
-    epsilon: float | None,
-    sampling: dict[str, Any] | None = None,
+    given: dict[str, tuple[Any, str]],
 ) -> dict[str, Any]:
     """Every check of the merge's inputs (cheap ones before torch is imported); return the strategy's params.
 
-    ``sampling``: the options of strategies that read the models' data (``data``, ``max_examples``, ``device``).
+    ``given`` maps each parameter to its value and how the user wrote it (``--alpha``, ``--param k``, ``params.k``).
     """
-    # checks that need no registry first: a bad value fails before torch is even imported
+    # checks that need no merger class first: a bad value fails before torch is even imported
     if len(models) < 2:
         raise UsageError(f"--models: {len(models)} model(s) given — give two or more: --models A B [C ...]")
-    given = {
-        "alpha": alpha,
-        "weights": weights or None,
-        "lam": lam,
-        "density": density,
-        "drop": drop,
-        "combine": combine,
-        "seed": seed,
-        "dtype": dtype,
-        "epsilon": epsilon,
-        **(sampling or {}),
-    }
-    data = given.get("data")
-    checks.fraction("--alpha", alpha, closed_low=True)
-    checks.finite("--lam", lam)
-    checks.fraction("--density", density)
-    if drop is not None and not (0 <= drop < 1):
-        raise UsageError(f"--drop: {drop} is outside [0, 1) — give a drop rate such as 0.9")
-    checks.one_of("--combine", combine, ("task-arithmetic", "ties"))
-    checks.one_of("--dtype", dtype, ("float64", "float32"))
-    checks.positive("--epsilon", epsilon)
-    checks.at_least("--max-examples", given.get("max_examples"), 1)
-    if given.get("device") is not None:
-        checks.device("--device", given["device"])
+    data, data_label = given.get("data", (None, "--data"))
+    if given.get("device", (None,))[0] is not None:
+        checks.device(given["device"][1], given["device"][0])
     if weights:
         if len(weights) != len(models):
             raise UsageError(f"--weights: {len(weights)} weight(s) for {len(models)} models — give one per model")
@@ -161,11 +157,21 @@ def _validate(
         checks.local_path("--models", m)
     if base is not None:
         checks.local_path("--base", base)
-    from symfuse.merge import MERGERS
-
-    checks.one_of("--strategy", strategy, MERGERS)
-    merger = MERGERS[strategy]
-    checks.unused(strategy, given, merger.Params.model_fields)
+    checks.one_of("--strategy", strategy, MERGERS.names())
+    merger = MERGERS[strategy]  # imports the strategy's module (torch)
+    labels = {k: label for k, (_, label) in given.items()}
+    values = {k: v for k, (v, _) in given.items()}
+    extra = [labels[k] for k in values if k not in merger.Params.model_fields or k == "weights"]
+    if extra:
+        raise UsageError(
+            f"{', '.join(extra)}: not a parameter of --strategy {strategy} — drop it, or pick a strategy that uses it "
+            f"(its parameters: {', '.join(k for k in merger.Params.model_fields if k != 'weights') or 'none'})"
+        )
+    params = values | ({"weights": weights} if weights else {})
+    try:
+        merger_params(strategy, params, label=lambda k: labels.get(k, f"--{k}"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     if stats and not merger.required_stats:
         raise UsageError(f"--stats: --strategy {strategy} reads no statistics — drop --stats")
     if merger.required_stats and not stats:
@@ -173,14 +179,14 @@ def _validate(
         raise UsageError(f"--stats: --strategy {strategy} needs {kinds} statistics — give one folder per model")
     if stats and len(stats) != len(models):
         raise UsageError(f"--stats: {len(stats)} statistics for {len(models)} models — give one per model, in order")
-    needs_data = getattr(merger, "needs_data", False)
-    if needs_data and not data:
+    if getattr(merger, "needs_data", False) and not data:
         raise UsageError(
-            f"--data: --strategy {strategy} collects its Grams on each model's own data — give one dataset per "
+            f"{data_label}: --strategy {strategy} collects its Grams on each model's own data — give one dataset per "
             "model: --data DA DB [...]"
         )
-    if data and len(data) != len(models):
-        raise UsageError(f"--data: {len(data)} dataset(s) for {len(models)} models — give one per model, in order")
+    if data and (not isinstance(data, list) or len(data) != len(models)):
+        n = len(data) if isinstance(data, list) else 1
+        raise UsageError(f"{data_label}: {n} dataset(s) for {len(models)} models — give one per model, in order")
     if merger.needs_base and base is None:
         raise UsageError(f"--base: --strategy {strategy} works on task vectors — give the base model with --base")
     if base is not None and not merger.needs_base:
@@ -192,5 +198,5 @@ def _validate(
     if stats:
         checks.stats_files(stats, merger.required_stats)
     for d in data or []:
-        checks.dataset("--data", d)
-    return {k: v for k, v in given.items() if v is not None}
+        checks.dataset(data_label, d)
+    return params

@@ -28,17 +28,19 @@ from typing import Any, Literal
 
 import torch
 
-from symfuse.arch import get_spec
+from symfuse.arch import Geometry, ModuleRef, get_spec
 from symfuse.checkpoint import load_hf_model
 from symfuse.match.closed_form import assign_max
 from symfuse.match.weights import match_module_weights, module_distance
 from symfuse.stats.activations import ActivationStats, collect_activation_stats
+from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, kind_names, kinds_for
 from symfuse.symmetry.residual import ResidualPermutation, permute_residual
 from symfuse.symmetry.transforms import FFNPermutation, HeadPermutation, ModuleTransform, Transform
 
 log = logging.getLogger(__name__)
 
-ACTIVATION_SYMMETRIES = ("residual-permutation", "head-permutation", "ffn-permutation", "rotation", "scaling")
+# the kinds `match --data` takes that were registered at import (the registry is read again at every call)
+ACTIVATION_SYMMETRIES = kind_names("activations")
 ResidualStrategy = Literal["first", "last", "all"]
 RANDOM_PIXELS = "random-pixels"  # --data for pixel families: statistics from seeded random pixel inputs
 
@@ -91,6 +93,18 @@ def head_permutation(stats: ActivationStats, layer: int, n_heads: int, n_kv_head
     return perm
 
 
+def find_ffn_permutation(stats: ActivationStats, ref: ModuleRef, geo: Geometry) -> tuple[Transform, ...]:
+    """The ``ffn-permutation`` kind's activation finder."""
+    return (FFNPermutation(ffn_permutation(stats, ref.layer)),)
+
+
+def find_head_permutation(stats: ActivationStats, ref: ModuleRef, geo: Geometry) -> tuple[Transform, ...]:
+    """The ``head-permutation`` kind's activation finder (nothing to permute with one KV group)."""
+    if geo.n_kv_heads <= 1:
+        return ()
+    return (HeadPermutation(head_permutation(stats, ref.layer, geo.n_heads, geo.n_kv_heads)),)
+
+
 @dataclass
 class ActivationMatch:
     """Result of :func:`match_activations`.
@@ -131,7 +145,7 @@ def match_activations(
         source: Model to align (not modified).
         anchor: Model to align it to (same family and shapes; not modified).
         batches: Inputs for the statistics (ignored when ``stats`` is given).
-        symmetries: Subset of :data:`ACTIVATION_SYMMETRIES`.
+        symmetries: Registered kinds found from activations or weights (see :data:`ACTIVATION_SYMMETRIES`).
         residual_strategy: ``first``, ``last`` or ``all``.
         stats: Precomputed :func:`collect_activation_stats` with A = anchor, B = source.
         device: Where the statistics pass runs.
@@ -140,12 +154,10 @@ def match_activations(
         :class:`ActivationMatch`; load ``result.state`` into a copy of ``source`` to get the matched model, which
         computes exactly the same function as ``source``.
     """
-    bad = [s for s in symmetries if s not in ACTIVATION_SYMMETRIES]
-    if bad:
-        raise ValueError(f"unknown symmetries {bad}; accepted: {', '.join(ACTIVATION_SYMMETRIES)}")
+    check_kinds(symmetries, "activations")
     spec = get_spec(source.config)
     geo = spec.geometry(source.config)
-    needs_stats = {"residual-permutation", "head-permutation", "ffn-permutation"} & set(symmetries)
+    needs_stats = [n for n in symmetries if SYMMETRY_KINDS[n].activations is not None]
     if needs_stats and stats is None:
         if batches is None:
             raise ValueError("activation matching needs `batches` (or precomputed `stats`)")
@@ -155,22 +167,22 @@ def match_activations(
     prefix = spec.detect_prefix(src_state)
     residual = None
     state = src_state
-    if "residual-permutation" in symmetries:
-        residual = ResidualPermutation(residual_permutation(stats, residual_strategy))
+    for kind in kinds_for(symmetries, "residual", "activations"):  # one permutation of the whole stream
+        residual = ResidualPermutation(kind.fn("activations")(stats, residual_strategy))
         state = permute_residual(src_state, spec, source.config, residual.perm, prefix)
-    weight_syms = tuple(s for s in ("rotation", "scaling") if s in symmetries)
     modules, report = {}, []
     for ref in spec.modules(source.config):
         s = spec.read_module(state.__getitem__, state.__contains__, ref, source.config, prefix)
         a = spec.read_module(anc_state.__getitem__, anc_state.__contains__, ref, anchor.config, prefix)
         parts: list[Transform] = []
-        if ref.kind == "ffn" and "ffn-permutation" in symmetries:
-            parts.append(FFNPermutation(ffn_permutation(stats, ref.layer)))
-        if ref.kind == "attn" and "head-permutation" in symmetries and geo.n_kv_heads > 1:
-            parts.append(HeadPermutation(head_permutation(stats, ref.layer, geo.n_heads, geo.n_kv_heads)))
+        kinds = kinds_for(symmetries, ref.kind, "activations")
+        for kind in kinds:  # permutations from the statistics first
+            if kind.activations is not None:
+                parts += kind.fn("activations")(stats, ref, geo)
         t = ModuleTransform(ref.key, tuple(parts))
         moved = t.apply(s)
-        if ref.kind == "attn" and weight_syms:
+        weight_syms = tuple(k.name for k in kinds if k.activations is None)  # then the rest from the weights
+        if weight_syms:
             t = match_module_weights(ref, moved, a, geo, weight_syms).compose(t)
             t = ModuleTransform(ref.key, t.parts)
             moved = t.apply(s)
@@ -243,7 +255,7 @@ def match_activation_checkpoints(
             and ``symfuse_report.json``.
         data: Dataset whose training texts feed both models (any :func:`symfuse.data.load_task_dataset` source);
             for pixel families (``ArchSpec.inputs``, ViT) :data:`RANDOM_PIXELS`, seeded random images.
-        symmetries: Subset of :data:`ACTIVATION_SYMMETRIES`.
+        symmetries: Registered kinds found from activations or weights (see :data:`ACTIVATION_SYMMETRIES`).
         max_examples: Examples used for the statistics.
         residual_strategy: ``first``, ``last`` or ``all``.
         batch_size: Examples per forward pass.

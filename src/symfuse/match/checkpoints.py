@@ -32,6 +32,7 @@ from symfuse.match.weights import (
 )
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.symmetry.random import ALL_KINDS, random_module_transform
+from symfuse.symmetry.registry import check_kinds, kind_names, kinds_for, restriction_notes
 from symfuse.symmetry.residual import permute_residual
 from symfuse.symmetry.transforms import ModuleTransform, load_transforms, save_transforms
 from symfuse.symmetry.transport import SOFT_PARTS
@@ -40,8 +41,8 @@ log = logging.getLogger(__name__)
 
 TRANSFORMS_FILE = "transforms.safetensors"
 RESIDUAL_FILE = "residual_permutation.safetensors"
-# what `disguise` can apply: the per-module kinds, plus one permutation of the whole residual stream
-DISGUISE_KINDS = (*ALL_KINDS, "residual-permutation")
+# what `disguise` can apply, registered at import: the per-module kinds, plus one permutation of the residual stream
+DISGUISE_KINDS = kind_names("draw")
 REPORT_FILE = "symfuse_report.json"
 
 
@@ -350,12 +351,8 @@ def match_checkpoints(
     timings: dict[str, float] = {}
     with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:  # headers parsed and validated once
         check_compatible(src, anc)
-        if src.geometry.qk_norm and {"rotation", "scaling"} & set(symmetries):
-            log.info(
-                "%s: per-head q/k norms make QK rotations and scalings inexact; only V/O rotations and scalings "
-                "(and permutations) are matched",
-                src.spec.family,
-            )
+        for note in restriction_notes(symmetries, src.geometry).values():
+            log.info("%s: %s", src.spec.family, note)
         transforms = match_all_modules(src, anc, symmetries, workers, timings)
         match_s = time.perf_counter() - t0
         report = assemble_matched(
@@ -388,7 +385,8 @@ def disguise_checkpoint(
         seed: Random seed.
         noise: Gaussian noise added to every module tensor after the transform, relative to that tensor's std
             (0 = exactly function-preserving).
-        kinds: Symmetry kinds (see :data:`DISGUISE_KINDS`). ``residual-permutation`` permutes the whole residual
+        kinds: Registered kinds with a random draw (see :data:`DISGUISE_KINDS`), drawn module by module in stage
+            order; a kind acting on the residual stream (``residual-permutation``) permutes the whole residual
             stream (embeddings, every module, norms and heads; saved in ``residual_permutation.safetensors``):
             it holds the whole model in memory, the other kinds stream module by module.
         overwrite: Replace an existing ``out`` (atomically, at the end).
@@ -398,11 +396,9 @@ def disguise_checkpoint(
 
     Raises:
         OutputExistsError: ``out`` exists and ``overwrite`` is False.
-        ValueError: an unknown kind.
+        UnknownChoiceError: (a ValueError) an unknown kind, or one without a random draw.
     """
-    unknown = [k for k in kinds if k not in DISGUISE_KINDS]
-    if unknown:
-        raise ValueError(f"unknown disguise kinds {unknown}; accepted: {', '.join(DISGUISE_KINDS)}")
+    check_kinds(kinds, "draw", "disguise kinds")
     check_output(out, overwrite)
     g = torch.Generator().manual_seed(seed)
     gn = torch.Generator().manual_seed(seed + 1_000_003)
@@ -420,8 +416,10 @@ def disguise_checkpoint(
 
         report = {"disguise_of": str(src.path), "seed": seed, "noise": noise, "kinds": list(kinds)}
         with atomic_output_dir(out, overwrite=overwrite) as tmp:
-            if "residual-permutation" in kinds:
-                perm = torch.randperm(src.geometry.d_model, generator=g)
+            stream = kinds_for(kinds, "residual")
+            if stream:  # drawn after every module's transform (the generator's order)
+                (part,) = stream[0].fn("draw")(None, src.geometry, g, 0.5)
+                perm = part.perm
                 write_checkpoint(src, tmp, replace=_residual_disguised(src, fn, perm), overwrite=True)
                 save_file({"perm": perm}, str(tmp / RESIDUAL_FILE))
             else:

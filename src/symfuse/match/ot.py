@@ -187,12 +187,14 @@ def match_module_ot(
     anc: Mapping[str, torch.Tensor],
     geo: Geometry,
     symmetries: Sequence[str] = ("ot",),
+    fit_rotation_scaling: bool = True,
 ) -> ModuleTransform:
     """Weight-based OT alignment of ONE module (heads or FFN neurons; the residual stream is left alone).
 
     ``symmetries`` holds one of :data:`WEIGHT_OT_KINDS` and optionally ``rotation`` / ``scaling`` (fitted on the
-    weights after the head transport). Exact permutations where the plan is one; soft maps otherwise (the module
-    then computes a different function).
+    weights after the head transport unless ``fit_rotation_scaling`` is False; either way the head cost is then
+    invariant to them). Exact permutations where the plan is one; soft maps otherwise (the module then computes a
+    different function).
     """
     ref = ModuleRef.parse(ref) if isinstance(ref, str) else ref
     kinds = [s for s in symmetries if s in WEIGHT_OT_KINDS]
@@ -210,10 +212,26 @@ def match_module_ot(
     if geo.n_kv_heads > 1:
         part, _ = _part(transport_plan(head_cost(src, anc, geo, rotate, scale), reg), HeadPermutation, HeadTransport)
         t = ModuleTransform(ref.key, (part,))
-    if rotate or scale:
+    if (rotate or scale) and fit_rotation_scaling:
         extra = tuple(s for s in ("rotation", "scaling") if s in symmetries)
         t = ModuleTransform(ref.key, match_module_weights(ref, t.apply(src), anc, geo, extra).compose(t).parts)
     return t
+
+
+def find_ot(
+    src: Mapping[str, torch.Tensor],
+    anc: Mapping[str, torch.Tensor],
+    geo: Geometry,
+    symmetries: Sequence[str],
+    key: str,
+    timings=None,
+) -> ModuleTransform:
+    """The ``ot`` / ``ot-soft`` kinds' finder (:mod:`symfuse.symmetry.registry`): :func:`match_module_ot`.
+
+    Rotation and scaling, when asked for too, are fitted afterwards by their own finder on the transported weights
+    (the registry chains the finders), so this returns the transport part only.
+    """
+    return match_module_ot(key, src, anc, geo, symmetries, fit_rotation_scaling=False)
 
 
 # ------------------------------------------------------------------------------------------- whole model

@@ -23,6 +23,7 @@ from symfuse.arch import Geometry, ModuleRef
 from symfuse.match.closed_form import assign_max, fit_rotation_scale
 from symfuse.match.reading import empty_hugepages
 from symfuse.match.sketch import certified_nearest
+from symfuse.symmetry.registry import check_kinds, kind_names, kinds_for
 from symfuse.symmetry.transforms import (
     FFNPermutation,
     HeadPermutation,
@@ -36,21 +37,19 @@ from symfuse.symmetry.transforms import (
 
 log = logging.getLogger(__name__)
 
-SYMMETRIES = ("rotation", "scaling", "ffn-permutation", "head-permutation", "ot", "ot-soft")
+# the kinds found from weights that were registered at import (symfuse.symmetry.registry is read at every call)
+SYMMETRIES = kind_names("weights")
 DEFAULT_SYMMETRIES = ("rotation", "scaling", "ffn-permutation")
 Timings = MutableMapping[str, float]
 
 
 def check_symmetries(symmetries: Sequence[str]) -> tuple[str, ...]:
-    """Validate symmetry names.
+    """Validate symmetry names: registered kinds that can be found from weights.
 
     Raises:
-        ValueError: naming the unknown ones and the accepted names.
+        UnknownChoiceError: (a ValueError) naming the unknown ones and the accepted names.
     """
-    bad = [s for s in symmetries if s not in SYMMETRIES]
-    if bad:
-        raise ValueError(f"unknown symmetries {bad}; accepted: {', '.join(SYMMETRIES)}")
-    return tuple(symmetries)
+    return check_kinds(symmetries, "weights")
 
 
 def _tick(timings: Timings | None, name: str, t0: float) -> float:
@@ -155,7 +154,7 @@ def match_attention(
         src: Source canonical weights.
         anc: Anchor canonical weights (same shapes).
         geo: Geometry (heads, head size, RoPE).
-        symmetries: Subset of :data:`SYMMETRIES`.
+        symmetries: The asked kinds; this finder reads ``rotation``, ``scaling`` and ``head-permutation``.
         key: Module key recorded in the result.
         timings: Accumulates seconds under ``svd``, ``scaling``, ``head_perm``.
     """
@@ -266,6 +265,18 @@ def match_ffn(
     return ModuleTransform(key, (FFNPermutation(perm),))
 
 
+def find_ffn_permutation(
+    src: Mapping[str, torch.Tensor],
+    anc: Mapping[str, torch.Tensor],
+    geo: Geometry,
+    symmetries: Sequence[str],
+    key: str = "",
+    timings: Timings | None = None,
+) -> ModuleTransform:
+    """The ``ffn-permutation`` kind's weight finder: :func:`match_ffn` (``geo`` unused)."""
+    return match_ffn(src, anc, symmetries, key, timings)
+
+
 def match_module_weights(
     ref: ModuleRef | str,
     src: Mapping[str, torch.Tensor],
@@ -281,21 +292,27 @@ def match_module_weights(
         src: Source canonical weights.
         anc: Anchor canonical weights.
         geo: Geometry of both models.
-        symmetries: Subset of :data:`SYMMETRIES`.
+        symmetries: Registered kinds with a weight finder (see :data:`SYMMETRIES`).
         timings: Accumulates seconds per stage.
 
     Returns:
-        The :class:`ModuleTransform` with ``transform.apply(src) ≈ anc``.
+        The :class:`ModuleTransform` with ``transform.apply(src) ≈ anc``: the finders of the asked kinds acting on
+        this module, each called once (kinds sharing a finder are solved jointly), in stage order, each on the
+        source as the previous ones moved it.
     """
     ref = ModuleRef.parse(ref) if isinstance(ref, str) else ref
     check_symmetries(symmetries)
-    if "ot" in symmetries or "ot-soft" in symmetries:  # OT fusion (soft where the plan is no permutation)
-        from symfuse.match.ot import match_module_ot
-
-        return match_module_ot(ref, src, anc, geo, symmetries)
-    if ref.kind == "attn":
-        return match_attention(src, anc, geo, symmetries, ref.key, timings)
-    return match_ffn(src, anc, symmetries, ref.key, timings)
+    finders: list = []
+    for kind in kinds_for(symmetries, ref.kind, "weights"):
+        if kind.fn("weights") not in finders:
+            finders.append(kind.fn("weights"))
+    parts: list[Transform] = []
+    for i, find in enumerate(finders):
+        t = find(src, anc, geo, symmetries, ref.key, timings)
+        parts += t.parts
+        if i + 1 < len(finders):
+            src = t.apply(src)
+    return ModuleTransform(ref.key, tuple(parts))
 
 
 def sq_distance(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 22) -> float:

@@ -7,18 +7,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from symfuse.errors import MissingStats
+from symfuse.merge.registry import MergeParams
 from symfuse.stats.io import BufferPool
-
-
-class MergeParams(BaseModel):
-    """Parameters shared by every merger; subclasses add their own (unknown keys are an error)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    weights: list[float] | None = None  # per-model weights (normalised to sum 1); default uniform
 
 
 class LazyTensors(Sequence[torch.Tensor]):
@@ -125,14 +117,17 @@ class Merger:
     """Base of the registered mergers.
 
     Subclasses set ``name``, ``required_stats`` (kinds of :mod:`symfuse.stats` files they read), ``needs_base``,
-    a pydantic ``Params`` class, and implement :meth:`merge_tensor`, which must return a NEW tensor and never
-    modify its inputs.
+    ``run_params`` (parameters the merge task takes from the run), a pydantic ``Params`` class, and implement
+    :meth:`merge_tensor`, which must return a NEW tensor and never modify its inputs.
     """
 
     name: ClassVar[str]
     required_stats: ClassVar[frozenset[str]] = frozenset()
     needs_base: ClassVar[bool] = False
     needs_data: ClassVar[bool] = False  # reads the models' datasets in :meth:`prepare` (RegMean++)
+    # Params fields the merge task fills from the run (tasks/merge.py run_context: data, max_examples, batch_size,
+    # max_length, seed, device), e.g. a merger that runs each model's own dataset; the user's merge_params win.
+    run_params: ClassVar[tuple[str, ...]] = ()
     Params: ClassVar[type[MergeParams]] = MergeParams
 
     def __init__(self, **params: Any):

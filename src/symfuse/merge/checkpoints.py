@@ -39,6 +39,7 @@ from symfuse.errors import CheckpointError, MissingStats, NonFiniteError
 from symfuse.io import BufferPool, check_finite_tensor
 from symfuse.merge.base import LazyTensors, TensorInputs, weighted_mean
 from symfuse.merge.heads import merge_class_rows, union_heads, write_label_space
+from symfuse.merge.registry import MERGERS
 from symfuse.model_card import CARD, input_metrics, model_card
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.stats.io import STAT_KINDS, StatsFile
@@ -141,7 +142,7 @@ def merge_checkpoints(
     """Merge K checkpoints with a registered strategy and write a ``save_pretrained`` folder.
 
     Args:
-        strategy: A key of :data:`symfuse.merge.MERGERS`.
+        strategy: A registered strategy (:data:`symfuse.merge.registry.MERGERS`).
         models: K checkpoint folders (same architecture and body shapes).
         out: Output folder (written atomically, with ``symfuse_report.json``).
         stats: One statistics folder (``gram.safetensors`` / ``fisher.safetensors``) or file per model, in model
@@ -164,11 +165,8 @@ def merge_checkpoints(
         MissingStats: required statistics or base model not given, or a statistic missing for a layer.
         CheckpointError: models whose body tensors differ in names or shapes.
     """
-    from symfuse.merge import MERGERS
-
     start = time.perf_counter()
-    if strategy not in MERGERS:
-        raise ValueError(f"unknown merge strategy {strategy!r}; choose from {sorted(MERGERS)}")
+    MERGERS.require([strategy])  # one line naming the choices
     if not models:
         raise ValueError("merge needs at least one model")
     check_output(out, overwrite)

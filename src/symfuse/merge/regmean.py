@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from pydantic import Field
 
 from symfuse.merge.base import MergeParams, Merger, TensorInputs, chunked, load_all, weighted_mean
 from symfuse.stats.io import BufferPool
@@ -51,7 +52,7 @@ BF16_UNIT = 2.0**-8  # bfloat16 unit roundoff (8 significant bits)
 class RegMeanParams(MergeParams):
     """RegMean parameters."""
 
-    alpha: float = 0.9  # off-diagonal scale of each Gram, in [0, 1]
+    alpha: float = Field(default=0.9, ge=0, le=1)  # off-diagonal scale of each Gram
     dtype: Literal["float64", "float32"] = "float64"  # Gram sum, Cholesky factor and solve precision
     delta_dtype: Literal["same", "bfloat16", "auto"] = "same"  # precision of the correction products (see module)
     bf16_tol: float = 1e-6  # auto: largest predicted relative error accepted for bfloat16 products

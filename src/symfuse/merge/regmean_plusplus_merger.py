@@ -1,7 +1,7 @@
 """The ``regmean++`` merger plug-in: RegMean++ with its statistics collected on the partially merged model.
 
 Unlike RegMean it reads no stored statistics: layer ``l``'s Grams depend on the merged layers ``0 .. l-1``, so they
-are collected during the merge (:func:`symfuse.stats.sequential.regmean_plusplus_state`). It needs, per model,
+are collected during the merge (:func:`symfuse.merge.sequential.regmean_plusplus_state`). It needs, per model,
 the dataset its Grams come from (``data``, one per model, in model order: each model's own training data) and
 runs forward passes on ``device``. :meth:`RegMeanPlusPlusMerger.prepare` (called by
 :func:`symfuse.merge.checkpoints.merge_checkpoints` once the inputs are checked) does the whole merge;
@@ -44,6 +44,8 @@ class RegMeanPlusPlusMerger(Merger):
 
     name = "regmean++"
     needs_data: ClassVar[bool] = True  # reads the models' datasets (``data``) instead of statistics files
+    # in the pipeline: each model's dataset, the statistics stage's sampling settings and the run's device
+    run_params: ClassVar[tuple[str, ...]] = ("data", "max_examples", "batch_size", "max_length", "seed", "device")
     Params = RegMeanPlusPlusParams
 
     def __init__(self, **params):
@@ -64,7 +66,7 @@ class RegMeanPlusPlusMerger(Merger):
         """
         from symfuse.checkpoint import load_hf_model
         from symfuse.data import load_task_dataset, make_batches
-        from symfuse.stats.sequential import regmean_plusplus_state
+        from symfuse.merge.sequential import regmean_plusplus_state
 
         p = self.params
         data: list[str] = p.data  # type: ignore[attr-defined]

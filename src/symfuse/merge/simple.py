@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from pydantic import Field
 
 from symfuse.merge.base import MergeParams, Merger, TensorInputs, acc_dtype, chunked, weighted_mean
 
@@ -24,7 +25,9 @@ class SimpleMerger(Merger):
 class FisherParams(MergeParams):
     """Fisher merging parameters."""
 
-    epsilon: float = 1e-8  # floor on each Fisher entry, so that entries no example touched still average
+    epsilon: float = Field(
+        default=1e-8, gt=0, allow_inf_nan=False
+    )  # floor on each Fisher entry, so that entries no example touched still average
 
 
 class FisherMerger(Merger):

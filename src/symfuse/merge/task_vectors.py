@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
+from pydantic import Field
 
 from symfuse.merge.base import MergeParams, Merger, TensorInputs
 
@@ -65,7 +66,7 @@ def dare_drop(tau: torch.Tensor, drop: float, seed: int, name: str, index: int) 
 class TaskArithmeticParams(MergeParams):
     """Task arithmetic parameters."""
 
-    lam: float | None = None  # scale of the summed task vectors; None = 1/K
+    lam: float | None = Field(default=None, allow_inf_nan=False)  # scale of the summed task vectors; None = 1/K
 
 
 class TaskArithmeticMerger(Merger):
@@ -91,8 +92,8 @@ class TaskArithmeticMerger(Merger):
 class TiesParams(MergeParams):
     """TIES parameters."""
 
-    density: float = 0.2  # fraction of each task vector kept
-    lam: float = 1.0
+    density: float = Field(default=0.2, gt=0, le=1)  # fraction of each task vector kept
+    lam: float = Field(default=1.0, allow_inf_nan=False)
 
 
 class TiesMerger(Merger):
@@ -113,11 +114,11 @@ class TiesMerger(Merger):
 class DareParams(MergeParams):
     """DARE parameters."""
 
-    drop: float = 0.9  # drop probability of each task-vector entry
+    drop: float = Field(default=0.9, ge=0, lt=1)  # drop probability of each task-vector entry
     seed: int = 0
     combine: Literal["task-arithmetic", "ties"] = "task-arithmetic"
-    lam: float | None = None  # task-arithmetic: None = 1/K; ties: None = 1
-    density: float = 1.0  # ties trim after the drop (1 = no further trim)
+    lam: float | None = Field(default=None, allow_inf_nan=False)  # task-arithmetic: None = 1/K; ties: None = 1
+    density: float = Field(default=1.0, gt=0, le=1)  # ties trim after the drop (1 = no further trim)
 
 
 class DareMerger(Merger):

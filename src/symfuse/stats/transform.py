@@ -10,6 +10,9 @@
   deliberate choice (exactness over an approximation such as ``diag(R diag(F) R^T)``).
 * A residual-stream permutation also changes the inputs of the heads and embeddings, which the module keys do
   not describe: both kinds return None (recollect).
+
+Each saved part is looked up in :mod:`symfuse.symmetry.registry` by its name: its kind's ``gram`` flag says whether
+Grams follow it, its ``fisher`` function maps a diagonal Fisher (no function, or no registered kind: recollect).
 """
 
 from __future__ import annotations
@@ -23,25 +26,28 @@ import torch
 from symfuse.checkpoint import CheckpointReader
 from symfuse.stats.io import StatsFile, file_fingerprint, save_stats
 from symfuse.stats.ownership import TRANSFORMS_FILE, model_fingerprint
+from symfuse.symmetry.registry import kind_of_part
 
 log = logging.getLogger(__name__)
 
-# Part names (``Transform.name``) and how a diagonal Fisher follows them; anything else -> recollect.
-FISHER_EXACT_PARTS = ("head_perm", "ffn_perm", "qk_scale", "vo_scale")
-GRAM_UNSUPPORTED_PARTS = ("resid_perm", "ffn_transport", "head_transport", "resid_transport")  # + soft OT maps
+
+def fisher_follows(part: str) -> bool:
+    """Whether a diagonal Fisher follows transform parts named ``part`` exactly (its kind declares how)."""
+    kind = kind_of_part(part)
+    return kind is not None and kind.fisher is not None
+
+
+def gram_follows(part: str) -> bool:
+    """Whether Grams follow parts named ``part`` by ``apply_to_gram`` (unregistered parts: their own method)."""
+    kind = kind_of_part(part)
+    return kind is None or kind.gram
 
 
 def _fisher_part(part):
-    """The transform that maps a diagonal Fisher like ``part`` maps weights (None if not exact)."""
-    from symfuse.symmetry import QKScaling, VOScaling
-
-    if part.name in ("head_perm", "ffn_perm"):
-        return part  # entries move: the same index map
-    if part.name == "qk_scale":
-        return QKScaling(part.scale**-2)  # w' = s w  =>  F' = F / s^2 (q side), k side gets s^2
-    if part.name == "vo_scale":
-        return VOScaling(part.scale**-2)
-    return None
+    """The transform that maps a diagonal Fisher like ``part`` maps weights (its kind's ``fisher`` function)."""
+    kind = kind_of_part(part.name)
+    assert kind is not None and kind.fisher is not None, part.name  # checked by fisher_follows first
+    return kind.fn("fisher")(part)
 
 
 def transform_stats(
@@ -77,10 +83,12 @@ def transform_stats(
     spec, cfg, prefix = reader.spec, reader.config, reader.prefix
     if sf.kind not in ("gram", "fisher"):
         raise ValueError(f"{stats_file}: kind {sf.kind!r} is neither 'gram' nor 'fisher'")
-    if parts & set(GRAM_UNSUPPORTED_PARTS):
+    unsupported = sorted(p for p in parts if not gram_follows(p))
+    if unsupported:
         log.warning(
-            "%s: residual permutation or soft OT map in %s; recollect %s on the matched model",
+            "%s: %s in %s (statistics cannot follow); recollect %s on the matched model",
             stats_file,
+            ", ".join(unsupported),
             transforms_file,
             sf.kind,
         )
@@ -98,7 +106,7 @@ def transform_stats(
                 g = transforms[hit[0]].apply_to_gram(hit[1], g)
             out[key] = g.contiguous()
     else:
-        inexact = sorted(parts - set(FISHER_EXACT_PARTS))
+        inexact = sorted(p for p in parts if not fisher_follows(p))
         if inexact:
             log.info(
                 "%s: diagonal Fisher cannot follow %s exactly; recollect it on the matched model", stats_file, inexact

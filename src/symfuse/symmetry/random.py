@@ -1,4 +1,8 @@
-"""Random exact symmetry transforms (used to disguise a model and in tests)."""
+"""Random exact symmetry transforms (used to disguise a model and in tests): the ``draw`` of each built-in kind.
+
+Every draw has the signature ``draw(ref, geo, generator, log_scale) -> tuple[Transform, ...]`` (see
+:mod:`symfuse.symmetry.registry`); :func:`random_module_transform` calls the draws of the asked kinds in stage order.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from symfuse.arch import Geometry, ModuleRef
+from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, kinds_for
+from symfuse.symmetry.residual import ResidualPermutation
 from symfuse.symmetry.transforms import (
     FFNPermutation,
     HeadPermutation,
@@ -19,7 +25,8 @@ from symfuse.symmetry.transforms import (
     VOScaling,
 )
 
-ALL_KINDS = ("rotation", "scaling", "ffn-permutation", "head-permutation")
+# the per-module kinds registered at import (defaults; the registry is read again at every call)
+ALL_KINDS = tuple(n for n, k in SYMMETRY_KINDS.items() if k.draw is not None and "residual" not in k.acts_on)
 
 
 def random_orthogonal(n: int, batch: int, generator: torch.Generator) -> torch.Tensor:
@@ -50,6 +57,59 @@ def rope_rotation(angles: torch.Tensor) -> torch.Tensor:
     return r
 
 
+def draw_head_permutation(ref: ModuleRef, geo: Geometry, g: torch.Generator, log_scale: float) -> tuple[Transform, ...]:
+    """A random permutation of the KV groups (query heads move with their group)."""
+    return (HeadPermutation(torch.randperm(geo.n_kv_heads, generator=g)),)
+
+
+def draw_rotation(ref: ModuleRef, geo: Geometry, g: torch.Generator, log_scale: float) -> tuple[Transform, ...]:
+    """Random QK (commuting with RoPE: per frequency pair) and VO rotations per KV group.
+
+    With per-head q/k norms (``geo.qk_norm``, Qwen3) only the identity QK map is exact: no QK rotation is drawn.
+    """
+    n, dh = geo.n_kv_heads, geo.head_dim
+    parts: list[Transform] = []
+    if geo.qk_norm:
+        pass
+    elif geo.rope:
+        angles = (torch.rand(n, dh // 2, generator=g, dtype=torch.float64) * 2 - 1) * math.pi
+        parts.append(QKRotation(rope_rotation(angles)))
+    else:
+        parts.append(QKRotation(random_orthogonal(dh, n, g)))
+    parts.append(VORotation(random_orthogonal(dh, n, g)))
+    return tuple(parts)
+
+
+def draw_scaling(ref: ModuleRef, geo: Geometry, g: torch.Generator, log_scale: float) -> tuple[Transform, ...]:
+    """Random QK (per head, or per frequency pair under RoPE) and VO (per head) scales ``exp(U(-l, l))``.
+
+    With per-head q/k norms (``geo.qk_norm``) no QK scaling is drawn (not exact).
+    """
+    n, dh = geo.n_kv_heads, geo.head_dim
+
+    def draw(cols: int) -> torch.Tensor:
+        return torch.exp((torch.rand(n, cols, generator=g, dtype=torch.float64) * 2 - 1) * log_scale)
+
+    parts: list[Transform] = []
+    if not geo.qk_norm:
+        s = draw(dh // 2).repeat(1, 2) if geo.rope else draw(1).expand(n, dh).contiguous()
+        parts.append(QKScaling(s))
+    parts.append(VOScaling(draw(1).expand(n, dh).contiguous()))
+    return tuple(parts)
+
+
+def draw_ffn_permutation(ref: ModuleRef, geo: Geometry, g: torch.Generator, log_scale: float) -> tuple[Transform, ...]:
+    """A random permutation of the FFN's hidden neurons."""
+    return (FFNPermutation(torch.randperm(geo.d_ffn, generator=g)),)
+
+
+def draw_residual_permutation(
+    ref: ModuleRef | None, geo: Geometry, g: torch.Generator, log_scale: float
+) -> tuple[Transform, ...]:
+    """A random permutation of the whole residual stream (``ref`` is unused: one for the model)."""
+    return (ResidualPermutation(torch.randperm(geo.d_model, generator=g)),)
+
+
 def random_module_transform(
     ref: ModuleRef,
     geo: Geometry,
@@ -59,42 +119,22 @@ def random_module_transform(
 ) -> ModuleTransform:
     """A random exact (function-preserving) transform of one module.
 
-    Order of parts: head permutation, QK / VO rotations, QK / VO scalings (attention); FFN permutation.
+    The parts are drawn kind by kind in stage order (attention: head permutation, QK / VO rotations, QK / VO
+    scalings; FFN: neuron permutation); kinds acting on another module or on the residual stream are skipped.
 
     Args:
         ref: The module.
         geo: The model's geometry (RoPE restricts QK rotations and scales to frequency pairs; with per-head
             q/k norms, ``geo.qk_norm``, no QK rotation or scaling is drawn: they would not be exact).
         generator: Random source.
-        kinds: Symmetry kinds to draw from (see :data:`ALL_KINDS`).
+        kinds: Symmetry kinds to draw from (registered kinds with a ``draw``; see :data:`ALL_KINDS`).
         log_scale: Scales are ``exp(U(-log_scale, log_scale))``.
+
+    Raises:
+        UnknownChoiceError: a kind is not registered or has no random draw.
     """
+    check_kinds(kinds, "draw", "disguise kinds")
     parts: list[Transform] = []
-    g = generator
-    if ref.kind == "ffn":
-        if "ffn-permutation" in kinds:
-            parts.append(FFNPermutation(torch.randperm(geo.d_ffn, generator=g)))
-        return ModuleTransform(ref.key, tuple(parts))
-    n, dh = geo.n_kv_heads, geo.head_dim
-    if "head-permutation" in kinds:
-        parts.append(HeadPermutation(torch.randperm(n, generator=g)))
-    qk = not geo.qk_norm  # per-head q/k RMSNorm (Qwen3): only the identity QK map is exact (see qwen3.yaml)
-    if "rotation" in kinds:
-        if not qk:
-            pass
-        elif geo.rope:
-            angles = (torch.rand(n, dh // 2, generator=g, dtype=torch.float64) * 2 - 1) * math.pi
-            parts.append(QKRotation(rope_rotation(angles)))
-        else:
-            parts.append(QKRotation(random_orthogonal(dh, n, g)))
-        parts.append(VORotation(random_orthogonal(dh, n, g)))
-    if "scaling" in kinds:
-
-        def draw(cols: int) -> torch.Tensor:
-            return torch.exp((torch.rand(n, cols, generator=g, dtype=torch.float64) * 2 - 1) * log_scale)
-
-        if qk:
-            s = draw(dh // 2).repeat(1, 2) if geo.rope else draw(1).expand(n, dh).contiguous()
-            parts.append(QKScaling(s))
-        parts.append(VOScaling(draw(1).expand(n, dh).contiguous()))
+    for kind in kinds_for(kinds, ref.kind):
+        parts += kind.fn("draw")(ref, geo, generator, log_scale)
     return ModuleTransform(ref.key, tuple(parts))

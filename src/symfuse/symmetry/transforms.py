@@ -57,6 +57,27 @@ def register_transform(cls: type[Transform]) -> type[Transform]:
     return cls
 
 
+def transform_class(name: str) -> type[Transform]:
+    """The :class:`Transform` subclass of parts named ``name``.
+
+    A part of a registered symmetry kind whose module was not imported yet (a transforms file read in another
+    process) is loaded by importing the kind's code: its finder or draw function's module defines the part.
+
+    Raises:
+        ValueError: no registered class or kind produces ``name``.
+    """
+    if name not in _REGISTRY:
+        from symfuse.symmetry.registry import kind_of_part
+
+        kind = kind_of_part(name)
+        for what in ("weights", "activations", "draw"):
+            if kind is not None and name not in _REGISTRY and getattr(kind, what) is not None:
+                kind.fn(what)  # imports the module that registers the part's class
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown transform part {name!r} (known: {sorted(_REGISTRY)})")
+    return _REGISTRY[name]
+
+
 def _work_dtype(t: torch.Tensor) -> torch.dtype:
     # fp32/fp64 weights are transformed in float64 (exactness); half types in float32 (output is half anyway)
     return torch.float64 if t.dtype in (torch.float32, torch.float64) else torch.float32
@@ -417,9 +438,7 @@ class ModuleTransform:
         parts = []
         for i in sorted(by_part):
             name, fields = by_part[i]
-            if name not in _REGISTRY:
-                raise ValueError(f"unknown transform part {name!r} (known: {sorted(_REGISTRY)})")
-            parts.append(_REGISTRY[name].from_tensors(fields))
+            parts.append(transform_class(name).from_tensors(fields))
         return cls(key, tuple(parts))
 
 

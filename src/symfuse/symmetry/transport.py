@@ -8,7 +8,7 @@ A transport plan ``T`` (n_source, n_anchor) with uniform marginals (rows sum to 
 :mod:`symfuse.symmetry.transforms` / :mod:`symfuse.symmetry.residual`; the OT matcher then emits those exact
 parts instead. A genuinely soft ``M`` averages units: the aligned source computes a DIFFERENT function (the
 nonlinearities do not commute with the averaging), it has no inverse, and statistics cannot follow it (they are
-recollected: the part names are in ``symfuse.stats.transform.GRAM_UNSUPPORTED_PARTS``).
+recollected: the part names are in the ``ot`` kinds of ``symfuse.symmetry.registry``, declared ``gram=False``).
 
 * :class:`FFNTransport` ``map`` (d_ffn, d_ffn): rows of up / gate (+ biases) ``M^T W``, columns of down ``W M``.
 * :class:`HeadTransport` ``map`` (n_kv, n_kv) over KV groups (query heads move with their group, each head a

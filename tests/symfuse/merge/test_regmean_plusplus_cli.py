@@ -132,7 +132,7 @@ def test_checkpoint_merge_equals_the_library_and_solves_the_tail_per_row_subset(
     from symfuse.data import load_task_dataset, make_batches
     from symfuse.merge import MERGERS, TensorInputs, merge_checkpoints
     from symfuse.merge.regmean import regmean_solve
-    from symfuse.stats.sequential import regmean_plusplus_state
+    from symfuse.merge.sequential import regmean_plusplus_state
 
     tok = transformers.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
     data = [_toy(tmp_path / f"d{i}", ["anger", "joy"]) for i in range(2)]

@@ -7,8 +7,8 @@ import torch
 
 from symfuse.errors import UnsupportedArchitecture
 from symfuse.merge.regmean import regmean_solve
+from symfuse.merge.sequential import layer_paths, regmean_plusplus_state
 from symfuse.stats.gram import collect_gram
-from symfuse.stats.sequential import layer_paths, regmean_plusplus_state
 from tests.tiny import random_inputs, tiny_model
 
 KW = {"llama": {"pad_token_id": 0}}
