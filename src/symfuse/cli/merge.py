@@ -91,7 +91,7 @@ def merge(
         stats = [Path(s) for s in mf.stats] if mf.stats is not None else None
         given = {k: (v, f"params.{k}") for k, v in mf.params.items()}
     else:
-        given = {k: (v, f"--{k}") for k, v in shortcuts.items() if v is not None} | _param_options(
+        given = {k: (v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None} | _param_options(
             param or [], shortcuts
         )
     if strategy is None:

@@ -122,7 +122,7 @@ def test_merge_yaml_takes_its_data_and_refuses_it_missing(tmp_path):
     assert res.exit_code == 2 and f"{cfg}: --data: --strategy regmean++ collects its Grams" in res.output
     cfg.write_text(f"strategy: regmean++\nmodels: [{a}, {b}]\nparams: {{data: [x], max_examples: 8}}\n")
     res = runner.invoke(app, ["merge", "--config", str(cfg), str(tmp_path / "o")])
-    assert res.exit_code == 2 and "--data: 1 dataset(s) for 2 models" in res.output
+    assert res.exit_code == 2 and "params.data: 1 dataset(s) for 2 models" in res.output
     assert not (tmp_path / "o").exists()
 
 
