@@ -212,6 +212,14 @@ class RunConfig(_Strict):
             raise ValueError(f"duplicate entries in {value}")
         return value
 
+    @field_validator("symmetries")
+    @classmethod
+    def _one_alignment(cls, value: list[str]) -> list[str]:
+        ot = [v for v in value if v in SOFT_SYMMETRIES]
+        if ot and (len(ot) > 1 or {"ffn-permutation", "head-permutation"} & set(value)):
+            raise ValueError(f"symmetries {value}: take ONE of ot, ot-soft, which replaces ffn-/head-permutation")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         names = [d.name for d in self.datasets]

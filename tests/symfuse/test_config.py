@@ -125,6 +125,13 @@ def test_a_typo_in_a_choice_is_refused_with_the_choices(change, message):
         RunConfig.demo(**change)
 
 
+@pytest.mark.parametrize("symmetries", [["ot", "ffn-permutation"], ["ot", "ot-soft"], ["ot-soft", "head-permutation"]])
+def test_ot_fusion_is_one_alignment_that_replaces_the_permutations(symmetries):
+    assert RunConfig.demo(symmetries=["ot-soft", "rotation", "scaling"]).symmetries[0] == "ot-soft"
+    with pytest.raises(ValidationError, match=r"take ONE of ot, ot-soft, which replaces ffn-/head-permutation"):
+        RunConfig.demo(symmetries=symmetries)
+
+
 def test_choices_are_the_registries_and_schema_enums():
     from symfuse.config import STRATEGIES, SYMMETRY_NAMES
     from symfuse.match import SYMMETRIES

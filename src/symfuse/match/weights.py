@@ -281,15 +281,18 @@ def match_module_weights(
         src: Source canonical weights.
         anc: Anchor canonical weights.
         geo: Geometry of both models.
-        symmetries: Subset of :data:`SYMMETRIES`.
+        symmetries: Subset of :data:`SYMMETRIES`. ``ot`` / ``ot-soft`` (OT fusion, :mod:`symfuse.match.ot`)
+            replace the permutation kinds and are used only when those are absent.
         timings: Accumulates seconds per stage.
 
     Returns:
-        The :class:`ModuleTransform` with ``transform.apply(src) ≈ anc``.
+        The :class:`ModuleTransform` with ``transform.apply(src) ≈ anc`` (soft OT: an averaging, not exact).
     """
     ref = ModuleRef.parse(ref) if isinstance(ref, str) else ref
     check_symmetries(symmetries)
-    if "ot" in symmetries or "ot-soft" in symmetries:  # OT fusion (soft where the plan is no permutation)
+    # OT fusion (soft where the plan is no permutation) when no exact permutation kind is asked for: with them,
+    # the exact matcher runs (EMD with equal widths finds the same permutations)
+    if {"ot", "ot-soft"} & set(symmetries) and not {"ffn-permutation", "head-permutation"} & set(symmetries):
         from symfuse.match.ot import match_module_ot
 
         return match_module_ot(ref, src, anc, geo, symmetries)
