@@ -82,7 +82,8 @@ def pretrain(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cfg = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     (out / "run.json").write_text(json.dumps(cfg, indent=1))
-    for step in range(args.steps):
+    stop = min(args.steps, args.stop_after or args.steps)  # a truncated run of the same schedule
+    for step in range(stop):
         if pos + args.batch > len(order):
             order, pos = torch.randperm(len(data), generator=g), 0
         x = data[order[pos : pos + args.batch]]
@@ -92,7 +93,7 @@ def pretrain(args: argparse.Namespace) -> None:
         loss = mlm_loss(model, inputs.to(device), labels.to(device))
         optimizer_step(model, opt, sched, loss)
         train_losses.append(loss.item())
-        last = step == args.steps - 1
+        last = step == stop - 1
         if (step + 1) % args.eval_every == 0 or step == 0 or last:
             elapsed = time.time() - t0
             hl = held_out_loss(model, held_in, held_lab, device)
@@ -118,7 +119,7 @@ def pretrain(args: argparse.Namespace) -> None:
             )
             model.save_pretrained(out)  # safetensors written in place; the last save is the final model
             (out / "history.json").write_text(json.dumps(history, indent=1))
-    log.info("seed %d done: %d steps in %.0fs", args.seed, args.steps, time.time() - t0)
+    log.info("seed %d done: %d of %d steps in %.0fs", args.seed, stop, args.steps, time.time() - t0)
 
 
 def main() -> None:
@@ -129,6 +130,12 @@ def main() -> None:
     pt = sub.add_parser("pretrain")
     pt.add_argument("--seed", type=int, required=True)
     pt.add_argument("--steps", type=int, default=3000, help="total optimiser steps (the schedule depends on it)")
+    pt.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="stop after this many steps of the --steps schedule (the learning rate is then not annealed)",
+    )
     pt.add_argument("--batch", type=int, default=64)
     pt.add_argument("--lr", type=float, default=1e-3)
     pt.add_argument("--warmup", type=float, default=0.06, help="warm-up fraction of the steps")

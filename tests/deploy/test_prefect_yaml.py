@@ -97,14 +97,14 @@ def test_a_burst_of_checkpoints_yields_one_remerge():
 def test_the_ui_form_offers_strategies_and_symmetries_as_choices():
     from prefect.utilities.callables import parameter_schema
 
-    from symfuse.match import SYMMETRIES
     from symfuse.merge import MERGERS
+    from symfuse.symmetry import kind_names
 
     for name in ("fusion-pipeline", "watch-checkpoints", "remerge"):
         flow = load_flow(deployments()[name]["entrypoint"])
         props = parameter_schema(flow).model_dump()["definitions"]["RunConfig"]["properties"]
         assert set(props["strategies"]["items"]["enum"]) == set(MERGERS), name
-        assert set(props["symmetries"]["items"]["enum"]) == set(SYMMETRIES), name
+        assert set(props["symmetries"]["items"]["enum"]) == set(kind_names("weights")), name
     flow = load_flow(EXPECTED["fusion-pipeline"])
     bad = RunConfig.demo().model_dump(mode="json") | {"strategies": ["simple", "regmaen"]}
     with pytest.raises(Exception, match="regmaen"):  # refused when the run is created, before any work

@@ -135,13 +135,20 @@ def test_a_typo_in_a_choice_is_refused_with_the_choices(change, message):
         RunConfig.demo(**change)
 
 
+@pytest.mark.parametrize("symmetries", [["ot", "ffn-permutation"], ["ot", "ot-soft"], ["ot-soft", "head-permutation"]])
+def test_ot_fusion_is_one_alignment_that_replaces_the_permutations(symmetries):
+    assert RunConfig.demo(symmetries=["ot-soft", "rotation", "scaling"]).symmetries[0] == "ot-soft"
+    with pytest.raises(ValidationError, match=r"symmetries (ot|ot-soft) and \S+ exclude each other — take one of them"):
+        RunConfig.demo(symmetries=symmetries)
+
+
 def test_choices_are_the_registries_and_schema_enums():
-    from symfuse.match import SYMMETRIES
     from symfuse.merge import MERGERS
+    from symfuse.symmetry import kind_names
 
     props = RunConfig.model_json_schema()["properties"]
     assert set(props["strategies"]["items"]["enum"]) == set(MERGERS)
-    assert set(props["symmetries"]["items"]["enum"]) == set(SYMMETRIES)
+    assert set(props["symmetries"]["items"]["enum"]) == set(kind_names("weights")) >= {"rotation", "ot", "ot-soft"}
 
 
 def test_merge_params_reach_the_strategy_and_older_regmean_alpha_still_reads():
