@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from symfuse.arch.spec import ArchSpec, AttentionSpec, FFNSpec, HeadSpec, NormSpec
+from symfuse.arch.spec import ArchSpec, AttentionSpec, FFNSpec, HeadSpec, NormSpec, StackSpec
 from symfuse.errors import UnsupportedArchitecture
 
 _FAMILIES = Path(__file__).parent / "families"
@@ -38,6 +38,9 @@ def _parse(path: Path) -> ArchSpec:
         "inputs",
         "n_layers_key",
         "require",
+        "stacks",
+        "config_keys",
+        "output",
     }
     unknown = set(raw) - known
     if unknown:  # a spec field nobody reads is a bug, not a comment
@@ -45,19 +48,66 @@ def _parse(path: Path) -> ArchSpec:
     return _build(raw)
 
 
+_STACK_KEYS = {
+    "name",
+    "layer",
+    "norm",
+    "attention",
+    "ffn",
+    "n_layers_key",
+    "config",
+    "stream",
+    "embeddings",
+    "embedding_norm",
+    "final_norm",
+    "heads",
+}
+
+
+def _norm(raw: dict[str, Any]) -> NormSpec:
+    return NormSpec(**{**raw, "extra": tuple(raw.get("extra", ()))})
+
+
+def _stack(raw: dict[str, Any]) -> StackSpec:
+    unknown = set(raw) - _STACK_KEYS
+    if unknown:
+        raise ValueError(f"stack {raw.get('name')!r}: unknown keys {sorted(unknown)}")
+    return StackSpec(
+        name=raw["name"],
+        layer=raw["layer"],
+        norm=_norm(raw["norm"]),
+        attention=AttentionSpec(**raw["attention"]) if raw.get("attention") else None,
+        ffn=FFNSpec(**raw["ffn"]) if raw.get("ffn") else None,
+        n_layers_key=raw.get("n_layers_key", "num_hidden_layers"),
+        config=raw.get("config"),
+        stream=raw.get("stream", ""),
+        embeddings=tuple(raw.get("embeddings", ())),
+        embedding_norm=raw.get("embedding_norm"),
+        final_norm=raw.get("final_norm"),
+        heads=tuple(HeadSpec(**h) for h in raw.get("heads", ())),
+    )
+
+
 def _build(raw: dict[str, Any]) -> ArchSpec:
     # `checkpoint_layout`: overrides giving the names save_pretrained writes when they differ from the
     # in-memory module names (transformers 5 renames some families on save/load, e.g. ViT)
     layout = raw.get("checkpoint_layout")
     variants = (_build({**{k: v for k, v in raw.items() if k != "checkpoint_layout"}, **layout}),) if layout else ()
+    # multi-stack families (`stacks`): the top-level layer / attention / ffn / norm are the first stack's
+    stacks = tuple(_stack(st) for st in raw.get("stacks", ()))
+    first = stacks[0] if stacks else None
+    inputs = raw.get("inputs", "tokens")
     return ArchSpec(
         family=raw["family"],
         model_types=tuple(raw["model_types"]),
         base_prefix=raw["base_prefix"],
-        layer=raw["layer"],
-        attention=AttentionSpec(**raw["attention"]),
-        ffn=FFNSpec(**raw["ffn"]),
-        norm=NormSpec(**{**raw["norm"], "extra": tuple(raw["norm"].get("extra", ()))}),
+        layer=first.layer if first else raw["layer"],
+        attention=first.attention if first and first.attention else AttentionSpec(**raw["attention"]),
+        ffn=first.ffn if first and first.ffn else FFNSpec(**raw["ffn"]),
+        norm=first.norm if first else _norm(raw["norm"]),
+        stacks=stacks,
+        config_keys=raw.get("config_keys", {}),
+        output=raw.get("output"),
         embeddings=tuple(raw.get("embeddings", ())),
         embedding_norm=raw.get("embedding_norm"),
         embedding_projection=raw.get("embedding_projection"),
@@ -69,8 +119,8 @@ def _build(raw: dict[str, Any]) -> ArchSpec:
         heads=tuple(HeadSpec(**h) for h in raw.get("heads", ())),
         checkpoint_variants=variants,
         extra=raw.get("extra", {}),
-        inputs=raw.get("inputs", "tokens"),
-        n_layers_key=raw.get("n_layers_key", "num_hidden_layers"),
+        inputs=(inputs,) if isinstance(inputs, str) else tuple(inputs),
+        n_layers_key=first.n_layers_key if first else raw.get("n_layers_key", "num_hidden_layers"),
         require=raw.get("require", {}),
     )
 

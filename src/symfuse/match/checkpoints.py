@@ -145,11 +145,11 @@ def _logit_diff(a: Path, b: Path, seed: int = 0) -> float:
     """Max |Δ| of the outputs (logits, else last hidden state) of two checkpoints on random inputs, fp32."""
     ma = load_hf_model(a, dtype=torch.float32, validate=False)  # both read and checked by the matcher
     mb = load_hf_model(b, dtype=torch.float32, validate=False)
-    inputs = get_spec(ma.config).random_inputs(ma.config, generator=torch.Generator().manual_seed(seed))
+    spec = get_spec(ma.config)
+    inputs = spec.random_inputs(ma.config, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         oa, ob = ma(**inputs), mb(**inputs)
-    pick = "logits" if getattr(oa, "logits", None) is not None else "last_hidden_state"
-    return float((getattr(oa, pick) - getattr(ob, pick)).abs().max())
+    return float((spec.main_output(oa) - spec.main_output(ob)).abs().max())
 
 
 def _n_params(reader: CheckpointReader) -> int:
@@ -386,7 +386,8 @@ def disguise_checkpoint(
         noise: Gaussian noise added to every module tensor after the transform, relative to that tensor's std
             (0 = exactly function-preserving).
         kinds: Symmetry kinds (see :data:`DISGUISE_KINDS`). ``residual-permutation`` permutes the whole residual
-            stream (embeddings, every module, norms and heads; saved in ``residual_permutation.safetensors``):
+            stream (embeddings, every module, norms and heads; saved in ``residual_permutation.safetensors`` as
+            ``perm``, or ``perm.<stream>`` for each stream of a multi-stream family such as CLIP):
             it holds the whole model in memory, the other kinds stream module by module.
         overwrite: Replace an existing ``out`` (atomically, at the end).
 
@@ -417,10 +418,11 @@ def disguise_checkpoint(
 
         report = {"disguise_of": str(src.path), "seed": seed, "noise": noise, "kinds": list(kinds)}
         with atomic_output_dir(out, overwrite=overwrite) as tmp:
-            if "residual-permutation" in kinds:
-                perm = torch.randperm(src.geometry.d_model, generator=g)
+            if "residual-permutation" in kinds:  # one permutation per residual stream (CLIP: one per tower)
+                perms = {s: torch.randperm(d, generator=g) for s, d in src.spec.streams(src.config).items()}
+                perm = perms[""] if list(perms) == [""] else perms
                 write_checkpoint(src, tmp, replace=_residual_disguised(src, fn, perm), overwrite=True)
-                save_file({"perm": perm}, str(tmp / RESIDUAL_FILE))
+                save_file({".".join(("perm", s)).rstrip("."): p for s, p in perms.items()}, str(tmp / RESIDUAL_FILE))
             else:
                 write_modules(src, fn, tmp)
             save_transforms(ts, tmp / TRANSFORMS_FILE)
@@ -431,9 +433,12 @@ def disguise_checkpoint(
 def _residual_disguised(
     src: CheckpointReader,
     fn: Callable[[ModuleRef, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-    perm: torch.Tensor,
+    perm: torch.Tensor | dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of ``src`` with ``fn`` applied to each module, then the residual stream permuted by ``perm``."""
+    """Every tensor of ``src`` with ``fn`` applied to each module, then the residual stream(s) permuted by ``perm``.
+
+    ``perm`` is ``{stream: perm}`` for a family with several streams (see :func:`permute_residual`).
+    """
     state = {n: src.get(n).clone() for n in src.names()}
     for ref in src.modules():
         w = src.spec.read_module(state.__getitem__, state.__contains__, ref, src.config, src.prefix)

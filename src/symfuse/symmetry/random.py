@@ -63,20 +63,23 @@ def random_module_transform(
 
     Args:
         ref: The module.
-        geo: The model's geometry (RoPE restricts QK rotations and scales to frequency pairs; with per-head
-            q/k norms, ``geo.qk_norm``, no QK rotation or scaling is drawn: they would not be exact).
+        geo: The model's geometry (its stack's, ``geo.of(ref.stack)``, is used; RoPE restricts QK rotations and
+            scales to frequency pairs; with per-head q/k norms, ``geo.qk_norm``, no QK rotation or scaling is
+            drawn, and with a per-head score bias shared by all layers, ``geo.shared_head_bias``, no head
+            permutation: they would not be exact).
         generator: Random source.
         kinds: Symmetry kinds to draw from (see :data:`ALL_KINDS`).
         log_scale: Scales are ``exp(U(-log_scale, log_scale))``.
     """
     parts: list[Transform] = []
     g = generator
+    geo = geo.of(ref.stack)
     if ref.kind == "ffn":
         if "ffn-permutation" in kinds:
             parts.append(FFNPermutation(torch.randperm(geo.d_ffn, generator=g)))
         return ModuleTransform(ref.key, tuple(parts))
     n, dh = geo.n_kv_heads, geo.head_dim
-    if "head-permutation" in kinds:
+    if "head-permutation" in kinds and not geo.shared_head_bias:  # T5: the bias table is shared by all layers
         parts.append(HeadPermutation(torch.randperm(n, generator=g)))
     qk = not geo.qk_norm  # per-head q/k RMSNorm (Qwen3): only the identity QK map is exact (see qwen3.yaml)
     if "rotation" in kinds:
