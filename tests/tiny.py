@@ -25,10 +25,11 @@ FAMILIES = (
     "phi3",
     "albert",
     "t5",
+    "t5-gated",
     "clip",
 )
 # language models, tested with head="lm" (T5: the encoder-decoder T5ForConditionalGeneration)
-DECODERS = ("gpt2", "llama", "qwen3", "gemma", "gemma2", "phi3", "t5")
+DECODERS = ("gpt2", "llama", "qwen3", "gemma", "gemma2", "phi3", "t5", "t5-gated")
 _DECODER = dict(vocab_size=64, max_position_embeddings=64, num_key_value_heads=2, pad_token_id=0, **_SMALL)
 
 
@@ -83,8 +84,9 @@ def tiny_config(family: str, **overrides) -> T.PretrainedConfig:
         )
     elif family == "phi3":
         cfg = T.Phi3Config(bos_token_id=0, eos_token_id=0, **_DECODER)
-    elif family == "t5":  # 2 encoder and 3 decoder layers; d_kv * heads != d_model
+    elif family.startswith("t5"):  # 2 encoder and 3 decoder layers; d_kv * heads != d_model; t5-gated: v1.1 FFN
         cfg = T.T5Config(
+            feed_forward_proj="gated-gelu" if family == "t5-gated" else "relu",
             vocab_size=64,
             d_model=32,
             d_kv=6,
@@ -121,7 +123,7 @@ def tiny_model(family: str, seed: int = 0, head: str = "base", **overrides) -> t
     torch.manual_seed(seed)
     if family == "clip":  # one model for every head: both towers and their projections
         model = T.CLIPModel(cfg)
-    elif family == "t5" and head == "lm":
+    elif family.startswith("t5") and head == "lm":
         model = T.T5ForConditionalGeneration(cfg)
     elif head == "base":
         model = T.AutoModel.from_config(cfg)

@@ -102,6 +102,8 @@ class ArchSpec:
         config_keys: Config attribute names for the geometry where the defaults do not apply
             (``{d_ffn: d_ff}`` for T5); keys ``d_model``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``d_ffn``.
         output: The model output function checks compare when it is not ``logits`` (CLIP ``logits_per_image``).
+        config_variants: ``(when, spec)`` pairs: the family as stored when the config has the values ``when``
+            (``config_variants`` in the YAML; T5 v1.1 / mT5 gated FFN); :func:`symfuse.arch.get_spec` picks it.
     """
 
     family: str
@@ -121,6 +123,7 @@ class ArchSpec:
     relative_norm: str | None = None
     heads: tuple[HeadSpec, ...] = ()
     checkpoint_variants: tuple[ArchSpec, ...] = ()
+    config_variants: tuple[tuple[Mapping[str, Any], ArchSpec], ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
     inputs: tuple[str, ...] = ("tokens",)
     n_layers_key: str = "num_hidden_layers"

@@ -170,3 +170,20 @@ def test_clip_towers_have_their_own_shapes_and_streams():
     with torch.no_grad():
         out = model(**inputs)
     assert spec.main_output(out) is out.logits_per_image
+
+
+def test_t5_gated_config_selects_the_gated_variant():
+    """T5 v1.1 / mT5 (is_gated_act): wo(act(wi_0 x) * wi_1 x) — gate and up are wi_0 and wi_1, the plain variant
+    reads wi; the variant is chosen from the config, a bare model type gets the plain family."""
+    gated, plain = tiny_model("t5-gated"), tiny_model("t5")
+    spec = get_spec(gated.config)
+    assert spec.geometry(gated.config).gated and not get_spec(plain.config).geometry(plain.config).gated
+    assert get_spec("t5") is get_spec(plain.config) is not spec
+    sd = gated.state_dict()
+    w = spec.read_module(sd.__getitem__, sd.__contains__, ModuleRef(1, "ffn", stack="dec"), gated.config)
+    assert torch.equal(w["gate"], sd["decoder.block.1.layer.2.DenseReluDense.wi_0.weight"])
+    assert torch.equal(w["up"], sd["decoder.block.1.layer.2.DenseReluDense.wi_1.weight"])
+    ffn = gated.decoder.block[1].layer[2].DenseReluDense
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close((ffn.act(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T, ffn(x))

@@ -31,6 +31,7 @@ CASES = [
     ("vit", "seq"),
     ("albert", "seq"),
     ("t5", "lm"),
+    ("t5-gated", "lm"),
     ("clip", "base"),
 ]
 

@@ -35,7 +35,7 @@ def _module_keys(family):
 
     if family == "albert":  # one stored layer shared by all applications
         return stack("", 1)
-    if family == "t5":  # 2 encoder layers; 3 decoder layers, each with a cross-attention
+    if family.startswith("t5"):  # 2 encoder layers; 3 decoder layers, each with a cross-attention
         return stack("enc.", 2) | stack("dec.", 3) | stack("cross.", 3, ("attn",))
     if family == "clip":
         return stack("text.", 2) | stack("vision.", 2)
@@ -76,7 +76,8 @@ def test_matched_model_computes_what_source_computes(family, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family", ["bert", "llama", "deberta-v2", "electra", "qwen3", "gemma", "gemma2", "phi3", "albert", "t5", "clip"]
+    "family",
+    ["bert", "llama", "deberta-v2", "electra", "qwen3", "gemma", "gemma2", "phi3", "albert", "t5", "t5-gated", "clip"],
 )
 def test_disguised_checkpoint_is_recovered(family, tmp_path):
     src = save_tiny(tmp_path / "src", family, seed=3, head=_head(family))
@@ -87,7 +88,7 @@ def test_disguised_checkpoint_is_recovered(family, tmp_path):
     assert report["max_abs_logit_diff"] <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["t5", "clip"])
+@pytest.mark.parametrize("family", ["t5", "t5-gated", "clip"])
 def test_multi_stack_disguise_keeps_the_function_and_is_recovered_to_1e_6(family, tmp_path):
     """T5 (encoder, decoder, cross-attention stacks) and CLIP (two towers): every module of every stack disguised
     with random exact transforms keeps the outputs to 1e-4 and matching undoes it to 1e-6 of the weights' norm."""
