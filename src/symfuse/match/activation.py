@@ -12,6 +12,9 @@ Given :class:`symfuse.stats.activations.ActivationStats` of ANCHOR (``a``) and S
   nuclear norm of the head pair's cross-covariance block ``||Cov(b_h, a_h')||_*`` normalised by
   ``sqrt(tr Σ_b_h · tr Σ_a_h')`` (heads move as whole units; summed over a group's query heads under GQA).
 
+A family with several residual streams (CLIP's two towers) gets one such permutation per stream, each from its own
+stream's sites; stacks sharing a stream (T5's encoder, decoder and cross-attention) share its permutation.
+
 The statistics of FFN activations and head outputs do not depend on the residual permutation (every reader of the
 stream is permuted with it), so one statistics pass serves all three. Rotation and scaling inside each head are
 then found from the WEIGHTS (:func:`symfuse.match.weights.match_module_weights`) on the permuted source.
@@ -264,7 +267,8 @@ def match_activation_checkpoints(
             ``transforms.safetensors`` (per-module transforms with the residual part first, plus ``residual``)
             and ``symfuse_report.json``.
         data: Dataset whose training texts feed both models (any :func:`symfuse.data.load_task_dataset` source);
-            for pixel families (``ArchSpec.inputs``, ViT) :data:`RANDOM_PIXELS`, seeded random images.
+            for pixel families (``ArchSpec.inputs``: ViT, CLIP) :data:`RANDOM_PIXELS`, seeded random images (and
+            random tokens for CLIP).
         symmetries: Subset of :data:`ACTIVATION_SYMMETRIES`.
         max_examples: Examples used for the statistics.
         residual_strategy: ``first``, ``last`` or ``all``.

@@ -177,3 +177,26 @@ def test_clip_disguised_with_one_residual_permutation_per_tower_is_recovered_fro
     assert report["distance_before"] > 1 and report["distance_after"] <= 1e-5 * report["distance_before"], report
     saved = load_file(tmp_path / "out" / "transforms.safetensors")
     assert {k.partition("/")[0] for k in saved} >= {"residual.text", "residual.vision", "vision.L01.ffn"}
+
+
+def test_t5_residual_permutation_recovered_from_a_text_dataset(tmp_path):
+    """Encoder-decoder from texts: the decoder reads the same tokens (decoder_input_ids), and the one residual
+    permutation of encoder, decoder and cross-attention is recovered exactly."""
+    import json
+
+    from symfuse.match import disguise_checkpoint
+    from tests.cli.helpers import toy_dataset
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "i", "feel", "so", "happy", "angry", "today"]
+    vocab += [f"w{i}" for i in range(256 - len(vocab))]
+    src = tmp_path / "src"
+    tiny_model("t5", seed=1, head="lm", vocab_size=len(vocab)).save_pretrained(src)
+    (src / "vocab.txt").write_text("\n".join(vocab) + "\n")  # a word-level tokenizer for the toy dataset
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+    disguise_checkpoint(src, tmp_path / "d", seed=3, kinds=("residual-permutation",))
+    data = toy_dataset(tmp_path / "toy")
+    report = match_activation_checkpoints(
+        tmp_path / "d", src, tmp_path / "out", str(data), symmetries=("residual-permutation",)
+    )
+    assert report["distance_before"] > 1 and report["distance_after"] <= 1e-6 * report["distance_before"], report
+    assert report["max_abs_logit_diff"] <= 1e-4
