@@ -17,6 +17,11 @@ computes the same function (outputs that live in the stream come out permuted; l
 * heads on top (:class:`symfuse.arch.spec.HeadSpec`): ``in`` readers (classifier, LM head, tied decoder: columns),
   ``in_out`` d->d maps (pooler, MLM transform: rows, columns and bias), ``norm`` (MLM transform LayerNorm).
 
+Families with several stacks (:mod:`symfuse.arch.layout`) permute each residual STREAM as a whole: T5's encoder,
+decoder and cross-attention share one stream (the shared embedding and the cross-attention's keys / values read
+the encoder output in the decoder's basis), CLIP's two towers have one each, permuted independently (their
+projections into the joint space take their tower's permutation on the input columns; the joint space is fixed).
+
 A tied decoder / LM head is the word-embedding matrix itself; both get the same column permutation, so ties
 survive. Exactness of DIFFERENT permutations per sublayer: the identity skip forces the basis written by one
 sublayer to be the basis read by the next, so in every supported family (pre-LN, post-LN, RMSNorm) only one global
