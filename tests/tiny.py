@@ -24,8 +24,12 @@ FAMILIES = (
     "gemma2",
     "phi3",
     "albert",
+    "t5",
+    "t5-gated",
+    "clip",
 )
-DECODERS = ("gpt2", "llama", "qwen3", "gemma", "gemma2", "phi3")  # causal LMs: tested with head="lm"
+# language models, tested with head="lm" (T5: the encoder-decoder T5ForConditionalGeneration)
+DECODERS = ("gpt2", "llama", "qwen3", "gemma", "gemma2", "phi3", "t5", "t5-gated")
 _DECODER = dict(vocab_size=64, max_position_embeddings=64, num_key_value_heads=2, pad_token_id=0, **_SMALL)
 
 
@@ -80,6 +84,30 @@ def tiny_config(family: str, **overrides) -> T.PretrainedConfig:
         )
     elif family == "phi3":
         cfg = T.Phi3Config(bos_token_id=0, eos_token_id=0, **_DECODER)
+    elif family.startswith("t5"):  # 2 encoder and 3 decoder layers; d_kv * heads != d_model; t5-gated: v1.1 FFN
+        cfg = T.T5Config(
+            feed_forward_proj="gated-gelu" if family == "t5-gated" else "relu",
+            vocab_size=64,
+            d_model=32,
+            d_kv=6,
+            d_ff=48,
+            num_layers=2,
+            num_decoder_layers=3,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    elif family == "clip":  # two towers of different widths projected into one 16-d space
+        text = dict(vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+        vision = dict(image_size=8, patch_size=4, num_channels=3)
+        cfg = T.CLIPConfig(
+            text_config={**_SMALL, **text},
+            vision_config={**_SMALL, "hidden_size": 24, "intermediate_size": 40, **vision},
+            projection_dim=16,
+        )
     else:
         raise ValueError(family)
     for k, v in overrides.items():
@@ -93,7 +121,11 @@ def tiny_model(family: str, seed: int = 0, head: str = "base", **overrides) -> t
     if head in ("seq", "token"):
         cfg.num_labels = 3
     torch.manual_seed(seed)
-    if head == "base":
+    if family == "clip":  # one model for every head: both towers and their projections
+        model = T.CLIPModel(cfg)
+    elif family.startswith("t5") and head == "lm":
+        model = T.T5ForConditionalGeneration(cfg)
+    elif head == "base":
         model = T.AutoModel.from_config(cfg)
     elif head == "seq":
         model = (
@@ -122,10 +154,17 @@ def random_inputs(model: torch.nn.Module, batch: int = 2, seq: int = 7, seed: in
     cfg = model.config
     if cfg.model_type == "vit":
         return {"pixel_values": torch.randn(batch, cfg.num_channels, cfg.image_size, cfg.image_size, generator=g)}
-    ids = torch.randint(2, cfg.vocab_size, (batch, seq), generator=g)
+    text = cfg.text_config if cfg.model_type == "clip" else cfg
+    ids = torch.randint(2, text.vocab_size, (batch, seq), generator=g)
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[0, -2:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
+    out = {"input_ids": ids, "attention_mask": mask}
+    if cfg.model_type == "t5":
+        out["decoder_input_ids"] = torch.randint(2, cfg.vocab_size, (batch, max(1, seq - 2)), generator=g)
+    if cfg.model_type == "clip":
+        vis = cfg.vision_config
+        out["pixel_values"] = torch.randn(batch, vis.num_channels, vis.image_size, vis.image_size, generator=g)
+    return out
 
 
 def save_tiny(folder: Path, family: str, seed: int = 0, head: str = "base", **overrides) -> Path:

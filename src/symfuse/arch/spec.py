@@ -14,6 +14,7 @@ Roles (one vocabulary for every family)::
         v:  (n_kv_heads * head_dim, d_model)
         o:  (d_model, n_heads * head_dim)
         q_norm / k_norm: (head_dim,)             Qwen3 per-head RMSNorm weights (shared by all heads)
+        head_table: (buckets, n_heads)           T5 relative-position score bias, one column per head (as stored)
     ffn:       up gate down                (+ "<role>_bias")
         up / gate: (d_ffn, d_model)              down: (d_model, d_ffn)
 
@@ -25,126 +26,44 @@ sizes come from the geometry (:meth:`ArchSpec.fused_sizes`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
+from symfuse.arch.layout import (
+    AttentionSpec,
+    FFNSpec,
+    Geometry,
+    HeadSpec,
+    ModuleKind,
+    ModuleRef,
+    NormSpec,
+    StackSpec,
+)
 from symfuse.errors import SymfuseError, UnsupportedArchitecture
 
-ModuleKind = Literal["attn", "ffn"]
+__all__ = [
+    "ATTN_ROLES",
+    "FFN_ROLES",
+    "FUSED",
+    "ArchSpec",
+    "AttentionSpec",
+    "FFNSpec",
+    "Geometry",
+    "HeadSpec",
+    "ModuleKind",
+    "ModuleRef",
+    "ModuleWeights",
+    "NormSpec",
+    "StackSpec",
+]
+
 ModuleWeights = dict[str, torch.Tensor]
 
-ATTN_ROLES = ("q", "k", "v", "o", "pos_q", "pos_k", "q_norm", "k_norm")
+ATTN_ROLES = ("q", "k", "v", "o", "pos_q", "pos_k", "q_norm", "k_norm", "head_table")
 FFN_ROLES = ("up", "gate", "down")
 FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # fused role -> canonical roles, in row order
-
-
-@dataclass(frozen=True, order=True)
-class ModuleRef:
-    """One attention or FFN module of one layer; ``key`` names tasks and artifacts (``L07.attn``)."""
-
-    layer: int
-    kind: ModuleKind
-
-    @property
-    def key(self) -> str:
-        """Stable short name, e.g. ``L07.attn``."""
-        return f"L{self.layer:02d}.{self.kind}"
-
-    @classmethod
-    def parse(cls, key: str) -> ModuleRef:
-        """Inverse of :attr:`key`.
-
-        Raises:
-            ValueError: if ``key`` is not of the form ``L<int>.<attn|ffn>``.
-        """
-        layer, _, kind = key.partition(".")
-        if not layer.startswith("L") or not layer[1:].isdigit() or kind not in ("attn", "ffn"):
-            raise ValueError(f"not a module key: {key!r} (expected e.g. 'L07.attn' or 'L07.ffn')")
-        return cls(int(layer[1:]), kind)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Shapes of one model, read from its HF config (never hard-coded)."""
-
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    d_ffn: int
-    rope: bool
-    gated: bool
-    share_att_key: bool = False
-    pos_proj: bool = False  # DeBERTa with separate pos_key_proj / pos_query_proj
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm (learned weight) on q and k; QK maps are not exact
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (1 without GQA)."""
-        return self.n_heads // self.n_kv_heads
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """Where Q/K/V/O live inside a layer (templates relative to the layer prefix)."""
-
-    o: str
-    q: str | None = None
-    k: str | None = None
-    v: str | None = None
-    qkv: str | None = None  # fused (GPT-2 c_attn): output is [q | k | v]
-    pos_q: str | None = None
-    pos_k: str | None = None
-    q_norm: str | None = None  # per-head RMSNorm on queries (Qwen3)
-    k_norm: str | None = None
-
-
-@dataclass(frozen=True)
-class FFNSpec:
-    """Where the FFN projections live; ``gate`` only for gated MLPs, ``gate_up`` when both are fused."""
-
-    down: str
-    up: str | None = None
-    gate: str | None = None
-    gate_up: str | None = None  # fused [gate | up] (Phi-3 gate_up_proj)
-    activation_key: str = "hidden_act"
-
-    def __post_init__(self) -> None:
-        if (self.up is None) == (self.gate_up is None):
-            raise ValueError("ffn: give exactly one of `up` and `gate_up`")
-
-
-@dataclass(frozen=True)
-class NormSpec:
-    """The two per-layer norms; ``placement`` is ``pre`` (before the sublayer) or ``post``.
-
-    ``extra``: further per-layer norms acting on d_model vectors (Gemma-2's norms on each sublayer's output);
-    a residual permutation permutes them too.
-    """
-
-    kind: Literal["layernorm", "rmsnorm"]
-    placement: Literal["pre", "post"]
-    attn: str
-    ffn: str
-    extra: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class HeadSpec:
-    """A tensor outside the layers that reads or writes the residual stream (pooler, classifier, LM head, ...).
-
-    ``path`` is relative to the whole model; ``{base}`` stands for the base-model prefix (``""`` or ``"bert."``).
-    ``kind`` says how a residual-stream change of basis reaches it: ``in`` (a Linear reading the stream:
-    input columns), ``in_out`` (a d->d Linear whose output is read by an ``in`` entry or a tied decoder, followed
-    only by elementwise maps or norms: rows, columns and bias), ``norm`` (weight and bias). Entries absent from a
-    checkpoint are skipped.
-    """
-
-    path: str
-    kind: Literal["in", "in_out", "norm"]
 
 
 @dataclass(frozen=True)
@@ -174,8 +93,17 @@ class ArchSpec:
         n_layers_key: Config attribute giving the number of STORED layers (``num_hidden_layers``; ALBERT:
             ``num_hidden_groups``, one stored layer shared by many applications, so one transform serves all).
         require: Config values the spec assumes (``{inner_group_num: 1}``); others are refused by :meth:`geometry`.
-        inputs: What the model reads: ``tokens`` (``input_ids`` + ``attention_mask``, from a tokenizer) or
-            ``pixels`` (``pixel_values`` of ``config.num_channels`` x ``config.image_size``², e.g. ViT).
+        inputs: What the model reads, one or more of ``tokens`` (``input_ids`` + ``attention_mask``, from a
+            tokenizer), ``pixels`` (``pixel_values`` of ``num_channels`` x ``image_size``², e.g. ViT) and
+            ``decoder_tokens`` (``decoder_input_ids`` of an encoder-decoder, T5); CLIP reads tokens and pixels.
+        stacks: The stacks of a multi-stack family (T5, CLIP; see :mod:`symfuse.arch.layout`); empty for the
+            others, whose one stack is the top-level ``layer`` / ``attention`` / ``ffn`` / ``norm``
+            (:meth:`all_stacks`). With stacks, those top-level fields are the first stack's.
+        config_keys: Config attribute names for the geometry where the defaults do not apply
+            (``{d_ffn: d_ff}`` for T5); keys ``d_model``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``d_ffn``.
+        output: The model output function checks compare when it is not ``logits`` (CLIP ``logits_per_image``).
+        config_variants: ``(when, spec)`` pairs: the family as stored when the config has the values ``when``
+            (``config_variants`` in the YAML; T5 v1.1 / mT5 gated FFN); :func:`symfuse.arch.get_spec` picks it.
     """
 
     family: str
@@ -195,28 +123,82 @@ class ArchSpec:
     relative_norm: str | None = None
     heads: tuple[HeadSpec, ...] = ()
     checkpoint_variants: tuple[ArchSpec, ...] = ()
+    config_variants: tuple[tuple[Mapping[str, Any], ArchSpec], ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
-    inputs: Literal["tokens", "pixels"] = "tokens"
+    inputs: tuple[str, ...] = ("tokens",)
     n_layers_key: str = "num_hidden_layers"
     require: Mapping[str, Any] = field(default_factory=dict)
+    stacks: tuple[StackSpec, ...] = ()
+    config_keys: Mapping[str, str] = field(default_factory=dict)
+    output: str | None = None
+
+    def all_stacks(self) -> tuple[StackSpec, ...]:
+        """:attr:`stacks`, or the one unnamed stack of a single-stack family (its top-level fields)."""
+        if self.stacks:
+            return self.stacks
+        return (StackSpec("", self.layer, self.norm, self.attention, self.ffn, self.n_layers_key),)
+
+    def stack(self, name: str) -> StackSpec:
+        """One stack by name (``ModuleRef.stack``).
+
+        Raises:
+            KeyError: the family has no such stack.
+        """
+        for st in self.all_stacks():
+            if st.name == name:
+                return st
+        raise KeyError(f"{self.family} has no stack {name!r}")
+
+    def streams(self, config: Any) -> dict[str, int]:
+        """Every residual stream with its width, ``{stream name: d_model}`` (``{"": d}`` for one stream)."""
+        geo = self.geometry(config)
+        return {st.stream: geo.of(st.name).d_model for st in self.all_stacks()}
+
+    def _setting(self, config: Any, name: str) -> Any:
+        """A config value read from the config or, failing that, from the first stack sub-config holding it."""
+        if hasattr(config, name):
+            return getattr(config, name)
+        for st in self.all_stacks():
+            sub = getattr(config, st.config, None) if st.config else None
+            if sub is not None and hasattr(sub, name):
+                return getattr(sub, name)
+        raise AttributeError(f"{self.family} config has no {name!r}")
 
     def random_inputs(
         self, config: Any, batch: int = 2, seq: int = 12, generator: torch.Generator | None = None
     ) -> dict[str, torch.Tensor]:
-        """Random inputs of the kind the family reads (see :attr:`inputs`), for function checks and statistics.
+        """Random inputs of the kinds the family reads (see :attr:`inputs`), for function checks and statistics.
 
         Tokens: ids in ``[min(5, vocab - 1), vocab)`` with the last 3 positions of row 0 padded out by the mask.
+        Decoder tokens (encoder-decoder families): ``decoder_input_ids`` drawn alike (``seq - 2`` positions).
         Pixels: standard normal ``pixel_values`` (batch, channels, size, size).
         """
         g = generator if generator is not None else torch.Generator().manual_seed(0)
-        if self.inputs == "pixels":
-            size = int(config.image_size)
-            return {"pixel_values": torch.randn(batch, int(config.num_channels), size, size, generator=g)}
-        vocab = int(config.vocab_size)
-        ids = torch.randint(min(5, vocab - 1), vocab, (batch, seq), generator=g)
-        mask = torch.ones_like(ids)
-        mask[0, -min(3, seq - 1) :] = 0
-        return {"input_ids": ids, "attention_mask": mask}
+        out: dict[str, torch.Tensor] = {}
+        if "pixels" in self.inputs:
+            size, ch = int(self._setting(config, "image_size")), int(self._setting(config, "num_channels"))
+            out["pixel_values"] = torch.randn(batch, ch, size, size, generator=g)
+        vocab = int(self._setting(config, "vocab_size")) if {"tokens", "decoder_tokens"} & set(self.inputs) else 0
+        if "tokens" in self.inputs:
+            ids = torch.randint(min(5, vocab - 1), vocab, (batch, seq), generator=g)
+            mask = torch.ones_like(ids)
+            mask[0, -min(3, seq - 1) :] = 0
+            out.update(input_ids=ids, attention_mask=mask)
+        if "decoder_tokens" in self.inputs:
+            out["decoder_input_ids"] = torch.randint(min(5, vocab - 1), vocab, (batch, max(1, seq - 2)), generator=g)
+        return out
+
+    def main_output(self, output: Any) -> torch.Tensor:
+        """The output tensor that function checks compare.
+
+        :attr:`output` (CLIP ``logits_per_image``) when the model returns it, else ``logits``, else
+        ``last_hidden_state``.
+        """
+        for key in (self.output, "logits", "last_hidden_state"):
+            value = getattr(output, key, None) if key else None
+            if value is not None:
+                return value
+        raise ValueError(f"{self.family}: the model output has none of {self.output}, logits, last_hidden_state")
 
     # ----------------------------------------------------------------- shapes
     def geometry(self, config: Any) -> Geometry:
@@ -226,52 +208,73 @@ class ArchSpec:
             config: A ``transformers.PretrainedConfig`` (or anything with the same attributes).
 
         Returns:
-            The model's :class:`Geometry`.
+            The model's :class:`Geometry`: the first stack's shapes, with every stack's in ``stacks`` when the
+            family has several (:meth:`Geometry.of`).
 
         Raises:
-            UnsupportedArchitecture: partial rotary embeddings (the RoPE-commuting maps assume full rotary).
+            UnsupportedArchitecture: partial rotary embeddings (the RoPE-commuting maps assume full rotary) or a
+                config value outside :attr:`require`.
         """
-        d_model = int(config.hidden_size)
-        n_heads = int(config.num_attention_heads)
-        n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
-        head_dim = int(getattr(config, "head_dim", None) or d_model // n_heads)
-        d_ffn = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", None)
-        if d_ffn is None:  # GPT-2: n_inner, default 4 * d
-            d_ffn = getattr(config, "n_inner", None) or 4 * d_model
-        pos_types = getattr(config, "pos_att_type", None) or ()
-        relative = bool(getattr(config, "relative_attention", False)) and bool(pos_types)
-        share = bool(getattr(config, "share_att_key", False))
-        rope_params = getattr(config, "rope_parameters", None) or {}
-        partial = rope_params.get("partial_rotary_factor") if isinstance(rope_params, dict) else None
-        partial = partial if partial is not None else getattr(config, "partial_rotary_factor", None)
         for key, want in self.require.items():
             if getattr(config, key, want) != want:
                 raise UnsupportedArchitecture(
                     f"{self.family}: {key}={getattr(config, key)!r} is not supported (only {key}={want!r})"
                 )
+        geos = [(st.name, self._stack_geometry(config, st)) for st in self.all_stacks()]
+        return geos[0][1] if len(geos) == 1 else replace(geos[0][1], stacks=tuple(geos))
+
+    def _stack_geometry(self, config: Any, st: StackSpec) -> Geometry:
+        cfg = getattr(config, st.config) if st.config else config
+        keys = self.config_keys
+
+        def read(name: str, *fallbacks: str) -> Any:
+            for k in (keys[name],) if name in keys else fallbacks:
+                v = getattr(cfg, k, None)
+                if v is not None:
+                    return v
+            return None
+
+        d_model = int(read("d_model", "hidden_size"))
+        n_heads = int(read("n_heads", "num_attention_heads"))
+        n_kv = int(read("n_kv_heads", "num_key_value_heads") or n_heads)
+        head_dim = int(read("head_dim", "head_dim") or d_model // n_heads)
+        d_ffn = read("d_ffn", "intermediate_size", "hidden_dim", "n_inner") or 4 * d_model  # GPT-2: 4 * d
+        pos_types = getattr(cfg, "pos_att_type", None) or ()
+        relative = bool(getattr(cfg, "relative_attention", False)) and bool(pos_types)
+        share = bool(getattr(cfg, "share_att_key", False))
+        rope_params = getattr(cfg, "rope_parameters", None) or {}
+        partial = rope_params.get("partial_rotary_factor") if isinstance(rope_params, dict) else None
+        partial = partial if partial is not None else getattr(cfg, "partial_rotary_factor", None)
         if self.rope and partial is not None and float(partial) != 1.0:
             raise UnsupportedArchitecture(
                 f"{self.family}: partial_rotary_factor={partial} is not supported (only full rotary embeddings); "
                 "use a checkpoint with partial_rotary_factor 1.0"
             )
+        attn, ffn = st.attention, st.ffn
         return Geometry(
-            n_layers=int(getattr(config, self.n_layers_key)),
+            n_layers=int(getattr(cfg, st.n_layers_key)),
             d_model=d_model,
             n_heads=n_heads,
             n_kv_heads=n_kv,
             head_dim=head_dim,
             d_ffn=int(d_ffn),
             rope=self.rope,
-            gated=self.ffn.gate is not None or self.ffn.gate_up is not None,
+            gated=ffn is not None and (ffn.gate is not None or ffn.gate_up is not None),
             share_att_key=share,
-            pos_proj=self.attention.pos_q is not None and relative and not share,
-            qk_norm=self.attention.q_norm is not None,
+            pos_proj=attn is not None and attn.pos_q is not None and relative and not share,
+            qk_norm=attn is not None and attn.q_norm is not None,
+            shared_head_bias=attn is not None and attn.head_table is not None,
         )
 
     def modules(self, config: Any) -> list[ModuleRef]:
-        """Every attention and FFN module, in layer order (attention first)."""
-        n = self.geometry(config).n_layers
-        return [ModuleRef(i, kind) for i in range(n) for kind in ("attn", "ffn")]
+        """Every attention and FFN module, stack by stack, in layer order (attention first)."""
+        geo = self.geometry(config)
+        return [
+            ModuleRef(i, kind, stack=st.name)
+            for st in self.all_stacks()
+            for i in range(geo.of(st.name).n_layers)
+            for kind in st.kinds()
+        ]
 
     # ------------------------------------------------------------------ names
     def for_checkpoint(self, names: Iterable[str]) -> tuple[ArchSpec, str]:
@@ -309,16 +312,20 @@ class ArchSpec:
 
     def module_paths(self, ref: ModuleRef, config: Any, prefix: str = "") -> dict[str, str]:
         """HF module paths (without ``.weight``) of one module, by role (fused roles of :data:`FUSED` as such)."""
-        geo = self.geometry(config)
-        base = prefix + self.layer.format(i=ref.layer)
-        if ref.kind == "attn":
-            a = self.attention
+        st = self.stack(ref.stack)
+        geo = self.geometry(config).of(ref.stack)
+        base = prefix + st.layer.format(i=ref.layer)
+        if ref.kind == "attn" and st.attention is not None:
+            a = st.attention
             roles = {"q": a.q, "k": a.k, "v": a.v, "qkv": a.qkv, "o": a.o, "q_norm": a.q_norm, "k_norm": a.k_norm}
+            roles["head_table"] = a.head_table
             if geo.pos_proj:
                 roles.update(pos_q=a.pos_q, pos_k=a.pos_k)
-        else:
-            f = self.ffn
+        elif ref.kind == "ffn" and st.ffn is not None:
+            f = st.ffn
             roles = {"up": f.up, "gate": f.gate, "gate_up": f.gate_up, "down": f.down}
+        else:
+            raise KeyError(f"{self.family}: stack {ref.stack!r} has no {ref.kind} module ({ref.key})")
         return {r: self._join(base, p) for r, p in roles.items() if p is not None}
 
     def tensor_names(self, ref: ModuleRef, config: Any, prefix: str = "") -> dict[str, str]:
@@ -332,15 +339,18 @@ class ArchSpec:
             out[role + "_bias"] = path + ".bias"
         return out
 
-    def norm_paths(self, layer: int, prefix: str = "") -> dict[str, str]:
-        """Module paths of one layer's norms, by sublayer (``attn`` / ``ffn``)."""
-        base = prefix + self.layer.format(i=layer)
-        return {"attn": self._join(base, self.norm.attn), "ffn": self._join(base, self.norm.ffn)}
+    def norm_paths(self, layer: int, prefix: str = "", stack: str = "") -> dict[str, str]:
+        """Module paths of one layer's norms, by sublayer (``attn`` / ``ffn``; a stack's sublayers only)."""
+        st = self.stack(stack)
+        base = prefix + st.layer.format(i=layer)
+        subs = {"attn": st.norm.attn, "ffn": st.norm.ffn}
+        return {sub: self._join(base, p) for sub, p in subs.items() if p is not None}
 
-    def stream_norm_paths(self, layer: int, prefix: str = "") -> list[str]:
+    def stream_norm_paths(self, layer: int, prefix: str = "", stack: str = "") -> list[str]:
         """Module paths of EVERY per-layer norm on d_model vectors: :meth:`norm_paths` plus ``norm.extra``."""
-        base = prefix + self.layer.format(i=layer)
-        return [*self.norm_paths(layer, prefix).values(), *(self._join(base, p) for p in self.norm.extra)]
+        st = self.stack(stack)
+        base = prefix + st.layer.format(i=layer)
+        return [*self.norm_paths(layer, prefix, stack).values(), *(self._join(base, p) for p in st.norm.extra)]
 
     def fused_sizes(self, fused: str, geo: Geometry) -> list[int]:
         """Row counts of the canonical roles inside a fused tensor (see :data:`FUSED`), in order."""
@@ -372,7 +382,7 @@ class ArchSpec:
         Returns:
             New tensors by role; biases only where the checkpoint has them.
         """
-        geo = self.geometry(config)
+        geo = self.geometry(config).of(ref.stack)
         out: ModuleWeights = {}
         for role, name in self.tensor_names(ref, config, prefix).items():
             if not has(name):

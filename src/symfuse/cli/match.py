@@ -42,7 +42,7 @@ def match(
         typer.Option(
             "--data",
             help="Dataset whose texts feed both models: activation-based permutations (pixel families such as "
-            "ViT: 'random-pixels'). " + DATASET_RESOLUTION,
+            "ViT and CLIP: 'random-pixels'). " + DATASET_RESOLUTION,
         ),
     ] = None,
     max_examples: Annotated[int, typer.Option("--max-examples", help="Examples for the statistics.")] = 512,

@@ -111,7 +111,7 @@ def expected_module_shapes(spec: Any, ref: Any, config: Any, prefix: str) -> dic
 
     Roles whose shape the geometry does not fix (DeBERTa's position projections) are left out.
     """
-    geo = spec.geometry(config)
+    geo = spec.geometry(config).of(ref.stack)
     q_out, kv_out = geo.n_heads * geo.head_dim, geo.n_kv_heads * geo.head_dim
     d, f = geo.d_model, geo.d_ffn
     canonical = {

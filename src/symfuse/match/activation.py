@@ -12,6 +12,9 @@ Given :class:`symfuse.stats.activations.ActivationStats` of ANCHOR (``a``) and S
   nuclear norm of the head pair's cross-covariance block ``||Cov(b_h, a_h')||_*`` normalised by
   ``sqrt(tr Σ_b_h · tr Σ_a_h')`` (heads move as whole units; summed over a group's query heads under GQA).
 
+A family with several residual streams (CLIP's two towers) gets one such permutation per stream, each from its own
+stream's sites; stacks sharing a stream (T5's encoder, decoder and cross-attention) share its permutation.
+
 The statistics of FFN activations and head outputs do not depend on the residual permutation (every reader of the
 stream is permuted with it), so one statistics pass serves all three. Rotation and scaling inside each head are
 then found from the WEIGHTS (:func:`symfuse.match.weights.match_module_weights`) on the permuted source.
@@ -32,7 +35,7 @@ from symfuse.arch import Geometry, ModuleRef, get_spec
 from symfuse.checkpoint import load_hf_model
 from symfuse.match.closed_form import assign_max
 from symfuse.match.weights import match_module_weights, module_distance
-from symfuse.stats.activations import ActivationStats, collect_activation_stats
+from symfuse.stats.activations import ActivationStats, collect_activation_stats, module_site
 from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, kind_names, kinds_for
 from symfuse.symmetry.residual import ResidualPermutation, permute_residual
 from symfuse.symmetry.transforms import FFNPermutation, HeadPermutation, ModuleTransform, Transform
@@ -45,17 +48,18 @@ ResidualStrategy = Literal["first", "last", "all"]
 RANDOM_PIXELS = "random-pixels"  # --data for pixel families: statistics from seeded random pixel inputs
 
 
-def residual_permutation(stats: ActivationStats, strategy: ResidualStrategy = "all") -> torch.Tensor:
+def residual_permutation(stats: ActivationStats, strategy: ResidualStrategy = "all", stream: str = "") -> torch.Tensor:
     """The residual permutation aligning B's stream to A's (new coordinate j = old ``perm[j]``).
 
     Args:
         stats: Paired statistics with A = anchor, B = source.
         strategy: ``first``, ``last`` or ``all`` (see the module docstring).
+        stream: Which residual stream (``ArchSpec.streams``; ``""`` for single-stream families).
 
     Returns:
         ``perm`` (d_model,) int64.
     """
-    sites = stats.residual_sites()
+    sites = stats.residual_sites(stream)
     if not sites:
         raise ValueError("no residual-stream sites in the activation statistics")
     chosen = {"first": sites[:1], "last": sites[-1:], "all": sites}.get(strategy)
@@ -66,16 +70,23 @@ def residual_permutation(stats: ActivationStats, strategy: ResidualStrategy = "a
     return perm
 
 
-def ffn_permutation(stats: ActivationStats, layer: int) -> torch.Tensor:
-    """Neuron permutation of layer ``layer`` from hidden-activation correlation (Hungarian)."""
-    corr = stats.sites[f"ffn.L{layer:02d}"].correlation()  # (d_ffn, d_ffn): [A, B]
+def _site(kind: str, layer: int | ModuleRef) -> str:
+    return module_site(kind, layer) if isinstance(layer, ModuleRef) else f"{kind}.L{layer:02d}"
+
+
+def ffn_permutation(stats: ActivationStats, layer: int | ModuleRef) -> torch.Tensor:
+    """Neuron permutation of layer ``layer`` (index, or a stack's FFN module) from activation correlation."""
+    corr = stats.sites[_site("ffn", layer)].correlation()  # (d_ffn, d_ffn): [A, B]
     perm, _ = assign_max(corr.T.contiguous())
     return perm
 
 
-def head_similarity(stats: ActivationStats, layer: int, n_heads: int, n_kv_heads: int) -> torch.Tensor:
-    """Similarity of source group ``i`` and anchor group ``j`` (n_kv, n_kv), invariant to rotations inside heads."""
-    m = stats.sites[f"heads.L{layer:02d}"]
+def head_similarity(stats: ActivationStats, layer: int | ModuleRef, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """Similarity of source group ``i`` and anchor group ``j`` (n_kv, n_kv), invariant to rotations inside heads.
+
+    ``layer``: a layer index, or the attention module of a stack.
+    """
+    m = stats.sites[_site("heads", layer)]
     cov = m.cross_covariance()  # (H*dh, H*dh): [A, B]
     va, vb = m.var_a(), m.var_b()
     dh = cov.shape[0] // n_heads
@@ -87,7 +98,7 @@ def head_similarity(stats: ActivationStats, layer: int, n_heads: int, n_kv_heads
     return sim.reshape(n_kv_heads, g, n_kv_heads, g).diagonal(dim1=1, dim2=3).sum(-1)
 
 
-def head_permutation(stats: ActivationStats, layer: int, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+def head_permutation(stats: ActivationStats, layer: int | ModuleRef, n_heads: int, n_kv_heads: int) -> torch.Tensor:
     """KV-group permutation of layer ``layer`` (query heads move with their group) from head similarity."""
     perm, _ = assign_max(head_similarity(stats, layer, n_heads, n_kv_heads))
     return perm
@@ -95,14 +106,19 @@ def head_permutation(stats: ActivationStats, layer: int, n_heads: int, n_kv_head
 
 def find_ffn_permutation(stats: ActivationStats, ref: ModuleRef, geo: Geometry) -> tuple[Transform, ...]:
     """The ``ffn-permutation`` kind's activation finder."""
-    return (FFNPermutation(ffn_permutation(stats, ref.layer)),)
+    return (FFNPermutation(ffn_permutation(stats, ref)),)
 
 
 def find_head_permutation(stats: ActivationStats, ref: ModuleRef, geo: Geometry) -> tuple[Transform, ...]:
-    """The ``head-permutation`` kind's activation finder (nothing to permute with one KV group)."""
-    if geo.n_kv_heads <= 1:
+    """The ``head-permutation`` kind's activation finder (``geo``: the module's stack).
+
+    Nothing to permute with one KV group, nor where one per-head bias table is shared by every layer of the stack
+    (T5 self-attention: permuting one layer's heads would not be exact).
+    """
+    geo = geo.of(ref.stack)
+    if geo.n_kv_heads <= 1 or geo.shared_head_bias:
         return ()
-    return (HeadPermutation(head_permutation(stats, ref.layer, geo.n_heads, geo.n_kv_heads)),)
+    return (HeadPermutation(head_permutation(stats, ref, geo.n_heads, geo.n_kv_heads)),)
 
 
 @dataclass
@@ -110,24 +126,30 @@ class ActivationMatch:
     """Result of :func:`match_activations`.
 
     Attributes:
-        residual: The residual permutation applied first (None when not requested).
+        residual: The residual permutation applied first (None when not requested; for a family with several
+            residual streams, the one of stream ``""`` if any — see ``residuals``).
         modules: Per-module transforms applied after it (head / FFN permutations, then rotation and scaling).
         state: The matched source's tensors (same names as the source ``state_dict``).
         per_module: Distances to the anchor before / after, per module.
+        residuals: The residual permutation of every stream (``{stream: permutation}``; empty when not requested).
+        stream_of: The stream of each module key (which residual permutation leads its transform).
     """
 
     residual: ResidualPermutation | None
     modules: dict[str, ModuleTransform]
     state: dict[str, torch.Tensor]
     per_module: list[dict] = field(default_factory=list)
+    residuals: dict[str, ResidualPermutation] = field(default_factory=dict)
+    stream_of: dict[str, str] = field(default_factory=dict)
 
     def module_transforms(self) -> dict[str, ModuleTransform]:
         """Per-module transforms including the module part of the residual permutation (for saving)."""
 
-        def lead() -> tuple:  # a fresh tensor per module: safetensors refuses shared storage
-            return (ResidualPermutation(self.residual.perm.clone()),) if self.residual is not None else ()
+        def lead(key: str) -> tuple:  # a fresh tensor per module: safetensors refuses shared storage
+            r = self.residuals.get(self.stream_of.get(key, ""), self.residual)
+            return (ResidualPermutation(r.perm.clone()),) if r is not None else ()
 
-        return {k: ModuleTransform(k, (*lead(), *t.parts)) for k, t in self.modules.items()}
+        return {k: ModuleTransform(k, (*lead(k), *t.parts)) for k, t in self.modules.items()}
 
 
 def match_activations(
@@ -165,20 +187,24 @@ def match_activations(
     src_state = {k: v.detach().cpu() for k, v in source.state_dict().items()}
     anc_state = {k: v.detach().cpu() for k, v in anchor.state_dict().items()}
     prefix = spec.detect_prefix(src_state)
-    residual = None
-    state = src_state
-    for kind in kinds_for(symmetries, "residual", "activations"):  # one permutation of the whole stream
-        residual = ResidualPermutation(kind.fn("activations")(stats, residual_strategy))
-        state = permute_residual(src_state, spec, source.config, residual.perm, prefix)
+    residuals: dict[str, ResidualPermutation] = {}
+    state = dict(src_state)  # a new mapping: the report's "before" distances read the untouched source
+    for kind in kinds_for(symmetries, "residual", "activations"):  # one permutation per residual stream (CLIP: two)
+        streams = spec.streams(source.config)
+        find = kind.fn("activations")
+        residuals = {s: ResidualPermutation(find(stats, residual_strategy, s)) for s in streams}
+        perms = {s: r.perm for s, r in residuals.items()}
+        state = permute_residual(src_state, spec, source.config, perms, prefix)
     modules, report = {}, []
     for ref in spec.modules(source.config):
+        g = geo.of(ref.stack)
         s = spec.read_module(state.__getitem__, state.__contains__, ref, source.config, prefix)
         a = spec.read_module(anc_state.__getitem__, anc_state.__contains__, ref, anchor.config, prefix)
         parts: list[Transform] = []
         kinds = kinds_for(symmetries, ref.kind, "activations")
-        for kind in kinds:  # permutations from the statistics first
+        for kind in kinds:  # permutations from the statistics first (on the module's own stack's geometry)
             if kind.activations is not None:
-                parts += kind.fn("activations")(stats, ref, geo)
+                parts += kind.fn("activations")(stats, ref, g)
         t = ModuleTransform(ref.key, tuple(parts))
         moved = t.apply(s)
         weight_syms = tuple(k.name for k in kinds if k.activations is None)  # then the rest from the weights
@@ -192,7 +218,8 @@ def match_activations(
             spec.read_module(src_state.__getitem__, src_state.__contains__, ref, source.config, prefix), a
         )
         report.append({"module": ref.key, "kind": ref.kind, "before": before, "after": module_distance(moved, a)})
-    return ActivationMatch(residual, modules, state, report)
+    stream_of = {ref.key: spec.stack(ref.stack).stream for ref in spec.modules(source.config)}
+    return ActivationMatch(residuals.get(""), modules, state, report, residuals, stream_of)
 
 
 def matched_model(source: torch.nn.Module, result: ActivationMatch) -> torch.nn.Module:
@@ -219,14 +246,17 @@ def _state_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]
 def _logit_diff_in_memory(a: torch.nn.Module, b: torch.nn.Module, seed: int = 0) -> float:
     """Max |Δ| of the outputs (logits, else last hidden state) on random inputs of the family's kind, fp32."""
     inputs = get_spec(a.config).random_inputs(a.config, generator=torch.Generator().manual_seed(seed))
+    spec = get_spec(a.config)
     with torch.no_grad():
         oa, ob = a(**inputs), b(**inputs)
-    pick = "logits" if getattr(oa, "logits", None) is not None else "last_hidden_state"
-    return float((getattr(oa, pick) - getattr(ob, pick)).abs().max())
+    return float((spec.main_output(oa) - spec.main_output(ob)).abs().max())
 
 
 def pixel_batches(config: Any, n_examples: int, batch_size: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """Seeded standard-normal ``pixel_values`` batches for a pixel family (see ``ArchSpec.inputs``)."""
+    """Seeded standard-normal ``pixel_values`` batches for a pixel family (see ``ArchSpec.inputs``).
+
+    A family reading tokens too (CLIP) gets random tokens alongside.
+    """
     spec, g = get_spec(config), torch.Generator().manual_seed(seed)
     sizes = [min(batch_size, n_examples - i) for i in range(0, n_examples, batch_size)]
     return [spec.random_inputs(config, batch=b, generator=g) for b in sizes]
@@ -254,7 +284,8 @@ def match_activation_checkpoints(
             ``transforms.safetensors`` (per-module transforms with the residual part first, plus ``residual``)
             and ``symfuse_report.json``.
         data: Dataset whose training texts feed both models (any :func:`symfuse.data.load_task_dataset` source);
-            for pixel families (``ArchSpec.inputs``, ViT) :data:`RANDOM_PIXELS`, seeded random images.
+            for pixel families (``ArchSpec.inputs``: ViT, CLIP) :data:`RANDOM_PIXELS`, seeded random images (and
+            random tokens for CLIP).
         symmetries: Registered kinds found from activations or weights (see :data:`ACTIVATION_SYMMETRIES`).
         max_examples: Examples used for the statistics.
         residual_strategy: ``first``, ``last`` or ``all``.
@@ -282,7 +313,7 @@ def match_activation_checkpoints(
     with CheckpointReader(src_path) as src, CheckpointReader(anc_path) as anc:
         check_compatible(src, anc)
         spec = src.spec
-    if spec.inputs == "pixels":  # no image datasets yet: seeded random pixels, only when asked for by name
+    if "pixels" in spec.inputs:  # no image datasets yet: seeded random pixels, only when asked for by name
         if data != RANDOM_PIXELS:
             raise ValueError(
                 f"{src_path}: a {spec.family} model reads pixels and symfuse has no image datasets; "
@@ -295,12 +326,15 @@ def match_activation_checkpoints(
         src_model, anc_model = _load_model(src_path), _load_model(anc_path)
         batches = make_batches(data, src_path, "train", batch_size, max_length, max_examples)
         batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
+        if "decoder_tokens" in spec.inputs:  # encoder-decoder (T5): the decoder reads the same text
+            batches = [{**b, "decoder_input_ids": b["input_ids"]} for b in batches]
     result = match_activations(
         src_model, anc_model, batches, symmetries, residual_strategy=residual_strategy, device=device
     )
     transforms = result.module_transforms()
-    if result.residual is not None:
-        transforms["residual"] = ModuleTransform("residual", (ResidualPermutation(result.residual.perm.clone()),))
+    for stream, r in result.residuals.items():  # "residual", or "residual.<stream>" per stream (CLIP)
+        key = f"residual.{stream}" if stream else "residual"
+        transforms[key] = ModuleTransform(key, (ResidualPermutation(r.perm.clone()),))
     anc_state = anc_model.state_dict()
     report = {
         "source": str(src_path),

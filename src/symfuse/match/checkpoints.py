@@ -6,6 +6,7 @@ and the matched checkpoint is streamed by :func:`symfuse.checkpoint.write_checkp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -147,11 +148,11 @@ def _logit_diff(a: Path, b: Path, seed: int = 0) -> float:
     """Max |Δ| of the outputs (logits, else last hidden state) of two checkpoints on random inputs, fp32."""
     ma = load_hf_model(a, dtype=torch.float32, validate=False)  # both read and checked by the matcher
     mb = load_hf_model(b, dtype=torch.float32, validate=False)
-    inputs = get_spec(ma.config).random_inputs(ma.config, generator=torch.Generator().manual_seed(seed))
+    spec = get_spec(ma.config)
+    inputs = spec.random_inputs(ma.config, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         oa, ob = ma(**inputs), mb(**inputs)
-    pick = "logits" if getattr(oa, "logits", None) is not None else "last_hidden_state"
-    return float((getattr(oa, pick) - getattr(ob, pick)).abs().max())
+    return float((spec.main_output(oa) - spec.main_output(ob)).abs().max())
 
 
 def _n_params(reader: CheckpointReader) -> int:
@@ -387,7 +388,8 @@ def disguise_checkpoint(
             (0 = exactly function-preserving).
         kinds: Registered kinds with a random draw (see :data:`DISGUISE_KINDS`), drawn module by module in stage
             order; a kind acting on the residual stream (``residual-permutation``) permutes the whole residual
-            stream (embeddings, every module, norms and heads; saved in ``residual_permutation.safetensors``):
+            stream (embeddings, every module, norms and heads; saved in ``residual_permutation.safetensors`` as
+            ``perm``, or ``perm.<stream>`` for each stream of a multi-stream family such as CLIP):
             it holds the whole model in memory, the other kinds stream module by module.
         overwrite: Replace an existing ``out`` (atomically, at the end).
 
@@ -417,11 +419,15 @@ def disguise_checkpoint(
         report = {"disguise_of": str(src.path), "seed": seed, "noise": noise, "kinds": list(kinds)}
         with atomic_output_dir(out, overwrite=overwrite) as tmp:
             stream = kinds_for(kinds, "residual")
-            if stream:  # drawn after every module's transform (the generator's order)
-                (part,) = stream[0].fn("draw")(None, src.geometry, g, 0.5)
-                perm = part.perm
+            if stream:  # drawn after every module's transform (the generator's order), one per residual stream
+                draw = stream[0].fn("draw")
+                perms = {}
+                for s, d in src.spec.streams(src.config).items():
+                    (part,) = draw(None, dataclasses.replace(src.geometry, d_model=d), g, 0.5)
+                    perms[s] = part.perm
+                perm = perms[""] if list(perms) == [""] else perms
                 write_checkpoint(src, tmp, replace=_residual_disguised(src, fn, perm), overwrite=True)
-                save_file({"perm": perm}, str(tmp / RESIDUAL_FILE))
+                save_file({".".join(("perm", s)).rstrip("."): p for s, p in perms.items()}, str(tmp / RESIDUAL_FILE))
             else:
                 write_modules(src, fn, tmp)
             save_transforms(ts, tmp / TRANSFORMS_FILE)
@@ -432,9 +438,12 @@ def disguise_checkpoint(
 def _residual_disguised(
     src: CheckpointReader,
     fn: Callable[[ModuleRef, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-    perm: torch.Tensor,
+    perm: torch.Tensor | dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of ``src`` with ``fn`` applied to each module, then the residual stream permuted by ``perm``."""
+    """Every tensor of ``src`` with ``fn`` applied to each module, then the residual stream(s) permuted by ``perm``.
+
+    ``perm`` is ``{stream: perm}`` for a family with several streams (see :func:`permute_residual`).
+    """
     state = {n: src.get(n).clone() for n in src.names()}
     for ref in src.modules():
         w = src.spec.read_module(state.__getitem__, state.__contains__, ref, src.config, src.prefix)

@@ -168,7 +168,8 @@ def match_attention(
     rope = geo.rope
     t0 = time.perf_counter()
     parts: list[Transform] = []
-    if "head-permutation" in symmetries and geo.n_kv_heads > 1:
+    # a per-head score bias shared by every layer (T5): a head permutation of one layer would change it
+    if "head-permutation" in symmetries and geo.n_kv_heads > 1 and not geo.shared_head_bias:
         sb, ab = attention_blocks(src, geo), attention_blocks(anc, geo)
         cost = torch.zeros(geo.n_kv_heads, geo.n_kv_heads, dtype=torch.float64)
         for name, a_role, b_role, use_rope in (("qk", "q", "k", rope), ("vo", "v", "o", False)):
@@ -292,7 +293,7 @@ def match_module_weights(
         ref: The module (or its key).
         src: Source canonical weights.
         anc: Anchor canonical weights.
-        geo: Geometry of both models.
+        geo: Geometry of both models (a multi-stack geometry: the module's stack is used).
         symmetries: Registered kinds with a weight finder (see :data:`SYMMETRIES`).
         timings: Accumulates seconds per stage.
 
@@ -303,6 +304,7 @@ def match_module_weights(
     """
     ref = ModuleRef.parse(ref) if isinstance(ref, str) else ref
     check_symmetries(symmetries)
+    geo = geo.of(ref.stack)
     finders: list = []
     for kind in kinds_for(symmetries, ref.kind, "weights"):
         if kind.fn("weights") not in finders:

@@ -11,6 +11,11 @@ memory is O(sites · width²). Sites (keys):
 * ``heads.L03``: per-head attention outputs before the output projection (the input of ``o``), shape
   (n_heads * head_dim,), head ``h`` = features ``h*dh:(h+1)*dh``.
 
+Multi-stack families (T5, CLIP; see :mod:`symfuse.arch.layout`) name the stack in every layer site
+(``resid.enc.L03.attn``, ``ffn.dec.L03``, ``heads.cross.L01``, ``resid.vision.emb``, ``resid.text.final``) and
+keep the residual sites of each residual stream apart (:meth:`ActivationStats.residual_sites`): a stream is
+permuted as a whole, and two streams (CLIP's towers) are permuted independently.
+
 Module locations come from the family spec (:class:`symfuse.arch.ArchSpec`); no names are hard-coded here.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -85,37 +91,53 @@ class ActivationStats:
 
     sites: dict[str, PairedMoments] = field(default_factory=dict)
     n_layers: int = 0
+    streams: dict[str, list[str]] = field(default_factory=dict)  # residual sites of each stream, forward order
 
-    def residual_sites(self) -> list[str]:
-        """Residual-stream sites in forward order."""
-        order = ["resid.emb"] + [f"resid.L{i:02d}.{k}" for i in range(self.n_layers) for k in ("attn", "ffn")]
-        return [s for s in [*order, "resid.final"] if s in self.sites]
+    def residual_sites(self, stream: str = "") -> list[str]:
+        """Residual-stream sites of one stream (``""``: the only stream of most families) in forward order."""
+        if self.streams:
+            order = self.streams.get(stream, [])
+        else:
+            layers = [f"resid.L{i:02d}.{k}" for i in range(self.n_layers) for k in ("attn", "ffn")]
+            order = ["resid.emb", *layers, "resid.final"]
+        return [s for s in order if s in self.sites]
 
 
-def _norm_sites(spec: ArchSpec, n_layers: int, prefix: str, names: Iterable[str] = ()) -> dict[str, str]:
-    """``{site: module path}`` for every norm output on the residual stream.
+def module_site(kind: str, ref: ModuleRef) -> str:
+    """The site of a module's inner activation: ``heads.L03`` / ``ffn.L03`` (``heads.enc.L03`` in a stack)."""
+    return f"{kind}.{ref.key.rpartition('.')[0]}"
+
+
+def _norm_sites(spec: ArchSpec, config: Any, prefix: str, names: Iterable[str] = ()) -> dict[str, tuple[str, str]]:
+    """``{site: (module path, stream)}`` for every norm output on a residual stream, in forward order.
 
     With an embedding projection among ``names`` (ELECTRA: the embedding norm is not in the stream), the
     embedding site is the projection's output.
     """
-    out = {}
+    out: dict[str, tuple[str, str]] = {}
     proj = prefix + spec.embedding_projection if spec.embedding_projection else None
     if proj is not None and proj + ".weight" in set(names):
-        out["resid.emb"] = proj
+        out["resid.emb"] = (proj, "")
     elif spec.embedding_norm:
-        out["resid.emb"] = prefix + spec.embedding_norm
-    for i in range(n_layers):
-        for sub, path in spec.norm_paths(i, prefix).items():
-            out[f"resid.L{i:02d}.{sub}"] = path
+        out["resid.emb"] = (prefix + spec.embedding_norm, "")
+    geo = spec.geometry(config)
+    for st in spec.all_stacks():
+        tag = f"{st.name}." if st.name else ""
+        if st.embedding_norm:
+            out[f"resid.{tag}emb"] = (prefix + st.embedding_norm, st.stream)
+        for i in range(geo.of(st.name).n_layers):
+            for sub, path in spec.norm_paths(i, prefix, st.name).items():
+                out[f"resid.{tag}L{i:02d}.{sub}"] = (path, st.stream)
+        if st.final_norm:
+            out[f"resid.{tag}final"] = (prefix + st.final_norm, st.stream)
     if spec.final_norm:
-        out["resid.final"] = prefix + spec.final_norm
+        out["resid.final"] = (prefix + spec.final_norm, "")
     return out
 
 
 def _hook_model(model: torch.nn.Module, store: dict[str, torch.Tensor]) -> list:
     spec = get_spec(model.config)
     prefix = spec.detect_prefix(model.state_dict().keys())
-    n_layers = spec.geometry(model.config).n_layers
     handles = []
 
     def out_hook(site: str):
@@ -130,13 +152,12 @@ def _hook_model(model: torch.nn.Module, store: dict[str, torch.Tensor]) -> list:
 
         return hook
 
-    for site, path in _norm_sites(spec, n_layers, prefix, model.state_dict().keys()).items():
+    for site, (path, _) in _norm_sites(spec, model.config, prefix, model.state_dict().keys()).items():
         handles.append(model.get_submodule(path).register_forward_hook(out_hook(site)))
-    for i in range(n_layers):
-        attn = spec.module_paths(ModuleRef(i, "attn"), model.config, prefix)
-        ffn = spec.module_paths(ModuleRef(i, "ffn"), model.config, prefix)
-        handles.append(model.get_submodule(attn["o"]).register_forward_pre_hook(in_hook(f"heads.L{i:02d}")))
-        handles.append(model.get_submodule(ffn["down"]).register_forward_pre_hook(in_hook(f"ffn.L{i:02d}")))
+    for ref in spec.modules(model.config):
+        path = spec.module_paths(ref, model.config, prefix)["o" if ref.kind == "attn" else "down"]
+        site = module_site("heads" if ref.kind == "attn" else "ffn", ref)
+        handles.append(model.get_submodule(path).register_forward_pre_hook(in_hook(site)))
     return handles
 
 
@@ -174,7 +195,13 @@ def collect_activation_stats(
     geo_b = get_spec(model_b.config).geometry(model_b.config)
     if geo_a != geo_b:
         raise ValueError(f"models differ in shape: {geo_a} vs {geo_b}")
-    stats = stats if stats is not None else ActivationStats(n_layers=geo_a.n_layers)
+    if stats is None:
+        spec = get_spec(model_a.config)
+        names = model_a.state_dict().keys()
+        streams: dict[str, list[str]] = {}
+        for site, (_, stream) in _norm_sites(spec, model_a.config, spec.detect_prefix(names), names).items():
+            streams.setdefault(stream, []).append(site)
+        stats = ActivationStats(n_layers=geo_a.n_layers, streams=streams)
     store_a: dict[str, torch.Tensor] = {}
     store_b: dict[str, torch.Tensor] = {}
     handles = _hook_model(model_a, store_a) + _hook_model(model_b, store_b)

@@ -58,7 +58,13 @@ def rope_rotation(angles: torch.Tensor) -> torch.Tensor:
 
 
 def draw_head_permutation(ref: ModuleRef, geo: Geometry, g: torch.Generator, log_scale: float) -> tuple[Transform, ...]:
-    """A random permutation of the KV groups (query heads move with their group)."""
+    """A random permutation of the KV groups (query heads move with their group).
+
+    None where one per-head score-bias table is shared by every layer of the stack (``geo.shared_head_bias``, T5
+    self-attention): permuting one layer's heads would not be exact.
+    """
+    if geo.shared_head_bias:
+        return ()
     return (HeadPermutation(torch.randperm(geo.n_kv_heads, generator=g)),)
 
 
@@ -124,8 +130,10 @@ def random_module_transform(
 
     Args:
         ref: The module.
-        geo: The model's geometry (RoPE restricts QK rotations and scales to frequency pairs; with per-head
-            q/k norms, ``geo.qk_norm``, no QK rotation or scaling is drawn: they would not be exact).
+        geo: The model's geometry (its stack's, ``geo.of(ref.stack)``, is used; RoPE restricts QK rotations and
+            scales to frequency pairs; with per-head q/k norms, ``geo.qk_norm``, no QK rotation or scaling is
+            drawn, and with a per-head score bias shared by all layers, ``geo.shared_head_bias``, no head
+            permutation: they would not be exact).
         generator: Random source.
         kinds: Symmetry kinds to draw from (registered kinds with a ``draw``; see :data:`ALL_KINDS`).
         log_scale: Scales are ``exp(U(-log_scale, log_scale))``.
@@ -135,6 +143,7 @@ def random_module_transform(
     """
     check_kinds(kinds, "draw", "disguise kinds")
     parts: list[Transform] = []
+    geo = geo.of(ref.stack)
     for kind in kinds_for(kinds, ref.kind):
         parts += kind.fn("draw")(ref, geo, generator, log_scale)
     return ModuleTransform(ref.key, tuple(parts))

@@ -17,6 +17,11 @@ computes the same function (outputs that live in the stream come out permuted; l
 * heads on top (:class:`symfuse.arch.spec.HeadSpec`): ``in`` readers (classifier, LM head, tied decoder: columns),
   ``in_out`` d->d maps (pooler, MLM transform: rows, columns and bias), ``norm`` (MLM transform LayerNorm).
 
+Families with several stacks (:mod:`symfuse.arch.layout`) permute each residual STREAM as a whole: T5's encoder,
+decoder and cross-attention share one stream (the shared embedding and the cross-attention's keys / values read
+the encoder output in the decoder's basis), CLIP's two towers have one each, permuted independently (their
+projections into the joint space take their tower's permutation on the input columns; the joint space is fixed).
+
 A tied decoder / LM head is the word-embedding matrix itself; both get the same column permutation, so ties
 survive. Exactness of DIFFERENT permutations per sublayer: the identity skip forces the basis written by one
 sublayer to be the basis read by the next, so in every supported family (pre-LN, post-LN, RMSNorm) only one global
@@ -32,7 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from symfuse.arch.spec import ArchSpec
+from symfuse.arch.spec import ArchSpec, HeadSpec
 from symfuse.errors import UnsupportedArchitecture
 from symfuse.symmetry.transforms import Transform, Weights, register_transform
 
@@ -85,14 +90,18 @@ class ResidualPermutation(Transform):
         return None
 
 
-def residual_plan(spec: ArchSpec, names: list[str] | set[str], config: Any, prefix: str) -> dict[str, str]:
-    """How each non-module tensor of a checkpoint is touched by a residual permutation.
+def residual_plan(
+    spec: ArchSpec, names: list[str] | set[str], config: Any, prefix: str, stream: str = ""
+) -> dict[str, str]:
+    """How each non-module tensor of a checkpoint is touched by a permutation of one residual stream.
 
     Args:
         spec: The family spec.
         names: All tensor names of the checkpoint / state dict.
         config: HF config.
         prefix: Base-model prefix (:meth:`ArchSpec.detect_prefix`).
+        stream: The stream (``StackSpec.stream``; ``""``: the family's only stream). The family's top-level
+            embeddings, norms and heads belong to stream ``""``; a stack's own to its stream.
 
     Returns:
         ``{tensor name: action}``; actions: ``last`` (permute the last axis), ``first`` (the first axis),
@@ -109,24 +118,31 @@ def residual_plan(spec: ArchSpec, names: list[str] | set[str], config: Any, pref
         if bias_action and path + ".bias" in names:
             plan[path + ".bias"] = bias_action
 
+    stacks = [st for st in spec.all_stacks() if st.stream == stream]
+    top = stream == ""
     # ELECTRA with embedding_size != d_model: the embeddings (and their norm) live before a projection that
     # writes the stream; only the projection's output rows and bias are in the stream
-    projected = bool(spec.embedding_projection) and prefix + f"{spec.embedding_projection}.weight" in names
+    projected = top and bool(spec.embedding_projection) and prefix + f"{spec.embedding_projection}.weight" in names
     if projected:
         add(prefix + spec.embedding_projection, "first", "first")
-    stream_embeddings = () if projected else spec.embeddings
-    for emb in (*stream_embeddings, *([spec.relative_embeddings] if spec.relative_embeddings else [])):
+    embeddings = [*(spec.embeddings if top and not projected else ()), *(e for st in stacks for e in st.embeddings)]
+    for emb in (*embeddings, *([spec.relative_embeddings] if top and spec.relative_embeddings else [])):
         path = prefix + emb
         if path in names:  # bare parameter (ViT cls_token / position_embeddings): (..., d)
             plan[path] = "last"
         elif path + ".weight" in names:
             add(path, "emb", "first")
-    norms = [None if projected else spec.embedding_norm, spec.final_norm, spec.relative_norm]
-    norms += [p for i in range(spec.geometry(config).n_layers) for p in spec.stream_norm_paths(i, "")]
+    norms = [None if projected else spec.embedding_norm, spec.final_norm, spec.relative_norm] if top else []
+    norms += [n for st in stacks for n in (st.embedding_norm, st.final_norm)]
+    geo = spec.geometry(config)
+    norms += [
+        p for st in stacks for i in range(geo.of(st.name).n_layers) for p in spec.stream_norm_paths(i, "", st.name)
+    ]
     for n in norms:
         if n:
             add(prefix + n, "first", "first")
-    for h in spec.head_paths(prefix):
+    heads = [*(spec.heads if top else ()), *(h for st in stacks for h in st.heads)]
+    for h in (HeadSpec(h.path.replace("{base}", prefix), h.kind) for h in heads):
         if h.kind == "in":
             add(h.path, "cols", None)
         elif h.kind == "in_out":
@@ -149,45 +165,56 @@ def _permute(t: torch.Tensor, action: str, perm: torch.Tensor) -> torch.Tensor:
 
 
 def permute_residual(
-    state: Mapping[str, torch.Tensor], spec: ArchSpec, config: Any, perm: torch.Tensor, prefix: str | None = None
+    state: Mapping[str, torch.Tensor],
+    spec: ArchSpec,
+    config: Any,
+    perm: torch.Tensor | Mapping[str, torch.Tensor],
+    prefix: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Apply one residual-stream permutation to a whole model's tensors.
+    """Apply a residual-stream permutation to a whole model's tensors.
 
     Args:
         state: ``{stored name: tensor}`` of the whole model (a ``state_dict`` or all tensors of a checkpoint).
             Tied tensors may appear under several names; each gets the same permutation.
         spec: The family spec.
         config: HF config.
-        perm: (d_model,) new coordinate ``j`` = old ``perm[j]``.
+        perm: (d_model,) new coordinate ``j`` = old ``perm[j]``; for a family with several residual streams
+            (:meth:`ArchSpec.streams`, CLIP's two towers) ``{stream: perm}``, one for every stream.
         prefix: Base-model prefix; detected from the names when None.
 
     Returns:
         A NEW dict with every tensor (untouched ones by reference).
 
     Raises:
+        ValueError: a permutation of the wrong size, or not one per stream.
         UnsupportedArchitecture: if some floating tensor outside the spec has a d_model-sized axis (a head the
             family YAML does not list): add it to the family's ``heads``.
     """
-    geo = spec.geometry(config)
-    perm = torch.as_tensor(perm, dtype=torch.long)
-    if sorted(perm.tolist()) != list(range(geo.d_model)):
-        raise ValueError(f"residual permutation must be a permutation of range({geo.d_model})")
+    widths = spec.streams(config)
+    perms = dict(perm) if isinstance(perm, Mapping) else {"": perm} if list(widths) == [""] else {}
+    if set(perms) != set(widths):
+        raise ValueError(f"{spec.family}: give one residual permutation per stream {sorted(widths)}")
+    perms = {k: torch.as_tensor(p, dtype=torch.long) for k, p in perms.items()}
+    for stream, p in perms.items():
+        if sorted(p.tolist()) != list(range(widths[stream])):
+            raise ValueError(f"residual permutation must be a permutation of range({widths[stream]})")
     prefix = spec.detect_prefix(state) if prefix is None else prefix
     out = dict(state)
-    t = ResidualPermutation(perm)
     touched: set[str] = set()
     for ref in spec.modules(config):
+        t = ResidualPermutation(perms[spec.stack(ref.stack).stream])
         w = spec.read_module(state.__getitem__, state.__contains__, ref, config, prefix)
         new = spec.write_module(t.apply(w), ref, config, prefix)
         out.update(new)
         touched |= set(new)
-    for name, action in residual_plan(spec, list(state), config, prefix).items():
-        out[name] = _permute(state[name], action, perm)
-        touched.add(name)
+    for stream, p in perms.items():
+        for name, action in residual_plan(spec, list(state), config, prefix, stream).items():
+            out[name] = _permute(state[name], action, p)
+            touched.add(name)
     stray = [
         n
         for n, v in state.items()
-        if n not in touched and v.is_floating_point() and geo.d_model in tuple(v.shape) and _is_weightish(n)
+        if n not in touched and v.is_floating_point() and set(widths.values()) & set(v.shape) and _is_weightish(n)
     ]
     if stray:
         raise UnsupportedArchitecture(

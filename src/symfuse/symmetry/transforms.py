@@ -180,6 +180,8 @@ class HeadPermutation(Transform):
                     out[r] = _group_rows(w, idx.numel())[idx].reshape(w.shape)
         o = weights["o"]
         out["o"] = o.reshape(o.shape[0], n_heads, dh)[:, hidx].reshape(o.shape)
+        if "head_table" in weights:  # T5 relative bias (buckets, n_heads): one column per query head
+            out["head_table"] = weights["head_table"][:, hidx]
         return out
 
     @override
@@ -388,7 +390,7 @@ class ModuleTransform:
     @property
     def kind(self) -> str:
         """``attn`` or ``ffn`` (from the key)."""
-        return self.key.partition(".")[2]
+        return self.key.rpartition(".")[2]
 
     def apply(self, weights: Mapping[str, torch.Tensor]) -> Weights:
         """New canonical weights of the transformed module."""

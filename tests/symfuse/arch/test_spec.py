@@ -16,10 +16,10 @@ def test_every_module_tensor_resolves_and_round_trips(family, head):
     sd = model.state_dict()
     spec = get_spec(model.config)
     prefix = spec.detect_prefix(sd)
-    assert prefix == ("" if head == "base" else spec.base_prefix + ".")
-    geo = spec.geometry(model.config)
+    assert prefix == ("" if head == "base" or family == "clip" else spec.base_prefix + ".")
     claimed = set()
     for ref in spec.modules(model.config):
+        geo = spec.geometry(model.config).of(ref.stack)
         w = spec.read_module(sd.__getitem__, sd.__contains__, ref, model.config, prefix)
         roles = ATTN_ROLES if ref.kind == "attn" else FFN_ROLES
         assert set(w) <= {r for r in roles} | {r + "_bias" for r in roles}
@@ -34,10 +34,12 @@ def test_every_module_tensor_resolves_and_round_trips(family, head):
         for name, t in back.items():
             torch.testing.assert_close(t, sd[name], rtol=0, atol=0)
         claimed |= set(back)
-    # every weight of every layer belongs to exactly one module, a norm, or nothing else
-    for i in range(geo.n_layers):
-        layer = prefix + spec.layer.format(i=i) + "."
-        norms = tuple(spec.stream_norm_paths(i, prefix))
+    # every weight of every layer (of every stack) belongs to exactly one module, a norm, or nothing else
+    geo = spec.geometry(model.config)
+    layers = [(st, i) for st in spec.all_stacks() for i in range(geo.of(st.name).n_layers)]
+    norms = tuple(p for st, i in layers for p in spec.stream_norm_paths(i, prefix, st.name))
+    for st, i in layers:
+        layer = prefix + st.layer.format(i=i) + "."
         rest = [k for k in sd if k.startswith(layer) and k not in claimed and not k.startswith(norms)]
         assert rest == [], f"{family}: layer tensors no role claims: {rest}"
 
@@ -113,9 +115,10 @@ def test_partial_rotary_is_refused_with_the_fix():
 
 def test_unsupported_family_lists_supported():
     with pytest.raises(
-        UnsupportedArchitecture, match=r"supported: .*albert.*bert.*electra.*gemma.*gemma2.*llama.*phi3.*qwen3"
+        UnsupportedArchitecture,
+        match=r"supported: .*albert.*bert.*clip.*electra.*gemma.*gemma2.*llama.*phi3.*qwen3.*t5",
     ):
-        get_spec("t5")
+        get_spec("bart")
     assert "gpt2" in supported_model_types()
 
 
@@ -124,3 +127,63 @@ def test_module_ref_key_round_trip():
     assert ref.key == "L07.ffn" and ModuleRef.parse(ref.key) == ref
     with pytest.raises(ValueError, match="not a module key"):
         ModuleRef.parse("7.ffn")
+
+
+def test_stack_module_keys_round_trip_and_sort_by_stack():
+    ref = ModuleRef(3, "attn", stack="cross")
+    assert ref.key == "cross.L03.attn" and ModuleRef.parse(ref.key) == ref
+    assert ModuleRef.parse("L03.attn") == ModuleRef(3, "attn") and ModuleRef.parse("L03.attn").stack == ""
+    assert sorted([ModuleRef(0, "ffn", stack="enc"), ModuleRef(5, "attn", stack="dec")])[0].stack == "dec"
+    for bad in ("x.y.L03.attn", "1enc.L03.attn", "enc.03.attn"):
+        with pytest.raises(ValueError, match="not a module key"):
+            ModuleRef.parse(bad)
+
+
+def test_t5_stacks_geometry_and_head_table():
+    """T5: three stacks on one stream; d_ff and d_kv (heads * d_kv != d_model) come from the config; layer 0's
+    relative-bias table is an attention role of every stack that has one."""
+    model = tiny_model("t5", head="lm")
+    spec, cfg = get_spec(model.config), model.config
+    geo = spec.geometry(cfg)
+    assert [st.name for st in spec.all_stacks()] == ["enc", "dec", "cross"] and spec.streams(cfg) == {"": 32}
+    assert (geo.of("enc").n_layers, geo.of("dec").n_layers, geo.of("cross").n_layers) == (2, 3, 3)
+    assert (geo.d_ffn, geo.head_dim, geo.n_heads) == (48, 6, 4)
+    assert geo.of("dec").shared_head_bias and not geo.of("cross").shared_head_bias
+    sd = model.state_dict()
+    w = spec.read_module(sd.__getitem__, sd.__contains__, ModuleRef(0, "attn", stack="dec"), cfg)
+    assert torch.equal(w["head_table"], sd["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"])
+    assert "head_table" not in spec.read_module(sd.__getitem__, sd.__contains__, ModuleRef(1, "attn", stack="dec"), cfg)
+    cross = spec.read_module(sd.__getitem__, sd.__contains__, ModuleRef(2, "attn", stack="cross"), cfg)
+    assert torch.equal(cross["k"], sd["decoder.block.2.layer.1.EncDecAttention.k.weight"])
+    assert spec.norm_paths(1, "", "cross") == {"attn": "decoder.block.1.layer.1.layer_norm"}
+    assert set(spec.random_inputs(cfg)) == {"input_ids", "attention_mask", "decoder_input_ids"}
+
+
+def test_clip_towers_have_their_own_shapes_and_streams():
+    model = tiny_model("clip")
+    spec, cfg = get_spec(model.config), model.config
+    geo = spec.geometry(cfg)
+    assert spec.streams(cfg) == {"text": 32, "vision": 24}
+    assert (geo.of("vision").d_model, geo.of("vision").d_ffn, geo.of("text").d_ffn) == (24, 40, 48)
+    inputs = spec.random_inputs(cfg, batch=3)
+    assert inputs["pixel_values"].shape == (3, 3, 8, 8) and int(inputs["input_ids"].max()) < 64
+    with torch.no_grad():
+        out = model(**inputs)
+    assert spec.main_output(out) is out.logits_per_image
+
+
+def test_t5_gated_config_selects_the_gated_variant():
+    """T5 v1.1 / mT5 (is_gated_act): wo(act(wi_0 x) * wi_1 x) — gate and up are wi_0 and wi_1, the plain variant
+    reads wi; the variant is chosen from the config, a bare model type gets the plain family."""
+    gated, plain = tiny_model("t5-gated"), tiny_model("t5")
+    spec = get_spec(gated.config)
+    assert spec.geometry(gated.config).gated and not get_spec(plain.config).geometry(plain.config).gated
+    assert get_spec("t5") is get_spec(plain.config) is not spec
+    sd = gated.state_dict()
+    w = spec.read_module(sd.__getitem__, sd.__contains__, ModuleRef(1, "ffn", stack="dec"), gated.config)
+    assert torch.equal(w["gate"], sd["decoder.block.1.layer.2.DenseReluDense.wi_0.weight"])
+    assert torch.equal(w["up"], sd["decoder.block.1.layer.2.DenseReluDense.wi_1.weight"])
+    ffn = gated.decoder.block[1].layer[2].DenseReluDense
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close((ffn.act(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T, ffn(x))

@@ -30,6 +30,9 @@ CASES = [
     ("phi3", "lm"),
     ("vit", "seq"),
     ("albert", "seq"),
+    ("t5", "lm"),
+    ("t5-gated", "lm"),
+    ("clip", "base"),
 ]
 
 
@@ -43,7 +46,7 @@ def _batches(model, n=3):
 
 def _logits(model, inputs):
     with torch.no_grad():
-        return model(**inputs).logits
+        return get_spec(model.config).main_output(model(**inputs))  # CLIP: logits_per_image
 
 
 def _disguise(model, seed):
@@ -51,7 +54,8 @@ def _disguise(model, seed):
     spec, cfg = get_spec(model.config), model.config
     geo = spec.geometry(cfg)
     g = torch.Generator().manual_seed(seed)
-    state = permute_residual(model.state_dict(), spec, cfg, torch.randperm(geo.d_model, generator=g))
+    perms = {s: torch.randperm(d, generator=g) for s, d in spec.streams(cfg).items()}  # CLIP: one per tower
+    state = permute_residual(model.state_dict(), spec, cfg, perms)
     prefix = spec.detect_prefix(state)
     for ref in spec.modules(cfg):
         t = random_module_transform(ref, geo, g, kinds=("head-permutation", "ffn-permutation", "rotation"))
@@ -99,8 +103,8 @@ def test_matching_two_different_models_preserves_function(family, head):
     for seed in (5, 6):
         inputs = random_inputs(source, batch=3, seq=9, seed=seed)
         torch.testing.assert_close(_logits(matched, inputs), _logits(source, inputs), rtol=0, atol=1e-4)
-    perm = result.residual.perm
-    assert not torch.equal(perm, torch.arange(len(perm)))
+    for perm in (r.perm for r in result.residuals.values()):
+        assert not torch.equal(perm, torch.arange(len(perm)))
     assert sum(r["after"] for r in result.per_module) < sum(r["before"] for r in result.per_module)
 
 
@@ -150,3 +154,49 @@ def test_vit_checkpoints_match_from_random_pixels_without_a_tokenizer(tmp_path):
     assert report["max_abs_logit_diff"] <= 1e-4
     assert report["distance_after"] <= 1e-4 * report["distance_before"]
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_clip_disguised_with_one_residual_permutation_per_tower_is_recovered_from_random_inputs(tmp_path):
+    """CLIP: `disguise --kinds residual-permutation` draws one permutation per tower (saved as perm.text and
+    perm.vision); activation matching from seeded random pixels AND tokens (the family reads both) undoes both."""
+    from safetensors.torch import load_file
+
+    from symfuse.match import disguise_checkpoint
+    from symfuse.match.checkpoints import RESIDUAL_FILE
+
+    model = _model("clip", "base", 3)
+    model.save_pretrained(tmp_path / "anchor")
+    kinds = ("residual-permutation", "head-permutation", "ffn-permutation", "rotation")
+    disguise_checkpoint(tmp_path / "anchor", tmp_path / "source", seed=4, kinds=kinds)
+    perms = load_file(tmp_path / "source" / RESIDUAL_FILE)
+    assert {k: v.numel() for k, v in perms.items()} == {"perm.text": 32, "perm.vision": 24}
+    report = match_activation_checkpoints(
+        tmp_path / "source", tmp_path / "anchor", tmp_path / "out", RANDOM_PIXELS, max_examples=48
+    )
+    assert report["max_abs_logit_diff"] <= 1e-4
+    assert report["distance_before"] > 1 and report["distance_after"] <= 1e-5 * report["distance_before"], report
+    saved = load_file(tmp_path / "out" / "transforms.safetensors")
+    assert {k.partition("/")[0] for k in saved} >= {"residual.text", "residual.vision", "vision.L01.ffn"}
+
+
+def test_t5_residual_permutation_recovered_from_a_text_dataset(tmp_path):
+    """Encoder-decoder from texts: the decoder reads the same tokens (decoder_input_ids), and the one residual
+    permutation of encoder, decoder and cross-attention is recovered exactly."""
+    import json
+
+    from symfuse.match import disguise_checkpoint
+    from tests.cli.helpers import toy_dataset
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "i", "feel", "so", "happy", "angry", "today"]
+    vocab += [f"w{i}" for i in range(256 - len(vocab))]
+    src = tmp_path / "src"
+    tiny_model("t5", seed=1, head="lm", vocab_size=len(vocab)).save_pretrained(src)
+    (src / "vocab.txt").write_text("\n".join(vocab) + "\n")  # a word-level tokenizer for the toy dataset
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+    disguise_checkpoint(src, tmp_path / "d", seed=3, kinds=("residual-permutation",))
+    data = toy_dataset(tmp_path / "toy")
+    report = match_activation_checkpoints(
+        tmp_path / "d", src, tmp_path / "out", str(data), symmetries=("residual-permutation",)
+    )
+    assert report["distance_before"] > 1 and report["distance_after"] <= 1e-6 * report["distance_before"], report
+    assert report["max_abs_logit_diff"] <= 1e-4

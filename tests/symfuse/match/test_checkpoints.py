@@ -29,6 +29,19 @@ def _head(family):
     return "lm" if family in DECODERS else "seq"
 
 
+def _module_keys(family):
+    def stack(name, n, kinds=("attn", "ffn")):
+        return {f"{name}L{i:02d}.{k}" for i in range(n) for k in kinds}
+
+    if family == "albert":  # one stored layer shared by all applications
+        return stack("", 1)
+    if family.startswith("t5"):  # 2 encoder layers; 3 decoder layers, each with a cross-attention
+        return stack("enc.", 2) | stack("dec.", 3) | stack("cross.", 3, ("attn",))
+    if family == "clip":
+        return stack("text.", 2) | stack("vision.", 2)
+    return stack("", 2)
+
+
 def _load(folder):
     cfg = T.AutoConfig.from_pretrained(folder)
     return getattr(T, cfg.architectures[0]).from_pretrained(folder, dtype=torch.float32).eval()
@@ -47,10 +60,7 @@ def test_matched_model_computes_what_source_computes(family, tmp_path):
     out = tmp_path / "out"
     assert report["max_abs_logit_diff"] <= 1e-4
     assert report["distance_after"] < report["distance_before"]
-    n_stored = 1 if family == "albert" else 2  # ALBERT: one stored layer shared by all applications
-    assert {r["module"] for r in report["per_module"]} == {
-        f"L{i:02d}.{k}" for i in range(n_stored) for k in ("attn", "ffn")
-    }
+    assert {r["module"] for r in report["per_module"]} == _module_keys(family)
     assert all(r["distance_after"] <= r["distance_before"] + 1e-6 for r in report["per_module"])
     assert json.loads((out / REPORT_FILE).read_text())["distance_after"] == report["distance_after"]
     assert set(load_transforms(out / TRANSFORMS_FILE)) == {r["module"] for r in report["per_module"]}
@@ -59,13 +69,15 @@ def test_matched_model_computes_what_source_computes(family, tmp_path):
     # independent check of function preservation, on other inputs than the report's
     ma, mb = _load(src), _load(out)
     inputs = random_inputs(ma, batch=3, seq=9, seed=4)
+    key = "logits_per_image" if family == "clip" else "logits"
     with torch.no_grad():
-        ya, yb = ma(**inputs).logits, mb(**inputs).logits
+        ya, yb = getattr(ma(**inputs), key), getattr(mb(**inputs), key)
     assert (ya - yb).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize(
-    "family", ["bert", "llama", "deberta-v2", "electra", "qwen3", "gemma", "gemma2", "phi3", "albert"]
+    "family",
+    ["bert", "llama", "deberta-v2", "electra", "qwen3", "gemma", "gemma2", "phi3", "albert", "t5", "t5-gated", "clip"],
 )
 def test_disguised_checkpoint_is_recovered(family, tmp_path):
     src = save_tiny(tmp_path / "src", family, seed=3, head=_head(family))
@@ -74,6 +86,24 @@ def test_disguised_checkpoint_is_recovered(family, tmp_path):
     assert report["distance_before"] > 1.0
     assert report["distance_after"] <= 1e-5 * _norm(src)
     assert report["max_abs_logit_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["t5", "t5-gated", "clip"])
+def test_multi_stack_disguise_keeps_the_function_and_is_recovered_to_1e_6(family, tmp_path):
+    """T5 (encoder, decoder, cross-attention stacks) and CLIP (two towers): every module of every stack disguised
+    with random exact transforms keeps the outputs to 1e-4 and matching undoes it to 1e-6 of the weights' norm."""
+    src = save_tiny(tmp_path / "src", family, seed=3, head=_head(family))
+    disguise_checkpoint(src, tmp_path / "d", seed=11)
+    ma, md = _load(src), _load(tmp_path / "d")
+    inputs = random_inputs(ma, batch=3, seq=9, seed=2)
+    key = "logits_per_image" if family == "clip" else "logits"
+    with torch.no_grad():
+        assert (getattr(ma(**inputs), key) - getattr(md(**inputs), key)).abs().max() <= 1e-4
+    report = match_checkpoints(tmp_path / "d", src, tmp_path / "m", symmetries=SYMMETRIES)
+    assert report["distance_before"] > 0.5 * _norm(src)
+    assert report["distance_after"] <= 1e-6 * _norm(src), report["distance_after"] / _norm(src)
+    assert report["max_abs_logit_diff"] <= 1e-4
+    assert {r["module"] for r in report["per_module"]} == _module_keys(family)
 
 
 def test_qwen3_match_logs_that_qk_maps_are_skipped(tmp_path, caplog):

@@ -24,7 +24,7 @@ def _attention_modules(family):
     geo = spec.geometry(model.config)
     for ref in spec.modules(model.config):
         if ref.kind == "attn":
-            yield ref, geo, spec.read_module(sd.__getitem__, sd.__contains__, ref, model.config, prefix)
+            yield ref, geo.of(ref.stack), spec.read_module(sd.__getitem__, sd.__contains__, ref, model.config, prefix)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -127,3 +127,46 @@ def test_variants_without_projection_or_with_several_shared_groups(family, overr
     torch.testing.assert_close(
         _outputs(_with_state(model, new_state), inputs)[0], _outputs(model, inputs)[0], rtol=0, atol=1e-5
     )
+
+
+@pytest.mark.parametrize(("family", "head"), [("t5", "lm"), ("t5-gated", "base"), ("clip", "base")])
+def test_residual_permutation_of_multi_stack_families(family, head):
+    """T5: ONE stream through encoder, decoder and cross-attention (the shared embedding ties them); CLIP: one
+    permutation per tower, the joint projection space untouched. Every hidden state of every stack comes out
+    permuted by its stream's permutation; logits (T5 LM, CLIP logits_per_image and joint embeddings) unchanged."""
+    model = tiny_model(family, seed=1, head=head)
+    spec = get_spec(model.config)
+    g = torch.Generator().manual_seed(3)
+    perms = {s: torch.randperm(d, generator=g) for s, d in spec.streams(model.config).items()}
+    assert {s: len(p) for s, p in perms.items()} == ({"text": 32, "vision": 24} if family == "clip" else {"": 32})
+    if family == "clip":
+        with pytest.raises(ValueError, match=r"clip: give one residual permutation per stream \['text', 'vision'\]"):
+            permute_residual(model.state_dict(), spec, model.config, perms["text"])
+    new_state = permute_residual(model.state_dict(), spec, model.config, perms if family == "clip" else perms[""])
+    permuted = _with_state(model, new_state)
+    inputs = random_inputs(model)
+    with torch.no_grad():
+        ref, got = model(**inputs, output_hidden_states=True), permuted(**inputs, output_hidden_states=True)
+    if family.startswith("t5"):
+        pairs = [("encoder_hidden_states", ""), ("decoder_hidden_states", "")]
+        seqs = [(getattr(ref, k), getattr(got, k), perms[s]) for k, s in pairs]
+    else:
+        seqs = [
+            (getattr(ref, k).hidden_states, getattr(got, k).hidden_states, perms[s])
+            for k, s in (("text_model_output", "text"), ("vision_model_output", "vision"))
+        ]
+    for a_seq, b_seq, p in seqs:
+        assert len(a_seq) >= 3
+        for a, b in zip(a_seq, b_seq, strict=True):
+            torch.testing.assert_close(b, a[..., p], rtol=0, atol=1e-5)
+    if head == "base" and family.startswith("t5"):
+        torch.testing.assert_close(got.last_hidden_state, ref.last_hidden_state[..., perms[""]], rtol=0, atol=1e-5)
+    else:
+        keys = ("logits",) if family.startswith("t5") else ("logits_per_image", "text_embeds", "image_embeds")
+        for k in keys:
+            torch.testing.assert_close(getattr(got, k), getattr(ref, k), rtol=0, atol=1e-5)
+    back = permute_residual(
+        new_state, spec, model.config, {s: ResidualPermutation(p).inverse().perm for s, p in perms.items()}
+    )
+    for n, t in model.state_dict().items():
+        assert torch.equal(back[n], t), n

@@ -43,7 +43,7 @@ def _transform_model(model, transforms):
 def _outputs(model, inputs):
     with torch.no_grad():
         out = model(**inputs)
-    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    return get_spec(model.config).main_output(out)  # logits (CLIP: logits_per_image), else last hidden state
 
 
 def _random_transforms(model, seed=0, kinds=("rotation", "scaling", "ffn-permutation", "head-permutation")):
@@ -211,3 +211,28 @@ def test_albert_two_shared_groups_one_transform_per_stored_layer_preserves_funct
     assert sorted(ts) == ["L00.attn", "L00.ffn", "L01.attn", "L01.ffn"]  # 2 stored layers, 4 applications
     diff = (_outputs(model, inputs) - _outputs(_transform_model(model, ts), inputs)).abs().max()
     assert diff <= 1e-5
+
+
+def test_t5_shared_bias_table_forbids_self_attention_head_permutations_only():
+    """T5 adds layer 0's per-head bias table to the scores of EVERY layer of a stack: permuting the heads of one
+    self-attention layer (its table columns with them) changes the function; cross-attention has no bias and a
+    head permutation there is exact. The disguise never draws the inexact ones."""
+    model = tiny_model("t5", head="lm")
+    inputs = random_inputs(model, seq=9)
+    _, spec, geo, _ = _modules(model)
+    perm = HeadPermutation(torch.tensor([2, 0, 3, 1]))
+    base = {ref.key: ModuleTransform(ref.key, ()) for ref in spec.modules(model.config)}
+    errs = {}
+    for key in ("enc.L00.attn", "enc.L01.attn", "dec.L01.attn", "cross.L01.attn"):
+        ts = {**base, key: ModuleTransform(key, (perm,))}
+        errs[key] = float((_outputs(model, inputs) - _outputs(_transform_model(model, ts), inputs)).abs().max())
+    assert min(errs[k] for k in ("enc.L00.attn", "enc.L01.attn", "dec.L01.attn")) > 1e-3, errs
+    assert errs["cross.L01.attn"] <= 1e-5, errs
+    g = torch.Generator().manual_seed(0)
+    drawn = {
+        ref.key: {type(p) for p in random_module_transform(ref, geo, g).parts} for ref in spec.modules(model.config)
+    }
+    assert HeadPermutation not in drawn["enc.L00.attn"] | drawn["dec.L02.attn"]
+    assert {HeadPermutation, QKRotation, VORotation, QKScaling, VOScaling} == drawn["cross.L00.attn"]
+    assert {QKRotation, VORotation, QKScaling, VOScaling} == drawn["enc.L01.attn"]
+    assert geo.of("cross").n_layers == geo.of("dec").n_layers == 3 and geo.of("enc").n_layers == 2
