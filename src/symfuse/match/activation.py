@@ -42,8 +42,9 @@ from symfuse.symmetry.transforms import FFNPermutation, HeadPermutation, ModuleT
 
 log = logging.getLogger(__name__)
 
-# the kinds `match --data` takes that were registered at import (the registry is read again at every call)
-ACTIVATION_SYMMETRIES = kind_names("activations")
+# the EXACT kinds `match --data` takes that were registered at import, all compatible (the registry is read again at
+# every call; the inexact ones, e.g. OT's soft alignment, are in kind_names("activations") too)
+ACTIVATION_SYMMETRIES = tuple(n for n in kind_names("activations") if SYMMETRY_KINDS[n].exact)
 ResidualStrategy = Literal["first", "last", "all"]
 RANDOM_PIXELS = "random-pixels"  # --data for pixel families: statistics from seeded random pixel inputs
 

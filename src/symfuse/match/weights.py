@@ -304,7 +304,7 @@ def match_module_weights(
     """
     ref = ModuleRef.parse(ref) if isinstance(ref, str) else ref
     check_symmetries(symmetries)
-    geo = geo.of(ref.stack)
+    geo = geo.of(ref.stack) if geo is not None else None  # FFN finders need no geometry
     finders: list = []
     for kind in kinds_for(symmetries, ref.kind, "weights"):
         if kind.fn("weights") not in finders:
