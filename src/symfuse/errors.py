@@ -43,3 +43,7 @@ class OutputExistsError(SymfuseError, FileExistsError):
 
 class OutputLockedError(SymfuseError, BlockingIOError):
     """Another process is writing the same output folder (its lock file names the holder's pid)."""
+
+
+class VerificationError(SymfuseError, ValueError):
+    """A result failed its own check (e.g. a matched module no longer computes the source's function)."""

@@ -14,6 +14,7 @@ from symfuse.errors import UsageError
 from symfuse.outputs import claim_output
 
 # symfuse.match.checkpoints.DISGUISE_KINDS (spelled out: checked before torch is imported)
+VERIFY_MODES = ("stream", "full", "none")  # symfuse.match.verify.VERIFY_MODES (checked before torch is imported)
 DISGUISE_KINDS = ("rotation", "scaling", "ffn-permutation", "head-permutation", "residual-permutation")
 
 
@@ -40,6 +41,15 @@ def match(
     ] = None,
     max_examples: Annotated[int, typer.Option("--max-examples", help="Examples for the statistics.")] = 512,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
+    verify: Annotated[
+        str,
+        typer.Option(
+            "--verify",
+            help="Output check before publishing: stream (default: both models' outputs on a few short inputs, "
+            "one layer in memory at a time), full (both models loaded whole) or none. Every module's transform is "
+            "checked while it is applied in all three (with --data the models already in memory are compared).",
+        ),
+    ] = "stream",
 ) -> None:
     """Align SOURCE to ANCHOR by exact symmetries; write OUT (checkpoint, transforms, report) and print the report.
 
@@ -53,6 +63,8 @@ def match(
     from symfuse.match.activation import ACTIVATION_SYMMETRIES
 
     names = checks.names_list("--symmetries", symmetries, ACTIVATION_SYMMETRIES, "symmetries")
+    if verify not in VERIFY_MODES:
+        raise UsageError(f"--verify: {verify!r} is not a mode — give one of {', '.join(VERIFY_MODES)}")
     if data is None and "residual-permutation" in names:
         raise UsageError("--symmetries: residual-permutation is found from activations — give --data DATASET")
     checks.checkpoint(source)
@@ -67,7 +79,9 @@ def match(
         else:
             from symfuse.match import match_checkpoints
 
-            report = match_checkpoints(source, anchor, out, symmetries=names, workers=workers, overwrite=overwrite)
+            report = match_checkpoints(
+                source, anchor, out, symmetries=names, workers=workers, overwrite=overwrite, verify=verify
+            )
     summary = {k: v for k, v in report.items() if k != "per_module"}
     typer.echo(json.dumps(summary, indent=2))
     typer.echo(f"per-module report and transforms in {out}")
