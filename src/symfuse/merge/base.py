@@ -34,6 +34,8 @@ class LazyTensors(Sequence[torch.Tensor]):
             modify: new memory when ``pool`` is None, else ``pool``'s buffer ``slot``.
         pool: Buffers to read into, or None (every access returns new memory).
         slot: Slot name in ``pool``.
+        checks: Optional per-model validation ``check(tensor)`` (raises), run by every access; a caller that
+            validates on its own pass reads with :meth:`load_unchecked` and calls :meth:`check` only on doubt.
     """
 
     def __init__(
@@ -41,16 +43,29 @@ class LazyTensors(Sequence[torch.Tensor]):
         loaders: Sequence[Callable[[BufferPool | None, str], torch.Tensor]],
         pool: BufferPool | None = None,
         slot: str = "lazy",
+        checks: Sequence[Callable[[torch.Tensor], object]] | None = None,
     ):
         self._loaders = list(loaders)
         self.pool, self.slot = pool, slot
+        self._checks = list(checks) if checks is not None else None
 
     def __len__(self) -> int:
         return len(self._loaders)
 
     def load(self, i: int, pool: BufferPool | None, slot: str) -> torch.Tensor:
-        """Model ``i``'s tensor, read into ``pool``'s ``slot`` (new memory when ``pool`` is None)."""
+        """Model ``i``'s tensor, read into ``pool``'s ``slot`` (new memory when ``pool`` is None), validated."""
+        t = self._loaders[i](pool, slot)
+        self.check(i, t)
+        return t
+
+    def load_unchecked(self, i: int, pool: BufferPool | None, slot: str) -> torch.Tensor:
+        """Like :meth:`load` without the validation (the caller must :meth:`check` what it doubts)."""
         return self._loaders[i](pool, slot)
+
+    def check(self, i: int, t: torch.Tensor) -> None:
+        """Run model ``i``'s validation on ``t`` (raises)."""
+        if self._checks is not None:
+            self._checks[i](t)
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
@@ -138,6 +153,12 @@ class Merger:
         self.params = self.Params(**params)
         self.counters: dict[str, int] = {}
         self.pool: BufferPool | None = None  # scratch buffers a merger may reuse (set by merge_checkpoints)
+        # lookahead(name) -> (key, Grams, weights) of the next Gram input after tensor ``name`` (set by
+        # merge_checkpoints; a merger may start work on it early), or None
+        self.lookahead: Callable[[str], tuple[str, Sequence[torch.Tensor], Sequence[float]] | None] | None = None
+
+    def close(self) -> None:
+        """Release background work and buffers (called once the merge is done or failed)."""
 
     def count(self, what: str) -> None:
         """Count an event for the merge report (e.g. ``lstsq_fallback``)."""

@@ -286,6 +286,14 @@ class RegMeanMerger(Merger):
         super().__init__(**params)
         self._system: GramSystem | None = None
         self._system_key: str | None = None
+        self._prefetch = None  # a SystemPrefetcher once merge_checkpoints gave a lookahead
+
+    def close(self) -> None:
+        """Stop the background Gram builder."""
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
+        self._system = None
 
     def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
         """RegMean solve for a linear weight with Grams, weighted mean otherwise.
@@ -301,7 +309,19 @@ class RegMeanMerger(Merger):
             self.count("factor_reused")
         else:
             self._system = None  # release the previous system's memory before building the next
-            system = gram_system(t.gram, t.weights, p.alpha, getattr(torch, p.dtype), self.pool)  # type: ignore[attr-defined]
+            dtype = getattr(torch, p.dtype)  # type: ignore[attr-defined]
+            if self.lookahead is not None and t.gram_key is not None:
+                # one pass per Gram, and the next input's system built in the background meanwhile
+                from symfuse.merge.gram_systems import SystemPrefetcher
+
+                if self._prefetch is None:
+                    self._prefetch = SystemPrefetcher(p.alpha, dtype)  # type: ignore[attr-defined]
+                system = self._prefetch.get(t.gram_key, t.gram, t.weights)
+                nxt = self.lookahead(t.name)
+                if nxt is not None:
+                    self._prefetch.ahead(*nxt)
+            else:
+                system = gram_system(t.gram, t.weights, p.alpha, dtype, self.pool)  # type: ignore[attr-defined]
             self._system, self._system_key = system, t.gram_key
             if system.factor is None:
                 self.count("lstsq_fallback")
