@@ -153,9 +153,9 @@ class Merger:
         self.params = self.Params(**params)
         self.counters: dict[str, int] = {}
         self.pool: BufferPool | None = None  # scratch buffers a merger may reuse (set by merge_checkpoints)
-        # lookahead(name) -> (key, Grams, weights) of the next Gram input after tensor ``name`` (set by
-        # merge_checkpoints; a merger may start work on it early), or None
-        self.lookahead: Callable[[str], tuple[str, Sequence[torch.Tensor], Sequence[float]] | None] | None = None
+        # lookahead(name, n) -> [(key, Grams, weights)] of the next n distinct Gram inputs after tensor ``name``
+        # (set by merge_checkpoints; a merger may start work on them early)
+        self.lookahead: Callable[[str, int], list[tuple[str, Sequence[torch.Tensor], Sequence[float]]]] | None = None
 
     def close(self) -> None:
         """Release background work and buffers (called once the merge is done or failed)."""

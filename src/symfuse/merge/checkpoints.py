@@ -268,16 +268,21 @@ def merge_checkpoints(
     ]  # fmt: skip
     position = {r0.names()[i]: j for j, (_, i) in enumerate(gram_order)}
 
-    def lookahead(name: str) -> tuple[str, LazyTensors, list[float]] | None:
-        """The next Gram input after tensor ``name`` whose key differs from ``name``'s (None: no more)."""
+    def lookahead(name: str, n: int) -> list[tuple[str, LazyTensors, list[float]]]:
+        """The next ``n`` distinct Gram inputs after tensor ``name`` (other than ``name``'s own)."""
         j = position.get(name)
         if j is None:
-            return None
-        key = same_input.get(gram_order[j][0], gram_order[j][0])
+            return []
+        seen = {same_input.get(gram_order[j][0], gram_order[j][0])}
+        out = []
         for module, _ in gram_order[j + 1 :]:
-            if same_input.get(module, module) != key:
-                return same_input.get(module, module), _gram_inputs(grams, module, pool), weights  # type: ignore[arg-type]
-        return None
+            key = same_input.get(module, module)
+            if key not in seen:
+                seen.add(key)
+                out.append((key, _gram_inputs(grams, module, pool), weights))  # type: ignore[arg-type]
+                if len(out) == n:
+                    break
+        return out
 
     merger.lookahead = lookahead
     names: dict[str, str] = {}

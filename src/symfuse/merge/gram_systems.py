@@ -7,9 +7,9 @@ subtracted from the reference straight into the solve dtype (``G_i - G_r`` from 
 file loses nothing to an early rounding). The off-diagonal scaling ``alpha`` is applied in the same chunk; the
 diagonals are restored from the stored ones; a NaN / inf anywhere shows in ``S`` and is then traced to its file.
 
-:class:`SystemPrefetcher` builds the NEXT input's system in one background thread (one torch thread; the
-reads are ``preadv`` and release the GIL) while the caller's products and solves for the current one run, each
-system in its own :class:`BufferPool` (two pools, alternating).
+:class:`SystemPrefetcher` builds the NEXT inputs' systems (two ahead by default) in one background thread (one
+torch thread; the reads are ``preadv`` and release the GIL) while the caller's products and solves for the
+current one run, each system in its own :class:`BufferPool`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -49,8 +50,11 @@ def build_system(
     alpha: float = 0.9,
     dtype: torch.dtype = torch.float64,
     pool: BufferPool | None = None,
+    raw_pool: BufferPool | None = None,
 ) -> GramSystem:
     """The factored system of K Grams (see :func:`symfuse.merge.regmean.gram_system`; same arguments, result).
+
+    ``raw_pool`` (default ``pool``) holds the Grams as read (two buffers), ``pool`` the system itself.
 
     Raises:
         ValueError: a bad alpha, non-square Grams or Grams of different sizes.
@@ -62,8 +66,9 @@ def build_system(
     if len(mw) != len(grams) or not mw or min(mw) < 0 or sum(mw) <= 0:
         raise ValueError(f"regmean: {len(grams)} Grams need as many non-negative weights with a positive sum, got {mw}")
     pool = pool if pool is not None else BufferPool()
+    raw_pool = raw_pool if raw_pool is not None else pool
     ref = max(range(len(mw)), key=mw.__getitem__)
-    g_ref = _load(grams, ref, pool, "gram.ref")
+    g_ref = _load(grams, ref, raw_pool, "gram.ref")
     n = g_ref.shape[0]
     if g_ref.dim() != 2 or g_ref.shape != (n, n):
         raise ValueError(f"regmean: Grams must be square and of one size, got {tuple(g_ref.shape)}")
@@ -76,7 +81,7 @@ def build_system(
     for i, c in enumerate(mw):
         if i == ref:
             continue
-        g = _load(grams, i, pool, "gram.raw")
+        g = _load(grams, i, raw_pool, "gram.raw")
         if g.shape != (n, n):
             raise ValueError(f"regmean: Grams must be square and of one size, got {tuple(g.shape)} and ({n}, {n})")
         if c == 0.0:  # adds nothing; still refused when corrupt
@@ -98,7 +103,7 @@ def build_system(
     summed.diagonal().copy_(diag_sum)
     if not bool(torch.isfinite(summed.sum())):  # NaN / inf in a Gram propagate into S: find the file
         for i in range(len(mw)):
-            _check(grams, i, _load(grams, i, pool, "gram.raw") if i != ref else g_ref)
+            _check(grams, i, _load(grams, i, raw_pool, "gram.raw") if i != ref else g_ref)
         raise NonFiniteError(
             f"regmean: the summed Gram ({n} x {n}) overflows {dtype} — merge with dtype float64 (--dtype float64)"
         )
@@ -118,49 +123,69 @@ def build_system(
 
 
 class SystemPrefetcher:
-    """Builds Gram systems one step ahead in a background thread (see the module docstring).
+    """Builds Gram systems ahead in ONE background thread (see the module docstring).
+
+    Every build runs in that thread (one torch thread; its raw read buffers are its own), in the order asked;
+    each system gets its own :class:`BufferPool`, recycled once the merger moved past it.
 
     Args:
         alpha: Off-diagonal scale.
         dtype: Solve dtype.
+        depth: Distinct inputs built ahead of the one in use.
     """
 
-    def __init__(self, alpha: float, dtype: torch.dtype):
-        self.alpha, self.dtype = alpha, dtype
-        self._pools = [BufferPool(), BufferPool()]
-        self._turn = 0
-        self._pending: tuple[str, Future[GramSystem]] | None = None
+    def __init__(self, alpha: float, dtype: torch.dtype, depth: int = 2):
+        self.alpha, self.dtype, self.depth = alpha, dtype, depth
+        self._raw = BufferPool()
+        self._free: list[BufferPool] = []
+        self._queue: deque[tuple[str, Future[GramSystem], BufferPool]] = deque()
+        self._current: BufferPool | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="regmean-grams")
 
     def _build(self, grams: Sequence[torch.Tensor], weights: Sequence[float], pool: BufferPool) -> GramSystem:
         prev = torch.get_num_threads()
         torch.set_num_threads(1)  # per calling thread: the main thread's products keep their threads
         try:
-            return build_system(grams, weights, self.alpha, self.dtype, pool)
+            return build_system(grams, weights, self.alpha, self.dtype, pool, self._raw)
         finally:
             torch.set_num_threads(prev)
 
-    def get(self, key: str, grams: Sequence[torch.Tensor], weights: Sequence[float]) -> GramSystem:
-        """The system of ``key``: the prefetched one when it was asked for, else built now."""
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[0] == key:
-            return pending[1].result()
-        if pending is not None:
-            pending[1].result()  # never leave a build running on a pool about to be reused
-        self._turn ^= 1
-        return build_system(grams, weights, self.alpha, self.dtype, self._pools[self._turn])
+    def _submit(self, key: str, grams: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+        pool = self._free.pop() if self._free else BufferPool()
+        self._queue.append((key, self._thread.submit(self._build, grams, weights, pool), pool))
 
-    def ahead(self, key: str, grams: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
-        """Start building ``key``'s system in the background (into the pool the current system does not use)."""
-        if self._pending is not None:
-            return
-        self._turn ^= 1
-        self._pending = (key, self._thread.submit(self._build, grams, weights, self._pools[self._turn]))
+    def get(self, key: str, grams: Sequence[torch.Tensor], weights: Sequence[float]) -> GramSystem:
+        """The system of ``key`` (the one in use before is released): prefetched when it was asked for."""
+        if self._current is not None:
+            self._free.append(self._current)
+            self._current = None
+        while self._queue and self._queue[0][0] != key:  # asked ahead but skipped: drop it
+            _, fut, pool = self._queue.popleft()
+            with contextlib.suppress(Exception):
+                fut.result()
+            self._free.append(pool)
+        if not self._queue:
+            self._submit(key, grams, weights)
+        _, fut, self._current = self._queue.popleft()
+        return fut.result()
+
+    def ahead(self, upcoming: Sequence[tuple[str, Sequence[torch.Tensor], Sequence[float]]]) -> None:
+        """Queue the next inputs' builds (up to ``depth`` in flight)."""
+        queued = {k for k, _, _ in self._queue}
+        for key, grams, weights in upcoming:
+            if len(self._queue) >= self.depth:
+                break
+            if key not in queued:
+                self._submit(key, grams, weights)
+                queued.add(key)
 
     def close(self) -> None:
-        """Wait for a build in flight and stop the thread."""
-        if self._pending is not None:
+        """Wait for builds in flight and stop the thread."""
+        while self._queue:
+            _, fut, _ = self._queue.popleft()
             with contextlib.suppress(Exception):  # its tensor was never merged: nothing to report
-                self._pending[1].result()
-            self._pending = None
+                fut.result()
         self._thread.shutdown(wait=True)
+        self._free.clear()
+        self._current = None
+        self._raw.clear()

@@ -195,12 +195,18 @@ def regmean_apply(
     # Grams are symmetric), and the solve reads B^T as the column-major (in, out) right-hand side.
     c = system.weights
     total = sum(c)
-    mean = torch.zeros(ws[0].shape, dtype=dtype)  # Wbar (the output)
-    for w, ci in zip(ws, c, strict=True):
-        chunked(lambda m, w_, a=ci / total: m.add_(w_, alpha=a), mean, w)
+    mean = torch.empty(ws[0].shape, dtype=dtype)  # Wbar (the output)
     others = [i for i, d in enumerate(system.diffs) if d is not None]
-    for i in others:
-        chunked(torch.Tensor.sub_, ws[i], mean)  # D_i, in place in our own copy
+    share = [ci / total for ci in c]
+
+    def mean_and_deltas(m: torch.Tensor, *w: torch.Tensor) -> None:  # one pass, cache-sized chunks
+        torch.mul(w[0], share[0], out=m)
+        for w_, a in zip(w[1:], share[1:], strict=True):
+            m.add_(w_, alpha=a)
+        for i in others:
+            w[i].sub_(m)  # D_i, in place in our own copy
+
+    chunked(mean_and_deltas, mean, *ws)
     used = "none"
     if others:
         used = str(dtype).removeprefix("torch.")
@@ -219,13 +225,12 @@ def regmean_apply(
                 b.copy_(dd @ dg)  # (out, m in) @ (m in, in)
             del dd
         else:
-            b.zero_()
-            for i in others:
-                diff = system.diffs[i]
+            for j, i in enumerate(others):
+                diff, beta = system.diffs[i], 1.0 if j else 0.0  # the first product overwrites b
                 if conv1d:
-                    b.addmm_(diff, ws[i], alpha=c[i])
+                    b.addmm_(diff, ws[i], beta=beta, alpha=c[i])
                 else:
-                    b.addmm_(ws[i], diff, alpha=c[i])
+                    b.addmm_(ws[i], diff, beta=beta, alpha=c[i])
         rhs = b if conv1d else b.T  # (in, out)
         if system.factor is not None:
             x = torch.cholesky_solve(rhs, system.factor)  # (in, out)
@@ -317,9 +322,7 @@ class RegMeanMerger(Merger):
                 if self._prefetch is None:
                     self._prefetch = SystemPrefetcher(p.alpha, dtype)  # type: ignore[attr-defined]
                 system = self._prefetch.get(t.gram_key, t.gram, t.weights)
-                nxt = self.lookahead(t.name)
-                if nxt is not None:
-                    self._prefetch.ahead(*nxt)
+                self._prefetch.ahead(self.lookahead(t.name, self._prefetch.depth))
             else:
                 system = gram_system(t.gram, t.weights, p.alpha, dtype, self.pool)  # type: ignore[attr-defined]
             self._system, self._system_key = system, t.gram_key

@@ -68,30 +68,42 @@ def test_prefetched_systems_give_the_same_merge_and_are_built_ahead(monkeypatch)
     keys = ["a", "a", "b", "c", "c", "d"]
     grams = {k: _grams(3, 10, seed=i) for i, k in enumerate(dict.fromkeys(keys))}
     ws = [[torch.randn(7, 10, generator=g) for _ in range(3)] for _ in keys]
-    where = []
-    build = gs.build_system
-    monkeypatch.setattr(
-        gs, "build_system", lambda *a, **k: where.append(threading.current_thread().name) or build(*a, **k)
-    )
+    where, submitted, now = [], [], [None]
+    build, submit = gs.build_system, gs.SystemPrefetcher._submit
+
+    def spy(*a, **k):
+        where.append(threading.current_thread().name)
+        return build(*a, **k)
+
+    def spy_submit(self, key, *a):
+        submitted.append((key, now[0]))
+        return submit(self, key, *a)
+
+    monkeypatch.setattr(gs, "build_system", spy)
+    monkeypatch.setattr(gs.SystemPrefetcher, "_submit", spy_submit)
     merger = RegMeanMerger(alpha=0.8, dtype="float64")
     w3 = merger.model_weights(3)
 
-    def lookahead(name):
-        i = int(name)
-        nxt = next((j for j in range(i + 1, len(keys)) if keys[j] != keys[i]), None)
-        return None if nxt is None else (keys[nxt], grams[keys[nxt]], w3)
+    def lookahead(name, n):
+        i, out = int(name), []
+        for j in range(i + 1, len(keys)):
+            if keys[j] != keys[i] and keys[j] not in [k for k, _, _ in out] and len(out) < n:
+                out.append((keys[j], grams[keys[j]], w3))
+        return out
 
     merger.lookahead = lookahead
     try:
         for i, k in enumerate(keys):
+            now[0] = k
             got = merger.merge_tensor(TensorInputs(str(i), ws[i], w3, gram=grams[k], gram_key=k))
             want, _ = regmean_solve(ws[i], grams[k], w3, alpha=0.8)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     finally:
         merger.close()
-    assert len(where) == 4  # one build per distinct input
-    assert where[0] == threading.current_thread().name  # the first is built on the spot ...
-    assert all(w.startswith("regmean-grams") for w in where[1:])  # ... the others ahead, in the background
+    assert len(where) == 4  # one build per distinct input, all in the background thread
+    assert all(w.startswith("regmean-grams") for w in where)
+    # two inputs ahead: b and c are queued while a is merged, d while b is
+    assert submitted == [("a", "a"), ("b", "a"), ("c", "a"), ("d", "b")]
 
 
 def test_merged_checkpoint_equals_layer_by_layer_regmean(tmp_path):
