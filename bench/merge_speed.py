@@ -168,7 +168,10 @@ def merge_errors(root: Path, k: int) -> dict[str, float]:
     for variant in VARIANTS:
         if not variant.startswith("regmean") or variant == "regmean float64":
             continue
-        other = StreamingReader(root / f"out-{k}-{variant.replace(' ', '_').replace(',', '')}")
+        folder = root / f"out-{k}-{variant.replace(' ', '_').replace(',', '')}"
+        if not folder.exists():  # variant not run (--variants)
+            continue
+        other = StreamingReader(folder)
         worst = 0.0
         for n in ref.names():
             t = ref.get(n)

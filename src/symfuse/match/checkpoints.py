@@ -23,7 +23,7 @@ from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.errors import CheckpointError
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.reading import PreadSource, trim_heap
-from symfuse.match.verify import VERIFY_MODES, check_module_transform, verify_outputs
+from symfuse.match.verify import VERIFY_MODES, StreamedReference, check_module_transform, verify_outputs
 from symfuse.match.weights import (
     DEFAULT_SYMMETRIES,
     check_symmetries,
@@ -373,22 +373,28 @@ def match_checkpoints(
                 "(and permutations) are matched",
                 src.spec.family,
             )
-        with atomic_output_dir(out, overwrite=overwrite) as tmp:
-            transforms, per_module, before, after = match_and_write(
-                src, anc, tmp, symmetries, workers, timings, where=str(out)
-            )
-            match_s = time.perf_counter() - t0
-            save_transforms(transforms, tmp / TRANSFORMS_FILE)
-            t1 = time.perf_counter()
-            diff = verify_outputs(tmp, src.path, verify, _dtype(src))
-            timings["verify"] = time.perf_counter() - t1
-            report = {
-                "source": str(src.path), "anchor": str(anc.path), "family": src.spec.family,
-                "symmetries": list(symmetries), "distance_before": before, "distance_after": after,
-                "max_abs_logit_diff": diff, "verify": verify, "per_module": per_module, "match_seconds": match_s,
-                "timings": timings, "seconds": time.perf_counter() - t0,
-            }  # fmt: skip
-            (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
+        # the streamed check's SOURCE pass runs in the background while matching
+        reference = StreamedReference(src.path) if verify == "stream" else None
+        try:
+            with atomic_output_dir(out, overwrite=overwrite) as tmp:
+                transforms, per_module, before, after = match_and_write(
+                    src, anc, tmp, symmetries, workers, timings, where=str(out)
+                )
+                match_s = time.perf_counter() - t0
+                save_transforms(transforms, tmp / TRANSFORMS_FILE)
+                t1 = time.perf_counter()
+                diff = verify_outputs(tmp, src.path, verify, _dtype(src), reference)
+                timings["verify"] = time.perf_counter() - t1
+                report = {
+                    "source": str(src.path), "anchor": str(anc.path), "family": src.spec.family,
+                    "symmetries": list(symmetries), "distance_before": before, "distance_after": after,
+                    "max_abs_logit_diff": diff, "verify": verify, "per_module": per_module,
+                    "match_seconds": match_s, "timings": timings, "seconds": time.perf_counter() - t0,
+                }  # fmt: skip
+                (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
+        finally:
+            if reference is not None:
+                reference.close()
     log.info("matched %s onto %s in %.2fs", source, anchor, report["seconds"])
     return report
 

@@ -4,11 +4,13 @@
   compared on a few random probe inputs (float64 for float32 / float64 weights): per query head the scores
   ``(Q_h x + b) . (K_g y + b)`` (and the DeBERTa ``pos_q`` / ``pos_k`` cross terms), per head the output
   contribution ``O_h (V_g x + b)``, and for the FFN ``down act(up x + b)`` (gated: ``act(gate x) * up x``).
-  Permutations must keep them to float64 rounding (the FFN, computed in float32 without copies: to 1e-4);
-  rotations and scalings to a few units of the stored dtype's rounding. A failure is a :class:`~symfuse.errors.VerificationError` naming the module and the head.
+  Attention permutations must keep them to float64 rounding, rotations and scalings to a few units of the
+  stored dtype's rounding; the FFN (permutations; computed in float32 without copies) to 1e-4. A failure is a
+  :class:`~symfuse.errors.VerificationError` naming the module and the head.
 * :func:`streaming_logit_diff`: the outputs of two checkpoints on a few short random inputs, with each model
   built empty (parameters on the meta device) and its layers read from disk just before they run and dropped
   right after: memory is one layer plus the embeddings and heads, never a whole model (let alone two).
+  :class:`StreamedReference` computes the source's side in a background thread while matching runs.
 * :func:`full_logit_diff`: the same with both models loaded whole (``--verify full``).
 """
 
@@ -18,6 +20,7 @@ import contextlib
 import logging
 import zlib
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +296,40 @@ def streaming_logit_diff(a: str | Path, b: str | Path, seed: int = 0) -> tuple[f
     return float((oa - ob).abs().max()), float(ob.abs().max())
 
 
+class StreamedReference:
+    """SOURCE's outputs for the streamed check, computed in a background thread (e.g. while matching runs).
+
+    The model skeleton is built and SOURCE streamed through it in one thread (one torch thread); :meth:`compare`
+    then streams the matched model through the same skeleton on the same inputs.
+
+    Args:
+        source: The source checkpoint folder.
+        seed: Seed of the random inputs.
+    """
+
+    def __init__(self, source: str | Path, seed: int = 0):
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="symfuse-verify")
+        self._result = self._thread.submit(self._reference, Path(source), seed)
+
+    @staticmethod
+    def _reference(source: Path, seed: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor]:
+        with CheckpointReader(source) as r:
+            inputs = _inputs(r.config, seed)
+            model = _empty_model(r.config)
+            return model, inputs, _run_streaming(model, r, inputs)
+
+    def compare(self, matched: str | Path) -> tuple[float, float]:
+        """``(max |Δ output|, max |SOURCE output|)`` of ``matched`` against SOURCE (:func:`streaming_logit_diff`)."""
+        model, inputs, ref = self._result.result()
+        with CheckpointReader(matched) as r:
+            out = _run_streaming(model, r, inputs)
+        return float((out - ref).abs().max()), float(ref.abs().max())
+
+    def close(self) -> None:
+        """Wait for the background pass (its errors surface in :meth:`compare`) and stop the thread."""
+        self._thread.shutdown(wait=True)
+
+
 def full_logit_diff(a: str | Path, b: str | Path, seed: int = 0) -> tuple[float, float]:
     """Like :func:`streaming_logit_diff` with both models loaded whole (float32)."""
     ma = load_hf_model(a, dtype=torch.float32, validate=False)
@@ -305,15 +342,22 @@ def full_logit_diff(a: str | Path, b: str | Path, seed: int = 0) -> tuple[float,
     return float((ya - yb).abs().max()), float(yb.abs().max())
 
 
-def verify_outputs(matched: Path, source: Path, mode: str, dtype: torch.dtype) -> float | None:
+def verify_outputs(
+    matched: Path, source: Path, mode: str, dtype: torch.dtype, reference: StreamedReference | None = None
+) -> float | None:
     """Compare the outputs of ``matched`` and ``source`` (``mode``: stream, full or none); the max |Δ|.
+
+    ``reference``: SOURCE's streamed outputs, already under way (``stream`` only).
 
     Raises:
         VerificationError: the outputs differ by more than :func:`logit_tolerance` allows (or are NaN).
     """
     if mode == "none":
         return None
-    diff, scale = (full_logit_diff if mode == "full" else streaming_logit_diff)(matched, source)
+    if mode == "stream" and reference is not None:
+        diff, scale = reference.compare(matched)
+    else:
+        diff, scale = (full_logit_diff if mode == "full" else streaming_logit_diff)(matched, source)
     tol = logit_tolerance(dtype) * scale + 1e-6
     if not diff <= tol:
         raise VerificationError(

@@ -126,7 +126,7 @@ class SystemPrefetcher:
     """Builds Gram systems ahead in ONE background thread (see the module docstring).
 
     Every build runs in that thread (one torch thread; its raw read buffers are its own), in the order asked;
-    each system gets its own :class:`BufferPool`, recycled once the merger moved past it.
+    each system gets its own :class:`BufferPool`, recycled for a Gram of the same shape once the merger moved past it.
 
     Args:
         alpha: Off-diagonal scale.
@@ -137,9 +137,11 @@ class SystemPrefetcher:
     def __init__(self, alpha: float, dtype: torch.dtype, depth: int = 2):
         self.alpha, self.dtype, self.depth = alpha, dtype, depth
         self._raw = BufferPool()
-        self._free: list[BufferPool] = []
-        self._queue: deque[tuple[str, Future[GramSystem], BufferPool]] = deque()
-        self._current: BufferPool | None = None
+        # idle pools by Gram shape (a pool keeps its largest buffers: recycling one across sizes would leave every
+        # pool as big as the biggest system); pools of unknown shape are not kept
+        self._free: dict[tuple[int, ...], list[BufferPool]] = {}
+        self._queue: deque[tuple[str, Future[GramSystem], BufferPool, tuple[int, ...] | None]] = deque()
+        self._current: tuple[BufferPool, tuple[int, ...] | None] | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="regmean-grams")
 
     def _build(self, grams: Sequence[torch.Tensor], weights: Sequence[float], pool: BufferPool) -> GramSystem:
@@ -150,28 +152,35 @@ class SystemPrefetcher:
         finally:
             torch.set_num_threads(prev)
 
+    def _release(self, pool: BufferPool, shape: tuple[int, ...] | None) -> None:
+        if shape is not None:
+            self._free.setdefault(shape, []).append(pool)
+
     def _submit(self, key: str, grams: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
-        pool = self._free.pop() if self._free else BufferPool()
-        self._queue.append((key, self._thread.submit(self._build, grams, weights, pool), pool))
+        shape = getattr(grams, "shape", None)
+        idle = self._free.get(shape, []) if shape is not None else []
+        pool = idle.pop() if idle else BufferPool()
+        self._queue.append((key, self._thread.submit(self._build, grams, weights, pool), pool, shape))
 
     def get(self, key: str, grams: Sequence[torch.Tensor], weights: Sequence[float]) -> GramSystem:
         """The system of ``key`` (the one in use before is released): prefetched when it was asked for."""
         if self._current is not None:
-            self._free.append(self._current)
+            self._release(*self._current)
             self._current = None
         while self._queue and self._queue[0][0] != key:  # asked ahead but skipped: drop it
-            _, fut, pool = self._queue.popleft()
+            _, fut, pool, shape = self._queue.popleft()
             with contextlib.suppress(Exception):
                 fut.result()
-            self._free.append(pool)
+            self._release(pool, shape)
         if not self._queue:
             self._submit(key, grams, weights)
-        _, fut, self._current = self._queue.popleft()
+        _, fut, pool, shape = self._queue.popleft()
+        self._current = (pool, shape)
         return fut.result()
 
     def ahead(self, upcoming: Sequence[tuple[str, Sequence[torch.Tensor], Sequence[float]]]) -> None:
         """Queue the next inputs' builds (up to ``depth`` in flight)."""
-        queued = {k for k, _, _ in self._queue}
+        queued = {k for k, _, _, _ in self._queue}
         for key, grams, weights in upcoming:
             if len(self._queue) >= self.depth:
                 break
@@ -182,7 +191,7 @@ class SystemPrefetcher:
     def close(self) -> None:
         """Wait for builds in flight and stop the thread."""
         while self._queue:
-            _, fut, _ = self._queue.popleft()
+            _, fut, _, _ = self._queue.popleft()
             with contextlib.suppress(Exception):  # its tensor was never merged: nothing to report
                 fut.result()
         self._thread.shutdown(wait=True)
