@@ -6,8 +6,8 @@ it is ready: nothing waits in memory for its shard to fill. The bytes are exactl
 ``safetensors.torch.save_file`` writes for the same tensors (same header JSON, tensor order and padding).
 
 The files are written where the caller says (a temporary folder that is renamed into place when everything
-succeeded, see :func:`symfuse.outputs.atomic_output_dir`); :meth:`PlannedFile.finish` refuses a file with a
-tensor missing and fsyncs it.
+succeeded, see :func:`symfuse.outputs.atomic_output_dir`); a file is fsynced by the thread that writes its last
+tensor, and :meth:`PlannedFile.finish` refuses a file with a tensor missing.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class PlannedFile:
         self.size = self._data + pos
         self._missing = {n for n in layout if self._slots[n][1]}  # empty tensors need no write
         self._written: dict[str, int] = {}
+        self._synced = False
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self._fd, self.size)
@@ -110,6 +111,10 @@ class PlannedFile:
             self._written[name] = self._written.get(name, 0) + nbytes
             if self._written[name] >= size:
                 self._missing.discard(name)
+            complete = not self._missing and not self._synced
+            self._synced = self._synced or complete
+        if complete:  # the last tensor: flush now, in the writing thread, not in finish()
+            os.fsync(self._fd)
 
     def finish(self) -> Path:
         """Check every tensor was written (the last rows of each), fsync and close the file.
@@ -119,7 +124,8 @@ class PlannedFile:
         """
         if self._missing:
             raise CheckpointError(f"{self.path}: tensors never written: {sorted(self._missing)[:5]}")
-        os.fsync(self._fd)
+        if not self._synced:
+            os.fsync(self._fd)
         self.close()
         return self.path
 
