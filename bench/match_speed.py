@@ -15,7 +15,15 @@ just before. "write s" = streaming the matched checkpoint (with per-module dista
 cores). Breakdown columns are wall seconds summed over modules (threads overlap, so they can exceed "match s").
 "rss gib" = the process's peak RSS over matching AND writing (ru_maxrss, GiB).
 
+Whole command (``--job command``, issue 17): for a case, five rounds of two fresh subprocesses each, (a) the
+matching alone (as above) and (b) the whole ``symfuse match`` command run in-process through the CLI app (typer),
+after the imports (interpreter start and ``import torch, transformers, symfuse`` excluded, as in the issue):
+reading, matching, applying, the per-module checks, writing, the default streamed output check and publishing.
+Peak RSS of each = the subprocess's VmHWM (/proc/self/status) at its end, imports included in both. Prints the
+median and range of: match s, command s, command - match s, and both peak RSS.
+
 Usage: python bench/match_speed.py [--cases minilm,roberta-planted,...] [--workdir DIR] [--workers N]
+       python bench/match_speed.py --job command [--cases roberta-planted] [--rounds 5] [--verify stream]
 """
 
 from __future__ import annotations
@@ -172,6 +180,64 @@ def run(case: str, work: Path, workers: int | None) -> dict:
     }
 
 
+def _vm_hwm_mib() -> float:
+    """Peak resident set of this process (VmHWM), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_command(case: str, work: Path, what: str, verify: str) -> dict:
+    """One measurement in this (fresh) process: ``match`` = matching alone, ``command`` = the whole command."""
+    import torch  # noqa: F401  (imports are not timed)
+    import transformers  # noqa: F401
+
+    import symfuse.cli.match  # noqa: F401
+    from symfuse.checkpoint import CheckpointReader
+    from symfuse.cli import app
+    from symfuse.match.checkpoints import match_all_modules
+
+    source, anchor = prepare(case, work)
+    out = work / f"{case}-cmd"
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    if what == "match":
+        with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
+            match_all_modules(src, anc, DEFAULT)
+    else:
+        app(["match", str(source), str(anchor), "--out", str(out), "--verify", verify], standalone_mode=False)
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(out, ignore_errors=True)
+    return {"seconds": seconds, "rss_mib": _vm_hwm_mib()}
+
+
+def command_table(cases: list[str], work: Path, rounds: int, verify: str) -> None:
+    """Median (range) over ``rounds`` of the matching alone vs the whole command, each in a fresh process."""
+    import statistics
+
+    def med(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+    print("| case | match s | command s | command - match s | match peak RSS MiB | command peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
+    for case in cases:
+        subprocess.run([sys.executable, __file__, "--prepare", case, "--workdir", str(work)], check=True)
+        rows: dict[str, list[dict]] = {"match": [], "command": []}
+        for _ in range(rounds):
+            for what in ("match", "command"):
+                cmd = [sys.executable, __file__, "--one-command", case, what, "--workdir", str(work)]
+                proc = subprocess.run([*cmd, "--verify", verify], check=True, capture_output=True, text=True)
+                line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+                rows[what].append(json.loads(line[len("RESULT ") :]))
+        m = [r["seconds"] for r in rows["match"]]
+        c = [r["seconds"] for r in rows["command"]]
+        extra = [ci - mi for ci, mi in zip(c, m, strict=True)]
+        rm = [r["rss_mib"] for r in rows["match"]]
+        rc = [r["rss_mib"] for r in rows["command"]]
+        print(f"| {case} | {med(m)} | {med(c)} | {med(extra)} | {med(rm)} | {med(rc)} |", flush=True)
+
+
 def main() -> None:
     """Prepare and run the cases, each in a subprocess, and print the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -180,7 +246,14 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prepare", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--one-command", nargs=2, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--job", choices=["cases", "command"], default="cases")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--verify", default="stream", choices=["stream", "full", "none"])
     args = ap.parse_args()
+    if args.one_command:
+        print("RESULT " + json.dumps(run_command(args.one_command[0], args.workdir, args.one_command[1], args.verify)))
+        return
     if args.prepare:
         prepare(args.prepare, args.workdir)
         return
@@ -189,6 +262,12 @@ def main() -> None:
         return
     work = args.workdir or Path(tempfile.mkdtemp(prefix="symfuse-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.job == "command":
+        cases = args.cases.split(",") if args.cases != ",".join(CASES) else ["roberta-planted"]
+        command_table(cases, work, args.rounds, args.verify)
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     rows = []
     extra = ["--workers", str(args.workers)] if args.workers else []
     for case in args.cases.split(","):

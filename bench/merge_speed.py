@@ -1,6 +1,11 @@
 """Merge speed and memory: RegMean / Fisher over K roberta-base-shaped models, Gram throughput on MiniLM.
 
     python bench/merge_speed.py [--root /tmp/symfuse-merge-bench] [--ks 2 5] [--repeat 1] [--gram-examples 512]
+    python bench/merge_speed.py --job ratio [--ks 5] [--rounds 5] [--variants "regmean float32"]
+
+``--job ratio`` (issue 17): per round, the arithmetic floor (``--job floor``) and the merge, each in a fresh
+subprocess, one after the other; prints per round and then the median (range) of merge s / floor s and of the
+merge's peak RSS (ru_maxrss of its process, imports included).
 
 Builds (once, cached under --root) a random roberta-base-shaped base (12 x 768, d_ffn 3072, vocab 50265, 2-label
 head) and K FINE-TUNES of it: base + a small random delta (``||delta|| / ||W|| = DELTA = 1e-2`` per tensor), as
@@ -163,7 +168,10 @@ def merge_errors(root: Path, k: int) -> dict[str, float]:
     for variant in VARIANTS:
         if not variant.startswith("regmean") or variant == "regmean float64":
             continue
-        other = StreamingReader(root / f"out-{k}-{variant.replace(' ', '_').replace(',', '')}")
+        folder = root / f"out-{k}-{variant.replace(' ', '_').replace(',', '')}"
+        if not folder.exists():  # variant not run (--variants)
+            continue
+        other = StreamingReader(folder)
         worst = 0.0
         for n in ref.names():
             t = ref.get(n)
@@ -278,6 +286,37 @@ def gram_throughput(n_examples: int) -> dict:
     return out
 
 
+def ratio_table(args: argparse.Namespace, child) -> None:
+    """Rounds of (floor, merge) in fresh processes; median (range) of merge / floor and of peak RSS."""
+    import statistics
+
+    child("--job", "setup")
+    for f in sorted(args.root.glob("[ms]*/*.safetensors")):  # warm the page cache
+        with open(f, "rb") as fh:
+            while fh.read(1 << 26):
+                pass
+    variants = args.variants if args.variants != list(VARIANTS) else ["regmean float32"]
+    k = max(args.ks)
+    for variant in variants:
+        ratios, rss, secs, floors = [], [], [], []
+        for i in range(args.rounds):
+            floor = json.loads(child("--job", "floor"))[str(k)]["floor_s"]
+            r = json.loads(child("--one", variant, str(k)))
+            ratios.append(r["seconds"] / floor)
+            rss.append(r["peak_rss_mib"])
+            secs.append(r["seconds"])
+            floors.append(floor)
+            print(f"round {i + 1}: {variant} K={k}: merge {r['seconds']:.1f} s (CPU {r['cpu']:.1f} s), floor "
+                  f"{floor:.1f} s, ratio {ratios[-1]:.2f}, peak RSS {rss[-1]:.0f} MiB", flush=True)  # fmt: skip
+
+        def med(xs: list[float], f: str) -> str:
+            return f"{statistics.median(xs):{f}} ({min(xs):{f}}-{max(xs):{f}})"
+
+        print("\n| merge | K | merge s | floor s | merge / floor | peak RSS MiB |\n|---|---|---|---|---|---|")
+        print(f"| {variant} | {k} | {med(secs, '.1f')} | {med(floors, '.1f')} | {med(ratios, '.2f')} | "
+              f"{med(rss, '.0f')} |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", type=Path, default=ROOT)
@@ -286,7 +325,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--gram-examples", type=int, default=512)
     ap.add_argument("--one", nargs=2, metavar=("VARIANT", "K"))
-    ap.add_argument("--job", choices=["setup", "errors", "gram", "floor"])
+    ap.add_argument("--job", choices=["setup", "errors", "gram", "floor", "ratio"])
+    ap.add_argument("--rounds", type=int, default=5, help="--job ratio: rounds")
     args = ap.parse_args()
     # Every heavy step runs in its own process: Linux keeps ru_maxrss across fork + exec, so a parent that had
     # built the models would inflate every child's peak RSS.
@@ -315,6 +355,9 @@ def main() -> None:
         return lines[-1] if lines else ""
 
     args.root.mkdir(parents=True, exist_ok=True)
+    if args.job == "ratio":
+        ratio_table(args, child)
+        return
     t = time.perf_counter()
     child("--job", "setup")
     print(f"setup (cached after the first run): {time.perf_counter() - t:.1f} s", flush=True)

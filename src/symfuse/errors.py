@@ -50,3 +50,7 @@ class UnknownChoiceError(SymfuseError, ValueError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class VerificationError(SymfuseError, ValueError):
+    """A result failed its own check (e.g. a matched module no longer computes the source's function)."""

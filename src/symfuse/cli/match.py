@@ -18,6 +18,7 @@ from symfuse.symmetry.registry import SYMMETRY_KINDS, kind_names  # no torch: na
 # the registered kinds ot / ot-soft (weights), and their activation-based forms, known to this command only.
 OT_ACTS = ("ot-acts", "ot-acts-soft")
 OT_CLI_KINDS = ("ot", "ot-soft", *OT_ACTS)
+VERIFY_MODES = ("stream", "full", "none")  # symfuse.match.verify.VERIFY_MODES (checked before torch is imported)
 
 
 @app.command()
@@ -47,6 +48,15 @@ def match(
     ] = None,
     max_examples: Annotated[int, typer.Option("--max-examples", help="Examples for the statistics.")] = 512,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
+    verify: Annotated[
+        str,
+        typer.Option(
+            "--verify",
+            help="Output check before publishing: stream (default: both models' outputs on a few short inputs, "
+            "one layer in memory at a time), full (both models loaded whole) or none. Every module's transform is "
+            "checked while it is applied in all three (with --data the models already in memory are compared).",
+        ),
+    ] = "stream",
 ) -> None:
     """Align SOURCE to ANCHOR by exact symmetries; write OUT (checkpoint, transforms, report) and print the report.
 
@@ -57,6 +67,8 @@ def match(
     checks.at_least("--max-examples", max_examples, 1)
     checks.local_path("SOURCE", source)
     checks.local_path("ANCHOR", anchor)
+    if verify not in VERIFY_MODES:
+        raise UsageError(f"--verify: {verify!r} is not a mode — give one of {', '.join(VERIFY_MODES)}")
     names = checks.names_list("--symmetries", symmetries, (*kind_names("activations"), *OT_ACTS), "symmetries")
     ot_kind = _ot_kind(names, data is not None, OT_CLI_KINDS)
     if ot_kind is None:
@@ -81,7 +93,9 @@ def match(
         else:
             from symfuse.match import match_checkpoints
 
-            report = match_checkpoints(source, anchor, out, symmetries=names, workers=workers, overwrite=overwrite)
+            report = match_checkpoints(
+                source, anchor, out, symmetries=names, workers=workers, overwrite=overwrite, verify=verify
+            )
     summary = {k: v for k, v in report.items() if k != "per_module"}
     typer.echo(json.dumps(summary, indent=2))
     typer.echo(f"per-module report and transforms in {out}")

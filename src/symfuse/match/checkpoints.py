@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from symfuse.arch import ModuleRef, get_spec
-from symfuse.checkpoint import CheckpointReader, load_hf_model, write_checkpoint
+from symfuse.arch import ModuleRef
+from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.errors import CheckpointError
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.reading import PreadSource, trim_heap
+from symfuse.match.verify import VERIFY_MODES, StreamedReference, check_module_transform, verify_outputs
 from symfuse.match.weights import (
     DEFAULT_SYMMETRIES,
     check_symmetries,
@@ -144,22 +145,18 @@ def _strip(name: str, prefix: str) -> str:
     return name[len(prefix) :] if prefix and name.startswith(prefix) else name
 
 
-def _logit_diff(a: Path, b: Path, seed: int = 0) -> float:
-    """Max |Δ| of the outputs (logits, else last hidden state) of two checkpoints on random inputs, fp32."""
-    ma = load_hf_model(a, dtype=torch.float32, validate=False)  # both read and checked by the matcher
-    mb = load_hf_model(b, dtype=torch.float32, validate=False)
-    spec = get_spec(ma.config)
-    inputs = spec.random_inputs(ma.config, generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        oa, ob = ma(**inputs), mb(**inputs)
-    return float((spec.main_output(oa) - spec.main_output(ob)).abs().max())
+def _verify_mode(verify: str | None, logit_check: bool | None) -> str:
+    if verify is None:
+        return "none" if logit_check is False else "stream"
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    return verify
 
 
-def _n_params(reader: CheckpointReader) -> int:
-    g = reader.geometry
-    return g.n_layers * (2 * g.d_model * g.n_heads * g.head_dim + 2 * g.d_model * g.n_kv_heads * g.head_dim) + (
-        g.n_layers * (3 if g.gated else 2) * g.d_model * g.d_ffn
-    )
+def _dtype(reader: CheckpointReader) -> torch.dtype:
+    """The widest floating dtype stored (float32 unless every float tensor is half precision)."""
+    dts = {reader.dtype(n) for n in reader.names()}
+    return torch.float32 if dts & {torch.float32, torch.float64} else torch.bfloat16
 
 
 def assemble_matched(
@@ -172,8 +169,12 @@ def assemble_matched(
     shard_bytes: int = 128 * 1024**2,
     extra_report: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    verify: str | None = None,
 ) -> dict:
     """Write SOURCE with every module transformed: save_pretrained folder + transforms + report.
+
+    Each transform is checked on its module while it is applied (:func:`check_module_transform`); the written
+    model's outputs are compared with SOURCE's by ``verify``.
 
     Args:
         source: Source checkpoint.
@@ -181,18 +182,22 @@ def assemble_matched(
         out: Destination folder (must not exist; written atomically).
         anchor: When given, distances to it go in the report.
         symmetries: Recorded in the report.
-        logit_check: Compare outputs of OUT and SOURCE (fp32); None = only below 300M parameters.
+        logit_check: Compare outputs of OUT and SOURCE (False: ``verify="none"``); None: ``verify``.
         shard_bytes: Largest shard written (bounds memory while streaming).
         extra_report: More report fields.
         overwrite: Replace an existing ``out`` (atomically, at the end).
+        verify: ``stream`` (default: layer by layer, one layer in memory), ``full`` (both models loaded) or
+            ``none`` (module checks only).
 
     Returns:
         The report (also written as ``symfuse_report.json``).
 
     Raises:
         OutputExistsError: ``out`` exists and ``overwrite`` is False.
+        VerificationError: a transform or the written model fails its check (nothing is published).
     """
     t_start = time.perf_counter()
+    verify = _verify_mode(verify, logit_check)
     check_output(out, overwrite)
     mts = {k: (v if isinstance(v, ModuleTransform) else load_transform(Path(v))) for k, v in transforms.items()}
     src = _reader(source)  # an open reader is reused: each folder is opened and validated once per command
@@ -236,6 +241,8 @@ def assemble_matched(
             before = module_distance(w, a)
             del a
         new = mt.apply(w) if mt is not None else w
+        if mt is not None:
+            check_module_transform(ref, w, new, src.geometry, mt, str(out))
         del w
         if anc_io is not None:
             after = module_distance(new, anc_io.read_module(ref))
@@ -264,8 +271,8 @@ def assemble_matched(
             if anc is not None:
                 report["distance_before"] = sq["before"] ** 0.5
                 report["distance_after"] = sq["after"] ** 0.5
-            check = logit_check if logit_check is not None else _n_params(src) < 300_000_000
-            report["max_abs_logit_diff"] = _logit_diff(tmp, src.path) if check else None
+            report["max_abs_logit_diff"] = verify_outputs(tmp, src.path, verify, _dtype(src))
+            report["verify"] = verify
             report["per_module"] = per_module
             report.update(extra_report or {})
             report["seconds"] = report.get("seconds", 0.0) + time.perf_counter() - t_start
@@ -330,8 +337,13 @@ def match_checkpoints(
     workers: int | None = None,
     logit_check: bool | None = None,
     overwrite: bool = False,
+    verify: str | None = None,
 ) -> dict:
     """The whole ``symfuse match``: match SOURCE onto ANCHOR module by module and write the matched folder.
+
+    One pass (:func:`symfuse.match.pipeline.match_and_write`): each module is read, matched, transformed, checked
+    (:func:`check_module_transform`) and written by one worker; then the written model's outputs are compared
+    with SOURCE's (``verify``) and the folder is published.
 
     Args:
         source: Source checkpoint.
@@ -341,31 +353,49 @@ def match_checkpoints(
         workers: Threads matching modules in parallel (None: 2 for small modules, 1 for 7B widths).
         logit_check: See :func:`assemble_matched`.
         overwrite: Replace an existing ``out`` (atomically, at the end).
+        verify: ``stream`` (default), ``full`` or ``none`` (see :func:`assemble_matched`).
 
     Returns:
         The report (``distance_before``, ``distance_after``, ``max_abs_logit_diff``, ``per_module``,
         ``seconds``, ``timings``).
+
+    Raises:
+        VerificationError: a module's transform or the written model fails its check (nothing is published).
     """
+    from symfuse.match.pipeline import match_and_write
+
     t0 = time.perf_counter()
     symmetries = check_symmetries(symmetries)
+    verify = _verify_mode(verify, logit_check)
     check_output(out, overwrite)
+    out = Path(out)
     timings: dict[str, float] = {}
     with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:  # headers parsed and validated once
         check_compatible(src, anc)
         for note in restriction_notes(symmetries, src.geometry).values():
             log.info("%s: %s", src.spec.family, note)
-        transforms = match_all_modules(src, anc, symmetries, workers, timings)
-        match_s = time.perf_counter() - t0
-        report = assemble_matched(
-            src,
-            transforms,
-            Path(out),
-            anchor=anc,
-            symmetries=symmetries,
-            logit_check=logit_check,
-            extra_report={"match_seconds": match_s, "timings": timings, "seconds": match_s},
-            overwrite=overwrite,
-        )
+        # the streamed check's SOURCE pass runs in the background while matching
+        reference = StreamedReference(src.path) if verify == "stream" else None
+        try:
+            with atomic_output_dir(out, overwrite=overwrite) as tmp:
+                transforms, per_module, before, after = match_and_write(
+                    src, anc, tmp, symmetries, workers, timings, where=str(out)
+                )
+                match_s = time.perf_counter() - t0
+                save_transforms(transforms, tmp / TRANSFORMS_FILE)
+                t1 = time.perf_counter()
+                diff = verify_outputs(tmp, src.path, verify, _dtype(src), reference)
+                timings["verify"] = time.perf_counter() - t1
+                report = {
+                    "source": str(src.path), "anchor": str(anc.path), "family": src.spec.family,
+                    "symmetries": list(symmetries), "distance_before": before, "distance_after": after,
+                    "max_abs_logit_diff": diff, "verify": verify, "per_module": per_module,
+                    "match_seconds": match_s, "timings": timings, "seconds": time.perf_counter() - t0,
+                }  # fmt: skip
+                (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
+        finally:
+            if reference is not None:
+                reference.close()
     log.info("matched %s onto %s in %.2fs", source, anchor, report["seconds"])
     return report
 

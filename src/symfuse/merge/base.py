@@ -26,6 +26,9 @@ class LazyTensors(Sequence[torch.Tensor]):
             modify: new memory when ``pool`` is None, else ``pool``'s buffer ``slot``.
         pool: Buffers to read into, or None (every access returns new memory).
         slot: Slot name in ``pool``.
+        checks: Optional per-model validation ``check(tensor)`` (raises), run by every access; a caller that
+            validates on its own pass reads with :meth:`load_unchecked` and calls :meth:`check` only on doubt.
+        shape: The tensors' shape, when the caller knows it without reading them (lets a reader size buffers).
     """
 
     def __init__(
@@ -33,16 +36,31 @@ class LazyTensors(Sequence[torch.Tensor]):
         loaders: Sequence[Callable[[BufferPool | None, str], torch.Tensor]],
         pool: BufferPool | None = None,
         slot: str = "lazy",
+        checks: Sequence[Callable[[torch.Tensor], object]] | None = None,
+        shape: tuple[int, ...] | None = None,
     ):
         self._loaders = list(loaders)
         self.pool, self.slot = pool, slot
+        self._checks = list(checks) if checks is not None else None
+        self.shape = shape  # the tensors' shape when known without reading them
 
     def __len__(self) -> int:
         return len(self._loaders)
 
     def load(self, i: int, pool: BufferPool | None, slot: str) -> torch.Tensor:
-        """Model ``i``'s tensor, read into ``pool``'s ``slot`` (new memory when ``pool`` is None)."""
+        """Model ``i``'s tensor, read into ``pool``'s ``slot`` (new memory when ``pool`` is None), validated."""
+        t = self._loaders[i](pool, slot)
+        self.check(i, t)
+        return t
+
+    def load_unchecked(self, i: int, pool: BufferPool | None, slot: str) -> torch.Tensor:
+        """Like :meth:`load` without the validation (the caller must :meth:`check` what it doubts)."""
         return self._loaders[i](pool, slot)
+
+    def check(self, i: int, t: torch.Tensor) -> None:
+        """Run model ``i``'s validation on ``t`` (raises)."""
+        if self._checks is not None:
+            self._checks[i](t)
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
@@ -134,6 +152,12 @@ class Merger:
         self.params = self.Params(**params)
         self.counters: dict[str, int] = {}
         self.pool: BufferPool | None = None  # scratch buffers a merger may reuse (set by merge_checkpoints)
+        # lookahead(name, n) -> [(key, Grams, weights)] of the next n distinct Gram inputs after tensor ``name``
+        # (set by merge_checkpoints; a merger may start work on them early)
+        self.lookahead: Callable[[str, int], list[tuple[str, Sequence[torch.Tensor], Sequence[float]]]] | None = None
+
+    def close(self) -> None:
+        """Release background work and buffers (called once the merge is done or failed)."""
 
     def count(self, what: str) -> None:
         """Count an event for the merge report (e.g. ``lstsq_fallback``)."""

@@ -129,6 +129,17 @@ def _finite_loader(
     return lambda p, s: check_finite_tensor(load(p, s), name, where)
 
 
+def _gram_inputs(grams: Sequence[StatsFile], module: str, pool: BufferPool) -> LazyTensors:
+    """The K Grams of ``module`` (checked finite on access; RegMean checks them in its own pass instead)."""
+    return LazyTensors(
+        [lambda p, s, g=g: g.get(module, p, s) for g in grams],
+        pool,
+        "gram",
+        checks=[lambda t, g=g: check_finite_tensor(t, module, g.path) for g in grams],
+        shape=tuple(grams[0].shape(module)),
+    )
+
+
 def merge_checkpoints(
     strategy: str,
     models: Sequence[str | Path],
@@ -253,11 +264,7 @@ def merge_checkpoints(
         if grams is not None and module is not None and first.dim() == 2:
             have = [g.has(module) for g in grams]
             if all(have):
-                gram = LazyTensors(
-                    [_finite_loader(lambda p, s, g=g: g.get(module, p, s), module, g.path) for g in grams],
-                    pool,
-                    "gram",
-                )
+                gram = _gram_inputs(grams, module, pool)
                 conv1d = module in grams[0].conv1d
             elif any(have):
                 raise MissingStats(f"Gram of {module} is missing from some models' statistics; recollect them")
@@ -267,6 +274,32 @@ def merge_checkpoints(
         inputs = TensorInputs(name, tensors, weights, b, fisher, gram, conv1d, key)
         return merge_class_rows(merger.merge_tensor, inputs, learned) if rows else merger.merge_tensor(inputs)
 
+    gram_order = [
+        (n[: -len(".weight")], i)
+        for i, n in enumerate(r0.names())
+        if grams is not None and n.endswith(".weight") and len(r0.shape(n)) == 2 and all(
+            g.has(n[: -len(".weight")]) for g in grams
+        )
+    ]  # fmt: skip
+    position = {r0.names()[i]: j for j, (_, i) in enumerate(gram_order)}
+
+    def lookahead(name: str, n: int) -> list[tuple[str, LazyTensors, list[float]]]:
+        """The next ``n`` distinct Gram inputs after tensor ``name`` (other than ``name``'s own)."""
+        j = position.get(name)
+        if j is None:
+            return []
+        seen = {same_input.get(gram_order[j][0], gram_order[j][0])}
+        out = []
+        for module, _ in gram_order[j + 1 :]:
+            key = same_input.get(module, module)
+            if key not in seen:
+                seen.add(key)
+                out.append((key, _gram_inputs(grams, module, pool), weights))  # type: ignore[arg-type]
+                if len(out) == n:
+                    break
+        return out
+
+    merger.lookahead = lookahead
     names: dict[str, str] = {}
     for i, m in enumerate(models):
         ds = None
@@ -278,7 +311,10 @@ def merge_checkpoints(
         names[name] = "." if i == 0 else f"heads/{name}"
     out = Path(out)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
-        write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True)
+        try:
+            write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True)
+        finally:
+            merger.close()
         if union is not None:  # the merged head learned every class some model learned
             write_label_space(tmp, union.merged())
         if separate:

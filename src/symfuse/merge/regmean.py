@@ -196,12 +196,18 @@ def regmean_apply(
     # Grams are symmetric), and the solve reads B^T as the column-major (in, out) right-hand side.
     c = system.weights
     total = sum(c)
-    mean = torch.zeros(ws[0].shape, dtype=dtype)  # Wbar (the output)
-    for w, ci in zip(ws, c, strict=True):
-        chunked(lambda m, w_, a=ci / total: m.add_(w_, alpha=a), mean, w)
+    mean = torch.empty(ws[0].shape, dtype=dtype)  # Wbar (the output)
     others = [i for i, d in enumerate(system.diffs) if d is not None]
-    for i in others:
-        chunked(torch.Tensor.sub_, ws[i], mean)  # D_i, in place in our own copy
+    share = [ci / total for ci in c]
+
+    def mean_and_deltas(m: torch.Tensor, *w: torch.Tensor) -> None:  # one pass, cache-sized chunks
+        torch.mul(w[0], share[0], out=m)
+        for w_, a in zip(w[1:], share[1:], strict=True):
+            m.add_(w_, alpha=a)
+        for i in others:
+            w[i].sub_(m)  # D_i, in place in our own copy
+
+    chunked(mean_and_deltas, mean, *ws)
     used = "none"
     if others:
         used = str(dtype).removeprefix("torch.")
@@ -220,13 +226,12 @@ def regmean_apply(
                 b.copy_(dd @ dg)  # (out, m in) @ (m in, in)
             del dd
         else:
-            b.zero_()
-            for i in others:
-                diff = system.diffs[i]
+            for j, i in enumerate(others):
+                diff, beta = system.diffs[i], 1.0 if j else 0.0  # the first product overwrites b
                 if conv1d:
-                    b.addmm_(diff, ws[i], alpha=c[i])
+                    b.addmm_(diff, ws[i], beta=beta, alpha=c[i])
                 else:
-                    b.addmm_(ws[i], diff, alpha=c[i])
+                    b.addmm_(ws[i], diff, beta=beta, alpha=c[i])
         rhs = b if conv1d else b.T  # (in, out)
         if system.factor is not None:
             x = torch.cholesky_solve(rhs, system.factor)  # (in, out)
@@ -287,6 +292,14 @@ class RegMeanMerger(Merger):
         super().__init__(**params)
         self._system: GramSystem | None = None
         self._system_key: str | None = None
+        self._prefetch = None  # a SystemPrefetcher once merge_checkpoints gave a lookahead
+
+    def close(self) -> None:
+        """Stop the background Gram builder."""
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
+        self._system = None
 
     def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
         """RegMean solve for a linear weight with Grams, weighted mean otherwise.
@@ -302,7 +315,17 @@ class RegMeanMerger(Merger):
             self.count("factor_reused")
         else:
             self._system = None  # release the previous system's memory before building the next
-            system = gram_system(t.gram, t.weights, p.alpha, getattr(torch, p.dtype), self.pool)  # type: ignore[attr-defined]
+            dtype = getattr(torch, p.dtype)  # type: ignore[attr-defined]
+            if self.lookahead is not None and t.gram_key is not None:
+                # one pass per Gram, and the next input's system built in the background meanwhile
+                from symfuse.merge.gram_systems import SystemPrefetcher
+
+                if self._prefetch is None:
+                    self._prefetch = SystemPrefetcher(p.alpha, dtype)  # type: ignore[attr-defined]
+                system = self._prefetch.get(t.gram_key, t.gram, t.weights)
+                self._prefetch.ahead(self.lookahead(t.name, self._prefetch.depth))
+            else:
+                system = gram_system(t.gram, t.weights, p.alpha, dtype, self.pool)  # type: ignore[attr-defined]
             self._system, self._system_key = system, t.gram_key
             if system.factor is None:
                 self.count("lstsq_fallback")

@@ -1,0 +1,369 @@
+"""Checks that a matched model still computes its source's function, cheap enough to run on every match.
+
+* :func:`check_module_transform`: while a module's transform is applied, the invariants it must keep are
+  compared on a few random probe inputs (float64 for float32 / float64 weights): per query head the scores
+  ``(Q_h x + b) . (K_g y + b)`` (and the DeBERTa ``pos_q`` / ``pos_k`` cross terms), per head the output
+  contribution ``O_h (V_g x + b)``, and for the FFN ``down act(up x + b)`` (gated: ``act(gate x) * up x``).
+  Attention permutations must keep them to float64 rounding, rotations and scalings to a few units of the
+  stored dtype's rounding; the FFN (permutations; computed in float32 without copies) to 1e-4. A failure is a
+  :class:`~symfuse.errors.VerificationError` naming the module and the head.
+* :func:`streaming_logit_diff`: the outputs of two checkpoints on a few short random inputs, with each model
+  built empty (parameters on the meta device) and its layers read from disk just before they run and dropped
+  right after: memory is one layer plus the embeddings and heads, never a whole model (let alone two).
+  :class:`StreamedReference` computes the source's side in a background thread while matching runs.
+* :func:`full_logit_diff`: the same with both models loaded whole (``--verify full``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import zlib
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from symfuse.arch import Geometry, ModuleRef, get_spec
+from symfuse.checkpoint import HF_LOAD_LOCK, CheckpointReader, load_hf_model
+from symfuse.errors import VerificationError
+from symfuse.match.closed_form import torch_threads
+from symfuse.symmetry.transforms import FFNPermutation, HeadPermutation, ModuleTransform
+
+log = logging.getLogger(__name__)
+
+VERIFY_MODES = ("stream", "full", "none")
+N_PROBES = 4
+EXACT_TOL = 1e-9  # permutations only: the probes differ by float64 summation order alone
+FLOAT32_TOL = 1e-4  # checks computed in float32: its summation-order noise over a few thousand terms
+ROUNDING_TOL = 16  # rotations / scalings: units of the stored dtype's epsilon
+
+
+def _tol(mt: ModuleTransform | None, weights: Mapping[str, torch.Tensor]) -> float:
+    if mt is None or all(isinstance(p, (FFNPermutation, HeadPermutation)) for p in mt.parts):
+        return EXACT_TOL
+    eps = max(torch.finfo(t.dtype).eps for t in weights.values() if t.is_floating_point())
+    return ROUNDING_TOL * eps
+
+
+def _work(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
+    half = any(t.dtype in (torch.float16, torch.bfloat16) for t in weights.values())
+    return torch.float32 if half else torch.float64
+
+
+def _proj(w: Mapping[str, torch.Tensor], role: str, x: torch.Tensor) -> torch.Tensor:
+    y = w[role].to(x.dtype) @ x
+    b = w.get(role + "_bias")
+    return y + b.to(x.dtype)[:, None] if b is not None else y
+
+
+def _rel(new: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Relative Frobenius change per leading index (NaN counts as a failure)."""
+    d = (new - ref).flatten(1).norm(dim=1)
+    return d / ref.flatten(1).norm(dim=1).clamp_min(torch.finfo(ref.dtype).tiny)
+
+
+def _attn_invariants(w: Mapping[str, torch.Tensor], geo: Geometry, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per head: QK scores (each q-side x k-side role pair) and the V/O output contribution, on probes ``x``."""
+    nh, nkv, dh, p = geo.n_heads, geo.n_kv_heads, geo.head_dim, x.shape[1]
+    y = x.flip(1)  # second probe set for the key side
+    group = torch.arange(nh) // (nh // nkv)
+    out = {}
+    for qr in ("q", "pos_q"):
+        for kr in ("k", "pos_k"):
+            if qr in w and kr in w:
+                q = _proj(w, qr, x).reshape(nh, dh, p)
+                k = _proj(w, kr, y).reshape(nkv, dh, p)[group]
+                out[f"{qr}.{kr} scores"] = torch.einsum("hdp,hdr->hpr", q, k)
+    v = _proj(w, "v", x).reshape(nkv, dh, p)[group]  # (nh, dh, p)
+    o = w["o"].to(x.dtype).reshape(w["o"].shape[0], nh, dh)
+    out["V.O output"] = torch.einsum("ehd,hdp->hep", o, v)
+    return out
+
+
+def _ffn_invariant(w: Mapping[str, torch.Tensor], x: torch.Tensor) -> dict[str, torch.Tensor]:
+    h = torch.tanh(_proj(w, "up", x))
+    if "gate" in w:
+        h = h * torch.tanh(_proj(w, "gate", x))
+    return {"FFN output": (w["down"].to(x.dtype) @ h)[None]}
+
+
+def _head_order(transform: ModuleTransform | None, geo: Geometry) -> torch.Tensor:
+    """New query head j = old query head ``order[j]`` (the head permutations of ``transform``, composed)."""
+    groups = torch.arange(geo.n_kv_heads)
+    for p in transform.parts if transform is not None else ():
+        if isinstance(p, HeadPermutation):
+            groups = groups[p.perm]
+    g = geo.n_heads // geo.n_kv_heads
+    return (groups[:, None] * g + torch.arange(g)[None, :]).reshape(-1)
+
+
+def check_module_transform(
+    ref: ModuleRef,
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    geo: Geometry,
+    transform: ModuleTransform | None = None,
+    where: str = "",
+) -> float:
+    """Check that ``new`` (the transformed module) computes what ``old`` does, on random probes.
+
+    Args:
+        ref: The module.
+        old: Its canonical weights before the transform.
+        new: After the transform, in the stored dtype.
+        geo: Model geometry (heads, head size).
+        transform: The transform applied (permutations alone are held to float64 rounding).
+        where: Names the artifact in the error (e.g. the output folder).
+
+    Returns:
+        The largest relative change seen (per head / per FFN, Frobenius over probes).
+
+    Raises:
+        VerificationError: a role missing or changed in shape / dtype, or an invariant broken beyond rounding.
+    """
+    geo = geo.of(ref.stack)  # multi-stack families (T5, CLIP): the module's own stack
+    prefix = f"{where}: " if where else ""
+    for role, t in old.items():
+        if role not in new or new[role].shape != t.shape or new[role].dtype != t.dtype:
+            got = (tuple(new[role].shape), new[role].dtype) if role in new else None
+            raise VerificationError(
+                f"{prefix}module {ref.key}: role {role!r} is {got} after the transform, {(tuple(t.shape), t.dtype)} "
+                "before — the transform is not a symmetry of this module; nothing was published"
+            )
+    # attention in float64 (rotations are checked to the stored dtype's rounding); the FFN (permutations only,
+    # the big matrices) in float32 without copies, to float32 summation-order noise
+    dtype = _work(old) if ref.kind == "attn" else torch.float32
+    g = torch.Generator().manual_seed(1234 + 2 * ref.layer + (ref.kind == "ffn"))
+    x = torch.randn(geo.d_model, N_PROBES, generator=g, dtype=dtype)
+    inv = _attn_invariants if ref.kind == "attn" else (lambda w, _g, x: _ffn_invariant(w, x))
+    before, after = inv(old, geo, x), inv(new, geo, x)
+    tol = max(_tol(transform, new), FLOAT32_TOL if dtype == torch.float32 else 0.0)
+    heads = _head_order(transform, geo) if ref.kind == "attn" else None
+    worst = 0.0
+    for what, b in before.items():
+        rel = _rel(after[what], b if heads is None else b[heads])
+        bad = ~(rel <= tol)
+        if bool(bad.any()):
+            h = int(bad.nonzero()[0, 0])
+            head = f" head {h}" if ref.kind == "attn" else ""
+            raise VerificationError(
+                f"{prefix}module {ref.key}: the transform changes the {what}{head} by {float(rel[h]):.1e} "
+                f"(relative; rounding allows {tol:.0e}) — the matched weights are wrong; nothing was published"
+            )
+        worst = max(worst, float(rel.max()))
+    return worst
+
+
+# ----------------------------------------------------------------------------------------- model outputs
+def logit_tolerance(dtype: torch.dtype) -> float:
+    """Largest accepted max |Δ output| relative to max |output| for weights stored in ``dtype``."""
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Every ``nn.Parameter`` registered in the block lands on the meta device (buffers stay real)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            p = module._parameters[name]
+            module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=False)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _model_class(config: Any) -> Any:
+    import transformers
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    return (getattr(transformers, arch, None) if arch else None) or transformers.AutoModel
+
+
+def _empty_model(config: Any) -> torch.nn.Module:
+    cls = _model_class(config)
+    with HF_LOAD_LOCK, _params_on_meta():
+        model = cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
+    return model.eval()
+
+
+def _layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The ModuleList holding most parameters (the stack of layers), if it has more than one child."""
+    best, size = None, 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 1:
+            n = sum(p.numel() for p in m.parameters())
+            if n > size:
+                best, size = m, n
+    return best
+
+
+def _run_streaming(
+    model: torch.nn.Module, reader: CheckpointReader, inputs: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """``model`` (built by :func:`_empty_model`) on ``inputs`` with ``reader``'s weights, one layer at a time.
+
+    The model is left as it was built (parameters on the meta device).
+    """
+    base = getattr(model, "base_model_prefix", "") or ""
+
+    def stored(name: str) -> str | None:
+        for n in (name, name.removeprefix(base + "."), f"{base}.{name}", reader.prefix + name):
+            if reader.has(n):
+                return n
+        return None
+
+    names: dict[int, tuple[str | None, str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if names.get(id(p), (None,))[0] is None:
+            names[id(p)] = (stored(n), n)
+
+    def load(p: torch.nn.Parameter) -> torch.nn.Parameter:
+        s, full = names[id(p)]
+        if s is None:  # not stored (a fresh head): the same seeded values in both models
+            g = torch.Generator().manual_seed(zlib.crc32(full.encode()))
+            t = 0.02 * torch.randn(p.shape, generator=g)
+        else:
+            t = reader.tensor_file(s).get(s)
+            if t.shape != p.shape:
+                raise VerificationError(f"{reader.path}: {s} has shape {tuple(t.shape)}, the model wants {p.shape}")
+            t = t.float() if t.is_floating_point() else t
+        return torch.nn.Parameter(t, requires_grad=False)
+
+    Owned = list[tuple[torch.nn.Module, str, torch.nn.Parameter]]
+
+    def owned(m: torch.nn.Module) -> Owned:
+        return [(mod, pn, p) for mod in m.modules() for pn, p in mod._parameters.items() if p is not None]
+
+    def fill(items: Owned) -> None:
+        done: dict[int, torch.nn.Parameter] = {}  # tied parameters are read once
+        for mod, pn, p in items:
+            if id(p) not in done:
+                done[id(p)] = load(p)
+            mod._parameters[pn] = done[id(p)]
+
+    def empty(items: Owned) -> None:
+        for mod, pn, p in items:
+            mod._parameters[pn] = p
+
+    skeleton = owned(model)
+    layers = _layer_list(model)
+    streamed: set[int] = set()
+    hooks = []
+    if layers is not None:
+        for layer in layers:
+            items = owned(layer)
+            streamed.update(id(mod) for mod, _, _ in items)
+            hooks.append(layer.register_forward_pre_hook(lambda _m, _a, items=items: fill(items)))
+            hooks.append(layer.register_forward_hook(lambda _m, _a, _o, items=items: empty(items)))
+    resident = [(mod, pn, p) for mod, pn, p in owned(model) if id(mod) not in streamed]
+    try:
+        fill(resident)
+        with torch.no_grad(), torch_threads(1):  # a few short sequences: one thread beats two
+            out = model(**inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+        empty(skeleton)
+        reader.close_files()
+    return get_spec(model.config).main_output(out).float()  # logits (CLIP: logits_per_image), else hidden states
+
+
+def _inputs(config: Any, seed: int) -> dict[str, torch.Tensor]:
+    return get_spec(config).random_inputs(config, generator=torch.Generator().manual_seed(seed))
+
+
+def streaming_logit_diff(a: str | Path, b: str | Path, seed: int = 0) -> tuple[float, float]:
+    """``(max |Δ output|, max |output of b|)`` of two checkpoints on a few random inputs, layer by layer.
+
+    Each model is built with its parameters on the meta device; its layers are read (``pread``, float32) just
+    before they run and released right after; the embeddings and heads stay for the model's pass.
+    """
+    with CheckpointReader(b) as rb:
+        inputs = _inputs(rb.config, seed)
+        model = _empty_model(rb.config)  # one skeleton serves both (a's config must build the same model)
+        ob = _run_streaming(model, rb, inputs)
+    with CheckpointReader(a) as ra:
+        oa = _run_streaming(model, ra, inputs)
+    return float((oa - ob).abs().max()), float(ob.abs().max())
+
+
+class StreamedReference:
+    """SOURCE's outputs for the streamed check, computed in a background thread (e.g. while matching runs).
+
+    The model skeleton is built and SOURCE streamed through it in one thread (one torch thread); :meth:`compare`
+    then streams the matched model through the same skeleton on the same inputs.
+
+    Args:
+        source: The source checkpoint folder.
+        seed: Seed of the random inputs.
+    """
+
+    def __init__(self, source: str | Path, seed: int = 0):
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="symfuse-verify")
+        self._result = self._thread.submit(self._reference, Path(source), seed)
+
+    @staticmethod
+    def _reference(source: Path, seed: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor]:
+        with CheckpointReader(source) as r:
+            inputs = _inputs(r.config, seed)
+            model = _empty_model(r.config)
+            return model, inputs, _run_streaming(model, r, inputs)
+
+    def compare(self, matched: str | Path) -> tuple[float, float]:
+        """``(max |Δ output|, max |SOURCE output|)`` of ``matched`` against SOURCE (:func:`streaming_logit_diff`)."""
+        model, inputs, ref = self._result.result()
+        with CheckpointReader(matched) as r:
+            out = _run_streaming(model, r, inputs)
+        return float((out - ref).abs().max()), float(ref.abs().max())
+
+    def close(self) -> None:
+        """Wait for the background pass (its errors surface in :meth:`compare`) and stop the thread."""
+        self._thread.shutdown(wait=True)
+
+
+def full_logit_diff(a: str | Path, b: str | Path, seed: int = 0) -> tuple[float, float]:
+    """Like :func:`streaming_logit_diff` with both models loaded whole (float32)."""
+    ma = load_hf_model(a, dtype=torch.float32, validate=False)
+    mb = load_hf_model(b, dtype=torch.float32, validate=False)
+    inputs = _inputs(ma.config, seed)
+    with torch.no_grad():
+        oa, ob = ma(**inputs), mb(**inputs)
+    spec = get_spec(ma.config)
+    ya, yb = spec.main_output(oa).float(), spec.main_output(ob).float()
+    return float((ya - yb).abs().max()), float(yb.abs().max())
+
+
+def verify_outputs(
+    matched: Path, source: Path, mode: str, dtype: torch.dtype, reference: StreamedReference | None = None
+) -> float | None:
+    """Compare the outputs of ``matched`` and ``source`` (``mode``: stream, full or none); the max |Δ|.
+
+    ``reference``: SOURCE's streamed outputs, already under way (``stream`` only).
+
+    Raises:
+        VerificationError: the outputs differ by more than :func:`logit_tolerance` allows (or are NaN).
+    """
+    if mode == "none":
+        return None
+    if mode == "stream" and reference is not None:
+        diff, scale = reference.compare(matched)
+    else:
+        diff, scale = (full_logit_diff if mode == "full" else streaming_logit_diff)(matched, source)
+    tol = logit_tolerance(dtype) * scale + 1e-6
+    if not diff <= tol:
+        raise VerificationError(
+            f"{matched}: its outputs differ from {source}'s by {diff:.2e} (max |output| {scale:.2e}, allowed "
+            f"{tol:.1e}) on random inputs — the matched model does not compute the source's function; nothing was "
+            "published"
+        )
+    log.info("verified %s (%s): max |Δ output| %.2e", matched, mode, diff)
+    return diff

@@ -1,0 +1,200 @@
+"""RegMean's Gram systems built in one pass per Gram, and the next one built in the background.
+
+:func:`build_system` gives the same :class:`~symfuse.merge.regmean.GramSystem` as
+:func:`~symfuse.merge.regmean.gram_system` with less memory traffic: the reference model's Gram is read first
+(as stored), then each other Gram is read once and, cache-sized chunk by chunk, added into the sum ``S`` and
+subtracted from the reference straight into the solve dtype (``G_i - G_r`` from the stored values, so a float64
+file loses nothing to an early rounding). The off-diagonal scaling ``alpha`` is applied in the same chunk; the
+diagonals are restored from the stored ones; a NaN / inf anywhere shows in ``S`` and is then traced to its file.
+
+:class:`SystemPrefetcher` builds the NEXT inputs' systems (two ahead by default) in one background thread (one
+torch thread; the reads are ``preadv`` and release the GIL) while the caller's products and solves for the
+current one run, each system in its own :class:`BufferPool`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from symfuse.errors import NonFiniteError
+from symfuse.io import BufferPool
+from symfuse.merge.base import LazyTensors, chunked
+from symfuse.merge.regmean import GramSystem, scale_gram
+
+log = logging.getLogger(__name__)
+
+
+def _load(grams: Sequence[torch.Tensor], i: int, pool: BufferPool | None, slot: str) -> torch.Tensor:
+    if isinstance(grams, LazyTensors):
+        return grams.load_unchecked(i, pool, slot)
+    return grams[i]
+
+
+def _check(grams: Sequence[torch.Tensor], i: int, t: torch.Tensor) -> None:
+    if isinstance(grams, LazyTensors):
+        grams.check(i, t)
+    elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise NonFiniteError(f"regmean: Gram {i} holds NaN / inf values")
+
+
+def build_system(
+    grams: Sequence[torch.Tensor],
+    model_weights: Sequence[float] | None = None,
+    alpha: float = 0.9,
+    dtype: torch.dtype = torch.float64,
+    pool: BufferPool | None = None,
+    raw_pool: BufferPool | None = None,
+) -> GramSystem:
+    """The factored system of K Grams (see :func:`symfuse.merge.regmean.gram_system`; same arguments, result).
+
+    ``raw_pool`` (default ``pool``) holds the Grams as read (two buffers), ``pool`` the system itself.
+
+    Raises:
+        ValueError: a bad alpha, non-square Grams or Grams of different sizes.
+        NonFiniteError: a Gram holds NaN / inf (named by its loader), or their sum overflows ``dtype``.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"regmean alpha must be in [0, 1], got {alpha}")
+    mw = [float(c) for c in model_weights] if model_weights is not None else [1.0] * len(grams)
+    if len(mw) != len(grams) or not mw or min(mw) < 0 or sum(mw) <= 0:
+        raise ValueError(f"regmean: {len(grams)} Grams need as many non-negative weights with a positive sum, got {mw}")
+    pool = pool if pool is not None else BufferPool()
+    raw_pool = raw_pool if raw_pool is not None else pool
+    ref = max(range(len(mw)), key=mw.__getitem__)
+    g_ref = _load(grams, ref, raw_pool, "gram.ref")
+    n = g_ref.shape[0]
+    if g_ref.dim() != 2 or g_ref.shape != (n, n):
+        raise ValueError(f"regmean: Grams must be square and of one size, got {tuple(g_ref.shape)}")
+    summed = pool.take("summed", (n, n), dtype)
+    c_ref = mw[ref]
+    chunked(lambda s_, r_: torch.mul(r_, c_ref * alpha, out=s_), summed, g_ref)
+    diag_ref = g_ref.diagonal().to(torch.float64)
+    diag_sum = c_ref * diag_ref
+    diffs: list[torch.Tensor | None] = [None] * len(mw)
+    for i, c in enumerate(mw):
+        if i == ref:
+            continue
+        g = _load(grams, i, raw_pool, "gram.raw")
+        if g.shape != (n, n):
+            raise ValueError(f"regmean: Grams must be square and of one size, got {tuple(g.shape)} and ({n}, {n})")
+        if c == 0.0:  # adds nothing; still refused when corrupt
+            _check(grams, i, g)
+            continue
+        d = pool.take(f"gram{i}", (n, n), dtype)
+
+        def step(s_: torch.Tensor, g_: torch.Tensor, r_: torch.Tensor, d_: torch.Tensor, c: float = c) -> None:
+            s_.add_(g_, alpha=c * alpha)  # S += c alpha G_i (diagonal fixed below)
+            torch.sub(g_, r_, out=d_)  # G_i - G_r from the stored values, rounded once
+            if alpha != 1.0:
+                d_.mul_(alpha)
+
+        chunked(step, summed, g, g_ref, d)
+        diag_i = g.diagonal().to(torch.float64)
+        diag_sum += c * diag_i
+        d.diagonal().copy_(diag_i - diag_ref)
+        diffs[i] = d
+    summed.diagonal().copy_(diag_sum)
+    if not bool(torch.isfinite(summed.sum())):  # NaN / inf in a Gram propagate into S: find the file
+        for i in range(len(mw)):
+            _check(grams, i, _load(grams, i, raw_pool, "gram.raw") if i != ref else g_ref)
+        raise NonFiniteError(
+            f"regmean: the summed Gram ({n} x {n}) overflows {dtype} — merge with dtype float64 (--dtype float64)"
+        )
+    info = torch.empty((), dtype=torch.int32)
+    torch.linalg.cholesky_ex(summed, out=(summed, info))  # in place: S is not needed once factored
+    if int(info) != 0:
+        log.warning("regmean: summed Gram (%d x %d) is not positive definite; solving by lstsq", n, n)
+        # rebuild S = (sum_i c_i) G_r' + sum_i c_i (G_i' - G_r')
+        summed.copy_(scale_gram(g_ref.to(dtype), alpha)).mul_(sum(mw))
+        for d, c in zip(diffs, mw, strict=True):
+            if d is not None:
+                summed.add_(d, alpha=c)
+        return GramSystem(diffs, mw, summed, None, math.inf, ref, pool)
+    dg = summed.diagonal()
+    cond = float((dg.max() / dg.min()) ** 2)
+    return GramSystem(diffs, mw, summed, summed, cond, ref, pool)
+
+
+class SystemPrefetcher:
+    """Builds Gram systems ahead in ONE background thread (see the module docstring).
+
+    Every build runs in that thread (one torch thread; its raw read buffers are its own), in the order asked;
+    each system gets its own :class:`BufferPool`, recycled for a Gram of the same shape once the merger moved past it.
+
+    Args:
+        alpha: Off-diagonal scale.
+        dtype: Solve dtype.
+        depth: Distinct inputs built ahead of the one in use.
+    """
+
+    def __init__(self, alpha: float, dtype: torch.dtype, depth: int = 2):
+        self.alpha, self.dtype, self.depth = alpha, dtype, depth
+        self._raw = BufferPool()
+        # idle pools by Gram shape (a pool keeps its largest buffers: recycling one across sizes would leave every
+        # pool as big as the biggest system); pools of unknown shape are not kept
+        self._free: dict[tuple[int, ...], list[BufferPool]] = {}
+        self._queue: deque[tuple[str, Future[GramSystem], BufferPool, tuple[int, ...] | None]] = deque()
+        self._current: tuple[BufferPool, tuple[int, ...] | None] | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="regmean-grams")
+
+    def _build(self, grams: Sequence[torch.Tensor], weights: Sequence[float], pool: BufferPool) -> GramSystem:
+        prev = torch.get_num_threads()
+        torch.set_num_threads(1)  # per calling thread: the main thread's products keep their threads
+        try:
+            return build_system(grams, weights, self.alpha, self.dtype, pool, self._raw)
+        finally:
+            torch.set_num_threads(prev)
+
+    def _release(self, pool: BufferPool, shape: tuple[int, ...] | None) -> None:
+        if shape is not None:
+            self._free.setdefault(shape, []).append(pool)
+
+    def _submit(self, key: str, grams: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+        shape = getattr(grams, "shape", None)
+        idle = self._free.get(shape, []) if shape is not None else []
+        pool = idle.pop() if idle else BufferPool()
+        self._queue.append((key, self._thread.submit(self._build, grams, weights, pool), pool, shape))
+
+    def get(self, key: str, grams: Sequence[torch.Tensor], weights: Sequence[float]) -> GramSystem:
+        """The system of ``key`` (the one in use before is released): prefetched when it was asked for."""
+        if self._current is not None:
+            self._release(*self._current)
+            self._current = None
+        while self._queue and self._queue[0][0] != key:  # asked ahead but skipped: drop it
+            _, fut, pool, shape = self._queue.popleft()
+            with contextlib.suppress(Exception):
+                fut.result()
+            self._release(pool, shape)
+        if not self._queue:
+            self._submit(key, grams, weights)
+        _, fut, pool, shape = self._queue.popleft()
+        self._current = (pool, shape)
+        return fut.result()
+
+    def ahead(self, upcoming: Sequence[tuple[str, Sequence[torch.Tensor], Sequence[float]]]) -> None:
+        """Queue the next inputs' builds (up to ``depth`` in flight)."""
+        queued = {k for k, _, _, _ in self._queue}
+        for key, grams, weights in upcoming:
+            if len(self._queue) >= self.depth:
+                break
+            if key not in queued:
+                self._submit(key, grams, weights)
+                queued.add(key)
+
+    def close(self) -> None:
+        """Wait for builds in flight and stop the thread."""
+        while self._queue:
+            _, fut, _, _ = self._queue.popleft()
+            with contextlib.suppress(Exception):  # its tensor was never merged: nothing to report
+                fut.result()
+        self._thread.shutdown(wait=True)
+        self._free.clear()
+        self._current = None
+        self._raw.clear()

@@ -1,0 +1,132 @@
+"""RegMean's one-pass Gram systems and their background prefetch: same algebra, files named on NaN."""
+
+import threading
+
+import pytest
+import torch
+
+from symfuse.checkpoint import CheckpointReader
+from symfuse.errors import NonFiniteError
+from symfuse.io import check_finite_tensor
+from symfuse.merge import gram_systems as gs
+from symfuse.merge import merge_checkpoints, regmean_solve
+from symfuse.merge.base import LazyTensors
+from symfuse.merge.regmean import RegMeanMerger, TensorInputs, gram_system
+from symfuse.stats import StatsFile, linear_modules, save_stats
+from tests.tiny import save_tiny, tiny_model
+
+
+def _grams(k, n, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(k):
+        x = torch.randn(3 * n, n, generator=g, dtype=torch.float64) * torch.logspace(0, -1, n, dtype=torch.float64)
+        out.append((x.T @ x / (3 * n)).to(dtype))
+    return out
+
+
+def _scaled(g, alpha):
+    return alpha * g + (1 - alpha) * torch.diag(torch.diagonal(g))
+
+
+@pytest.mark.parametrize("alpha", [0.9, 1.0, 0.0])
+@pytest.mark.parametrize("weights", [[1.0, 1.0, 1.0], [0.2, 0.5, 0.3], [0.4, 0.0, 0.6]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_pass_system_is_the_closed_form(alpha, weights, dtype):
+    grams = _grams(3, 12)
+    got = gs.build_system(grams, weights, alpha, dtype)
+    ref = max(range(3), key=weights.__getitem__)
+    s = sum(c * _scaled(g, alpha) for c, g in zip(weights, grams, strict=True))
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    factor = got.factor.double()
+    torch.testing.assert_close(factor @ factor.T, s, rtol=tol, atol=tol)
+    assert got.ref == ref
+    for i, (d, c) in enumerate(zip(got.diffs, weights, strict=True)):
+        if i == ref or c == 0.0:
+            assert d is None
+        else:  # G_i' - G_r' from the stored values, rounded once
+            torch.testing.assert_close(d.double(), _scaled(grams[i] - grams[ref], alpha), rtol=tol, atol=1e-7)
+    old = gram_system(grams, weights, alpha, dtype)
+    assert got.cond == pytest.approx(old.cond, rel=1e-5)
+
+
+def test_one_pass_system_names_the_file_with_nan(tmp_path):
+    grams = _grams(3, 8)
+    grams[2][3, 1] = float("nan")
+    checks = [lambda t, i=i: check_finite_tensor(t, "layer.x", tmp_path / f"s{i}") for i in range(3)]
+    lazy = LazyTensors([lambda p, s, g=g: g.clone() for g in grams], None, "gram", checks=checks)
+    with pytest.raises(NonFiniteError, match=r"s2: tensor 'layer.x' holds 1 NaN"):
+        gs.build_system(lazy, [1.0, 1.0, 1.0], 0.9, torch.float32)
+    with pytest.raises(NonFiniteError, match=r"s2: tensor 'layer.x'"):  # a model of weight 0 too
+        gs.build_system(lazy, [1.0, 1.0, 0.0], 0.9, torch.float32)
+    with pytest.raises(NonFiniteError, match="overflows"):  # finite float64 Grams whose sum is not a float32
+        gs.build_system([g * 1e300 for g in _grams(2, 4)], None, 0.9, torch.float32)
+
+
+def test_prefetched_systems_give_the_same_merge_and_are_built_ahead(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    keys = ["a", "a", "b", "c", "c", "d"]
+    grams = {k: _grams(3, 10, seed=i) for i, k in enumerate(dict.fromkeys(keys))}
+    ws = [[torch.randn(7, 10, generator=g) for _ in range(3)] for _ in keys]
+    where, submitted, now = [], [], [None]
+    build, submit = gs.build_system, gs.SystemPrefetcher._submit
+
+    def spy(*a, **k):
+        where.append(threading.current_thread().name)
+        return build(*a, **k)
+
+    def spy_submit(self, key, *a):
+        submitted.append((key, now[0]))
+        return submit(self, key, *a)
+
+    monkeypatch.setattr(gs, "build_system", spy)
+    monkeypatch.setattr(gs.SystemPrefetcher, "_submit", spy_submit)
+    merger = RegMeanMerger(alpha=0.8, dtype="float64")
+    w3 = merger.model_weights(3)
+
+    def lookahead(name, n):
+        i, out = int(name), []
+        for j in range(i + 1, len(keys)):
+            if keys[j] != keys[i] and keys[j] not in [k for k, _, _ in out] and len(out) < n:
+                out.append((keys[j], grams[keys[j]], w3))
+        return out
+
+    merger.lookahead = lookahead
+    try:
+        for i, k in enumerate(keys):
+            now[0] = k
+            got = merger.merge_tensor(TensorInputs(str(i), ws[i], w3, gram=grams[k], gram_key=k))
+            want, _ = regmean_solve(ws[i], grams[k], w3, alpha=0.8)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    finally:
+        merger.close()
+    assert len(where) == 4  # one build per distinct input, all in the background thread
+    assert all(w.startswith("regmean-grams") for w in where)
+    # two inputs ahead: b and c are queued while a is merged, d while b is
+    assert submitted == [("a", "a"), ("b", "a"), ("c", "a"), ("d", "b")]
+
+
+def test_merged_checkpoint_equals_layer_by_layer_regmean(tmp_path):
+    folders, stats = [], []
+    model = tiny_model("bert", head="seq")
+    lins = {n: m.in_features for n, m in linear_modules(model).items()}
+    for i in range(3):
+        folders.append(save_tiny(tmp_path / f"m{i}", "bert", seed=i, head="seq"))
+        gr = {}
+        for j, (name, n) in enumerate(sorted(lins.items())):
+            gr[name] = _grams(1, n, seed=100 * i + j)[0]
+        same = {n: n.rsplit(".", 1)[0] + ".query" for n in gr if n.endswith((".key", ".value"))}
+        for n, q in same.items():
+            gr[n] = gr[q].clone()
+        save_stats(gr, tmp_path / f"s{i}" / "gram.safetensors", {"kind": "gram", "conv1d": [], "same_input": same})
+        stats.append(tmp_path / f"s{i}" / "gram.safetensors")
+    out = merge_checkpoints("regmean", folders, tmp_path / "out", stats=stats, alpha=0.7, dtype="float32")
+    readers = [CheckpointReader(f) for f in folders]
+    with CheckpointReader(out) as merged:
+        for name in lins:
+            grams = [StatsFile(s).get(name) for s in stats]
+            ws = [r.get(name + ".weight") for r in readers]
+            want, _ = regmean_solve(ws, grams, alpha=0.7, dtype=torch.float64)
+            torch.testing.assert_close(merged.get(name + ".weight"), want.float(), rtol=0, atol=2e-5)
+    for r in readers:
+        r.close()
