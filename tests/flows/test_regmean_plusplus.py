@@ -14,9 +14,14 @@ def test_strategy_params_give_each_model_its_own_dataset(tiny_base, memory_root)
     config = tiny_config(tiny_base, memory_root, strategies=["regmean++"])
     config.datasets[1].source = "/data/meld_copy"
     p = strategy_params(config, "regmean++", ["meld", "isear"])
-    assert p["data"] == ["/data/meld_copy", "isear"] and p["alpha"] == config.regmean_alpha
-    assert p["max_examples"] == 16 and p["batch_size"] == 8 and p["max_length"] == 24 and "device" not in p
+    assert p["data"] == ["/data/meld_copy", "isear"] and "alpha" not in p  # alpha: the merger's default
+    assert p["max_examples"] == 16 and p["batch_size"] == 8 and p["max_length"] == 24
+    assert p["device"] == config.resolved_device()  # where it runs (left out of the merge's content key)
     assert needed_kinds(config) == []  # it reads no stored statistics
+    # the user's merge_params reach it, and win over the run's values
+    config = config.model_copy(update={"merge_params": {"regmean++": {"alpha": 0.5, "max_examples": 4}}})
+    p = strategy_params(config, "regmean++", ["meld", "isear"])
+    assert p["alpha"] == 0.5 and p["max_examples"] == 4 and p["batch_size"] == 8
 
 
 def test_pipeline_merges_with_regmean_plusplus_plain_and_matched(tiny_base, memory_root, monkeypatch):

@@ -24,7 +24,7 @@ from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.errors import CheckpointError
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.reading import PreadSource, trim_heap
-from symfuse.match.verify import VERIFY_MODES, StreamedReference, check_module_transform, verify_outputs
+from symfuse.match.verify import VERIFY_MODES, StreamedReference, check_module_transform, is_exact, verify_outputs
 from symfuse.match.weights import (
     DEFAULT_SYMMETRIES,
     check_symmetries,
@@ -37,7 +37,6 @@ from symfuse.symmetry.random import ALL_KINDS, random_module_transform
 from symfuse.symmetry.registry import check_kinds, kind_names, kinds_for, restriction_notes
 from symfuse.symmetry.residual import permute_residual
 from symfuse.symmetry.transforms import ModuleTransform, load_transforms, save_transforms
-from symfuse.symmetry.transport import SOFT_PARTS
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +240,7 @@ def assemble_matched(
             before = module_distance(w, a)
             del a
         new = mt.apply(w) if mt is not None else w
-        if mt is not None:
+        if mt is not None and is_exact(mt):  # a soft (OT) map changes the module's function by design
             check_module_transform(ref, w, new, src.geometry, mt, str(out))
         del w
         if anc_io is not None:
@@ -260,8 +259,8 @@ def assemble_matched(
         "anchor": str(anc.path) if anc is not None else None,
         "family": src.spec.family,
         "symmetries": list(symmetries) if symmetries is not None else None,
-        # False when a soft OT map (symfuse.symmetry.transport) is among the parts: not function-preserving
-        "exact": not any(p.name in SOFT_PARTS for t in mts.values() for p in t.parts),
+        # False when a part of an inexact kind (a soft OT map) is among them: not function-preserving
+        "exact": all(is_exact(t) for t in mts.values()),
     }
     try:
         with atomic_output_dir(out, overwrite=overwrite) as tmp:
@@ -271,7 +270,7 @@ def assemble_matched(
             if anc is not None:
                 report["distance_before"] = sq["before"] ** 0.5
                 report["distance_after"] = sq["after"] ** 0.5
-            report["max_abs_logit_diff"] = verify_outputs(tmp, src.path, verify, _dtype(src))
+            report["max_abs_logit_diff"] = verify_outputs(tmp, src.path, verify, _dtype(src), exact=report["exact"])
             report["verify"] = verify
             report["per_module"] = per_module
             report.update(extra_report or {})
@@ -384,11 +383,12 @@ def match_checkpoints(
                 match_s = time.perf_counter() - t0
                 save_transforms(transforms, tmp / TRANSFORMS_FILE)
                 t1 = time.perf_counter()
-                diff = verify_outputs(tmp, src.path, verify, _dtype(src), reference)
+                exact = all(is_exact(t) for t in transforms.values())  # False: a soft (OT) map among them
+                diff = verify_outputs(tmp, src.path, verify, _dtype(src), reference, exact=exact)
                 timings["verify"] = time.perf_counter() - t1
                 report = {
                     "source": str(src.path), "anchor": str(anc.path), "family": src.spec.family,
-                    "symmetries": list(symmetries), "distance_before": before, "distance_after": after,
+                    "symmetries": list(symmetries), "exact": exact, "distance_before": before, "distance_after": after,
                     "max_abs_logit_diff": diff, "verify": verify, "per_module": per_module,
                     "match_seconds": match_s, "timings": timings, "seconds": time.perf_counter() - t0,
                 }  # fmt: skip
