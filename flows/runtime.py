@@ -128,12 +128,7 @@ def run_lock(run_id: str, wait_seconds: float | None = None) -> Iterator[None]:
     log.info("taking run lock %s (one flow run per run_id at a time)", name)
     stack = contextlib.ExitStack()
     try:
-        # A lease the server revokes while its holder is alive and renewing (PrefectHQ/prefect#22983: a race in
-        # the expired-lease monitor; seen here as "410 Gone" under load) must not kill a pipeline hours into its
-        # fine-tunes: a failed renewal is logged by Prefect and the run goes on (its writes are versioned anyway).
-        stack.enter_context(
-            concurrency(name, occupy=1, timeout_seconds=wait, strict=True, raise_on_lease_renewal_failure=False)
-        )
+        stack.enter_context(concurrency(name, occupy=1, timeout_seconds=wait, strict=True))
     except TimeoutError as exc:
         raise RuntimeError(
             f"run_id {run_id!r} is in use by another flow run (concurrency limit {name} busy for {wait} s): wait for "

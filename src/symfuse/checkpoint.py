@@ -40,7 +40,7 @@ from symfuse.io import (
 log = logging.getLogger(__name__)
 
 # Files that travel with a checkpoint when it is rewritten (tokenizer, generation settings, ...).
-_SIDE_FILES = (
+SIDE_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "vocab.txt",
@@ -390,7 +390,7 @@ def write_checkpoint(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
         shutil.copy2(reader.path / "config.json", tmp / "config.json")
-        for side in _SIDE_FILES:
+        for side in SIDE_FILES:
             if (reader.path / side).exists():
                 shutil.copy2(reader.path / side, tmp / side)
         for fname, data in (extra_files or {}).items():

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from symfuse.arch import ModuleRef
-from symfuse.checkpoint import CheckpointReader
+from symfuse.checkpoint import SIDE_FILES, CheckpointReader
 from symfuse.errors import CheckpointError
 from symfuse.io import WEIGHTS, WEIGHTS_INDEX
 from symfuse.io.planned import PlannedFile
@@ -33,18 +33,6 @@ from symfuse.match.verify import check_module_transform, is_exact
 from symfuse.match.weights import match_module_weights
 from symfuse.symmetry.transforms import ModuleTransform
 
-SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.txt",
-    "merges.txt",
-    "vocab.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "generation_config.json",
-    "preprocessor_config.json",
-)
 ROW_BLOCK = 1 << 22  # elements per block when copying tensors outside the modules
 
 
