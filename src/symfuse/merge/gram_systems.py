@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +25,7 @@ import torch
 from symfuse.errors import NonFiniteError
 from symfuse.io import BufferPool
 from symfuse.merge.base import LazyTensors, chunked
-from symfuse.merge.regmean import GramSystem, scale_gram
+from symfuse.merge.regmean import GramSystem, factor_system, scale_gram
 
 log = logging.getLogger(__name__)
 
@@ -107,19 +106,9 @@ def build_system(
         raise NonFiniteError(
             f"regmean: the summed Gram ({n} x {n}) overflows {dtype} — merge with dtype float64 (--dtype float64)"
         )
-    info = torch.empty((), dtype=torch.int32)
-    torch.linalg.cholesky_ex(summed, out=(summed, info))  # in place: S is not needed once factored
-    if int(info) != 0:
-        log.warning("regmean: summed Gram (%d x %d) is not positive definite; solving by lstsq", n, n)
-        # rebuild S = (sum_i c_i) G_r' + sum_i c_i (G_i' - G_r')
-        summed.copy_(scale_gram(g_ref.to(dtype), alpha)).mul_(sum(mw))
-        for d, c in zip(diffs, mw, strict=True):
-            if d is not None:
-                summed.add_(d, alpha=c)
-        return GramSystem(diffs, mw, summed, None, math.inf, ref, pool)
-    dg = summed.diagonal()
-    cond = float((dg.max() / dg.min()) ** 2)
-    return GramSystem(diffs, mw, summed, summed, cond, ref, pool)
+    return factor_system(
+        summed, diffs, mw, ref, pool, lambda out: out.copy_(scale_gram(g_ref.to(dtype), alpha)).mul_(sum(mw))
+    )
 
 
 class SystemPrefetcher:

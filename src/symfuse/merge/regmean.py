@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -147,17 +147,34 @@ def gram_system(
         if i != ref and mw[i] != 0.0:
             chunked(torch.Tensor.sub_, g, mine[ref])  # in place: the Grams themselves are not needed any more
             diffs[i] = g
+    return factor_system(summed, diffs, mw, ref, pool, lambda out: torch.mul(mine[ref], sum(mw), out=out))
+
+
+def factor_system(
+    summed: torch.Tensor,
+    diffs: list[torch.Tensor | None],
+    mw: list[float],
+    ref: int,
+    pool: BufferPool | None,
+    reference_part: Callable[[torch.Tensor], object],
+) -> GramSystem:
+    """Cholesky-factor the summed Gram ``S`` in place into a :class:`GramSystem`.
+
+    When ``S`` is not positive definite it is rebuilt as ``(sum_i c_i) G_r' + sum_i c_i (G_i' - G_r')`` and the
+    system solves by lstsq: ``reference_part(out)`` writes the first term (``(sum_i c_i) G_r'``) into ``out``.
+    """
+    n = summed.shape[0]
     info = torch.empty((), dtype=torch.int32)
     torch.linalg.cholesky_ex(summed, out=(summed, info))  # in place: S is not needed once factored
     if int(info) != 0:
         log.warning("regmean: summed Gram (%d x %d) is not positive definite; solving by lstsq", n, n)
-        torch.mul(mine[ref], sum(mw), out=summed)  # rebuild S = (sum_i c_i) G_r' + sum_i c_i (G_i' - G_r')
+        reference_part(summed)
         for d, c in zip(diffs, mw, strict=True):
             if d is not None:
                 summed.add_(d, alpha=c)
         return GramSystem(diffs, mw, summed, None, math.inf, ref, pool)
-    d = summed.diagonal()
-    cond = float((d.max() / d.min()) ** 2)
+    dg = summed.diagonal()
+    cond = float((dg.max() / dg.min()) ** 2)
     return GramSystem(diffs, mw, summed, summed, cond, ref, pool)
 
 
