@@ -9,6 +9,7 @@ from symfuse.config import RunConfig
 from symfuse.data import load_task_dataset
 from symfuse.data.labels import shared_label_names
 from symfuse.evaluate import evaluate_model
+from symfuse.evaluate.ensemble import evaluate_heads
 from tasks.common import (
     Progress,
     content_key,
@@ -33,24 +34,29 @@ def describe(config: RunConfig, model: str) -> tuple[str, str]:
     return strategy, variant
 
 
-def pick_head(folder: Path, heads: dict[str, str] | None, dataset: str, data: str) -> tuple[Path, str]:
-    """The sub-folder of a merged model holding the head to evaluate ``dataset`` with, and that head's dataset.
+def pick_heads(
+    folder: Path, heads: dict[str, str] | None, dataset: str, data: str, ood_heads: str = "closest"
+) -> list[tuple[Path, str]]:
+    """The sub-folders of a merged model holding the head(s) to evaluate ``dataset`` with, and their datasets.
 
     A merged model of datasets with different label sets keeps one head per dataset (``heads`` from the merge
-    manifest). In-domain sets use their own head; other sets the head sharing the most class names with them.
+    manifest). In-domain sets use their own head. Other sets: ``vote``: every head sharing a class name with them
+    (they vote, :mod:`symfuse.evaluate.ensemble`); ``closest``: the head sharing the most class names.
     """
     if not heads:
-        return folder, ""
+        return [(folder, "")]
     if dataset in heads:
-        return folder / heads[dataset], dataset
+        return [(folder / heads[dataset], dataset)]
     labels = load_task_dataset(data).labels
 
     def overlap(name: str) -> int:
         id2label = json.loads((folder / heads[name] / "config.json").read_text()).get("id2label") or {}
         return len(shared_label_names(labels, id2label.values()))
 
+    if ood_heads == "vote" and (voters := [n for n in heads if overlap(n)]):
+        return [(folder / heads[n], n) for n in voters]
     best = max(heads, key=overlap)  # ties: the first in merge order
-    return folder / heads[best], best
+    return [(folder / heads[best], best)]
 
 
 @symfuse_task("evaluate", "eval-{model}-{dataset}", gpu=True)
@@ -61,20 +67,29 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
     in_domain = dataset in config.dataset_names
     data = config.dataset(dataset).data if in_domain else dataset
     cap = (config.dataset(dataset).max_eval_examples if in_domain else None) or config.evaluation.max_examples
-    settings = {"data": data, "split": config.evaluation.split, "max": cap}
+    settings = {"data": data, "split": config.evaluation.split, "max": cap, "scoring": 2}  # 2: OOD never in-domain
+    if not in_domain and config.evaluation.ood_heads != "closest":  # key unchanged for the former behaviour
+        settings["ood_heads"] = config.evaluation.ood_heads
     ck = content_key(settings, manifests(store, {"model": model_uri}))
     if (uri := reuse(store, key, ck, f"evaluation of {model} on {dataset}")) is not None:
         return uri
     maybe_inject_fault()
     folder = fetch(store, model_uri)
-    head_dir, head = pick_head(folder, store.manifest(model_uri).get("meta", {}).get("heads"), dataset, data)
+    heads = store.manifest(model_uri).get("meta", {}).get("heads")
+    chosen = pick_heads(folder, heads, dataset, data, config.evaluation.ood_heads)
     micro, _ = batch_settings(64)
+    common = dict(split=config.evaluation.split, max_examples=cap, device=config.resolved_device(),
+                  batch_size=micro, max_length=config.finetune.max_length, seed=config.finetune.seed)  # fmt: skip
     # out_file: never write into the (possibly local) store's folder
     with scratch("eval") as tmp, timed() as t, Progress(f"eval-{model}-{dataset}") as progress:
-        metrics = evaluate_model(head_dir, data, split=config.evaluation.split, max_examples=cap,
-                                 device=config.resolved_device(), batch_size=micro,
-                                 max_length=config.finetune.max_length, seed=config.finetune.seed,
-                                 out_file=tmp / "metrics.json", on_progress=progress)  # fmt: skip
+        if len(chosen) > 1:
+            metrics = evaluate_heads([d for d, _ in chosen], data, out_file=tmp / "metrics.json", **common)
+        else:
+            # a model never trained on ``dataset`` scores it out of domain even if the label sets are equal
+            own = dataset == model if model in config.dataset_names else in_domain
+            metrics = evaluate_model(chosen[0][0], data, out_file=tmp / "metrics.json", on_progress=progress,
+                                     in_domain=None if own else False, **common)  # fmt: skip
+    head = "+".join(h for _, h in chosen)
     metrics.pop("metrics_file", None)
     strategy, variant = describe(config, model)
     record = {"model": model, "strategy": strategy, "variant": variant, "dataset": dataset, "head": head,

@@ -114,6 +114,11 @@ class EvalSettings(_Strict):
     )
     split: Literal["test", "validation"] = "test"
     max_examples: int | None = Field(default=None, ge=1, description="Cap per evaluation set.")
+    ood_heads: Literal["vote", "closest"] = Field(
+        default="vote",
+        description="A merged model's per-dataset heads on a set none was trained on: 'vote' (every head sharing a "
+        "class votes, mean softmax probability per class) or 'closest' (the one head sharing the most classes).",
+    )
 
     @field_validator("out_of_domain")
     @classmethod

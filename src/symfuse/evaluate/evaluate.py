@@ -58,6 +58,7 @@ def evaluate_model(
     seed: int = 13,
     out_file: Path | None = None,
     on_progress: Callable[[float], None] | None = None,
+    in_domain: bool | None = None,
 ) -> dict:
     """Metrics of a task model on a dataset split, written as JSON.
 
@@ -79,6 +80,9 @@ def evaluate_model(
         seed: Seed of the subset.
         out_file: Where to write the JSON (default ``<model>/eval_<dataset>_<split>.json``).
         on_progress: Called with the fraction of batches done (0..1] after every batch.
+        in_domain: False: the model never trained on this dataset, score it out of domain (shared classes) even when
+            the label sets are equal (meld's head on goemotions_ekman); None: in domain iff the head's classes are
+            the dataset's (a union head: iff it learned from this dataset).
 
     Returns:
         The metrics (``macro_f1`` / ``f1`` / ``accuracy`` / ``matthews`` / ``pearson`` ... per task, ``loss`` when the
@@ -105,9 +109,8 @@ def evaluate_model(
     loss_problem = ds.problem_type if same_space or ds.problem_type == "regression" else None
     logits, labels, loss = run_model(net, batches, loss_problem, dev, amp=dev.type == "cuda")
     space = read_label_space(net.config, path) if labels_from is None else None
-    in_domain = None
     if space is not None:  # union head: in-domain iff it learned from this dataset; unlearned classes never predicted
-        in_domain = space.covers(ds.name, ds.labels)
+        in_domain = in_domain is not False and space.covers(ds.name, ds.labels)
         never = [i for i, ok in enumerate(space.learned) if not ok]
         logits = [z.index_fill(1, torch.tensor(never, dtype=torch.long), float("-inf")) for z in logits]
     metrics = score_logits(ds, head_labels, head_problem, logits, labels, in_domain=in_domain)
