@@ -7,11 +7,9 @@ each training set's test split (macro-F1 over that dataset's classes) and on goe
 over the classes its head shares with it). Everything runs through the pipeline (``flows.pipeline``), one run per
 seed and setting, in a local store (``bench/out/emotion_fusion`` by default).
 
-Settings beyond the default one (per-dataset heads, all models) are driven by RunConfig fields when the checkout
-has them: ``labels`` (e.g. ``union``: one head over the union of the label sets), ``head_init`` (``same`` /
-``different`` head initialisation) and ``select`` (e.g. ``greedy``: a greedily chosen subset of the models). For
-each such field every choice besides the default is one more setting; a field the checkout lacks is skipped with a
-note in the results.
+Settings: per-dataset heads; union heads (``labels: union``, one multi-label head over the union of the label sets,
+each class merged over the models that learned it) with the same or different head initialisation. Every run also
+selects a subset greedily (``select: greedy``, rows ``<strategy> greedy``) next to the merges of all models.
 
     python bench/emotion_fusion.py --quick                         # 1 seed, tiny caps (2 CPU cores: 32 ex. took 6 min)
     python bench/emotion_fusion.py --train-examples 2000 --epochs 2 --seeds 13,14,15
@@ -29,7 +27,6 @@ import os
 import statistics
 import sys
 import time
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +40,6 @@ log = logging.getLogger("emotion_fusion")
 DATASETS = ("dair_emotion", "crowdflower", "isear", "meld")
 OOD = "goemotions_ekman"
 STRATEGIES = ("simple", "fisher", "regmean", "regmean++")
-OPTIONAL_FIELDS = {  # RunConfig field -> what the issue calls its rows (helper union15 adds them)
-    "labels": "per-dataset vs union heads",
-    "head_init": "same vs different head init",
-    "select": "all models vs greedy subset",
-}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,32 +66,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def settings(skip_extra: bool) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
-    """``[(label, RunConfig overrides)]``: the default setting, then one per non-default choice of each optional
-    field the checkout's RunConfig has; and notes on the fields it lacks."""
-    out: list[tuple[str, dict[str, Any]]] = [("default", {})]
-    notes = []
-    for name, what in OPTIONAL_FIELDS.items():
-        field = RunConfig.model_fields.get(name)
-        if field is None:
-            notes.append(f"`{name}` ({what}): not a RunConfig field in this checkout — rows skipped")
-            continue
-        if skip_extra:
-            notes.append(f"`{name}` ({what}): skipped (--no-extra-settings)")
-            continue
-        choices = [c for c in typing.get_args(field.annotation) if isinstance(c, str)]
-        default = field.get_default(call_default_factory=True)
-        others = [c for c in choices if c != default]
-        if not others:
-            notes.append(f"`{name}` ({what}): no literal choices besides {default!r} — rows skipped")
-        out += [(f"{name}={c}", {name: c}) for c in others]
-    return out, notes
+    """``[(label, RunConfig overrides)]`` and notes on the settings not run.
+
+    Every run selects greedily too (``select: greedy`` keeps every all-model merge and adds ``<strategy>-greedy``),
+    so "all models vs greedy subset" are rows of one run. Head initialisation only matters where heads are merged,
+    i.e. with union heads (per-dataset heads are kept per model, never merged).
+    """
+    out: list[tuple[str, dict[str, Any]]] = [("per-dataset heads", {"select": "greedy"})]
+    if skip_extra:
+        return out, ["union heads and head initialisation: skipped (--no-extra-settings)"]
+    out += [
+        ("union heads, same init", {"labels": "union", "select": "greedy"}),
+        ("union heads, different init", {"labels": "union", "head_init": "different", "select": "greedy"}),
+    ]
+    return out, []
 
 
 def build_config(args: argparse.Namespace, seed: int, label: str, overrides: dict[str, Any]) -> RunConfig:
     """The run of one seed and setting."""
-    # select only changes which models are merged: it shares the default run (fine-tunes, statistics and merges are
-    # reused by content) and adds its "<strategy>-greedy" merges
-    tag = "default" if set(overrides) <= {"select"} else label.replace("=", "-")
+    tag = "-".join(f"{k}-{v}" for k, v in sorted(overrides.items()) if k != "select") or "default"
     data = {
         "run_id": f"emo-s{seed}-{tag}-n{args.train_examples}-e{args.epochs}",
         "base_model": "minilm",
@@ -228,8 +213,10 @@ def write_results(args: argparse.Namespace, runs: list[dict[str, Any]], notes: l
         f"{args.stats_examples} examples per model, max_length {args.max_length}, lr {args.lr}.",
         "Datasets: " + ", ".join(DATASETS) + f"; out of domain: {OOD}. In-domain: mean over the four test sets of",
         "macro-F1 over each dataset's own classes (merged models: each dataset with its own head). OOD: macro-F1 on",
-        f"{OOD} over the classes the chosen head shares with it. Time: fine-tuning (individual), merge (+ the",
-        "statistics the strategy reads, summed over models; regmean++ collects its Grams inside the merge).",
+        f"{OOD} over the six Ekman classes it shares with the training sets (neutral excluded); a merged model's",
+        "per-dataset heads vote (mean softmax probability per class over the heads that have it), a union head is",
+        "read directly. Time: fine-tuning (individual), merge (+ the statistics the strategy reads, summed over",
+        "models; regmean++ collects its Grams inside the merge).",
         "Table cells: mean ± standard deviation over seeds.",
         "",
         *lines,

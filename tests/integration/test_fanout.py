@@ -4,9 +4,9 @@ Real server, pool ``gpu`` with two process workers (``--limit 2`` each, so neith
 S3. A ``fusion-pipeline`` run with ``fan_out: deployments`` over three tiny datasets starts three ``finetune-stage``
 runs at once: they execute on both workers with overlapping training windows, and the models they store (and
 everything merged from them) equal, bit for bit, those of the in-process path, under the same content keys.
-Slow (a pipeline run plus six stage runs in worker subprocesses, then two in-process runs; 4-6 min on two cores):
-run with ``-m slow``. It is kept out of the default run because the Prefect server can revoke the run lock's lease
-while it is held (PrefectHQ/prefect#22983), which intermittently cancels the in-process comparison run.
+A pipeline run plus six stage runs in worker subprocesses, then two in-process runs: 4-6 min on two cores, in the
+default run (CI). It runs after the flow tests in one pytest process, which point Prefect at another server: the run
+lock talks to the server of the current settings (see :func:`flows.runtime.run_lock`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from tests.flows.conftest import tiny_config
 REPO = Path(__file__).resolve().parents[2]
 NAMES = ("isear", "meld", "dair_emotion")
 WHERE = re.compile(r"runs on host (\S+), process (\d+) \(worker process (\d+)\)")
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
