@@ -80,7 +80,9 @@ def _tensors(store: ArtifactStore, key: str, dest: Path) -> dict[str, torch.Tens
     return load_file(str(folder / "model.safetensors"))
 
 
-def test_one_pipeline_run_fans_out_over_two_workers(prefect_api, two_workers, s3, tiny_base, tmp_path, monkeypatch):
+def test_one_pipeline_run_fans_out_over_two_workers(
+    prefect_api, two_workers, s3, tiny_base, tmp_path, monkeypatch, record_property
+):
     from prefect.deployments import run_deployment
 
     from flows.pipeline import fusion_pipeline
@@ -109,6 +111,7 @@ def test_one_pipeline_run_fans_out_over_two_workers(prefect_api, two_workers, s3
         if windows[a][2] != windows[b][2]  # fine-tunes on different workers
     }
     print(f"fine-tune windows: {windows}\noverlap (s) of fine-tunes on different workers: {overlaps}")
+    record_property("overlap_seconds", {f"{a}/{b}": round(v, 2) for (a, b), v in overlaps.items()})
     assert max(overlaps.values()) > 0, f"fine-tunes on the two workers never ran at the same time: {windows}"
     stats_runs, _, _ = _stage_runs("stats-stage", {run.id})
     assert sorted(r.parameters["model"] for r in stats_runs) == sorted(NAMES), [
@@ -136,6 +139,7 @@ def test_one_pipeline_run_fans_out_over_two_workers(prefect_api, two_workers, s3
         a, b = _tensors(fanned, key, tmp_path / "a" / n), _tensors(inproc, key, tmp_path / "b" / n)
         worst = max(worst, *(float((a[k].float() - b[k].float()).abs().max()) for k in a))
     print(f"largest |fan-out - in-process| over fine-tuned and merged weights: {worst:g}")
+    record_property("largest_difference", worst)
     assert worst <= 1e-6
 
     # a later in-process run over the fan-out store reuses every fine-tune and statistics file the workers stored

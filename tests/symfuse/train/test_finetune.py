@@ -166,3 +166,28 @@ def test_head_learning_rate_scale_applies_to_the_head_only(tiny_base):
     assert frozen not in {id(p) for g in _param_groups(model, cfg) for p in g["params"]}
     # the default scale keeps one learning rate for every group
     assert {g["lr"] for g in _param_groups(model, FinetuneConfig(lr=1e-3))} == {1e-3}
+
+
+def test_fused_adamw_gives_the_default_loop_s_updates(tiny_base, monkeypatch):
+    # the fused kernel (default, CPU too) and PyTorch's per-tensor AdamW train to the same weights
+    import torch
+
+    made = []
+    adamw = torch.optim.AdamW
+
+    def recording(*args, **kwargs):
+        made.append(kwargs.get("fused"))
+        return adamw(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", recording)
+    ds = load_task_dataset("dair_emotion", max_train_examples=32)
+    tok = load_tokenizer(tiny_base)
+    common = dict(epochs=1, lr=1e-3, batch_size=8, max_length=48, max_eval_examples=8, dropout=0.0, progress=False)
+    start = _build_model(tiny_base, ds, FinetuneConfig(**common))
+    fused, _ = train_model(start, ds, tok, FinetuneConfig(**common))
+    loop, _ = train_model(start, ds, tok, FinetuneConfig(fused_optimizer=False, **common))
+    assert made == [True, None]
+    sf, sl, s0 = fused.state_dict(), loop.state_dict(), start.state_dict()
+    moved = max((sf[k] - s0[k]).abs().max().item() for k in sf if sf[k].is_floating_point())
+    diff = max((sf[k] - sl[k]).abs().max().item() for k in sf if sf[k].is_floating_point())
+    assert moved > 1e-3 and diff < 1e-5, (moved, diff)
