@@ -47,12 +47,17 @@ def greedy_merges(
     """
     val, sets = validation_config(config), selection_sets(config)
 
-    def scored(name: str, uri: Any) -> Any:
+    def scored(name: str, uri: Any) -> tuple[Any, list[Any]]:
         evaluations = T.evaluate.map(unmapped(val), unmapped(name), unmapped(uri), sets)
-        return T.validation_score.submit(config, name, evaluations)
+        return T.validation_score.submit(config, name, evaluations), [uri, *evaluations]
+
+    def score(pending: tuple[Any, list[Any]]) -> float:
+        future, upstream = pending
+        _raise_failed(upstream)  # a failed merge / evaluation raises its own error (the score would never run)
+        return future.result()
 
     own_futures = {n: scored(f"val-{n}", models[n]) for n in models}  # every model scored at once
-    own = {n: f.result() for n, f in own_futures.items()}
+    own = {n: score(f) for n, f in own_futures.items()}
     chosen, records = {}, []
     for strategy in config.strategies:
         tried: dict[tuple[str, ...], Any] = {(n,): models[n] for n in models}
@@ -64,7 +69,7 @@ def greedy_merges(
             merged = T.merge.submit(config, strategy, GREEDY, {n: models[n] for n in trial},
                                     {n: [stats[n, k] for k in needed] for n in trial})  # fmt: skip
             tried[tuple(trial)] = merged
-            return scored(f"val-{strategy}-{'+'.join(trial)}", merged).result()
+            return score(scored(f"val-{strategy}-{'+'.join(trial)}", merged))
 
         selection = select_greedy(own, merge_and_score)
         chosen[f"{strategy}-{GREEDY}"] = tried[selection.chosen]
@@ -72,3 +77,12 @@ def greedy_merges(
         merges = {"+".join(k): v for k, v in tried.items()}
         records.append(T.record_selection.submit(config, strategy, record, merges))
     return chosen, records
+
+
+def _raise_failed(futures: Sequence[Any]) -> None:
+    """Wait for the futures (URIs pass) and raise the first failure's own exception."""
+    for f in futures:
+        if hasattr(f, "wait"):
+            f.wait()
+            if f.state.is_failed() or f.state.is_crashed():
+                f.result()  # raises

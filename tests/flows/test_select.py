@@ -49,3 +49,23 @@ def test_union_labels_and_greedy_selection_end_to_end(tiny_base, memory_root):
         assert val["metrics"]["split"] == "validation"
     text = (store.local_cache(out["report"]) / "report.md").read_text()
     assert "## Greedy selection of the models to merge" in text and "`regmean-greedy`" in text
+
+
+def test_a_failed_greedy_merge_fails_the_run_with_its_own_error(tiny_base, memory_root, monkeypatch):
+    import pytest
+
+    import tasks.merge
+    from symfuse.merge import merge_checkpoints
+
+    def merge(strategy, models, out, **kw):
+        if len(models) == 2:  # the first subset greedy tries
+            raise ValueError("regmean: this two-model merge is broken (injected)")
+        return merge_checkpoints(strategy, models, out, **kw)
+
+    monkeypatch.setattr(tasks.merge, "merge_checkpoints", merge)
+    config = tiny_config(tiny_base, memory_root, run_id="greedy-fails", strategies=["simple"], select="greedy",
+                         anchor="isear", evaluation={"out_of_domain": [], "max_examples": 8})  # fmt: skip
+    state = fusion_pipeline(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValueError, match="this two-model merge is broken"):
+        state.result()

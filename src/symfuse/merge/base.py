@@ -119,6 +119,8 @@ class TensorInputs:
         conv1d: The weight is stored (in, out) (GPT-2 ``Conv1D``) instead of ``nn.Linear``'s (out, in).
         gram_key: Identifies the Grams' input: consecutive tensors with the same key read one input (q / k / v)
             and have identical Grams, so a merger may reuse what it computed from them. None: unknown.
+        part: Only some rows of the stored tensor, over some of the models (a union head's classes merged over
+            their learners): a merger that precomputed whole tensors must merge these inputs instead.
     """
 
     name: str
@@ -129,6 +131,7 @@ class TensorInputs:
     gram: Sequence[torch.Tensor] | None = None
     conv1d: bool = False
     gram_key: str | None = None
+    part: bool = False
 
 
 class Merger:

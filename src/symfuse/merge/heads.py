@@ -133,6 +133,7 @@ def merge_class_rows(
             fisher=[fisher[i][idx] for i in who] if fisher is not None else None,
             gram=[gram[i] for i in who] if gram is not None else None,
             gram_key=None,  # another subset of models: never reuse a factor computed for the full set
+            part=True,
         )
         out[idx] = merge(sub).to(out.dtype)
     return out

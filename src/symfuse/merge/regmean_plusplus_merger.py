@@ -100,7 +100,8 @@ class RegMeanPlusPlusMerger(Merger):
         A linear layer after the stack comes with the Grams of :meth:`supplied_grams` (``t.gram``): it is solved
         here, so a caller may merge it over a subset of the models or of its rows (union heads, class by class);
         over all K models this is the solve :meth:`prepare` made. A stored tensor the loaded model does not hold (a
-        tied copy) gets the weighted mean.
+        tied copy), and a part of a tensor without Grams (a union head's bias rows over their learners), get the
+        weighted mean, as in RegMean.
         """
         if self._merged is None:
             raise RuntimeError("regmean++: prepare() was not called before merge_tensor()")
@@ -110,8 +111,8 @@ class RegMeanPlusPlusMerger(Merger):
                                    dtype=getattr(torch, p.dtype))  # type: ignore[attr-defined]  # fmt: skip
             self.count("regmean_solves")
             return out
-        got = self._merged.get(t.name)
-        if got is None:
+        got = None if t.part else self._merged.get(t.name)
+        if got is None:  # a tied copy, or some rows over their learners (union head bias): RegMean's weighted mean
             self.count("weighted_mean")
             return weighted_mean(t.tensors, t.weights)
         self.count("regmean_plusplus_tensors")

@@ -161,3 +161,38 @@ def test_checkpoint_merge_equals_the_library_and_solves_the_tail_per_row_subset(
     sub = merger.merge_tensor(TensorInputs("classifier.weight", ws, [0.5, 0.5], gram=tail["classifier"]))
     torch.testing.assert_close(sub, regmean_solve(ws, tail["classifier"], [0.5, 0.5], 0.9)[0])
     torch.testing.assert_close(sub, got["classifier.weight"][1:], rtol=1e-5, atol=1e-6)
+
+
+def test_union_heads_merge_with_regmean_plus_plus_class_by_class(tmp_path):
+    # union heads: one learner keeps its row (weight and bias) exactly; a shared class's bias is the mean over its
+    # learners and its weight rows RegMean over them (Grams collected on the merged body), never over all models
+    from symfuse.data.labels import LABEL_SPACE_KEY, LabelSpace
+    from symfuse.merge import merge_checkpoints
+
+    union = ["anger", "joy", "sadness", "worry"]
+    learned = {"m0": ["anger", "joy"], "m1": ["joy", "sadness"], "m2": ["anger", "worry"]}
+    tok = transformers.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
+    folders, data = [], []
+    for seed, (name, classes) in enumerate(learned.items()):
+        cfg = tiny_config("bert", vocab_size=tok.vocab_size, num_labels=len(union),
+                          problem_type="multi_label_classification")  # fmt: skip
+        cfg.id2label = dict(enumerate(union))
+        cfg.label2id = {v: k for k, v in cfg.id2label.items()}
+        space = LabelSpace(tuple(union), tuple(c in classes for c in union), {name: tuple(classes)})
+        setattr(cfg, LABEL_SPACE_KEY, space.to_json())
+        torch.manual_seed(seed)
+        transformers.BertForSequenceClassification(cfg).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+        folders.append(tmp_path / name)
+        data.append(str(_toy(tmp_path / f"d-{name}", classes)))
+    out = merge_checkpoints("regmean++", folders, tmp_path / "out", data=data, max_examples=8)
+    got, w = load_file(str(out / "model.safetensors")), [load_file(str(f / "model.safetensors")) for f in folders]
+    row = union.index
+    for name in ("classifier.weight", "classifier.bias"):
+        assert torch.equal(got[name][row("sadness")], w[1][name][row("sadness")])
+        assert torch.equal(got[name][row("worry")], w[2][name][row("worry")])
+    bias = "classifier.bias"
+    torch.testing.assert_close(got[bias][row("joy")], (w[0][bias][row("joy")] + w[1][bias][row("joy")]) / 2)
+    torch.testing.assert_close(got[bias][row("anger")], (w[0][bias][row("anger")] + w[2][bias][row("anger")]) / 2)
+    report = json.loads((out / "symfuse_report.json").read_text())
+    assert report["heads"]["policy"] == "union" and report["counters"]["regmean_solves"] >= 2
