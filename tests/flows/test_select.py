@@ -10,8 +10,8 @@ from tests.flows.conftest import tiny_config
 
 
 def test_union_labels_and_greedy_selection_end_to_end(tiny_base, memory_root):
-    config = tiny_config(tiny_base, memory_root, strategies=["simple", "regmean"], labels="union", select="greedy",
-                         symmetries=["ffn-permutation"], anchor="isear")  # fmt: skip
+    config = tiny_config(tiny_base, memory_root, strategies=["simple", "fisher", "regmean"], labels="union",
+                         select="greedy", symmetries=["ffn-permutation"], anchor="isear")  # fmt: skip
     out = fusion_pipeline(config)
     store = ArtifactStore(config.resolved_store_root())
     names = config.dataset_names

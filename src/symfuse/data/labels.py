@@ -153,3 +153,23 @@ def read_label_space(config: Any, where: object) -> LabelSpace | None:
     if not isinstance(datasets, Mapping) or not all(isinstance(v, list) for v in datasets.values()):
         raise CheckpointError(f"{where}: config.json {LABEL_SPACE_KEY}.datasets must map names to class lists; {fix}")
     return LabelSpace(tuple(labels), tuple(learned), {str(k): tuple(map(str, v)) for k, v in datasets.items()})
+
+
+def union_columns(config: Any, data: Any, where: object) -> list[int] | None:
+    """The head outputs of ``data``'s classes when the head is a union head (see :class:`LabelSpace`), else None.
+
+    ``data`` is a :class:`symfuse.data.dataset.TaskDataset` (its ``name``, ``task`` and ``labels`` are read).
+
+    Raises:
+        CheckpointError: malformed union metadata.
+        ValueError: a class of ``data`` missing from the union, or a task that is not classification.
+    """
+    space = read_label_space(config, where)
+    if space is None:
+        return None
+    if data.task not in ("classification", "pair_classification"):
+        raise ValueError(f"{data.name}: union labels need a classification dataset, not {data.task}")
+    try:
+        return columns_of(data.labels, space.labels)
+    except ValueError as exc:
+        raise ValueError(f"{data.name}: {exc}; include this dataset in the union") from None

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
+from symfuse.data.labels import union_columns
 from symfuse.io import fsync_dir
 from symfuse.stats.fisher import collect_fisher
 from symfuse.stats.gram import collect_gram
@@ -114,6 +115,8 @@ def collect_stats(
     folder = validate_checkpoint(model, finite=True, tokenizer=True)
     net = load_hf_model(folder, validate=False)
     ds = load_task_dataset(data)
+    if "fisher" in kinds:
+        union_columns(net.config, ds, folder)  # a union head without this dataset's classes: refused before any pass
     batches = make_batches(ds, folder, split, batch_size, max_length, max_examples, seed)
     common: dict[str, Any] = {
         "model": str(folder),
@@ -176,6 +179,7 @@ def _collect_into(
                 device=device,
                 progress=progress,
                 label_map=_label_map(net, ds.labels),
+                columns=union_columns(net.config, ds, common["model"]),  # a union head: its own classes
             )  # type: ignore[arg-type]
             meta = {
                 **common,

@@ -11,13 +11,14 @@ Likelihoods by head (detected from the logits' shape, ``config.problem_type`` an
 * single-label classification: categorical, ``log softmax(logits)[y]``;
 * multi-label classification: independent Bernoulli per class, ``sum_j y_j log s_j + (1 - y_j) log(1 - s_j)``;
 * token classification: categorical per token, summed over labelled tokens (label != -100) of the example;
-* regression (one output): Gaussian with unit variance, ``-(y - f)^2 / 2``.
+* regression (one output): Gaussian with unit variance, ``-(y - f)^2 / 2``;
+* a union head (``columns``): independent Bernoullis over the dataset's own classes only, as in its training loss.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -120,6 +121,7 @@ def collect_fisher(
     device: str | torch.device = "cpu",
     progress: bool = True,
     label_map: Mapping[int, int] | None = None,
+    columns: Sequence[int] | None = None,
 ) -> FisherStats:
     """Diagonal Fisher of every trainable parameter over a stream of labelled batches.
 
@@ -138,6 +140,10 @@ def collect_fisher(
         device: Where to run.
         progress: Show a tqdm progress bar.
         label_map: Dataset label id -> model label id, when the two orders differ.
+        columns: A union head's outputs of the dataset's own classes (:func:`symfuse.data.labels.union_columns`,
+            in the dataset's label order): the likelihood is the training loss's, independent Bernoullis over
+            those outputs only, with the gold class (or the multi-hot gold) as target; the other classes' rows
+            get no gradient.
 
     Returns:
         Mean squared per-example gradients by parameter name (float64, on CPU).
@@ -163,7 +169,8 @@ def collect_fisher(
             if mode == "empirical" and labels is None:
                 raise ValueError("empirical Fisher needs gold labels: the batches carry no 'labels'")
             if labels is not None:
-                labels = _remap_labels(model, label_map, labels)
+                own = columns is not None
+                labels = _own_targets(labels, columns) if own else _remap_labels(model, label_map, labels)
             first = next(iter(inputs.values()))
             mask = inputs.get("attention_mask")
             lengths = [
@@ -171,12 +178,12 @@ def collect_fisher(
                 for i in range(first.shape[0])
             ]
             if batched:
-                batched = _batch_pass(model, params, inputs, labels, lengths, mode, gen, device, acc)
+                batched = _batch_pass(model, params, inputs, labels, lengths, mode, gen, device, acc, columns)
                 if not batched:
                     log.info("%s: per-example gradients not readable from its modules; one pass per example",
                              type(model).__name__)  # fmt: skip
             if not batched:
-                _loop_pass(model, params, inputs, labels, lengths, mode, gen, device, acc)
+                _loop_pass(model, params, inputs, labels, lengths, mode, gen, device, acc, columns)
             n_examples += len(lengths)
             n_tokens += sum(lengths) if mask is None else int(mask.sum())
     finally:
@@ -186,14 +193,21 @@ def collect_fisher(
     return FisherStats({n: a / n_examples for n, a in acc.items()}, n_examples, n_tokens, mode)
 
 
-def _logits(model: nn.Module, ex: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _own_targets(labels: torch.Tensor, columns: Sequence[int]) -> torch.Tensor:
+    """Multi-hot float targets over a union head's own columns (class ids one-hot; multi-hot gold as it is)."""
+    if labels.is_floating_point():
+        return labels.float()
+    return F.one_hot(labels.long(), len(columns)).float()
+
+
+def _logits(model: nn.Module, ex: Mapping[str, torch.Tensor], columns: Sequence[int] | None = None) -> torch.Tensor:
     logits = getattr(model(**ex), "logits", None)
     if logits is None:
         raise ValueError(
             f"{type(model).__name__} has no task head (no logits): the Fisher needs a likelihood; "
             "collect it on a fine-tuned checkpoint with a classification head"
         )
-    return logits
+    return logits if columns is None else logits[..., list(columns)]
 
 
 def _trim(inputs: Mapping[str, torch.Tensor], rows: slice, length: int, device: torch.device) -> dict:
@@ -210,12 +224,12 @@ def _example_labels(labels: torch.Tensor | None, i: int, length: int) -> torch.T
     return lab[:, :length] if lab.dim() == 2 and not lab.is_floating_point() else lab
 
 
-def _batch_pass(model, params, inputs, labels, lengths, mode, gen, device, acc) -> bool:
+def _batch_pass(model, params, inputs, labels, lengths, mode, gen, device, acc, columns=None) -> bool:
     """One forward/backward for the whole batch; ``False`` (nothing drawn or added) when it cannot be exact."""
     width = max(lengths)
     ex = _trim(inputs, slice(None), width, device)
     with Recorder(model, params, len(lengths)) as rec:
-        logits = _logits(model, ex)
+        logits = _logits(model, ex, columns)
         if not rec.usable():
             return False
         lab = labels
@@ -243,12 +257,12 @@ def _sample_each(kind: str, logits: torch.Tensor, lengths: list[int], gen: torch
     return out
 
 
-def _loop_pass(model, params, inputs, labels, lengths, mode, gen, device, acc) -> None:
+def _loop_pass(model, params, inputs, labels, lengths, mode, gen, device, acc, columns=None) -> None:
     """One forward/backward per example, trailing padding trimmed (exact, slow: the fallback)."""
     for i, length in enumerate(lengths):
         ex = _trim(inputs, slice(i, i + 1), length, device)
         lab = _example_labels(labels, i, length)
-        logits = _logits(model, ex)
+        logits = _logits(model, ex, columns)
         kind = head_kind(model, logits, lab)
         valid = None
         if kind == "token":

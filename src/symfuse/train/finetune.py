@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data import TaskDataset, collate, encode_split, iter_batches, load_task_dataset, load_tokenizer
-from symfuse.data.labels import LABEL_SPACE_KEY, columns_of, learned_space, read_label_space
+from symfuse.data.labels import LABEL_SPACE_KEY, columns_of, learned_space, union_columns
 from symfuse.errors import NonFiniteError
 from symfuse.evaluate.predict import forward_logits, resolve_device, run_model, task_loss
 from symfuse.evaluate.scoring import score_logits
@@ -331,24 +331,6 @@ def train_model(
     if best_state is not None and cfg.keep_best:
         model.load_state_dict(best_state)
     return model.cpu().eval(), history
-
-
-def union_columns(config: Any, data: TaskDataset, where: object) -> list[int] | None:
-    """The head outputs of ``data``'s classes when the head is a union head (see :class:`LabelSpace`), else None.
-
-    Raises:
-        CheckpointError: malformed union metadata.
-        ValueError: a class of ``data`` missing from the union, or a task that is not classification.
-    """
-    space = read_label_space(config, where)
-    if space is None:
-        return None
-    if data.task not in ("classification", "pair_classification"):
-        raise ValueError(f"{data.name}: union labels need a classification dataset, not {data.task}")
-    try:
-        return columns_of(data.labels, space.labels)
-    except ValueError as exc:
-        raise ValueError(f"{data.name}: {exc}; include this dataset in the union") from None
 
 
 def own_outputs(
