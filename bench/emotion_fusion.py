@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stats-examples", type=int, default=256, help="examples per model for Grams / Fishers")
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--head-lr-scale", type=float, default=1.0, help="the new head's learning rate = lr x this")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--no-extra-settings", action="store_true", help="only the default setting (no labels/...)")
     p.add_argument("--store", default=str(ROOT / "bench" / "out" / "emotion_fusion"))
@@ -89,7 +90,8 @@ def build_config(args: argparse.Namespace, seed: int, label: str, overrides: dic
     """The run of one seed and setting."""
     tag = "-".join(f"{k}-{v}" for k, v in sorted(overrides.items()) if k not in ("select", "select_on")) or "default"
     data = {
-        "run_id": f"emo-s{seed}-{tag}-n{args.train_examples}-e{args.epochs}",
+        "run_id": f"emo-s{seed}-{tag}-n{args.train_examples}-e{args.epochs}"
+        + (f"-h{args.head_lr_scale:g}" if args.head_lr_scale != 1 else ""),
         "base_model": "minilm",
         "datasets": [
             {"name": n, "max_train_examples": args.train_examples, "max_eval_examples": args.eval_examples}
@@ -98,6 +100,7 @@ def build_config(args: argparse.Namespace, seed: int, label: str, overrides: dic
         "finetune": {
             "epochs": args.epochs,
             "lr": args.lr,
+            "head_lr_scale": args.head_lr_scale,
             "batch_size": 16,
             "max_length": args.max_length,
             "seed": seed,
@@ -213,7 +216,8 @@ def write_results(args: argparse.Namespace, runs: list[dict[str, Any]], notes: l
         "",
         f"Sizes: {args.train_examples} training examples per dataset, {args.epochs} epoch(s), seeds "
         f"{args.seed_list}, {args.eval_examples} test examples per evaluation set, statistics on "
-        f"{args.stats_examples} examples per model, max_length {args.max_length}, lr {args.lr}.",
+        f"{args.stats_examples} examples per model, max_length {args.max_length}, lr {args.lr} (head: x "
+        f"{args.head_lr_scale}).",
         "Datasets: " + ", ".join(DATASETS) + f"; out of domain: {OOD}. In-domain: mean over the four test sets of",
         "macro-F1 over each dataset's own classes (merged models: each dataset with its own head). OOD: macro-F1 on",
         f"{OOD} over the six Ekman classes it shares with the training sets (neutral excluded); a merged model's",

@@ -71,7 +71,8 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
     in_domain = dataset in config.dataset_names
     data = config.dataset(dataset).data if in_domain else dataset
     cap = (config.dataset(dataset).max_eval_examples if in_domain else None) or config.evaluation.max_examples
-    settings = {"data": data, "split": config.evaluation.split, "max": cap, "scoring": 2}  # 2: OOD never in-domain
+    # scoring 3: OOD sets never in-domain, one class per example there
+    settings = {"data": data, "split": config.evaluation.split, "max": cap, "scoring": 3}
     if not in_domain and config.evaluation.ood_heads != "closest":  # key unchanged for the former behaviour
         settings["ood_heads"] = config.evaluation.ood_heads
     ck = content_key(settings, manifests(store, {"model": model_uri}))

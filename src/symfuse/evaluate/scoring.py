@@ -10,11 +10,13 @@ Label-space rule (in-domain and out-of-domain alike):
 * In-domain single-label data gets one predicted class per example (argmax over the dataset's classes, whatever the
   head's problem type), and Matthews' correlation besides the F1s.
 * Different sets (out-of-domain emotion): only the shared classes are scored — the six Ekman emotions (anger,
-  disgust, fear, joy, sadness, surprise) that both sides have. Predictions are restricted to the shared classes
-  (argmax over those logits only; sigmoid > 0.5 of those columns for a multi-label head); gold is restricted to
-  them too: single-label examples whose gold class is not shared are dropped, multi-label examples keep only their
-  shared labels and are dropped when none is left. Macro-F1 is the mean F1 of the shared classes that occur in gold
-  or predictions.
+  disgust, fear, joy, sadness, surprise) that both sides have. Every head predicts ONE class per example there
+  (argmax over the shared classes' logits), a multi-label union head as well as a single-label one: its binary
+  classifiers were each trained on single-label data and scored alike, so per-dataset and union heads are compared
+  on one rule (a threshold at 0.5 would score a cautious union head at zero on a set where no class is sure). Gold
+  is restricted to the shared classes too: single-label examples whose gold class is not shared are dropped,
+  multi-label examples keep only their shared labels (a prediction is right when it is one of them) and are dropped
+  when none is left. Macro-F1 is the mean F1 of the shared classes that occur in gold or predictions.
 * NER: tags are matched by name; entity types the other side lacks become ``O`` in gold and are never predicted.
 """
 
@@ -87,7 +89,8 @@ def score_logits(
     g_idx = [dataset.labels.index(c) for c in classes]
     z = torch.cat(logits)[:, h_idx]  # (n, shared)
     y = torch.cat(labels)
-    one_class = not dataset.multi_label and in_domain  # single-label in-domain data: one class per example
+    # one class per example, except a multi-label head on its own multi-label data (sigmoid > 0.5 per class)
+    one_class = not (dataset.multi_label and in_domain)
     if head_problem == "multi_label_classification" and not one_class:
         pred = (torch.sigmoid(z) > 0.5).numpy()
     else:
