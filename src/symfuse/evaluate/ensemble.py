@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,26 +58,23 @@ def vote(heads: Sequence[tuple[Sequence[str], torch.Tensor]], classes: Sequence[
 
 
 def _head_logits(
-    model: str | Path,
-    ds: TaskDataset,
-    split: str = "test",
-    max_examples: int | None = None,
-    device: str = "cpu",
-    batch_size: int = 64,
-    max_length: int = 128,
-    seed: int = 13,
+    model: str | Path, ds: TaskDataset, how: Mapping[str, Any]
 ) -> tuple[list[str] | None, torch.Tensor, torch.Tensor]:
-    """``(head class names, logits (n, classes), gold labels)`` of one head on ``ds``; names None if none shared."""
+    """``(head class names, logits (n, classes), gold labels)`` of one head on ``ds``; names None if none shared.
+
+    ``how``: :func:`evaluate_heads`' ``split``, ``max_examples``, ``device``, ``batch_size``, ``max_length``, ``seed``.
+    """
     path = resolve_checkpoint(model)
-    net, tok = load_task_model(path, device)
+    net, tok = load_task_model(path, how["device"])
     names = head_label_names(net.config)
     if head_problem_type(net.config) != "single_label_classification":
         raise DatasetError(f"{path}: heads can vote only as single-label classifiers; evaluate it on its own")
     if not shared_label_names(ds.labels, names):
         return None, torch.empty(0), torch.empty(0)
-    feats = encode_split(ds, tok, split, max_length, max_examples, seed)
-    batches = iter_batches(feats, batch_size, tok.pad_token_id or 0, by_length=True)  # the same order for every head
-    logits, gold, _ = run_model(net, batches, None, resolve_device(device), amp=resolve_device(device).type == "cuda")
+    feats = encode_split(ds, tok, how["split"], how["max_length"], how["max_examples"], how["seed"])
+    batches = iter_batches(feats, how["batch_size"], tok.pad_token_id or 0, by_length=True)  # same order, every head
+    dev = resolve_device(how["device"])
+    logits, gold, _ = run_model(net, batches, None, dev, amp=dev.type == "cuda")
     return names, torch.cat(logits), torch.cat(gold)
 
 
@@ -113,11 +111,13 @@ def evaluate_heads(
     """
     t0 = time.perf_counter()
     ds = load_task_dataset(data)
+    how = dict(split=split, max_examples=max_examples, device=device, batch_size=batch_size, max_length=max_length,
+               seed=seed)  # fmt: skip
     voters: list[tuple[list[str], torch.Tensor]] = []
     used: list[str] = []
     gold = None
     for model in models:
-        names, logits, gold_here = _head_logits(model, ds, split, max_examples, device, batch_size, max_length, seed)
+        names, logits, gold_here = _head_logits(model, ds, how)
         if names is None:
             continue
         voters.append((names, logits))

@@ -63,7 +63,8 @@ def test_two_heads_vote_by_hand(heads, tmp_path):
     kw = dict(max_examples=40, max_length=32)
     got = evaluate_heads([heads["isear"], heads["meld"]], "goemotions_ekman", out_file=tmp_path / "v.json", **kw)
     ds = load_task_dataset("goemotions_ekman")
-    (na, za, gold), (nb, zb, _) = (_head_logits(heads[n], ds, **kw) for n in ("isear", "meld"))
+    how = dict(split="test", device="cpu", batch_size=64, seed=13, **kw)
+    (na, za, gold), (nb, zb, _) = (_head_logits(heads[n], ds, how) for n in ("isear", "meld"))
     classes = got["head_labels"]
     assert set(classes) == {"anger", "disgust", "fear", "joy", "sadness", "surprise"}
     scores = vote([(na, za), (nb, zb)], classes)
