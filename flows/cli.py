@@ -1,19 +1,24 @@
-"""Command line of the demo: ``python -m flows.pipeline [--quick] [--config run.yaml] [--store DIR] [--run-id ID]``.
+"""The demo's command line: ``python -m flows.pipeline [--quick] [--config run.yaml] [--store DIR] [--run-id ID] [-v]``.
 
 Runs :func:`flows.pipeline.fusion_pipeline` (ephemeral Prefect unless ``PREFECT_API_URL`` points at a server) on the
-embedded demo config or a YAML file, then prints the metrics table from the stored report.
+embedded demo config or a YAML file, then prints the metrics table from the stored report. A bad ``--config`` or a
+failed run ends with ONE ``error:`` line and a non-zero exit (2: the config, 1: the run; the run's logs say which
+task failed); tracebacks, also those Prefect logs for a failed task or flow, only with ``-v``.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
 
 import pandas as pd
 
+from symfuse.cli.boundary import one_line, report
 from symfuse.config import DATASET_RESOLUTION, DEMO_DATASETS, DEMO_OUT_OF_DOMAIN, RunConfig
+from symfuse.errors import UsageError
 from symfuse.logs import quiet_third_party
 from symfuse.report import metrics_table, primary_metric
 from symfuse.store import ArtifactStore
@@ -34,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="RunConfig YAML file (default: the embedded demo)")
     p.add_argument("--store", help="artifact store root (default: $SYMFUSE_STORE or ./symfuse-runs)")
     p.add_argument("--run-id", help="run id (names runs/<id>/ in the store)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks (errors are one line without it)")
     return p.parse_args(argv)
 
 
@@ -59,6 +65,34 @@ def print_metrics(report_uri: str, config: RunConfig) -> pd.DataFrame:
     return table
 
 
+class _NoTraceback(logging.Formatter):
+    """A console formatter's output without the exception text or stack a record carries (nothing is cached)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def hide_tracebacks_on_console() -> None:
+    """Console log handlers print records without tracebacks (the API handler still sends them to the run's logs)."""
+    from prefect.logging.handlers import APILogHandler
+
+    named = (v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))
+    for log in (logging.getLogger(), *named):
+        for handler in log.handlers:
+            console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, APILogHandler)
+            if console and not isinstance(handler.formatter, _NoTraceback):
+                handler.setFormatter(_NoTraceback(handler.formatter))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the pipeline and print its metrics; returns the exit status."""
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -68,11 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "symfuse,tasks")
     quiet_third_party()  # the pipeline's progress and table, not a load report per checkpoint
     args = parse_args(argv)
-    config = load_config(args)
+    try:
+        config = load_config(args)
+    except Exception as exc:  # a bad --config: one line naming the file, exit 2
+        where = args.config or "the demo config"
+        text = one_line(exc).removeprefix("error: ")
+        return report(UsageError(f"{where}: {text} — fix the file (RunConfig fields: README)"), args.verbose)
+    if not args.verbose:
+        hide_tracebacks_on_console()
     from flows.pipeline import fusion_pipeline
 
     start = time.perf_counter()
-    result = fusion_pipeline(config)
+    try:
+        result = fusion_pipeline(config)
+    except Exception as exc:  # the failed task's own error, one line (its traceback is in the run's logs)
+        return report(exc, args.verbose)
     print_metrics(result["report"], config)
     print(f"\nanchor: {result['anchor']}; pipeline wall time {time.perf_counter() - start:.0f} s")
     return 0

@@ -33,6 +33,10 @@ def test_vote_is_the_mean_probability_over_the_heads_that_have_the_class():
     assert got[0, 2] == pytest.approx(math.exp(0.0) / (1 + math.e + math.e**2))
     with pytest.raises(ValueError, match="surprise"):
         vote([a, b], ["surprise"])
+    # a multi-label head votes its sigmoid per class
+    multi = vote([a, b], ["anger", "fear", "joy"], multi=[False, True]).exp()
+    torch.testing.assert_close(multi[:, 1], torch.sigmoid(b[1][:, 1].double()), rtol=0, atol=1e-12)
+    torch.testing.assert_close(multi[:, 0], (pa[:, 1] + torch.sigmoid(b[1][:, 0].double())) / 2, rtol=0, atol=1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +68,7 @@ def test_two_heads_vote_by_hand(heads, tmp_path):
     got = evaluate_heads([heads["isear"], heads["meld"]], "goemotions_ekman", out_file=tmp_path / "v.json", **kw)
     ds = load_task_dataset("goemotions_ekman")
     how = dict(split="test", device="cpu", batch_size=64, seed=13, **kw)
-    (na, za, gold), (nb, zb, _) = (_head_logits(heads[n], ds, how) for n in ("isear", "meld"))
+    (na, za, gold, _), (nb, zb, _, _) = (_head_logits(heads[n], ds, how) for n in ("isear", "meld"))
     classes = got["head_labels"]
     assert set(classes) == {"anger", "disgust", "fear", "joy", "sadness", "surprise"}
     scores = vote([(na, za), (nb, zb)], classes)
