@@ -90,6 +90,7 @@ ENTRY_POINTS = [
     (symfuse.match, "assemble_matched"),
     (tasks.merge, "merge_checkpoints"),
     (tasks.evaluate, "evaluate_model"),
+    (tasks.evaluate, "evaluate_heads"),
     (tasks.report, "build_report"),
 ]
 

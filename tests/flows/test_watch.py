@@ -40,7 +40,8 @@ def test_watch_then_remerge(first_run, monkeypatch):
     assert 2 <= calls.counts["collect_stats"] <= 2 + 2  # + Fisher recollected on re-matched models
     # every merged model is new (meld changed); individual isear / dair_emotion evaluations are reused
     assert calls.counts["merge_checkpoints"] == 6
-    assert calls.counts["evaluate_model"] == (6 + 1) * 4
+    # 6 merges on the 3 in-domain sets, their per-dataset heads voting on goemotions_ekman; meld on all 4 sets
+    assert calls.counts["evaluate_model"] == 6 * 3 + 4 and calls.counts["evaluate_heads"] == 6
     model = store.manifest(layout.model_key(config.run_id, "meld"))
     assert layout.manifest_digest(model) == layout.manifest_digest(store.manifest(incoming))
     assert result["report"] and watch_checkpoints(config) == []  # merged now: no new event
