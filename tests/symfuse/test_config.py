@@ -25,6 +25,7 @@ def test_demo_defaults(quick):
     assert cfg.finetune.epochs == (3 if quick else 2)
     assert (cfg.finetune.lr, cfg.finetune.batch_size) == ((2e-4, 8) if quick else (1e-4, 16))
     assert cfg.finetune.max_length == 64
+    assert cfg.finetune.head_lr_scale == (1.0 if quick else 100.0)  # the benchmark's best (full demo)
     assert cfg.evaluation.max_examples == (100 if quick else 500)
 
 
