@@ -73,7 +73,7 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
     cap = (config.dataset(dataset).max_eval_examples if in_domain else None) or config.evaluation.max_examples
     # scoring 3: OOD sets never in-domain, one class per example there
     settings = {"data": data, "split": config.evaluation.split, "max": cap, "scoring": 3}
-    if not in_domain and config.evaluation.ood_heads != "closest":  # key unchanged for the former behaviour
+    if not in_domain:
         settings["ood_heads"] = config.evaluation.ood_heads
     ck = content_key(settings, manifests(store, {"model": model_uri}))
     if (uri := reuse(store, key, ck, f"evaluation of {model} on {dataset}")) is not None:
