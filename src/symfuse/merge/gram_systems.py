@@ -25,7 +25,7 @@ import torch
 from symfuse.errors import NonFiniteError
 from symfuse.io import BufferPool
 from symfuse.merge.base import LazyTensors, chunked
-from symfuse.merge.regmean import GramSystem, factor_system, scale_gram
+from symfuse.merge.regmean import GramSystem, factor_system, scale_gram, system_weights
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,7 @@ def build_system(
         ValueError: a bad alpha, non-square Grams or Grams of different sizes.
         NonFiniteError: a Gram holds NaN / inf (named by its loader), or their sum overflows ``dtype``.
     """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"regmean alpha must be in [0, 1], got {alpha}")
-    mw = [float(c) for c in model_weights] if model_weights is not None else [1.0] * len(grams)
-    if len(mw) != len(grams) or not mw or min(mw) < 0 or sum(mw) <= 0:
-        raise ValueError(f"regmean: {len(grams)} Grams need as many non-negative weights with a positive sum, got {mw}")
+    mw = system_weights(len(grams), model_weights, alpha)
     pool = pool if pool is not None else BufferPool()
     raw_pool = raw_pool if raw_pool is not None else pool
     ref = max(range(len(mw)), key=mw.__getitem__)

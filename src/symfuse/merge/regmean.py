@@ -99,6 +99,20 @@ def scale_gram(g: torch.Tensor, alpha: float) -> torch.Tensor:
     return g
 
 
+def system_weights(k: int, model_weights: Sequence[float] | None, alpha: float) -> list[float]:
+    """The K model weights of a Gram system (default 1 each), with ``alpha`` and the weights checked.
+
+    Raises:
+        ValueError: alpha outside [0, 1], or not K non-negative weights with a positive sum.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"regmean alpha must be in [0, 1], got {alpha}")
+    mw = [float(c) for c in model_weights] if model_weights is not None else [1.0] * k
+    if len(mw) != k or not mw or min(mw) < 0 or sum(mw) <= 0:
+        raise ValueError(f"regmean: {k} Grams need as many non-negative weights with a positive sum, got {mw}")
+    return mw
+
+
 def gram_system(
     grams: Sequence[torch.Tensor],
     model_weights: Sequence[float] | None = None,
@@ -121,11 +135,7 @@ def gram_system(
     Raises:
         ValueError: on a bad alpha, non-square Grams or Grams of different sizes.
     """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"regmean alpha must be in [0, 1], got {alpha}")
-    mw = [float(c) for c in model_weights] if model_weights is not None else [1.0] * len(grams)
-    if len(mw) != len(grams) or not mw or min(mw) < 0 or sum(mw) <= 0:
-        raise ValueError(f"regmean: {len(grams)} Grams need as many non-negative weights with a positive sum, got {mw}")
+    mw = system_weights(len(grams), model_weights, alpha)
     fused = alpha > 0.0  # scale while converting (one pass), then restore the diagonal
     mine = load_all(grams, pool, "gram", dtype, scale=alpha if fused else 1.0)  # K (in, in), ours to modify
     n = mine[0].shape[0]
