@@ -53,13 +53,14 @@ def pick_heads(
         id2label = json.loads((folder / heads[name] / "config.json").read_text()).get("id2label") or {}
         return len(shared_label_names(labels, id2label.values()))
 
+    shared = {n: overlap(n) for n in heads}  # each head's config read once
     voters = {}  # one voter per head folder (a union merge's datasets all name its one head)
     for n in heads:
-        if overlap(n):
+        if shared[n]:
             voters.setdefault(heads[n], n)
     if ood_heads == "vote" and len(voters) > 1:
         return [(folder / sub, n) for sub, n in voters.items()]
-    best = max(heads, key=overlap)  # ties: the first in merge order
+    best = max(heads, key=shared.__getitem__)  # ties: the first in merge order
     return [(folder / heads[best], best)]
 
 
