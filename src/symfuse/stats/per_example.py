@@ -118,15 +118,45 @@ def squared_grad_sums(recorder: Recorder, ll: torch.Tensor, acc: dict[str, torch
     for c, go in zip(calls, out_grads, strict=True):
         if go is None:
             continue
-        for name, g in _per_example(c, go.detach(), recorder.owned[c.module]).items():
+        names = recorder.owned[c.module]
+        for name, g in _per_example(c, go.detach(), names, {n for n in names.values() if uses[n] == 1}).items():
             if isinstance(g, _SparseSq):
                 acc[name].index_add_(0, g.rows.cpu(), g.values.cpu())
+            elif isinstance(g, _SquareSum):
+                acc[name] += g.total.cpu()
             elif uses[name] == 1:
                 acc[name] += (g.double() ** 2).sum(0).cpu()
             else:
                 pending[name] = pending.get(name, 0) + g.double()
     for name, g in pending.items():
         acc[name] += (g**2).sum(0).cpu()
+
+
+@dataclass
+class _SquareSum:
+    """``sum_b g_b^2`` already reduced over the batch (a parameter with one recorded call)."""
+
+    total: torch.Tensor
+
+
+# Per-example outer products are formed this many bytes at a time: a chunk stays in cache-sized, reusable buffers
+# instead of one (batch, out, in) tensor per layer and its float64 copies (page faults were most of the time).
+_CHUNK_BYTES = 1 << 23
+
+
+def _outer_square_sum(gs: torch.Tensor, xs: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``sum_b (gs[b]^T xs[b])^2`` (``(xs[b]^T gs[b])^2`` when ``transposed``), float64, in batch chunks.
+
+    Each chunk's per-example products are squared in their own dtype and summed over the chunk in float64.
+    """
+    b, o, i = gs.shape[0], gs.shape[-1], xs.shape[-1]
+    step = max(1, _CHUNK_BYTES // max(1, o * i * gs.element_size()))
+    total = torch.zeros((i, o) if transposed else (o, i), dtype=torch.float64, device=gs.device)
+    for s in range(0, b, step):
+        g_c, x_c = gs[s : s + step], xs[s : s + step]
+        prod = torch.bmm(x_c.transpose(1, 2), g_c) if transposed else torch.bmm(g_c.transpose(1, 2), x_c)
+        total += prod.square_().sum(0, dtype=torch.float64)  # prod is ours: squared in place
+    return total
 
 
 @dataclass
@@ -141,15 +171,22 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
-def _per_example(call: _Call, go: torch.Tensor, names: dict[str, str]) -> dict[str, torch.Tensor | _SparseSq]:
+def _per_example(
+    call: _Call, go: torch.Tensor, names: dict[str, str], single: set[str] = frozenset()
+) -> dict[str, torch.Tensor | _SparseSq | _SquareSum]:
+    """Per-example gradients of one call's parameters; those in ``single`` (one call) may come back squared-summed."""
     m, x = call.module, call.args[0].detach()
     kind = type(m).__name__
     if isinstance(m, nn.Linear) or kind in _LINEAR_LIKE:
         xs, gs = _flat(x), _flat(go).to(x.dtype)
-        out = {}
+        out: dict[str, torch.Tensor | _SparseSq | _SquareSum] = {}
         if "weight" in names:
-            spec = "bto,bti->boi" if isinstance(m, nn.Linear) else "bto,bti->bio"
-            out[names["weight"]] = torch.einsum(spec, gs, xs)
+            transposed = not isinstance(m, nn.Linear)
+            if names["weight"] in single:
+                out[names["weight"]] = _SquareSum(_outer_square_sum(gs, xs, transposed))
+            else:
+                spec = "bto,bti->bio" if transposed else "bto,bti->boi"
+                out[names["weight"]] = torch.einsum(spec, gs, xs)
         if "bias" in names:
             out[names["bias"]] = gs.sum(1)
         return out
