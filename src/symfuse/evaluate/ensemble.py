@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,29 +64,114 @@ def vote(
     return (total / count).log()
 
 
-def _head_logits(
-    model: str | Path, ds: TaskDataset, how: Mapping[str, Any]
-) -> tuple[list[str] | None, torch.Tensor, torch.Tensor, bool]:
-    """One head on ``ds``: ``(class names, logits (n, classes), gold labels, multi-label head)``.
+@dataclass
+class _Head:
+    path: Path
+    net: torch.nn.Module
+    tok: Any
+    names: list[str]
+    multi: bool
 
-    The names are None when the head shares no class with ``ds``.
 
-    ``how``: :func:`evaluate_heads`' ``split``, ``max_examples``, ``device``, ``batch_size``, ``max_length``, ``seed``.
-    """
+def _load_head(model: str | Path, device: str) -> _Head:
     path = resolve_checkpoint(model)
-    net, tok = load_task_model(path, how["device"])
-    names = head_label_names(net.config)
+    net, tok = load_task_model(path, device)
     problem = head_problem_type(net.config)
     if problem not in ("single_label_classification", "multi_label_classification"):
         raise DatasetError(f"{path}: a {problem} head cannot vote on classes; evaluate it on its own")
-    multi = problem == "multi_label_classification"
-    if not shared_label_names(ds.labels, names):
-        return None, torch.empty(0), torch.empty(0), multi
-    feats = encode_split(ds, tok, how["split"], how["max_length"], how["max_examples"], how["seed"])
-    batches = iter_batches(feats, how["batch_size"], tok.pad_token_id or 0, by_length=True)  # same order, every head
+    return _Head(path, net, tok, head_label_names(net.config), problem == "multi_label_classification")
+
+
+def head_module(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
+    """The one sub-module in which two models of the same body differ (their heads), or None.
+
+    None when they are equal, or differ anywhere else (names, shapes or values of parameters and buffers outside
+    that module), or only at their root: then each must run on its own.
+    """
+    sa, sb = a.state_dict(), b.state_dict()
+    differ = set(sa) ^ set(sb)
+    differ |= {k for k in sa.keys() & sb.keys() if sa[k].shape != sb[k].shape or not torch.equal(sa[k], sb[k])}
+    if not differ:
+        return None
+    paths = [k.split(".")[:-1] for k in differ]  # module paths of the differing tensors
+    common = paths[0]
+    for path in paths[1:]:
+        n = 0
+        while n < min(len(common), len(path)) and common[n] == path[n]:
+            n += 1
+        common = common[:n]
+    name = ".".join(common)
+    has = {n for n, _ in a.named_modules()} & {n for n, _ in b.named_modules()}
+    return name if common and name in has else None
+
+
+class _Stacked(torch.nn.Module):
+    """Several heads on one input: their outputs concatenated along the last (class) dimension."""
+
+    def __init__(self, heads: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        self.heads = torch.nn.ModuleList(heads)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.cat([h(*args, **kwargs) for h in self.heads], dim=-1)
+
+
+def _heads_logits(
+    models: Sequence[str | Path], ds: TaskDataset, how: Mapping[str, Any]
+) -> tuple[list[_Head], list[torch.Tensor], torch.Tensor]:
+    """The heads sharing a class with ``ds``, their logits ``(n, classes)`` on it, and the gold labels.
+
+    Heads whose model equals the first voter's except in one sub-module (a merged model's per-dataset heads: one
+    body) share ONE pass of that body: the sub-module is replaced, for the pass, by all of them side by side (only
+    their sub-modules are kept). Any other head runs on its own. Models are loaded one at a time.
+    """
     dev = resolve_device(how["device"])
-    logits, gold, _ = run_model(net, batches, None, dev, amp=dev.type == "cuda")
-    return names, torch.cat(logits), torch.cat(gold), multi
+    enc = (how["split"], how["max_length"], how["max_examples"], how["seed"])
+
+    def run(net: torch.nn.Module, feats: list, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batches = iter_batches(feats, how["batch_size"], pad, by_length=True)  # the same order for every head
+        logits, gold, _ = run_model(net, batches, None, dev, amp=dev.type == "cuda")
+        return torch.cat(logits), torch.cat(gold)
+
+    first: _Head | None = None
+    feats: list = []
+    shared: list[tuple[int, torch.nn.Module]] = []  # (voter index, head sub-module) run on the first voter's body
+    name: str | None = None
+    voters: list[_Head] = []
+    out: dict[int, torch.Tensor] = {}
+    gold = torch.empty(0)
+    for model in models:
+        head = _load_head(model, how["device"])
+        if not shared_label_names(ds.labels, head.names):
+            continue
+        i = len(voters)
+        voters.append(head)
+        if first is None:
+            first, feats = head, encode_split(ds, head.tok, *enc)
+            continue
+        here = head_module(first.net, head.net) if encode_split(ds, head.tok, *enc) == feats else None
+        if here is not None and (name is None or here == name):
+            name = here
+            shared.append((i, head.net.get_submodule(name)))
+        else:
+            out[i], gold = run(head.net, encode_split(ds, head.tok, *enc), head.tok.pad_token_id or 0)
+        head.net = None  # only the head sub-module (or the logits) is kept
+    if first is None:
+        return [], [], gold
+    pad = first.tok.pad_token_id or 0
+    if not shared:
+        out[0], gold = run(first.net, feats, pad)
+    else:
+        own = first.net.get_submodule(name)
+        first.net.set_submodule(name, _Stacked([own, *(m for _, m in shared)]))
+        try:
+            stacked, gold = run(first.net, feats, pad)
+        finally:
+            first.net.set_submodule(name, own)
+        order = [0, *(i for i, _ in shared)]
+        parts = stacked.split([len(voters[i].names) for i in order], dim=-1)
+        out |= dict(zip(order, parts, strict=True))
+    return voters, [out[i] for i in range(len(voters))], gold
 
 
 def evaluate_heads(
@@ -123,20 +209,12 @@ def evaluate_heads(
     ds = load_task_dataset(data)
     how = dict(split=split, max_examples=max_examples, device=device, batch_size=batch_size, max_length=max_length,
                seed=seed)  # fmt: skip
-    voters: list[tuple[list[str], torch.Tensor]] = []
-    sigmoid: list[bool] = []
-    used: list[str] = []
-    gold = None
-    for model in models:
-        names, logits, gold_here, multi = _head_logits(model, ds, how)
-        if names is None:
-            continue
-        voters.append((names, logits))
-        sigmoid.append(multi)
-        used.append(str(model))
-        gold = gold_here
-    if not voters:
+    heads, logits, gold = _heads_logits(models, ds, how)
+    if not heads:
         raise DatasetError(f"{ds.name}: none of the {len(models)} heads shares a class with {ds.labels}")
+    voters = [(h.names, z) for h, z in zip(heads, logits, strict=True)]
+    sigmoid = [h.multi for h in heads]
+    used = [str(h.path) for h in heads]
     classes = list(dict.fromkeys(c for names, _ in voters for c in shared_label_names(ds.labels, names)))
     scores = vote(voters, classes, sigmoid)
     metrics = score_logits(ds, classes, "single_label_classification", [scores.float()], [gold], in_domain=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,18 +63,61 @@ def test_two_heads_vote_by_hand(heads, tmp_path):
     """The written metric equals scoring the hand-made vote of the two heads' own logits."""
     from symfuse.data import load_task_dataset
     from symfuse.evaluate import score_logits
-    from symfuse.evaluate.ensemble import _head_logits
+    from symfuse.evaluate.ensemble import _heads_logits
 
     kw = dict(max_examples=40, max_length=32)
     got = evaluate_heads([heads["isear"], heads["meld"]], "goemotions_ekman", out_file=tmp_path / "v.json", **kw)
     ds = load_task_dataset("goemotions_ekman")
     how = dict(split="test", device="cpu", batch_size=64, seed=13, **kw)
-    (na, za, gold, _), (nb, zb, _, _) = (_head_logits(heads[n], ds, how) for n in ("isear", "meld"))
+    (([ha], [za], gold), ([hb], [zb], _)) = (_heads_logits([heads[n]], ds, how) for n in ("isear", "meld"))
+    na, nb = ha.names, hb.names
     classes = got["head_labels"]
     assert set(classes) == {"anger", "disgust", "fear", "joy", "sadness", "surprise"}
     scores = vote([(na, za), (nb, zb)], classes)
     want = score_logits(ds, classes, "single_label_classification", [scores.float()], [gold], in_domain=False)
     assert got["macro_f1"] == pytest.approx(want["macro_f1"], abs=1e-12) and got["n"] == want["n"]
+
+
+def test_heads_on_one_body_share_one_pass_with_the_same_votes(heads, tmp_path, monkeypatch):
+    """Per-dataset heads of one body (a merged model's) run the body once; the votes equal separate runs'."""
+    from transformers import AutoModelForSequenceClassification
+
+    import symfuse.evaluate.ensemble as ens
+
+    body = AutoModelForSequenceClassification.from_pretrained(heads["isear"])
+    merged = {}
+    for n in ("isear", "meld", "crowdflower"):  # every head on isear's body
+        net = AutoModelForSequenceClassification.from_pretrained(heads[n])
+        net.load_state_dict({k: v for k, v in body.state_dict().items() if not k.startswith("classifier.")},
+                            strict=False)  # fmt: skip
+        net.save_pretrained(tmp_path / n)
+        for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+            if (Path(heads[n]) / f).exists():
+                (tmp_path / n / f).write_bytes((Path(heads[n]) / f).read_bytes())
+        merged[n] = tmp_path / n
+    assert ens.head_module(body, AutoModelForSequenceClassification.from_pretrained(merged["meld"])) == "classifier"
+    assert ens.head_module(body, AutoModelForSequenceClassification.from_pretrained(heads["meld"])) is None
+    calls = []
+    real = ens.run_model
+    monkeypatch.setattr(ens, "run_model", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kw = dict(max_examples=40, max_length=32)
+    models = [merged["isear"], merged["crowdflower"], merged["meld"]]
+    got = evaluate_heads(models, "goemotions_ekman", out_file=tmp_path / "v.json", **kw)
+    assert len(calls) == 1 and got["heads"] == [str(m) for m in models]
+    from symfuse.data import load_task_dataset
+
+    ds = load_task_dataset("goemotions_ekman")
+    how = dict(split="test", device="cpu", batch_size=64, seed=13, **kw)
+    calls.clear()
+    _, together, _ = ens._heads_logits(models, ds, how)
+    alone = [ens._heads_logits([m], ds, how)[1][0] for m in models]
+    assert len(calls) == 4  # 1 shared pass, then one each
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # a head on another body runs on its own: isear's merged head + meld's own model = two passes
+    calls.clear()
+    _, mixed, _ = ens._heads_logits([merged["isear"], heads["meld"]], ds, how)
+    assert len(calls) == 2 and mixed[0].shape[1] == 7
 
 
 def test_the_task_picks_every_sharing_head_to_vote_or_the_closest(tmp_path):
