@@ -6,6 +6,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,3 +222,25 @@ def test_save_safetensors_is_atomic(tmp_path, monkeypatch):
         save_safetensors({"a": torch.zeros(3)}, file, {"kind": "gram"})
     assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]  # no temporary file left
     assert torch.equal(StatsFile(file).get("a"), torch.ones(3))  # the previous version is intact
+
+
+def test_a_full_disk_names_the_file_and_leaves_the_old_version(tmp_path, monkeypatch):
+    """safetensors' own I/O error (no file, no errno) becomes an OSError naming the file; nothing half-written."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    import symfuse.io.safetensors as st
+
+    target = save_safetensors({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+
+    def full(tensors, path, metadata=None):
+        Path(path).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(st, "save_file", full)
+    with pytest.raises(OSError, match=r"model\.safetensors: could not be written .* free disk space") as info:
+        save_safetensors({"w": torch.zeros(2)}, target)
+    assert info.value.errno == errno.ENOSPC
+    assert torch.equal(load_file(target)["w"], torch.ones(2))  # the previous version, still readable
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no temporary left

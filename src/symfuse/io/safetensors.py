@@ -15,6 +15,7 @@ from any allocator (the matcher asks for transparent huge pages). :func:`save_sa
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import math
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from symfuse.errors import CheckpointError
@@ -333,7 +335,14 @@ def save_safetensors(
     fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
     os.close(fd)
     try:
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=dict(metadata or {}))
+        try:
+            save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=dict(metadata or {}))
+        except SafetensorError as exc:  # its I/O errors name no file and carry no errno
+            if "I/O error" not in str(exc):
+                raise
+            full = "No space left" in str(exc)
+            fix = "free disk space there (or point TMPDIR / the store elsewhere)" if full else "check the folder"
+            raise OSError(errno.ENOSPC if full else errno.EIO, f"{file}: could not be written ({exc}) — {fix}") from exc
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, file)
