@@ -36,7 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m flows.pipeline", description=__doc__.splitlines()[0], epilog=DEMO_DATA_HELP
     )
-    p.add_argument("--quick", action="store_true", help="the reduced demo (target < 3 min on 2 CPU cores)")
+    p.add_argument(
+        "--quick", action="store_true", help="the reduced demo: crowdflower and meld, 300 examples (target < 90 s)"
+    )
     p.add_argument("--config", help="RunConfig YAML file (default: the embedded demo)")
     p.add_argument("--store", help="artifact store root (default: $SYMFUSE_STORE or ./symfuse-runs)")
     p.add_argument("--run-id", help="run id (names runs/<id>/ in the store)")
@@ -136,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         return report(UsageError(f"{where}: {text} — fix the file (RunConfig fields: README)"), args.verbose)
     if not args.verbose:
         hide_tracebacks_on_console()
-    from flows.pipeline import fusion_pipeline
-    from tasks.common import warm_imports
-
     start = time.perf_counter()
     try:
-        server = start_ephemeral_server()  # in a thread: ~4 s of start-up while this thread warms the imports
+        server = start_ephemeral_server()  # in a thread: ~6 s of start-up while this thread imports and warms up
+        from flows.pipeline import fusion_pipeline  # torch, transformers, prefect (``python -m flows``: not yet)
+        from tasks.common import warm_imports
+
         warm_imports(config.base_model)
         if server is not None:
             server.join()

@@ -3,8 +3,8 @@
 # statistics; matching; simple / fisher / regmean x plain / matched; in-domain + goemotions_ekman evaluation).
 # The data ships with the package (src/symfuse/data/demo/, sources and licences in its SOURCES.md).
 # Ephemeral Prefect, local store ($SYMFUSE_STORE or ./symfuse-runs). Prints the metrics table at the end.
-#   scripts/demo.sh            full demo (target < 15 min on 2 CPU cores)
-#   scripts/demo.sh --quick    reduced demo (target < 3 min)
+#   scripts/demo.sh            full demo (target < 8 min on 2 CPU cores)
+#   scripts/demo.sh --quick    reduced demo: crowdflower + meld (target < 90 s)
 # Other options: --config run.yaml, --store DIR, --run-id ID (see `python -m flows.pipeline --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,4 +13,4 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120
 # no telemetry: this machine reaches package registries only
 export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
 export SYMFUSE_STORE=${SYMFUSE_STORE:-symfuse-runs}
-exec .venv/bin/python -m flows.pipeline "$@"
+exec .venv/bin/python -m flows "$@"  # = python -m flows.pipeline; imports overlap the server start

@@ -14,13 +14,14 @@ DATASETS = ["crowdflower", "goemotions", "meld"]
 def test_demo_defaults(quick):
     cfg = RunConfig.demo(quick=quick)
     assert cfg.base_model == "minilm"
-    assert cfg.dataset_names == DATASETS
+    names = ["crowdflower", "meld"] if quick else DATASETS  # quick leaves out goemotions (28 classes: learns nothing)
+    assert cfg.dataset_names == names
     assert cfg.stats.kinds == ["gram", "fisher"]
     assert cfg.strategies == ["simple", "fisher", "regmean"]
     assert cfg.symmetries == ["rotation", "scaling", "ffn-permutation"]
-    assert cfg.eval_datasets() == [*DATASETS, "goemotions_ekman"]
+    assert cfg.eval_datasets() == [*names, "goemotions_ekman"]
     assert cfg.anchor == "closest" and cfg.quick is quick
-    n_train = 200 if quick else 2000
+    n_train = 300 if quick else 2000
     assert all(d.max_train_examples == n_train and d.checkpoint is None for d in cfg.datasets)
     assert cfg.finetune.epochs == (3 if quick else 2)
     assert (cfg.finetune.lr, cfg.finetune.batch_size) == ((2e-4, 8) if quick else (1e-4, 16))
@@ -32,7 +33,7 @@ def test_demo_defaults(quick):
 def test_demo_overrides_and_helpers(tmp_path, monkeypatch):
     cfg = RunConfig.demo(quick=True, run_id="t1", store_root="memory://x", device="cpu")
     assert (cfg.run_id, cfg.resolved_store_root(), cfg.resolved_device()) == ("t1", "memory://x", "cpu")
-    assert cfg.dataset("goemotions").data == "goemotions"
+    assert cfg.dataset("meld").data == "meld"
     with pytest.raises(KeyError, match="nope"):
         cfg.dataset("nope")
     monkeypatch.setenv("SYMFUSE_STORE", str(tmp_path))
@@ -41,7 +42,7 @@ def test_demo_overrides_and_helpers(tmp_path, monkeypatch):
 
 def test_yaml_round_trip(tmp_path):
     cfg = RunConfig.demo(quick=True)
-    cfg.datasets[1].checkpoint = "s3://bucket/my-goemotions"
+    cfg.datasets[1].checkpoint = "s3://bucket/my-meld"
     path = tmp_path / "run.yaml"
     cfg.to_yaml(path)
     assert RunConfig.from_yaml(path) == cfg

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from symfuse.config import DATASET_RESOLUTION, DEMO_DATASETS, DEMO_OUT_OF_DOMAIN, RunConfig
+from symfuse.config import DATASET_RESOLUTION, DEMO_DATASETS, DEMO_OUT_OF_DOMAIN, DEMO_QUICK_DATASETS, RunConfig
 from symfuse.data import DatasetError, bundled_datasets, load_task_dataset
 from symfuse.data.locate import BUNDLED_DIR, shared_location
 
@@ -40,7 +40,8 @@ def _texts(name: str, splits=("train", "validation", "test")) -> set[str]:
 
 def test_every_demo_dataset_resolves_to_the_bundled_subset_without_shared(no_shared):
     quick, full = RunConfig.demo(quick=True), RunConfig.demo()
-    assert quick.dataset_names == full.dataset_names == list(DEMO_DATASETS)
+    assert full.dataset_names == list(DEMO_DATASETS)
+    assert quick.dataset_names == list(DEMO_QUICK_DATASETS) and set(DEMO_QUICK_DATASETS) < set(DEMO_DATASETS)
     assert quick.evaluation.out_of_domain == full.evaluation.out_of_domain == list(DEMO_OUT_OF_DOMAIN)
     assert set(DEMO) <= set(bundled_datasets())
     for d in full.datasets:
@@ -52,7 +53,7 @@ def test_every_demo_dataset_resolves_to_the_bundled_subset_without_shared(no_sha
         assert ds.labels == meta["labels"] and len(ds.labels) >= 7
     q = quick.datasets[0]
     small = load_task_dataset(q.data, max_train_examples=q.max_train_examples, max_eval_examples=q.max_eval_examples)
-    assert {s: len(x) for s, x in small.splits.items()} == {"train": 200, "validation": 100, "test": 100}
+    assert {s: len(x) for s, x in small.splits.items()} == {"train": 300, "validation": 100, "test": 100}
     ood = load_task_dataset(DEMO_OUT_OF_DOMAIN[0])
     assert ood.files["test"].parent == BUNDLED_DIR / DEMO_OUT_OF_DOMAIN[0] and len(ood.splits["test"]) == 500
     # the held-out labels overlap every training set's (in-domain / out-of-domain story)
