@@ -36,7 +36,7 @@ ANCHOR_POLICIES = ("closest", "barycenter")
 DEMO_DATASETS = ("crowdflower", "goemotions", "meld")
 # The quick demo leaves out goemotions: 28 multi-label classes learn nothing from a few hundred examples (macro-F1 0 at
 # 200), and a merge with a model that learned nothing lost what the others learned (best merge's in-domain Matthews
-# <= 0.04 over six settings of three sets; two sets at 300 examples: RegMean 0.16 / 0.23, bench/results/quick_demo.md).
+# <= 0.04 over six settings of three sets; two sets at 300 examples: RegMean 0.16 / 0.23, bench/results/demo_speed.md).
 DEMO_QUICK_DATASETS = ("crowdflower", "meld")
 DEMO_OUT_OF_DOMAIN = ("goemotions_ekman",)
 # How a dataset argument is resolved (symfuse.data.locate); shown by the --help of every command taking a dataset.

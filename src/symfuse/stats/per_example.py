@@ -147,7 +147,8 @@ _CHUNK_BYTES = 1 << 23
 def _outer_square_sum(gs: torch.Tensor, xs: torch.Tensor, transposed: bool) -> torch.Tensor:
     """``sum_b (gs[b]^T xs[b])^2`` (``(xs[b]^T gs[b])^2`` when ``transposed``), float64, in batch chunks.
 
-    Each chunk's per-example products are squared in their own dtype and summed over the chunk in float64.
+    Each chunk's per-example products are squared in float32 (float64 stays float64; bfloat16 / float16 products
+    are promoted first) and summed over the chunk in float64.
     """
     b, o, i = gs.shape[0], gs.shape[-1], xs.shape[-1]
     step = max(1, _CHUNK_BYTES // max(1, o * i * gs.element_size()))
@@ -155,7 +156,8 @@ def _outer_square_sum(gs: torch.Tensor, xs: torch.Tensor, transposed: bool) -> t
     for s in range(0, b, step):
         g_c, x_c = gs[s : s + step], xs[s : s + step]
         prod = torch.bmm(x_c.transpose(1, 2), g_c) if transposed else torch.bmm(g_c.transpose(1, 2), x_c)
-        total += prod.square_().sum(0, dtype=torch.float64)  # prod is ours: squared in place
+        prod = prod.to(torch.promote_types(prod.dtype, torch.float32))  # a new tensor, or ours: squared in place
+        total += prod.square_().sum(0, dtype=torch.float64)
     return total
 
 
