@@ -293,6 +293,10 @@ def build_report(
         s, v = best[score_col].idxmax()
         parts += [f"Best merge ({score_col}): **{s} / {v}** = {best.loc[(s, v), score_col]:.4f}", ""]
     parts += ["![metrics](metrics.png)", ""]
+    mcc = long[(long["metric"] == "matthews") & (long["domain"] == "in")]
+    if metric != "matthews" and not mcc.empty:  # beside macro-F1: 0 is the majority class, whatever the imbalance
+        parts += ["## Matthews' correlation on the in-domain sets (0: no better than one class)", ""]
+        parts += [to_markdown(metrics_table(mcc, "matthews")), ""]
     parts += findings_markdown(dist, table, metric)
     parts += selection_markdown(selections)
     if not dist.empty:

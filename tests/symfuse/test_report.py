@@ -78,3 +78,18 @@ def test_declared_primary_metric_is_the_headline(tmp_path):
 def test_build_report_needs_evaluations(tmp_path):
     with pytest.raises(ValueError, match="no evaluation"):
         build_report([], [], [], tmp_path)
+
+
+def test_matthews_of_the_in_domain_sets_beside_the_headline_metric(tmp_path):
+    evals = _evals()
+    for ev in evals:
+        if ev["dataset"] == "isear":  # single-label in-domain: Matthews; out of domain it is not tabulated here
+            ev["metrics"]["matthews"] = 0.25 if ev["strategy"] == "individual" else 0.0
+        if ev["dataset"] == "goemotions_ekman":
+            ev["metrics"]["matthews"] = 0.9
+    md = build_report(evals, [], [], tmp_path).markdown
+    section = md.split("## Matthews' correlation on the in-domain sets", 1)[1].split("\n## ", 1)[0]
+    assert "| individual | isear | 0.2500 | 0.2500 |" in section and "| simple | plain | 0.0000 | 0.0000 |" in section
+    assert "goemotions_ekman" not in section and "0.9" not in section
+    plain = build_report(_evals(), [], [], tmp_path / "none").markdown  # no Matthews recorded: no section
+    assert "Matthews" not in plain
