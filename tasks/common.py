@@ -152,25 +152,30 @@ class Progress:
 
     def __call__(self, fraction: float) -> None:
         """Record ``fraction`` (0..1) done; push it to the artifact if ``min_interval`` seconds passed."""
-        with self._lock:
+        with self._lock:  # pushes under the lock: a callback from another thread cannot land after the final 100 %
             self.fraction = max(self.fraction, min(1.0, float(fraction)))
             now = time.monotonic()
             if self.artifact_id is None or now - self._last < self.min_interval:
                 return
             self._last = now
-        self._push()
+            self._push()
 
-    def _push(self) -> None:
+    def _push(self, attempts: int = 1) -> None:
         from prefect.artifacts import update_progress_artifact
 
-        with contextlib.suppress(Exception):
-            update_progress_artifact(self.artifact_id, round(100 * self.fraction, 1))
+        for _ in range(attempts):
+            try:
+                update_progress_artifact(self.artifact_id, round(100 * self.fraction, 1))
+                return
+            except Exception:  # the UI's progress is a courtesy: never fail the task for it
+                logger().debug("progress of %s not updated", self.name, exc_info=True)
 
     def __exit__(self, exc_type, *exc: object) -> None:
-        if exc_type is None:
-            self.fraction = 1.0
-        if self.artifact_id is not None:
-            self._push()
+        with self._lock:
+            if exc_type is None:
+                self.fraction = 1.0
+            if self.artifact_id is not None:
+                self._push(attempts=3)  # the final value: a transient API error must not leave it short of 100 %
 
 
 @contextlib.contextmanager
