@@ -127,9 +127,10 @@ def _heads_logits(
     """
     dev = resolve_device(how["device"])
     enc = (how["split"], how["max_length"], how["max_examples"], how["seed"])
+    order: list[int] = []  # every head sees the examples in ONE order: the first voter's, shortest first
 
     def run(net: torch.nn.Module, feats: list, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batches = iter_batches(feats, how["batch_size"], pad, by_length=True)  # the same order for every head
+        batches = iter_batches([feats[j] for j in order], how["batch_size"], pad)
         logits, gold, _ = run_model(net, batches, None, dev, amp=dev.type == "cuda")
         return torch.cat(logits), torch.cat(gold)
 
@@ -146,31 +147,41 @@ def _heads_logits(
             continue
         i = len(voters)
         voters.append(head)
+        mine = encode_split(ds, head.tok, *enc)
         if first is None:
-            first, feats = head, encode_split(ds, head.tok, *enc)
+            first, feats = head, mine
+            order = sorted(range(len(feats)), key=lambda j: len(feats[j]["input_ids"]))  # little padding
             continue
-        here = head_module(first.net, head.net) if encode_split(ds, head.tok, *enc) == feats else None
+        here = head_module(first.net, head.net) if mine == feats else None
         if here is not None and (name is None or here == name):
             name = here
             shared.append((i, head.net.get_submodule(name)))
         else:
-            out[i], gold = run(head.net, encode_split(ds, head.tok, *enc), head.tok.pad_token_id or 0)
+            out[i], gold = run(head.net, mine, head.tok.pad_token_id or 0)
         head.net = None  # only the head sub-module (or the logits) is kept
     if first is None:
         return [], [], gold
     pad = first.tok.pad_token_id or 0
-    if not shared:
-        out[0], gold = run(first.net, feats, pad)
-    else:
+    widths = [len(voters[i].names) for i in (0, *(i for i, _ in shared))]
+    stacked = None
+    if shared:
         own = first.net.get_submodule(name)
         first.net.set_submodule(name, _Stacked([own, *(m for _, m in shared)]))
         try:
             stacked, gold = run(first.net, feats, pad)
         finally:
             first.net.set_submodule(name, own)
-        order = [0, *(i for i, _ in shared)]
-        parts = stacked.split([len(voters[i].names) for i in order], dim=-1)
-        out |= dict(zip(order, parts, strict=True))
+    if stacked is not None and stacked.shape[-1] == sum(widths):
+        out |= dict(zip((0, *(i for i, _ in shared)), stacked.split(widths, dim=-1), strict=True))
+    else:  # no shared heads, or a model that reshapes its head's output: each head on its own
+        for i, module in [(0, None), *shared]:
+            if module is not None:
+                first.net.set_submodule(name, module)
+            try:
+                out[i], gold = run(first.net, feats, pad)
+            finally:
+                if module is not None:
+                    first.net.set_submodule(name, own)
     return voters, [out[i] for i in range(len(voters))], gold
 
 
