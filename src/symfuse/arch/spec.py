@@ -102,6 +102,9 @@ class ArchSpec:
         config_keys: Config attribute names for the geometry where the defaults do not apply
             (``{d_ffn: d_ff}`` for T5); keys ``d_model``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``d_ffn``.
         output: The model output function checks compare when it is not ``logits`` (CLIP ``logits_per_image``).
+        forward: How :mod:`symfuse.match.forward` runs the base model without transformers' modelling code
+            (``forward`` in the YAML: ``embeddings`` roles, ``position_ids``, ``causal``, ``eps``); ``None``: the
+            output check builds the transformers model.
         config_variants: ``(when, spec)`` pairs: the family as stored when the config has the values ``when``
             (``config_variants`` in the YAML; T5 v1.1 / mT5 gated FFN); :func:`symfuse.arch.get_spec` picks it.
     """
@@ -131,6 +134,7 @@ class ArchSpec:
     stacks: tuple[StackSpec, ...] = ()
     config_keys: Mapping[str, str] = field(default_factory=dict)
     output: str | None = None
+    forward: Mapping[str, Any] | None = None
 
     def all_stacks(self) -> tuple[StackSpec, ...]:
         """:attr:`stacks`, or the one unnamed stack of a single-stack family (its top-level fields)."""

@@ -220,13 +220,16 @@ def match_and_write(
         _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
         mt = match_module_weights(ref, s, a, src.geometry, symmetries, timings)
         t0 = time.perf_counter()
+        before = module_sq_distance(s, a)
+        del a  # at most two copies of the module per worker, as while matching: the anchor is read again below
+        t0 = tick("distance", t0)
         new = mt.apply(s)
         t0 = tick("apply", t0)
         if is_exact(mt):  # a soft (OT) map changes the module's function by design
             check_module_transform(ref, s, new, src.geometry, mt, where)
+        del s
         t0 = tick("check", t0)
-        before, after = module_sq_distance(s, a), module_sq_distance(new, a)
-        del s, a
+        after = module_sq_distance(new, anc_io.read_module(ref))  # from the page cache
         t0 = tick("distance", t0)
         for name, t in src.spec.write_module(new, ref, src.config, src.prefix).items():
             if name in owned:

@@ -30,6 +30,7 @@ from symfuse.arch import Geometry, ModuleRef, get_spec
 from symfuse.checkpoint import HF_LOAD_LOCK, CheckpointReader, load_hf_model
 from symfuse.errors import VerificationError
 from symfuse.match.closed_form import torch_threads
+from symfuse.match.forward import plain_forward, plain_forward_supported
 from symfuse.symmetry.registry import kind_of_part
 from symfuse.symmetry.transforms import FFNPermutation, HeadPermutation, ModuleTransform
 
@@ -308,32 +309,45 @@ def streaming_logit_diff(a: str | Path, b: str | Path, seed: int = 0) -> tuple[f
 
 
 class StreamedReference:
-    """SOURCE's outputs for the streamed check, computed in a background thread (e.g. while matching runs).
+    """SOURCE's outputs for the streamed check, computed in a background thread.
 
-    The model skeleton is built and SOURCE streamed through it in one thread (one torch thread); :meth:`compare`
-    then streams the matched model through the same skeleton on the same inputs.
+    Where the family has a plain forward (:func:`symfuse.match.forward.plain_forward_supported`) and ``plain``
+    holds, SOURCE runs through it in the background while :meth:`compare` runs the matched model through it in the
+    calling thread (one torch thread each), and their last hidden states are compared: no transformers model is
+    built (its modelling code alone costs ~2.3 s and ~140 MiB to import). Otherwise the transformers skeleton is
+    built and SOURCE streamed through it in the background; :meth:`compare` then streams the matched model through
+    the same skeleton on the same inputs.
 
     Args:
         source: The source checkpoint folder.
         seed: Seed of the random inputs.
+        plain: Allow the plain forward (only for transforms that leave the residual stream as it is: its output
+            is the last hidden state, not the logits).
     """
 
-    def __init__(self, source: str | Path, seed: int = 0):
+    def __init__(self, source: str | Path, seed: int = 0, plain: bool = True):
+        self._seed, self._plain = seed, plain
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="symfuse-verify")
-        self._result = self._thread.submit(self._reference, Path(source), seed)
+        self._result = self._thread.submit(self._reference, Path(source), seed, plain)
 
     @staticmethod
-    def _reference(source: Path, seed: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor]:
-        with CheckpointReader(source) as r:
+    def _reference(source: Path, seed: int, plain: bool) -> tuple[torch.nn.Module | None, dict, torch.Tensor]:
+        with CheckpointReader(source) as r, torch_threads(1):
             inputs = _inputs(r.config, seed)
+            if plain and plain_forward_supported(r.spec, r.config):
+                return None, inputs, plain_forward(r, inputs)
             model = _empty_model(r.config)
             return model, inputs, _run_streaming(model, r, inputs)
 
     def compare(self, matched: str | Path) -> tuple[float, float]:
         """``(max |Δ output|, max |SOURCE output|)`` of ``matched`` against SOURCE (:func:`streaming_logit_diff`)."""
-        model, inputs, ref = self._result.result()
-        with CheckpointReader(matched) as r:
-            out = _run_streaming(model, r, inputs)
+        with CheckpointReader(matched) as r, torch_threads(1):
+            out = None
+            if self._plain and plain_forward_supported(r.spec, r.config):  # beside SOURCE's pass
+                out = plain_forward(r, _inputs(r.config, self._seed))
+            model, inputs, ref = self._result.result()
+            if model is not None:
+                out = _run_streaming(model, r, inputs)
         return float((out - ref).abs().max()), float(ref.abs().max())
 
     def close(self) -> None:
