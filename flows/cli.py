@@ -9,6 +9,7 @@ task failed); tracebacks, also those Prefect logs for a failed task or flow, onl
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -121,6 +122,23 @@ def start_ephemeral_server() -> threading.Thread | None:
     return thread
 
 
+def drain_events(settle_s: float = 0.5) -> None:
+    """Send the run's last events to the server and let it record them before the process stops it.
+
+    A flow whose tasks were all reused ends within a second of its last task-run events; the ephemeral server is
+    stopped at exit while it is still writing them, and logs "Error flushing ... events" with tracebacks (harmless,
+    but on the user's console). Drained here, while the server is up, they are recorded before it stops.
+    """
+    from prefect.events.worker import EventsWorker
+
+    try:
+        EventsWorker.drain_all(timeout=10, at_exit=False)
+    except Exception:  # best effort: the events are for the UI, the run's results are stored already
+        logging.getLogger(__name__).debug("draining Prefect's events failed", exc_info=True)
+        return
+    time.sleep(settle_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the pipeline and print its metrics; returns the exit status."""
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -145,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.common import warm_imports
 
         warm_imports(config.base_model)
+        gc.freeze()  # the imported modules' objects: never garbage, no longer walked by every full collection
         if server is not None:
             server.join()
         result = fusion_pipeline(config)
+        drain_events()
     except Exception as exc:  # the failed task's own error, one line (its traceback is in the run's logs)
         return report(exc, args.verbose)
     print_metrics(result["report"], config)

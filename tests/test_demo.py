@@ -67,3 +67,11 @@ def test_quick_demo_runs_on_bundled_data_without_shared(tmp_path):
     assert (report / "report.md").is_file()
     assert set(long["dataset"]) == {*DEMO_QUICK_DATASETS, *DEMO_OUT_OF_DOMAIN}
     print(f"quick demo on bundled data: {seconds:.0f} s", table, sep="\n")  # shown with -s (CI logs)
+    # the same command again: every stage is reused, the flow ends within seconds of its last task-run events, and
+    # the ephemeral server must record them before it stops (else it logs "Error flushing" tracebacks)
+    again = subprocess.run([sys.executable, "-m", "flows", "--quick", "--store", str(store)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-4000:]
+    assert "accuracy per strategy x matching" in out
+    assert "Traceback" not in out and "Error flushing" not in out, out[-4000:]
