@@ -31,6 +31,7 @@ def finetune_settings(config: RunConfig, dataset: str) -> FinetuneConfig:
     return FinetuneConfig(
         epochs=ft.epochs, lr=ft.lr, batch_size=ft.batch_size, grad_accum=ft.grad_accum, max_length=ft.max_length,
         warmup_ratio=ft.warmup_ratio, head_lr_scale=ft.head_lr_scale, seed=ft.seed,
+        freeze_embeddings=ft.freeze_embeddings,
         max_train_examples=ds.max_train_examples, max_eval_examples=ds.max_eval_examples, progress=False,
         label_space=union_labels(config), head_seed=head_seed,
     )  # fmt: skip

@@ -191,3 +191,22 @@ def test_fused_adamw_gives_the_default_loop_s_updates(tiny_base, monkeypatch):
     moved = max((sf[k] - s0[k]).abs().max().item() for k in sf if sf[k].is_floating_point())
     diff = max((sf[k] - sl[k]).abs().max().item() for k in sf if sf[k].is_floating_point())
     assert moved > 1e-3 and diff < 1e-5, (moved, diff)
+
+
+def test_frozen_embeddings_stay_the_base_model_s_and_the_rest_trains(tiny_base, tmp_path):
+    # freeze_embeddings: the token embedding table leaves training bit for bit as the base model has it (no gradient,
+    # no AdamW state, no weight decay), every other weight still moves; the written checkpoint holds it unchanged
+    from safetensors.torch import load_file
+
+    common = dict(epochs=1, lr=1e-3, batch_size=8, max_length=48, max_train_examples=32, max_eval_examples=8,
+                  progress=False)  # fmt: skip
+    out = finetune(tiny_base, "dair_emotion", tmp_path / "frozen", FinetuneConfig(freeze_embeddings=True, **common))
+    free = finetune(tiny_base, "dair_emotion", tmp_path / "free", FinetuneConfig(**common))
+    base = load_file(str(tiny_base / "model.safetensors"))
+    frozen, moved = load_file(str(out / "model.safetensors")), load_file(str(free / "model.safetensors"))
+    word = next(k for k in base if k.endswith("word_embeddings.weight"))
+    assert torch.equal(frozen["bert." + word.removeprefix("bert.")], base[word])
+    assert not torch.equal(moved["bert." + word.removeprefix("bert.")], base[word])  # it does train otherwise
+    body = [k for k in base if k.endswith("query.weight")]
+    assert body and all(not torch.equal(frozen["bert." + k.removeprefix("bert.")], base[k]) for k in body)
+    assert json.loads((out / TRAIN_REPORT).read_text())["config"]["freeze_embeddings"] is True
