@@ -162,26 +162,27 @@ def _heads_logits(
     if first is None:
         return [], [], gold
     pad = first.tok.pad_token_id or 0
+
+    def run_with(module: torch.nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first voter's body on ``feats`` with ``module`` in place of sub-module ``name`` for the pass."""
+        if module is None:
+            return run(first.net, feats, pad)
+        own = first.net.get_submodule(name)
+        first.net.set_submodule(name, module)
+        try:
+            return run(first.net, feats, pad)
+        finally:
+            first.net.set_submodule(name, own)
+
     widths = [len(voters[i].names) for i in (0, *(i for i, _ in shared))]
     stacked = None
     if shared:
-        own = first.net.get_submodule(name)
-        first.net.set_submodule(name, _Stacked([own, *(m for _, m in shared)]))
-        try:
-            stacked, gold = run(first.net, feats, pad)
-        finally:
-            first.net.set_submodule(name, own)
+        stacked, gold = run_with(_Stacked([first.net.get_submodule(name), *(m for _, m in shared)]))
     if stacked is not None and stacked.shape[-1] == sum(widths):
         out |= dict(zip((0, *(i for i, _ in shared)), stacked.split(widths, dim=-1), strict=True))
     else:  # no shared heads, or a model that reshapes its head's output: each head on its own
         for i, module in [(0, None), *shared]:
-            if module is not None:
-                first.net.set_submodule(name, module)
-            try:
-                out[i], gold = run(first.net, feats, pad)
-            finally:
-                if module is not None:
-                    first.net.set_submodule(name, own)
+            out[i], gold = run_with(module)
     return voters, [out[i] for i in range(len(voters))], gold
 
 

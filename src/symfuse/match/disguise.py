@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
+from symfuse.io import save_safetensors
 from symfuse.match.checkpoints import REPORT_FILE, RESIDUAL_FILE, TRANSFORMS_FILE
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.symmetry.random import ALL_KINDS, random_module_transform
@@ -85,7 +85,7 @@ def disguise_checkpoint(
                     perms[s] = part.perm
                 perm = perms[""] if list(perms) == [""] else perms
                 write_checkpoint(src, tmp, replace=_residual_disguised(src, fn, perm), overwrite=True)
-                save_file({".".join(("perm", s)).rstrip("."): p for s, p in perms.items()}, str(tmp / RESIDUAL_FILE))
+                save_safetensors({".".join(("perm", s)).rstrip("."): p for s, p in perms.items()}, tmp / RESIDUAL_FILE)
             else:
                 write_modules(src, fn, tmp)
             save_transforms(ts, tmp / TRANSFORMS_FILE)

@@ -174,7 +174,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _per_example(
-    call: _Call, go: torch.Tensor, names: dict[str, str], single: set[str] = frozenset()
+    call: _Call, go: torch.Tensor, names: dict[str, str], single: frozenset[str] | set[str] = frozenset()
 ) -> dict[str, torch.Tensor | _SparseSq | _SquareSum]:
     """Per-example gradients of one call's parameters; those in ``single`` (one call) may come back squared-summed."""
     m, x = call.module, call.args[0].detach()
