@@ -100,6 +100,9 @@ class _OnRead(Mapping[str, torch.Tensor]):
     def __getitem__(self, role: str) -> torch.Tensor:
         return self._get(self._names[role])
 
+    def __contains__(self, role: object) -> bool:  # Mapping's default would read the tensor to find out
+        return role in self._names
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 

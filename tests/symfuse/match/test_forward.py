@@ -83,3 +83,20 @@ def test_the_match_command_imports_no_transformers_modelling_code(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "False"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("family", ["bert", "llama", "qwen3"])
+def test_plain_forward_reads_each_stored_tensor_once(family, tmp_path, monkeypatch):
+    from collections import Counter
+
+    from symfuse.match import forward
+
+    src = save_tiny(tmp_path / "m", family, seed=1, head=_head(family))
+    reads: Counter[str] = Counter()
+    real = forward._Run.get
+    monkeypatch.setattr(forward._Run, "get", lambda self, name: reads.update([name]) or real(self, name))
+    with CheckpointReader(src) as r:
+        plain_forward(r, r.spec.random_inputs(r.config))
+        modules = {n for ref in r.modules() for n in r.module_tensor_names(ref)}
+    assert reads and max(reads.values()) == 1, reads.most_common(3)  # a membership test reads nothing
+    assert modules <= set(reads)  # every module tensor took part
