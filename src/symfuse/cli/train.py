@@ -52,6 +52,13 @@ def finetune(
         float,
         typer.Option("--head-lr-scale", help="Learning rate of the new task head = --lr x this (0 < x <= 1000)."),
     ] = 1.0,
+    freeze_embeddings: Annotated[
+        bool,
+        typer.Option(
+            "--freeze-embeddings",
+            help="Keep the token embedding table as in BASE (no gradient or optimizer state for it: faster).",
+        ),
+    ] = False,
 ) -> None:
     """Fine-tune BASE on a dataset and write the fine-tuned checkpoint."""
     checks.at_least("--epochs", epochs, 1)
@@ -97,6 +104,7 @@ def finetune(
         label_space=space,
         head_seed=head_seed,
         head_lr_scale=head_lr_scale,
+        freeze_embeddings=freeze_embeddings,
     )
     with claim_output(out, overwrite):
         checks.dataset("--data", data)

@@ -1,5 +1,6 @@
 import json
 
+import torch
 from typer.testing import CliRunner
 
 import symfuse.cli.evaluate
@@ -61,6 +62,15 @@ def test_finetune_evaluate_barrier_commands(tmp_path):
     )
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "bar" / "barrier.json").read_text())["barrier"] == 0.0
+    # --freeze-embeddings: the token table leaves training as BASE has it
+    from safetensors.torch import load_file
+
+    res = runner.invoke(app, ["finetune", str(base), "--data", str(data), "--out", str(tmp_path / "fz"), "--epochs",
+                              "1", "--lr", "1e-3", "--max-length", "16", "--freeze-embeddings"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    before, after = load_file(str(base / "model.safetensors")), load_file(str(tmp_path / "fz" / "model.safetensors"))
+    word = next(k for k in before if k.endswith("word_embeddings.weight"))
+    assert torch.equal(after[next(k for k in after if k.endswith("word_embeddings.weight"))], before[word])
 
 
 def test_finetune_union_labels_writes_the_union_head(tmp_path):
