@@ -61,6 +61,8 @@ def plain_forward_supported(spec: ArchSpec, config: Any, seq: int = 12) -> bool:
         return False
     if spec.rope and _rope_theta(config) is None:
         return False
+    if getattr(config, "position_embedding_type", None) not in (None, "absolute"):  # BERT relative_key(_query)
+        return False
     window = getattr(config, "sliding_window", None)
     if isinstance(window, int) and window < seq and getattr(config, "use_sliding_window", True):
         return False
@@ -126,6 +128,13 @@ class _Run:
         name = f"{self.r.prefix}{path}.{suffix}"
         return self.get(name).float() if self.r.has(name) else None
 
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """``table[index]`` reading only the rows used (a vocabulary-sized table is not read whole)."""
+        used, inverse = torch.unique(index, return_inverse=True)
+        file = self.r.tensor_file(name)
+        table = torch.cat([file.get_rows(name, i, i + 1) for i in used.tolist()]).float()
+        return table[inverse]
+
     def module(self, ref: ModuleRef) -> Mapping[str, torch.Tensor]:
         """The module's weights by role; each read when used (one matrix in memory), unless fused or Conv1D."""
         names = self.spec.tensor_names(ref, self.config, self.r.prefix)
@@ -143,8 +152,8 @@ class _Run:
         fwd = self.spec.forward or {}
         h = None
         for path, role in zip(self.spec.embeddings, fwd["embeddings"], strict=True):
-            table = self.tensor(path)
-            if table is None:
+            name = f"{self.r.prefix}{path}.weight"
+            if not self.r.has(name):
                 continue
             if role == "word":
                 index = ids
@@ -156,7 +165,7 @@ class _Run:
                 index = torch.cumsum(keep, dim=1) * keep + pad
             else:
                 index = torch.arange(ids.shape[1]).expand_as(ids)
-            part = F.embedding(index, table)
+            part = self.rows(name, index)
             h = part if h is None else h + part
         if h is None:
             raise KeyError(f"{self.r.path}: no embedding table of {list(self.spec.embeddings)} is stored")

@@ -53,6 +53,13 @@ def test_configs_the_plain_forward_cannot_follow_fall_back(tmp_path):
         src = save_tiny(tmp_path / name.replace(" ", "_"), "llama", seed=1, head="lm", **overrides)
         with CheckpointReader(src) as r:
             assert not plain_forward_supported(r.spec, r.config), name
+    # position terms inside attention (BERT's relative_key): a Q/K map must move them too, so only transformers'
+    # model checks it
+    src = save_tiny(tmp_path / "rel", "bert", seed=1, head="seq")
+    with CheckpointReader(src) as r:
+        assert plain_forward_supported(r.spec, r.config)
+        r.config.position_embedding_type = "relative_key"
+        assert not plain_forward_supported(r.spec, r.config)
 
 
 @pytest.mark.parametrize("family", ["roberta", "llama"])
@@ -100,3 +107,21 @@ def test_plain_forward_reads_each_stored_tensor_once(family, tmp_path, monkeypat
         modules = {n for ref in r.modules() for n in r.module_tensor_names(ref)}
     assert reads and max(reads.values()) == 1, reads.most_common(3)  # a membership test reads nothing
     assert modules <= set(reads)  # every module tensor took part
+
+
+def test_a_damaged_copy_of_a_head_is_caught(tmp_path, monkeypatch):
+    # the hidden states never see the task head: its copy is compared with SOURCE's bit for bit instead
+    src = save_tiny(tmp_path / "src", "roberta", seed=1, head="seq")
+    anc = save_tiny(tmp_path / "anc", "roberta", seed=2, head="seq")
+    real = pipeline.PlannedCheckpoint.write
+
+    def damaging(self, name, tensor, first_row=0):
+        if name.startswith("classifier.out_proj.weight"):
+            tensor = tensor.clone()
+            tensor.view(-1)[0] += 1.0
+        return real(self, name, tensor, first_row)
+
+    monkeypatch.setattr(pipeline.PlannedCheckpoint, "write", damaging)
+    with pytest.raises(VerificationError, match=r"classifier\.out_proj\.weight differs from .* only copies"):
+        match_checkpoints(src, anc, tmp_path / "out", symmetries=SYMS)
+    assert not (tmp_path / "out").exists()
