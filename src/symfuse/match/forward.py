@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from symfuse.arch import ArchSpec, ModuleRef
 from symfuse.arch.spec import FUSED
 from symfuse.checkpoint import CheckpointReader
-from symfuse.match.reading import trim_heap
+from symfuse.io import BufferPool
 
 __all__ = ["plain_forward", "plain_forward_supported"]
 
@@ -38,6 +38,7 @@ _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
 }
+_LINEAR_ROLES = frozenset(("q", "k", "v", "o", "up", "gate", "down"))
 _EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
 
 
@@ -94,13 +95,18 @@ def _linear(x: torch.Tensor, w: Mapping[str, torch.Tensor], role: str) -> torch.
 
 
 class _OnRead(Mapping[str, torch.Tensor]):
-    """Role -> stored tensor, read (``pread``) at each access and not kept."""
+    """Role -> stored tensor, read (``pread``) at each access into a reused buffer: use it before the next access.
 
-    def __init__(self, names: dict[str, str], get: Callable[[str], torch.Tensor]):
+    Matrices share one buffer and biases another (a linear layer reads its matrix, then its bias, then runs), so a
+    pass touches new memory for its largest matrix only, not for every layer's (page faults cost as much as reads).
+    """
+
+    def __init__(self, names: dict[str, str], get: Callable[[str, str], torch.Tensor]):
         self._names, self._get = names, get
 
     def __getitem__(self, role: str) -> torch.Tensor:
-        return self._get(self._names[role])
+        slot = "bias" if role.endswith("_bias") else "matrix" if role in _LINEAR_ROLES else role
+        return self._get(self._names[role], slot)
 
     def __contains__(self, role: object) -> bool:  # Mapping's default would read the tensor to find out
         return role in self._names
@@ -120,9 +126,11 @@ class _Run:
         self.geo = reader.geometry
         self.eps = _eps(self.spec, self.config)
         self.causal = bool((self.spec.forward or {}).get("causal", False))
+        self.pool = BufferPool()
 
-    def get(self, name: str) -> torch.Tensor:
-        return self.r.tensor_file(name).get(name)  # pread into private memory: no file pages mapped
+    def get(self, name: str, slot: str | None = None) -> torch.Tensor:
+        """A stored tensor, ``pread`` into private memory (no file pages mapped); into ``slot`` of the pool if given."""
+        return self.r.tensor_file(name).get(name, self.pool if slot else None, slot or "")
 
     def tensor(self, path: str, suffix: str = "weight") -> torch.Tensor | None:
         name = f"{self.r.prefix}{path}.{suffix}"
@@ -244,7 +252,6 @@ def plain_forward(reader: CheckpointReader, inputs: Mapping[str, torch.Tensor]) 
                 h = run.sublayer(h, ref, norms.get("attn"), lambda w, x: run.attention(w, x, mask, rope))
             else:
                 h = run.sublayer(h, ref, norms.get("ffn"), run.ffn)
-            trim_heap()  # this module's weights go back to the OS, not into this thread's arena
         if reader.spec.final_norm:
             h = run.norm(reader.spec.final_norm, h)
     return h

@@ -101,7 +101,7 @@ def test_plain_forward_reads_each_stored_tensor_once(family, tmp_path, monkeypat
     src = save_tiny(tmp_path / "m", family, seed=1, head=_head(family))
     reads: Counter[str] = Counter()
     real = forward._Run.get
-    monkeypatch.setattr(forward._Run, "get", lambda self, name: reads.update([name]) or real(self, name))
+    monkeypatch.setattr(forward._Run, "get", lambda self, name, *a: reads.update([name]) or real(self, name, *a))
     with CheckpointReader(src) as r:
         plain_forward(r, r.spec.random_inputs(r.config))
         modules = {n for ref in r.modules() for n in r.module_tensor_names(ref)}
