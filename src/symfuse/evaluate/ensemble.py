@@ -174,12 +174,13 @@ def _heads_logits(
         finally:
             first.net.set_submodule(name, own)
 
-    widths = [len(voters[i].names) for i in (0, *(i for i, _ in shared))]
+    ids = [0, *(i for i, _ in shared)]  # the voters run on the first one's body, in stacking order
+    widths = [len(voters[i].names) for i in ids]
     stacked = None
     if shared:
         stacked, gold = run_with(_Stacked([first.net.get_submodule(name), *(m for _, m in shared)]))
     if stacked is not None and stacked.shape[-1] == sum(widths):
-        out |= dict(zip((0, *(i for i, _ in shared)), stacked.split(widths, dim=-1), strict=True))
+        out |= dict(zip(ids, stacked.split(widths, dim=-1), strict=True))
     else:  # no shared heads, or a model that reshapes its head's output: each head on its own
         for i, module in [(0, None), *shared]:
             out[i], gold = run_with(module)
