@@ -3,13 +3,13 @@
 A checkpoint is a ``save_pretrained`` folder: ``config.json`` plus ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``. :class:`CheckpointReader` opens the files lazily, so a matcher or merger
 that asks for one module's tensors reads only those (memory O(one module)). :func:`write_checkpoint`
-streams tensors shard by shard into a temporary folder and renames it into place, so a half-written
-checkpoint is never readable under its final name.
+lays out the copy's shards up front (same names, shapes, dtypes) and writes each tensor at its offset as soon
+as it is produced (nothing waits in memory for a shard to fill), into a temporary folder renamed into place at
+the end, so a half-written checkpoint is never readable under its final name.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -26,16 +26,14 @@ from safetensors import safe_open
 from symfuse.arch import ArchSpec, Geometry, ModuleRef, ModuleWeights, get_spec
 from symfuse.errors import CheckpointError, NonFiniteError
 from symfuse.io import (
-    WEIGHTS,
-    WEIGHTS_INDEX,
     TensorFile,
     check_finite,
     check_module_shapes,
     check_tokenizer,
     fsync_dir,
     open_weight_files,
-    save_safetensors,
 )
+from symfuse.io.planned import PlannedCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +289,14 @@ class CheckpointReader:
             yield name, self.get(name)
 
 
+def copy_side_files(reader: CheckpointReader, dest: Path) -> None:
+    """Copy ``config.json`` and the tokenizer / generation files (:data:`SIDE_FILES`) of ``reader`` into ``dest``."""
+    shutil.copy2(reader.path / "config.json", dest / "config.json")
+    for side in SIDE_FILES:
+        if (reader.path / side).exists():
+            shutil.copy2(reader.path / side, dest / side)
+
+
 @contextmanager
 def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder next to ``out``; rename it to ``out`` only if the block succeeds.
@@ -345,55 +351,32 @@ def write_checkpoint(
         if unknown:
             raise CheckpointError(f"{reader.path}: replacements for unknown tensors {sorted(unknown)[:5]}")
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        weight_map: dict[str, str] = {}
-        shard_files: list[str] = []
-
-        def flush() -> None:
-            idx = len(shard_files)
-            name = f"model-{idx:05d}.safetensors"
-            save_safetensors(shards[-1], tmp / name, metadata={"format": "pt"})
-            shard_files.append(name)
-            weight_map.update(dict.fromkeys(shards[-1], name))
-            shards[-1] = {}
-
-        for name, tensor in reader.iter_tensors():
-            new = tensor
-            if isinstance(replace, Mapping) and name in replace:
-                new = replace[name]
-            elif callable(replace):
-                new = replace(name, tensor)
-            if new.shape != tensor.shape:
-                raise CheckpointError(f"{name}: replacement shape {tuple(new.shape)} != {tuple(tensor.shape)}")
-            if (
-                not tensor.is_floating_point()
-                and new is not tensor
-                and (new.dtype != tensor.dtype or not torch.equal(new, tensor))
-            ):
-                raise CheckpointError(
-                    f"{reader.file_of(name)}: {name} is a {tensor.dtype} tensor and would be changed; integer and bool "
-                    "tensors are never transformed — store it as a float tensor or leave it out of the transform"
-                )
-            new = new.to(tensor.dtype).contiguous()
-            nbytes = new.numel() * new.element_size()
-            if shards[-1] and size + nbytes > shard_bytes:
-                flush()
-                size = 0
-            shards[-1][name] = new
-            size += nbytes
-        flush()
-        if len(shard_files) == 1:
-            os.replace(tmp / shard_files[0], tmp / WEIGHTS)
-        else:
-            total = sum((tmp / f).stat().st_size for f in shard_files)
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
-        shutil.copy2(reader.path / "config.json", tmp / "config.json")
-        for side in SIDE_FILES:
-            if (reader.path / side).exists():
-                shutil.copy2(reader.path / side, tmp / side)
+        plan = PlannedCheckpoint(reader, tmp, shard_bytes)  # header first, each tensor written as it comes
+        try:
+            for name, tensor in reader.iter_tensors():
+                new = tensor
+                if isinstance(replace, Mapping) and name in replace:
+                    new = replace[name]
+                elif callable(replace):
+                    new = replace(name, tensor)
+                if new.shape != tensor.shape:
+                    raise CheckpointError(f"{name}: replacement shape {tuple(new.shape)} != {tuple(tensor.shape)}")
+                if (
+                    not tensor.is_floating_point()
+                    and new is not tensor
+                    and (new.dtype != tensor.dtype or not torch.equal(new, tensor))
+                ):
+                    raise CheckpointError(
+                        f"{reader.file_of(name)}: {name} is a {tensor.dtype} tensor and would be changed; integer "
+                        "and bool tensors are never transformed — store it as a float tensor or leave it out of "
+                        "the transform"
+                    )
+                plan.write(name, new)
+            plan.finish()
+        finally:
+            plan.close()
+        copy_side_files(reader, tmp)
         for fname, data in (extra_files or {}).items():
             (tmp / fname).write_bytes(data)
-    log.info("wrote checkpoint %s (%d shard(s))", out, len(shard_files))
+    log.info("wrote checkpoint %s (%d shard(s))", out, len(plan.files))
     return Path(out)

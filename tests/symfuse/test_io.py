@@ -244,3 +244,107 @@ def test_a_full_disk_names_the_file_and_leaves_the_old_version(tmp_path, monkeyp
     assert info.value.errno == errno.ENOSPC
     assert torch.equal(load_file(target)["w"], torch.ones(2))  # the previous version, still readable
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no temporary left
+
+
+@pytest.mark.parametrize("shard_bytes", [2 * 1024**3, 8 * 1024])
+def test_write_checkpoint_streams_the_bytes_save_file_writes(tiny, tmp_path, shard_bytes):
+    """Each tensor goes to its planned offset as it comes: same files, bytes, shard split and index as save_file."""
+    sd = load_file(str(tiny / "model.safetensors"))
+    seen = []
+
+    def double(name, t):
+        seen.append(name)
+        return t * 2 if t.is_floating_point() else t
+
+    with CheckpointReader(tiny) as r:
+        names = list(r.names())
+        out = write_checkpoint(r, tmp_path / "out", replace=double, shard_bytes=shard_bytes, extra_files={"x": b"1"})
+    assert seen == names  # storage order, one call per tensor
+    want = {n: (t * 2 if t.is_floating_point() else t) for n, t in sd.items()}
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    if shard_bytes > 1024**2:
+        assert files == ["model.safetensors"]
+        save_file(want, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+        assert (out / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    else:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+        assert index["metadata"]["total_size"] == sum((out / f).stat().st_size for f in files)
+        for f in files:  # each shard is what save_file writes for its tensors
+            part = {n: want[n] for n, s in index["weight_map"].items() if s == f}
+            save_file(part, str(tmp_path / f"ref-{f}"), metadata={"format": "pt"})
+            assert (out / f).read_bytes() == (tmp_path / f"ref-{f}").read_bytes()
+    assert (out / "config.json").read_bytes() == (tiny / "config.json").read_bytes()
+    assert (out / "x").read_bytes() == b"1"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp")]
+
+
+def test_write_checkpoint_full_disk_names_the_file_and_keeps_the_old_version(tiny, tmp_path, monkeypatch):
+    import errno
+
+    from symfuse.io import planned
+
+    with CheckpointReader(tiny) as r:
+        out = write_checkpoint(r, tmp_path / "out")
+        before = (out / "model.safetensors").read_bytes()
+        calls = []
+        real = os.pwrite
+
+        def full(fd, data, offset):
+            calls.append(offset)
+            if len(calls) > 3:  # the header and a few tensors fit, then the disk is full
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, data, offset)
+
+        monkeypatch.setattr(planned.os, "pwrite", full)
+        with pytest.raises(OSError, match=r"model\.safetensors: could not be written .* free disk space") as info:
+            write_checkpoint(r, out, replace=lambda n, t: t * 2, overwrite=True)
+    assert info.value.errno == errno.ENOSPC and len(calls) == 4
+    assert (out / "model.safetensors").read_bytes() == before  # the previous version, intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
+
+
+def test_large_reads_split_across_threads_give_the_stored_bytes(tmp_path):
+    """A tensor over PARALLEL_READ is read in parts by several threads: same values; a truncation is named."""
+    from symfuse.io import safetensors as st
+
+    big = torch.randn(st.PARALLEL_READ // 4 + 1001)  # not a multiple of the part size
+    file = tmp_path / "big.safetensors"
+    save_file({"big": big, "small": torch.arange(5.0)}, str(file))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with TensorFile(file) as tf:
+            assert torch.equal(tf.get("big"), big) and torch.equal(tf.get("small"), torch.arange(5.0))
+        with TensorFile(file) as tf:  # header read, then the file is cut short under the reader
+            os.truncate(file, file.stat().st_size - 4096)
+            with pytest.raises(CheckpointError, match="big.*truncated"):
+                tf.get("big")
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_planned_file_background_sync_error_names_the_file(tmp_path, monkeypatch):
+    """fsync runs in the background once the last tensor is in; its failure surfaces in finish(), naming the file."""
+    import errno
+
+    from symfuse.io import planned
+
+    layout = {"a": (torch.float32, (4,)), "b": (torch.float32, (2, 2))}
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", layout, {"format": "pt"})
+
+    def broken(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(planned.os, "fsync", broken)
+    pf.write("a", torch.ones(4))
+    pf.write("b", torch.zeros(2, 2))
+    with pytest.raises(OSError, match=r"x\.safetensors: could not be written \(Input/output error\)"):
+        pf.finish()
+    pf.close()
+    monkeypatch.undo()
+    ok = planned.PlannedFile(tmp_path / "y.safetensors", layout, {"format": "pt"})
+    ok.write("b", torch.zeros(2, 2))
+    ok.write("a", torch.ones(4))
+    ok.finish()
+    assert torch.equal(load_file(str(tmp_path / "y.safetensors"))["a"], torch.ones(4))

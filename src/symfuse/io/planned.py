@@ -6,22 +6,29 @@ it is ready: nothing waits in memory for its shard to fill. The bytes are exactl
 ``safetensors.torch.save_file`` writes for the same tensors (same header JSON, tensor order and padding).
 
 The files are written where the caller says (a temporary folder that is renamed into place when everything
-succeeded, see :func:`symfuse.outputs.atomic_output_dir`); a file is fsynced by the thread that writes its last
-tensor, and :meth:`PlannedFile.finish` refuses a file with a tensor missing.
+succeeded, see :func:`symfuse.outputs.atomic_output_dir`). Writing back runs in one background thread: an
+``fdatasync`` every :data:`FLUSH_BYTES` written and an ``fsync`` once the last tensor is in, so the writers and
+the computation do not wait for the disk; :meth:`PlannedFile.finish` waits for them and refuses a file with a
+tensor missing.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
 import struct
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from symfuse.errors import CheckpointError
+from symfuse.io.folder import WEIGHTS, WEIGHTS_INDEX
 from symfuse.io.safetensors import DTYPES
 
 _NAMES = {v: k for k, v in DTYPES.items()}
@@ -30,6 +37,14 @@ _RANK = {
     n: i
     for i, n in enumerate(("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL"))
 }
+
+
+FLUSH_BYTES = 16 << 20  # written bytes after which a background fdatasync starts (the final fsync waits less)
+
+
+@functools.cache
+def _flusher() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="symfuse-flush")
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
@@ -72,6 +87,8 @@ class PlannedFile:
         self._missing = {n for n in layout if self._slots[n][1]}  # empty tensors need no write
         self._written: dict[str, int] = {}
         self._synced = False
+        self._dirty = 0  # bytes written since the last background flush was started
+        self._flushes: list[Future[None]] = []
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self._fd, self.size)
@@ -79,9 +96,17 @@ class PlannedFile:
 
     def _pwrite(self, data: memoryview | bytes, offset: int) -> None:
         view = memoryview(data).cast("B")
-        while view:
-            done = os.pwrite(self._fd, view, offset)
-            view, offset = view[done:], offset + done
+        try:
+            while view:
+                done = os.pwrite(self._fd, view, offset)
+                view, offset = view[done:], offset + done
+        except OSError as exc:  # pwrite's errors name no file
+            raise self._named(exc) from exc
+
+    def _named(self, exc: OSError) -> OSError:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        fix = "free disk space there (or point TMPDIR / the store elsewhere)" if full else "check the folder"
+        return OSError(exc.errno, f"{self.path}: could not be written ({exc.strerror}) — {fix}")
 
     def write(self, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
         """Store ``tensor`` (all of ``name``, or its rows from ``first_row`` on) at its place in the file.
@@ -113,8 +138,22 @@ class PlannedFile:
                 self._missing.discard(name)
             complete = not self._missing and not self._synced
             self._synced = self._synced or complete
-        if complete:  # the last tensor: flush now, in the writing thread, not in finish()
-            os.fsync(self._fd)
+            self._dirty += nbytes
+            if complete:  # the last tensor: the whole file is synced in the background; finish() waits for it
+                self._flushes.append(_flusher().submit(os.fsync, self._fd))
+            elif self._dirty >= FLUSH_BYTES:  # start writing back what is there while the caller computes the rest
+                self._dirty = 0
+                self._flushes.append(_flusher().submit(os.fdatasync, self._fd))
+
+    def _wait_flushes(self, errors: bool = True) -> None:
+        with self._lock:
+            pending, self._flushes = self._flushes, []
+        for f in pending:
+            try:
+                f.result()
+            except OSError as exc:  # fsync's errors name no file either
+                if errors:
+                    raise self._named(exc) from exc
 
     def finish(self) -> Path:
         """Check every tensor was written (the last rows of each), fsync and close the file.
@@ -124,6 +163,7 @@ class PlannedFile:
         """
         if self._missing:
             raise CheckpointError(f"{self.path}: tensors never written: {sorted(self._missing)[:5]}")
+        self._wait_flushes()
         if not self._synced:
             os.fsync(self._fd)
         self.close()
@@ -131,6 +171,9 @@ class PlannedFile:
 
     def close(self) -> None:
         """Close the descriptor (idempotent; the file stays as written so far)."""
+        if not hasattr(self, "_fd"):  # the constructor failed before opening it
+            return
+        self._wait_flushes(errors=False)  # a background flush must not outlive the descriptor
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)
@@ -138,3 +181,74 @@ class PlannedFile:
 
     def __del__(self) -> None:
         self.close()
+
+
+def plan_shards(reader: Any, shard_bytes: int) -> list[list[str]]:
+    """Tensor names per output shard of a copy of ``reader``, in storage order, each shard at most ``shard_bytes``.
+
+    ``reader`` is a :class:`symfuse.checkpoint.CheckpointReader` (its ``names()`` and ``tensor_file(name)``).
+    """
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in reader.names():
+        nbytes = reader.tensor_file(name).info(name).nbytes
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+class PlannedCheckpoint:
+    """The weight files of a copy of ``reader`` (same tensors, dtypes and shard split), filled in any order.
+
+    One shard is ``model.safetensors``; several are ``model-00000.safetensors`` ... plus the index, written by
+    :meth:`finish`. Config and tokenizer files are the caller's (:func:`symfuse.checkpoint.copy_side_files`).
+
+    Args:
+        reader: The checkpoint copied (a :class:`symfuse.checkpoint.CheckpointReader`).
+        out: Folder to write into (a temporary folder the caller publishes).
+        shard_bytes: Largest shard size.
+    """
+
+    def __init__(self, reader: Any, out: Path, shard_bytes: int):
+        self.out = out
+        self.shards = plan_shards(reader, shard_bytes)
+        single = len(self.shards) == 1
+        self.files: list[PlannedFile] = []
+        self.file_of: dict[str, PlannedFile] = {}
+        self.dtype: dict[str, torch.dtype] = {}
+        try:
+            for i, names in enumerate(self.shards):
+                layout = {}
+                for n in names:
+                    info = reader.tensor_file(n).info(n)
+                    layout[n] = (info.dtype, info.shape)
+                    self.dtype[n] = info.dtype
+                name = WEIGHTS if single else f"model-{i:05d}.safetensors"
+                pf = PlannedFile(out / name, layout, {"format": "pt"})
+                self.files.append(pf)
+                self.file_of.update(dict.fromkeys(names, pf))
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
+        """Store (rows of) one tensor, converted to its stored dtype."""
+        self.file_of[name].write(name, tensor.to(self.dtype[name]), first_row)
+
+    def finish(self) -> None:
+        """Check and flush every shard to disk; write the index (several shards)."""
+        for f in self.files:
+            f.finish()
+        if len(self.files) > 1:
+            weight_map = {n: f"model-{i:05d}.safetensors" for i, names in enumerate(self.shards) for n in names}
+            total = sum(f.size for f in self.files)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (self.out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
+
+    def close(self) -> None:
+        """Close every file (after an error; idempotent)."""
+        for f in self.files:
+            f.close()

@@ -10,9 +10,7 @@ into the caller's temporary folder, published only when the whole command succee
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -23,10 +21,9 @@ from typing import Any
 import torch
 
 from symfuse.arch import ModuleRef
-from symfuse.checkpoint import SIDE_FILES, CheckpointReader
+from symfuse.checkpoint import CheckpointReader, copy_side_files
 from symfuse.errors import CheckpointError
-from symfuse.io import WEIGHTS, WEIGHTS_INDEX
-from symfuse.io.planned import PlannedFile
+from symfuse.io.planned import PlannedCheckpoint
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.reading import PreadSource, trim_heap
 from symfuse.match.verify import check_module_transform, is_exact
@@ -56,65 +53,6 @@ def fast_sq_distance(a: torch.Tensor, b: torch.Tensor, block: int = 1024) -> flo
 def module_sq_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Squared Frobenius distance over the roles both share (see :func:`fast_sq_distance`)."""
     return sum(fast_sq_distance(a[r], b[r]) for r in sorted(a.keys() & b.keys()))
-
-
-def plan_shards(reader: CheckpointReader, shard_bytes: int) -> list[list[str]]:
-    """Tensor names per output shard, in storage order, split exactly as :func:`write_checkpoint` splits them."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in reader.names():
-        info = reader.tensor_file(name).info(name)
-        nbytes = info.nbytes
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
-class PlannedCheckpoint:
-    """The weight files of a copy of ``reader`` (same tensors and shard split), filled in any order."""
-
-    def __init__(self, reader: CheckpointReader, out: Path, shard_bytes: int):
-        self.out = out
-        self.shards = plan_shards(reader, shard_bytes)
-        single = len(self.shards) == 1
-        self.files: list[PlannedFile] = []
-        self.file_of: dict[str, PlannedFile] = {}
-        self.dtype: dict[str, torch.dtype] = {}
-        for i, names in enumerate(self.shards):
-            layout = {}
-            for n in names:
-                info = reader.tensor_file(n).info(n)
-                layout[n] = (info.dtype, info.shape)
-                self.dtype[n] = info.dtype
-            pf = PlannedFile(out / (WEIGHTS if single else f"model-{i:05d}.safetensors"), layout, {"format": "pt"})
-            self.files.append(pf)
-            self.file_of.update(dict.fromkeys(names, pf))
-
-    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
-        """Store (rows of) one tensor, converted to its stored dtype."""
-        self.file_of[name].write(name, tensor.to(self.dtype[name]), first_row)
-
-    def finish(self, reader: CheckpointReader) -> None:
-        """Flush every shard to disk, write the index (several shards), copy config and tokenizer files."""
-        for f in self.files:
-            f.finish()
-        if len(self.files) > 1:
-            weight_map = {n: f"model-{i:05d}.safetensors" for i, names in enumerate(self.shards) for n in names}
-            total = sum(f.size for f in self.files)
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (self.out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
-        shutil.copy2(reader.path / "config.json", self.out / "config.json")
-        for side in SIDE_FILES:
-            if (reader.path / side).exists():
-                shutil.copy2(reader.path / side, self.out / side)
-
-    def close(self) -> None:
-        """Close every file (after an error)."""
-        for f in self.files:
-            f.close()
 
 
 def _copy_rest(
@@ -269,7 +207,8 @@ def match_and_write(
                         pool.shutdown(wait=True, cancel_futures=True)  # a failed module stops the rest
                         raise
             t0 = time.perf_counter()
-            plan.finish(src)
+            plan.finish()
+            copy_side_files(src, out)
             tick("write", t0)
     finally:
         plan.close()
