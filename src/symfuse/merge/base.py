@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -149,15 +152,16 @@ class Merger:
     # Params fields the merge task fills from the run (tasks/merge.py run_context: data, max_examples, batch_size,
     # max_length, seed, device), e.g. a merger that runs each model's own dataset; the user's merge_params win.
     run_params: ClassVar[tuple[str, ...]] = ()
+    # True when a NaN / inf in any input tensor (or Fisher) always reaches the merged tensor (every input enters a
+    # sum with its weight, 0 included): merge_checkpoints then reads the inputs unchecked and checks them only
+    # when the output is not finite, to name the file. Mergers that select or drop entries (TIES, DARE) keep False.
+    propagates_nonfinite: ClassVar[bool] = False
     Params: ClassVar[type[MergeParams]] = MergeParams
 
     def __init__(self, **params: Any):
         self.params = self.Params(**params)
         self.counters: dict[str, int] = {}
         self.pool: BufferPool | None = None  # scratch buffers a merger may reuse (set by merge_checkpoints)
-        # lookahead(name, n) -> [(key, Grams, weights)] of the next n distinct Gram inputs after tensor ``name``
-        # (set by merge_checkpoints; a merger may start work on them early)
-        self.lookahead: Callable[[str, int], list[tuple[str, Sequence[torch.Tensor], Sequence[float]]]] | None = None
 
     def close(self) -> None:
         """Release background work and buffers (called once the merge is done or failed)."""
@@ -201,12 +205,43 @@ SERIAL_CHUNK = 32_000  # elements per elementwise op: below torch's parallel gra
 # under load. Cache-sized chunks run single-threaded and stay in L2; BLAS / LAPACK calls keep every thread.
 
 
-def chunked(fn: Callable[..., Any], *tensors: torch.Tensor) -> None:
-    """Call ``fn`` on matching flat chunks of contiguous tensors of one size (``fn`` works in place)."""
+def chunked(fn: Callable[..., Any], *tensors: torch.Tensor, parallel: bool = False) -> None:
+    """Call ``fn`` on matching flat chunks of contiguous tensors of one size (``fn`` works in place).
+
+    ``parallel``: the chunks are shared out to up to ``torch.get_num_threads()`` (at most 4) Python threads, each
+    taking the next chunk when done with its own (no barrier: a descheduled thread delays one chunk, not all);
+    ``fn`` must then touch nothing but its chunks. For passes over large tensors (a (3072, 3072) Gram: 1.7x
+    faster with two threads here).
+    """
     flat = [t.view(-1) for t in tensors]
     n = flat[0].numel()
-    for s in range(0, n, SERIAL_CHUNK):
-        fn(*(f[s : s + SERIAL_CHUNK] for f in flat))
+    workers = min(4, torch.get_num_threads(), -(-n // SERIAL_CHUNK)) if parallel else 1
+    if workers <= 1:
+        for s in range(0, n, SERIAL_CHUNK):
+            fn(*(f[s : s + SERIAL_CHUNK] for f in flat))
+        return
+    starts = iter(range(0, n, SERIAL_CHUNK))
+    lock = threading.Lock()
+
+    def run() -> None:
+        while True:
+            with lock:
+                s = next(starts, None)
+            if s is None:
+                return
+            fn(*(f[s : s + SERIAL_CHUNK] for f in flat))
+
+    futures = [_pool().submit(run) for _ in range(workers - 1)]
+    try:
+        run()  # the calling thread takes chunks too
+    finally:
+        for f in futures:
+            f.result()
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(3, thread_name_prefix="symfuse-chunks")
 
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:

@@ -227,27 +227,41 @@ def merge_checkpoints(
         return check_finite_tensor(base_reader.get(bname), bname, base_reader.file_of(bname))
 
     def merge_one(name: str, first: torch.Tensor) -> torch.Tensor:
-        merged = _merge_one(name, check_finite_tensor(first, name, r0.file_of(name)))
-        if merged is not first and merged.is_floating_point() and not _all_finite(merged):
+        rows = union is not None and union.per_class(name, first.shape, heads)  # merged per class, over its learners
+        # a merger whose every input enters a sum carries any NaN / inf into its output: its inputs are read
+        # unchecked, and checked (to name the file) only when the output is not finite
+        deferred = merger.propagates_nonfinite and not rows and not (separate and name in heads)
+        if not deferred:
+            check_finite_tensor(first, name, r0.file_of(name))
+        merged = _merge_one(name, first, rows, deferred)
+        if merged is first and deferred:
+            check_finite_tensor(first, name, r0.file_of(name))
+        elif merged is not first and merged.is_floating_point() and not _all_finite(merged):
+            if deferred:  # name the input that carried it
+                check_finite_tensor(first, name, r0.file_of(name))
+                for r in readers[1:]:
+                    check_finite_tensor(r.get(name), name, r.file_of(name))
+                for f in fishers if fishers is not None and all(f.has(name) for f in fishers) else []:
+                    check_finite_tensor(f.get(name), name, f.path)
             raise NonFiniteError(
                 f"{out}: merged tensor {name!r} came out NaN / inf with {strategy} (inputs were finite) — nothing "
                 "was written; try --dtype float64, a larger --epsilon / smaller --alpha, or another strategy"
             )
         return merged
 
-    def _merge_one(name: str, first: torch.Tensor) -> torch.Tensor:
+    def _merge_one(name: str, first: torch.Tensor, rows: bool, deferred: bool) -> torch.Tensor:
         if separate and name in heads:
             return first
         if not first.is_floating_point():
             return first  # integer / bool tensors pass through untouched
+        checked = (lambda load, where: load) if deferred else (lambda load, where: _finite_loader(load, name, where))
         tensors = LazyTensors(
             [lambda p, s: p.take(s, first.shape, first.dtype).copy_(first) if p is not None else first.clone()]
-            + [_finite_loader(lambda p, s, r=r: r.get(name, p, s), name, r.file_of(name)) for r in readers[1:]],
+            + [checked(lambda p, s, r=r: r.get(name, p, s), r.file_of(name)) for r in readers[1:]],
             pool,
             "tensor",
         )
         b = base_tensor(name)
-        rows = union is not None and union.per_class(name, first.shape, heads)  # merged per class, over its learners
         if merger.needs_base and b is None:  # e.g. a head absent from a bare base model
             merger.count("no_base_averaged")
             if rows:
@@ -256,9 +270,8 @@ def merge_checkpoints(
             return weighted_mean(tensors, weights)
         fisher = None
         if fishers is not None and all(f.has(name) for f in fishers):
-            fisher = LazyTensors(
-                [_finite_loader(lambda p, s, f=f: f.get(name, p, s), name, f.path) for f in fishers], pool, "fisher"
-            )
+            loads = [checked(lambda p, s, f=f: f.get(name, p, s), f.path) for f in fishers]
+            fisher = LazyTensors(loads, pool, "fisher")
         gram, conv1d = None, False
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if grams is not None and module is not None and first.dim() == 2:
@@ -274,32 +287,6 @@ def merge_checkpoints(
         inputs = TensorInputs(name, tensors, weights, b, fisher, gram, conv1d, key)
         return merge_class_rows(merger.merge_tensor, inputs, learned) if rows else merger.merge_tensor(inputs)
 
-    gram_order = [
-        (n[: -len(".weight")], i)
-        for i, n in enumerate(r0.names())
-        if grams is not None and n.endswith(".weight") and len(r0.shape(n)) == 2 and all(
-            g.has(n[: -len(".weight")]) for g in grams
-        )
-    ]  # fmt: skip
-    position = {r0.names()[i]: j for j, (_, i) in enumerate(gram_order)}
-
-    def lookahead(name: str, n: int) -> list[tuple[str, LazyTensors, list[float]]]:
-        """The next ``n`` distinct Gram inputs after tensor ``name`` (other than ``name``'s own)."""
-        j = position.get(name)
-        if j is None:
-            return []
-        seen = {same_input.get(gram_order[j][0], gram_order[j][0])}
-        out = []
-        for module, _ in gram_order[j + 1 :]:
-            key = same_input.get(module, module)
-            if key not in seen:
-                seen.add(key)
-                out.append((key, _gram_inputs(grams, module, pool), weights))  # type: ignore[arg-type]
-                if len(out) == n:
-                    break
-        return out
-
-    merger.lookahead = lookahead
     names: dict[str, str] = {}
     for i, m in enumerate(models):
         ds = None

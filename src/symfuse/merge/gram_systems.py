@@ -1,4 +1,4 @@
-"""RegMean's Gram systems built in one pass per Gram, and the next one built in the background.
+"""RegMean's Gram systems built in one pass per Gram.
 
 :func:`build_system` gives the same :class:`~symfuse.merge.regmean.GramSystem` as
 :func:`~symfuse.merge.regmean.gram_system` with less memory traffic: the reference model's Gram is read first
@@ -6,19 +6,14 @@
 subtracted from the reference straight into the solve dtype (``G_i - G_r`` from the stored values, so a float64
 file loses nothing to an early rounding). The off-diagonal scaling ``alpha`` is applied in the same chunk; the
 diagonals are restored from the stored ones; a NaN / inf anywhere shows in ``S`` and is then traced to its file.
-
-:class:`SystemPrefetcher` builds the NEXT inputs' systems (two ahead by default) in one background thread (one
-torch thread; the reads are ``preadv`` and release the GIL) while the caller's products and solves for the
-current one run, each system in its own :class:`BufferPool`.
+The chunk passes are shared out to the torch threads (:func:`symfuse.merge.base.chunked`), and ``S`` is factored
+with all of them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -69,7 +64,7 @@ def build_system(
         raise ValueError(f"regmean: Grams must be square and of one size, got {tuple(g_ref.shape)}")
     summed = pool.take("summed", (n, n), dtype)
     c_ref = mw[ref]
-    chunked(lambda s_, r_: torch.mul(r_, c_ref * alpha, out=s_), summed, g_ref)
+    chunked(lambda s_, r_: torch.mul(r_, c_ref * alpha, out=s_), summed, g_ref, parallel=True)
     diag_ref = g_ref.diagonal().to(torch.float64)
     diag_sum = c_ref * diag_ref
     diffs: list[torch.Tensor | None] = [None] * len(mw)
@@ -90,7 +85,7 @@ def build_system(
             if alpha != 1.0:
                 d_.mul_(alpha)
 
-        chunked(step, summed, g, g_ref, d)
+        chunked(step, summed, g, g_ref, d, parallel=True)
         diag_i = g.diagonal().to(torch.float64)
         diag_sum += c * diag_i
         d.diagonal().copy_(diag_i - diag_ref)
@@ -105,81 +100,3 @@ def build_system(
     return factor_system(
         summed, diffs, mw, ref, pool, lambda out: out.copy_(scale_gram(g_ref.to(dtype), alpha)).mul_(sum(mw))
     )
-
-
-class SystemPrefetcher:
-    """Builds Gram systems ahead in ONE background thread (see the module docstring).
-
-    Every build runs in that thread (one torch thread; its raw read buffers are its own), in the order asked;
-    each system gets its own :class:`BufferPool`, recycled for a Gram of the same shape once the merger moved past it.
-
-    Args:
-        alpha: Off-diagonal scale.
-        dtype: Solve dtype.
-        depth: Distinct inputs built ahead of the one in use.
-    """
-
-    def __init__(self, alpha: float, dtype: torch.dtype, depth: int = 2):
-        self.alpha, self.dtype, self.depth = alpha, dtype, depth
-        self._raw = BufferPool()
-        # idle pools by Gram shape (a pool keeps its largest buffers: recycling one across sizes would leave every
-        # pool as big as the biggest system); pools of unknown shape are not kept
-        self._free: dict[tuple[int, ...], list[BufferPool]] = {}
-        self._queue: deque[tuple[str, Future[GramSystem], BufferPool, tuple[int, ...] | None]] = deque()
-        self._current: tuple[BufferPool, tuple[int, ...] | None] | None = None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="regmean-grams")
-
-    def _build(self, grams: Sequence[torch.Tensor], weights: Sequence[float], pool: BufferPool) -> GramSystem:
-        prev = torch.get_num_threads()
-        torch.set_num_threads(1)  # per calling thread: the main thread's products keep their threads
-        try:
-            return build_system(grams, weights, self.alpha, self.dtype, pool, self._raw)
-        finally:
-            torch.set_num_threads(prev)
-
-    def _release(self, pool: BufferPool, shape: tuple[int, ...] | None) -> None:
-        if shape is not None:
-            self._free.setdefault(shape, []).append(pool)
-
-    def _submit(self, key: str, grams: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
-        shape = getattr(grams, "shape", None)
-        idle = self._free.get(shape, []) if shape is not None else []
-        pool = idle.pop() if idle else BufferPool()
-        self._queue.append((key, self._thread.submit(self._build, grams, weights, pool), pool, shape))
-
-    def get(self, key: str, grams: Sequence[torch.Tensor], weights: Sequence[float]) -> GramSystem:
-        """The system of ``key`` (the one in use before is released): prefetched when it was asked for."""
-        if self._current is not None:
-            self._release(*self._current)
-            self._current = None
-        while self._queue and self._queue[0][0] != key:  # asked ahead but skipped: drop it
-            _, fut, pool, shape = self._queue.popleft()
-            with contextlib.suppress(Exception):
-                fut.result()
-            self._release(pool, shape)
-        if not self._queue:
-            self._submit(key, grams, weights)
-        _, fut, pool, shape = self._queue.popleft()
-        self._current = (pool, shape)
-        return fut.result()
-
-    def ahead(self, upcoming: Sequence[tuple[str, Sequence[torch.Tensor], Sequence[float]]]) -> None:
-        """Queue the next inputs' builds (up to ``depth`` in flight)."""
-        queued = {k for k, _, _, _ in self._queue}
-        for key, grams, weights in upcoming:
-            if len(self._queue) >= self.depth:
-                break
-            if key not in queued:
-                self._submit(key, grams, weights)
-                queued.add(key)
-
-    def close(self) -> None:
-        """Wait for builds in flight and stop the thread."""
-        while self._queue:
-            _, fut, _, _ = self._queue.popleft()
-            with contextlib.suppress(Exception):  # its tensor was never merged: nothing to report
-                fut.result()
-        self._thread.shutdown(wait=True)
-        self._free.clear()
-        self._current = None
-        self._raw.clear()

@@ -16,6 +16,7 @@ class SimpleMerger(Merger):
     """``theta = sum_i w_i theta_i``."""
 
     name = "simple"
+    propagates_nonfinite = True
 
     def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
         """Weighted mean of the K tensors."""
@@ -35,6 +36,7 @@ class FisherMerger(Merger):
 
     name = "fisher"
     required_stats = frozenset({"fisher"})
+    propagates_nonfinite = True  # clamp_min keeps NaN; an inf Fisher gives inf / inf
     Params = FisherParams
 
     def merge_tensor(self, t: TensorInputs) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""RegMean's one-pass Gram systems and their background prefetch: same algebra, files named on NaN."""
+"""RegMean's one-pass Gram systems: same algebra, one build per input, files named on NaN."""
 
 import threading
 
@@ -7,7 +7,7 @@ import torch
 
 from symfuse.checkpoint import CheckpointReader
 from symfuse.errors import NonFiniteError
-from symfuse.io import check_finite_tensor
+from symfuse.io import BufferPool, check_finite_tensor
 from symfuse.merge import gram_systems as gs
 from symfuse.merge import merge_checkpoints, regmean_solve
 from symfuse.merge.base import LazyTensors
@@ -63,47 +63,52 @@ def test_one_pass_system_names_the_file_with_nan(tmp_path):
         gs.build_system([g * 1e300 for g in _grams(2, 4)], None, 0.9, torch.float32)
 
 
-def test_prefetched_systems_give_the_same_merge_and_are_built_ahead(monkeypatch):
+def test_merger_builds_one_system_per_input_and_merges_as_the_closed_form(monkeypatch):
     g = torch.Generator().manual_seed(3)
     keys = ["a", "a", "b", "c", "c", "d"]
-    grams = {k: _grams(3, 10, seed=i) for i, k in enumerate(dict.fromkeys(keys))}
-    ws = [[torch.randn(7, 10, generator=g) for _ in range(3)] for _ in keys]
-    where, submitted, now = [], [], [None]
-    build, submit = gs.build_system, gs.SystemPrefetcher._submit
+    grams = {k: _grams(3, 10 + i, seed=i) for i, k in enumerate(dict.fromkeys(keys))}  # sizes differ: pools reused
+    ws = [[torch.randn(7, grams[k][0].shape[0], generator=g) for _ in range(3)] for k in keys]
+    built = []
+    build = gs.build_system
 
-    def spy(*a, **k):
-        where.append(threading.current_thread().name)
-        return build(*a, **k)
-
-    def spy_submit(self, key, *a):
-        submitted.append((key, now[0]))
-        return submit(self, key, *a)
+    def spy(grams_, *a, **k):
+        built.append(grams_[0].shape[0])
+        return build(grams_, *a, **k)
 
     monkeypatch.setattr(gs, "build_system", spy)
-    monkeypatch.setattr(gs.SystemPrefetcher, "_submit", spy_submit)
     merger = RegMeanMerger(alpha=0.8, dtype="float64")
+    merger.pool = BufferPool()
     w3 = merger.model_weights(3)
-
-    def lookahead(name, n):
-        i, out = int(name), []
-        for j in range(i + 1, len(keys)):
-            if keys[j] != keys[i] and keys[j] not in [k for k, _, _ in out] and len(out) < n:
-                out.append((keys[j], grams[keys[j]], w3))
-        return out
-
-    merger.lookahead = lookahead
     try:
         for i, k in enumerate(keys):
-            now[0] = k
             got = merger.merge_tensor(TensorInputs(str(i), ws[i], w3, gram=grams[k], gram_key=k))
             want, _ = regmean_solve(ws[i], grams[k], w3, alpha=0.8)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     finally:
         merger.close()
-    assert len(where) == 4  # one build per distinct input, all in the background thread
-    assert all(w.startswith("regmean-grams") for w in where)
-    # two inputs ahead: b and c are queued while a is merged, d while b is
-    assert submitted == [("a", "a"), ("b", "a"), ("c", "a"), ("d", "b")]
+    assert built == [10, 11, 12, 13]  # one build per distinct input; q / k / v style repeats reuse the factor
+    assert merger.counters["factor_reused"] == 2
+
+
+@pytest.mark.parametrize("n", [5, 100_003])
+def test_parallel_chunks_cover_every_element_once(n):
+    from symfuse.merge.base import chunked
+
+    x = torch.zeros(n)
+    seen = []
+
+    def fn(c):
+        seen.append(threading.current_thread().name)
+        c.add_(1.0)
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        chunked(fn, x, parallel=True)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(x, torch.ones(n))
+    assert len(seen) == -(-n // 32_000)
 
 
 def test_merged_checkpoint_equals_layer_by_layer_regmean(tmp_path):

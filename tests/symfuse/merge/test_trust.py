@@ -119,13 +119,31 @@ def _nan_copy(src, dst, name, value=float("nan")):
     return dst
 
 
-@pytest.mark.parametrize("which", [0, 1])
-def test_nan_weights_are_refused_by_merge(pair, tmp_path, which):
-    a, b, *_ = pair
-    bad = _nan_copy([a, b][which], tmp_path / "bad", QUERY + ".weight", float("inf"))
+@pytest.mark.parametrize(
+    ("strategy", "which", "value", "weights"),
+    [
+        ("simple", 0, float("inf"), None),
+        ("simple", 1, float("inf"), None),
+        ("simple", 1, float("nan"), [1.0, 0.0]),  # a model of weight 0 still carries its NaN into the sum
+        ("regmean", 1, float("nan"), None),
+        ("regmean", 0, float("-inf"), [0.0, 1.0]),
+        ("fisher", 1, float("nan"), None),
+        ("ties", 1, float("nan"), None),  # selects entries: checked on read
+    ],
+)
+def test_nan_weights_are_refused_by_merge(pair, tmp_path, monkeypatch, strategy, which, value, weights):
+    """Checked on read, or (mergers whose output carries every input) traced from the output: the file is named."""
+    import symfuse.merge.checkpoints as mc
+
+    a, b, sa, sb, _ = pair
+    monkeypatch.setattr(mc, "check_stats_belong", lambda *x: None)  # the damaged copy keeps its model's statistics
+    bad = _nan_copy([a, b][which], tmp_path / "bad", QUERY + ".weight", value)
     models = [bad, b] if which == 0 else [a, bad]
+    extra = {"weights": weights} if weights else {}
+    extra |= {"stats": [sa, sb]} if strategy in ("regmean", "fisher") else {}
+    extra |= {"base": a} if strategy == "ties" else {}
     with pytest.raises(NonFiniteError) as err:
-        merge_checkpoints("simple", models, tmp_path / "o")
+        merge_checkpoints(strategy, models, tmp_path / "o", **extra)
     assert str(bad / "model.safetensors") in str(err.value) and QUERY + ".weight" in str(err.value)
     assert not (tmp_path / "o").exists()
 
