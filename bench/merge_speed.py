@@ -147,10 +147,11 @@ def one(root: Path, variant: str, k: int) -> dict:
     stats = [root / f"s{i}{suffix}" for i in range(k)]
     if strategy == "regmean":
         stats = [s / "gram.safetensors" for s in stats]
+    shutil.rmtree(out, ignore_errors=True)  # the merge into a fresh folder: deleting an old result is not timed
     usage = resource.getrusage(resource.RUSAGE_SELF)
     c = usage.ru_utime + usage.ru_stime
     t = time.perf_counter()
-    merge_checkpoints(strategy, [root / f"m{i}" for i in range(k)], out, stats=stats, overwrite=True, **params)
+    merge_checkpoints(strategy, [root / f"m{i}" for i in range(k)], out, stats=stats, **params)
     seconds = time.perf_counter() - t
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu = usage.ru_utime + usage.ru_stime - c
@@ -269,6 +270,45 @@ def arithmetic_floor(k: int) -> dict:
             "gemm_bound_s": total / gemm_rate, "tflop": total / 1e12}  # fmt: skip
 
 
+def io_floor(root: Path, k: int) -> dict:
+    """Seconds to move the merge's bytes once (warm page cache): read what it reads, write what it writes.
+
+    Every Gram the merge reads (float64 as stored; k / v Grams that are recorded as q's ``same_input`` are not
+    read) and every tensor of the K models, each read into one reused buffer with the library's own reader
+    (``preadv``, split across threads); then the output's bytes written once with ``pwrite`` and fsynced. No
+    conversion, no arithmetic: what any implementation reading these files and writing the result must pay.
+    """
+    import os
+    import tempfile
+
+    from symfuse.io import BufferPool, TensorFile
+
+    pool = BufferPool()
+    t = time.perf_counter()
+    nbytes = 0
+    for i in range(k):
+        with TensorFile(root / f"s{i}" / "gram.safetensors") as tf:
+            alias = set(json.loads(tf.metadata.get("same_input", "{}")))
+            for name in tf.header.tensors:
+                if name not in alias:
+                    nbytes += tf.get(name, pool, "x").numel() * tf.dtype(name).itemsize
+        with TensorFile(root / f"m{i}" / "model.safetensors") as tf:
+            for name in tf.header.tensors:
+                nbytes += tf.get(name, pool, "x").numel() * tf.dtype(name).itemsize
+    read_s = time.perf_counter() - t
+    with TensorFile(root / "m0" / "model.safetensors") as tf:
+        out = sum(t.nbytes for t in tf.header.tensors.values())
+    buf = memoryview(bytearray(1 << 26))
+    with tempfile.NamedTemporaryFile(dir=root, suffix=".io") as fh:
+        t = time.perf_counter()
+        done = 0
+        while done < out:
+            done += os.pwrite(fh.fileno(), buf[: min(len(buf), out - done)], done)
+        os.fsync(fh.fileno())
+        write_s = time.perf_counter() - t
+    return {"read_s": read_s, "read_gb": nbytes / 1e9, "write_s": write_s, "write_gb": out / 1e9}
+
+
 def gram_throughput(n_examples: int) -> dict:
     import torch
 
@@ -298,23 +338,29 @@ def ratio_table(args: argparse.Namespace, child) -> None:
     variants = args.variants if args.variants != list(VARIANTS) else ["regmean float32"]
     k = max(args.ks)
     for variant in variants:
-        ratios, rss, secs, floors = [], [], [], []
+        ratios, rss, secs, floors, ios, full = [], [], [], [], [], []
         for i in range(args.rounds):
             floor = json.loads(child("--job", "floor"))[str(k)]["floor_s"]
+            io = json.loads(child("--job", "iofloor"))[str(k)]
             r = json.loads(child("--one", variant, str(k)))
             ratios.append(r["seconds"] / floor)
             rss.append(r["peak_rss_mib"])
             secs.append(r["seconds"])
             floors.append(floor)
+            ios.append(io["read_s"] + io["write_s"])
+            full.append(r["seconds"] / (floor + ios[-1]))
             print(f"round {i + 1}: {variant} K={k}: merge {r['seconds']:.1f} s (CPU {r['cpu']:.1f} s), floor "
-                  f"{floor:.1f} s, ratio {ratios[-1]:.2f}, peak RSS {rss[-1]:.0f} MiB", flush=True)  # fmt: skip
+                  f"{floor:.1f} s, ratio {ratios[-1]:.2f}; I/O {ios[-1]:.1f} s (read {io['read_gb']:.1f} GB in "
+                  f"{io['read_s']:.1f} s, write {io['write_gb']:.2f} GB in {io['write_s']:.1f} s), merge / (floor + "
+                  f"I/O) {full[-1]:.2f}; peak RSS {rss[-1]:.0f} MiB", flush=True)  # fmt: skip
 
         def med(xs: list[float], f: str) -> str:
             return f"{statistics.median(xs):{f}} ({min(xs):{f}}-{max(xs):{f}})"
 
-        print("\n| merge | K | merge s | floor s | merge / floor | peak RSS MiB |\n|---|---|---|---|---|---|")
+        print("\n| merge | K | merge s | floor s | merge / floor | I/O s | merge / (floor + I/O) | peak RSS MiB |")
+        print("|---|---|---|---|---|---|---|---|")
         print(f"| {variant} | {k} | {med(secs, '.1f')} | {med(floors, '.1f')} | {med(ratios, '.2f')} | "
-              f"{med(rss, '.0f')} |")  # fmt: skip
+              f"{med(ios, '.1f')} | {med(full, '.2f')} | {med(rss, '.0f')} |")  # fmt: skip
 
 
 def main() -> None:
@@ -325,7 +371,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--gram-examples", type=int, default=512)
     ap.add_argument("--one", nargs=2, metavar=("VARIANT", "K"))
-    ap.add_argument("--job", choices=["setup", "errors", "gram", "floor", "ratio"])
+    ap.add_argument("--job", choices=["setup", "errors", "gram", "floor", "iofloor", "ratio"])
     ap.add_argument("--rounds", type=int, default=5, help="--job ratio: rounds")
     args = ap.parse_args()
     # Every heavy step runs in its own process: Linux keeps ru_maxrss across fork + exec, so a parent that had
@@ -347,6 +393,9 @@ def main() -> None:
         return
     if args.job == "floor":
         print(json.dumps({k: arithmetic_floor(k) for k in args.ks}))
+        return
+    if args.job == "iofloor":
+        print(json.dumps({k: io_floor(args.root, k) for k in args.ks}))
         return
 
     def child(*extra: str) -> str:
