@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -186,6 +187,7 @@ class CheckpointReader:
         self._files, self.tensor_files = open_weight_files(self.path)
         self._handles: dict[Path, Any] = {}
         self._stack = ExitStack()
+        self._owners: Mapping[str, ModuleRef] | None = None
         self.spec: ArchSpec
         self.spec, self.prefix = get_spec(self.config).for_checkpoint(self._files)
         try:
@@ -282,6 +284,16 @@ class CheckpointReader:
     def module_tensor_names(self, ref: ModuleRef) -> list[str]:
         """Stored names of one module's tensors that exist in this checkpoint."""
         return [n for n in self.spec.tensor_names(ref, self.config, self.prefix).values() if self.has(n)]
+
+    def tensor_owners(self) -> Mapping[str, ModuleRef]:
+        """The module owning each stored module tensor, computed once per reader.
+
+        Tensors outside every module (embeddings, norms, heads) are absent.
+        """
+        if self._owners is None:
+            owners = {n: ref for ref in self.modules() for n in self.module_tensor_names(ref)}
+            self._owners = MappingProxyType(owners)  # shared by every caller: read-only
+        return self._owners
 
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` one at a time, in storage order."""

@@ -25,6 +25,7 @@ from symfuse.io.safetensors import (
     TensorInfo,
     fsync_dir,
     read_header,
+    rows_per_block,
     save_safetensors,
 )
 
@@ -47,5 +48,6 @@ __all__ = [
     "fsync_dir",
     "open_weight_files",
     "read_header",
+    "rows_per_block",
     "save_safetensors",
 ]

@@ -156,6 +156,11 @@ def _entry(file: Path, name: str, info: Any, start: int, size: int) -> TensorInf
     return TensorInfo(DTYPES[code], tuple(shape), start + begin, start + end)
 
 
+def rows_per_block(shape: Sequence[int], elements: int) -> int:
+    """How many leading-axis rows of a tensor of ``shape`` fit in a block of ``elements`` (at least one)."""
+    return max(1, elements // max(1, math.prod(int(s) for s in shape[1:])))
+
+
 PARALLEL_READ = 16 << 20  # bytes: larger reads are split across threads (TensorFile.read_into)
 
 

@@ -20,6 +20,7 @@ import torch
 from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.errors import CheckpointError
+from symfuse.io import rows_per_block
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.forward import plain_forward_supported
 from symfuse.match.reading import PreadSource, trim_heap
@@ -71,7 +72,7 @@ def _sq_distance_to(tensor: torch.Tensor, source: PreadSource, name: str, chunk:
         return None
     if tensor.dim() == 0:
         return sq_distance(tensor, source.get(name))
-    rows = max(1, chunk // max(1, tensor[0].numel()))
+    rows = rows_per_block(tensor.shape, chunk)
     return sum(
         sq_distance(tensor[i : i + rows], source.get_rows(name, i, i + rows)) for i in range(0, tensor.shape[0], rows)
     )
@@ -199,10 +200,7 @@ def assemble_matched(
     if anc is not None:
         check_compatible(src, anc)
     out = Path(out)
-    owner: dict[str, ModuleRef] = {}
-    for ref in src.modules():
-        for n in src.module_tensor_names(ref):
-            owner[n] = ref
+    owner = src.tensor_owners()
     cache: dict[str, torch.Tensor] = {}
     per_module: list[dict[str, Any]] = []
     sq = {"before": 0.0, "after": 0.0}

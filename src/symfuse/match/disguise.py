@@ -117,7 +117,7 @@ def write_modules(
     shard_bytes: int = 512 * 1024**2,
 ) -> Path:
     """Stream ``src`` into ``out`` (overwritten) with each module's canonical weights replaced by ``fn(ref, w)``."""
-    owner = {n: ref for ref in src.modules() for n in src.module_tensor_names(ref)}
+    owner = src.tensor_owners()
     cache: dict[str, torch.Tensor] = {}
 
     def replace(name: str, tensor: torch.Tensor) -> torch.Tensor:

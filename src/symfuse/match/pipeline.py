@@ -23,6 +23,7 @@ import torch
 from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, copy_side_files
 from symfuse.errors import CheckpointError
+from symfuse.io import rows_per_block
 from symfuse.io.planned import PlannedCheckpoint
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.reading import PreadSource, trim_heap
@@ -77,7 +78,7 @@ def _copy_rest(
             sq[name] = fast_sq_distance(t, anc.get(other)) if other is not None and anc is not None else 0.0
             out.write(name, t)
             continue
-        row = max(1, ROW_BLOCK // max(1, int(torch.Size(shape[1:]).numel())))
+        row = rows_per_block(shape, ROW_BLOCK)
         total = 0.0
         for lo in range(0, shape[0], row):
             hi = min(shape[0], lo + row)
@@ -141,8 +142,8 @@ def match_and_write(
     refs = src.modules()
     if workers is None:
         workers = 1 if src.geometry.d_model * src.geometry.d_ffn > 16_000_000 else min(2, os.cpu_count() or 1)
-    owned = {n for ref in refs for n in src.module_tensor_names(ref)}
-    rest = [n for n in src.names() if n not in owned]
+    owner = src.tensor_owners()
+    rest = [n for n in src.names() if n not in owner]
     anc_names = {_strip(n, anc.prefix): n for n in anc.names()}
     anc_of = {n: anc_names[_strip(n, src.prefix)] for n in rest if _strip(n, src.prefix) in anc_names}
     plan = PlannedCheckpoint(src, out, shard_bytes)
@@ -170,7 +171,7 @@ def match_and_write(
         after = module_sq_distance(new, anc_io.read_module(ref))  # from the page cache
         t0 = tick("distance", t0)
         for name, t in src.spec.write_module(new, ref, src.config, src.prefix).items():
-            if name in owned:
+            if name in owner:
                 if tuple(t.shape) != tuple(src.shape(name)):
                     raise CheckpointError(f"{name}: replacement shape {tuple(t.shape)} != {src.shape(name)}")
                 plan.write(name, t)
@@ -219,7 +220,6 @@ def match_and_write(
     ]  # fmt: skip
     before = after = 0.0
     seen: set[str] = set()
-    owner = {n: ref for ref in refs for n in src.module_tensor_names(ref)}
     for name in src.names():  # storage order, as the streaming writer summed them
         ref = owner.get(name)
         if ref is None:

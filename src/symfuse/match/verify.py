@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ import torch
 from symfuse.arch import Geometry, ModuleRef, get_spec
 from symfuse.checkpoint import HF_LOAD_LOCK, CheckpointReader, load_hf_model
 from symfuse.errors import VerificationError
+from symfuse.io import rows_per_block
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.forward import plain_forward, plain_forward_supported
 from symfuse.symmetry.registry import kind_of_part
@@ -318,7 +318,7 @@ def check_copied(source: CheckpointReader, matched: CheckpointReader, block: int
     Raises:
         VerificationError: a tensor differs, or changed shape or dtype.
     """
-    owned = {n for ref in source.modules() for n in source.module_tensor_names(ref)}
+    owned = source.tensor_owners()
     for name in source.names():
         if name in owned:
             continue
@@ -330,7 +330,7 @@ def check_copied(source: CheckpointReader, matched: CheckpointReader, block: int
                 f"{matched.path}: {name} is missing or changed shape / dtype; nothing was published"
             )
         n = info.shape[0] if info.shape else 1
-        step = max(1, block // max(1, math.prod(info.shape[1:])))
+        step = rows_per_block(info.shape, block)
         for lo in range(0, n, step):
             a, b = fs.get_rows(name, lo, lo + step), fm.get_rows(name, lo, lo + step)
             if not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
