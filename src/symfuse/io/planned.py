@@ -7,8 +7,7 @@ it is ready: nothing waits in memory for its shard to fill. The bytes are exactl
 
 The files are written where the caller says (a temporary folder that is renamed into place when everything
 succeeded, see :func:`symfuse.outputs.atomic_output_dir`); a file is fsynced by the thread that writes its last
-tensor (writing back in a background thread instead let ``symfuse match``'s workers run ahead: +30-50 MiB peak
-RSS), and :meth:`PlannedFile.finish` refuses a file with a tensor missing.
+tensor, and :meth:`PlannedFile.finish` refuses a file with a tensor missing. Write errors name the file.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ class LazyTensors(Sequence[torch.Tensor]):
         slot: Slot name in ``pool``.
         checks: Optional per-model validation ``check(tensor)`` (raises), run by every access; a caller that
             validates on its own pass reads with :meth:`load_unchecked` and calls :meth:`check` only on doubt.
-        shape: The tensors' shape, when the caller knows it without reading them (lets a reader size buffers).
     """
 
     def __init__(
@@ -40,12 +39,10 @@ class LazyTensors(Sequence[torch.Tensor]):
         pool: BufferPool | None = None,
         slot: str = "lazy",
         checks: Sequence[Callable[[torch.Tensor], object]] | None = None,
-        shape: tuple[int, ...] | None = None,
     ):
         self._loaders = list(loaders)
         self.pool, self.slot = pool, slot
         self._checks = list(checks) if checks is not None else None
-        self.shape = shape  # the tensors' shape when known without reading them
 
     def __len__(self) -> int:
         return len(self._loaders)

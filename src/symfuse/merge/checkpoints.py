@@ -136,7 +136,6 @@ def _gram_inputs(grams: Sequence[StatsFile], module: str, pool: BufferPool) -> L
         pool,
         "gram",
         checks=[lambda t, g=g: check_finite_tensor(t, module, g.path) for g in grams],
-        shape=tuple(grams[0].shape(module)),
     )
 
 
