@@ -270,6 +270,23 @@ def arithmetic_floor(k: int) -> dict:
             "gemm_bound_s": total / gemm_rate, "tflop": total / 1e12}  # fmt: skip
 
 
+def _read_inputs(root: Path, k: int, pool) -> int:
+    """Read every Gram the merge reads and every model tensor once into ``pool``; the bytes read."""
+    from symfuse.io import TensorFile
+
+    nbytes = 0
+    for i in range(k):
+        with TensorFile(root / f"s{i}" / "gram.safetensors") as tf:
+            alias = set(json.loads(tf.metadata.get("same_input", "{}")))
+            for name in tf.header.tensors:
+                if name not in alias:
+                    nbytes += tf.get(name, pool, "x").numel() * tf.dtype(name).itemsize
+        with TensorFile(root / f"m{i}" / "model.safetensors") as tf:
+            for name in tf.header.tensors:
+                nbytes += tf.get(name, pool, "x").numel() * tf.dtype(name).itemsize
+    return nbytes
+
+
 def io_floor(root: Path, k: int) -> dict:
     """Seconds to move the merge's bytes once (warm page cache): read what it reads, write what it writes.
 
@@ -281,20 +298,12 @@ def io_floor(root: Path, k: int) -> dict:
     import os
     import tempfile
 
-    from symfuse.io import BufferPool, TensorFile
+    from symfuse.io import BufferPool, TensorFile, parallel_reads
 
     pool = BufferPool()
     t = time.perf_counter()
-    nbytes = 0
-    for i in range(k):
-        with TensorFile(root / f"s{i}" / "gram.safetensors") as tf:
-            alias = set(json.loads(tf.metadata.get("same_input", "{}")))
-            for name in tf.header.tensors:
-                if name not in alias:
-                    nbytes += tf.get(name, pool, "x").numel() * tf.dtype(name).itemsize
-        with TensorFile(root / f"m{i}" / "model.safetensors") as tf:
-            for name in tf.header.tensors:
-                nbytes += tf.get(name, pool, "x").numel() * tf.dtype(name).itemsize
+    with parallel_reads():  # as the merge reads
+        nbytes = _read_inputs(root, k, pool)
     read_s = time.perf_counter() - t
     with TensorFile(root / "m0" / "model.safetensors") as tf:
         out = sum(t.nbytes for t in tf.header.tensors.values())

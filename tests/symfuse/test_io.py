@@ -304,8 +304,9 @@ def test_write_checkpoint_full_disk_names_the_file_and_keeps_the_old_version(tin
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
 
 
-def test_large_reads_split_across_threads_give_the_stored_bytes(tmp_path):
-    """A tensor over PARALLEL_READ is read in parts by several threads: same values; a truncation is named."""
+def test_large_reads_split_across_threads_give_the_stored_bytes(tmp_path, monkeypatch):
+    """In parallel_reads, a tensor over PARALLEL_READ is read in parts by several threads: same values; a
+    truncation is named."""
     from symfuse.io import safetensors as st
 
     big = torch.randn(st.PARALLEL_READ // 4 + 1001)  # not a multiple of the part size
@@ -313,10 +314,21 @@ def test_large_reads_split_across_threads_give_the_stored_bytes(tmp_path):
     save_file({"big": big, "small": torch.arange(5.0)}, str(file))
     prev = torch.get_num_threads()
     torch.set_num_threads(2)
+    parts = []
+    real = st.TensorFile._pread
+
+    def counted(self, fd, view, offset, name):
+        parts.append(len(view))
+        return real(self, fd, view, offset, name)
+
+    monkeypatch.setattr(st.TensorFile, "_pread", counted)
     try:
         with TensorFile(file) as tf:
-            assert torch.equal(tf.get("big"), big) and torch.equal(tf.get("small"), torch.arange(5.0))
-        with TensorFile(file) as tf:  # header read, then the file is cut short under the reader
+            assert torch.equal(tf.get("big"), big) and len(parts) == 1  # outside parallel_reads: one read
+            with st.parallel_reads():
+                assert torch.equal(tf.get("big"), big) and torch.equal(tf.get("small"), torch.arange(5.0))
+            assert len(parts) == 4 and sum(parts[1:3]) == big.numel() * 4  # two parts, then "small" whole
+        with TensorFile(file) as tf, st.parallel_reads():  # header read, then the file is cut short under it
             os.truncate(file, file.stat().st_size - 4096)
             with pytest.raises(CheckpointError, match=r"big.*truncated"):
                 tf.get("big")

@@ -36,7 +36,7 @@ import torch
 
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.errors import CheckpointError, MissingStats, NonFiniteError
-from symfuse.io import BufferPool, check_finite_tensor
+from symfuse.io import BufferPool, check_finite_tensor, parallel_reads
 from symfuse.merge.base import LazyTensors, TensorInputs, weighted_mean
 from symfuse.merge.heads import merge_class_rows, union_heads, write_label_space
 from symfuse.merge.registry import MERGERS
@@ -298,7 +298,8 @@ def merge_checkpoints(
     out = Path(out)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         try:
-            write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True)
+            with parallel_reads():  # the merge's reads run between its BLAS calls: the cores are free
+                write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True)
         finally:
             merger.close()
         if union is not None:  # the merged head learned every class some model learned
