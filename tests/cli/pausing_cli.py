@@ -1,8 +1,8 @@
 """``python -m tests.cli.pausing_cli MARKER ARGS...``: ``symfuse ARGS`` that pauses in the middle of its write.
 
 After the first planned weight shard is finished in the temporary output folder, the process writes MARKER
-(holding the temporary folder's path) and sleeps, so that a test can kill it at a known point: half an artifact on disk,
-the output lock held. Only this test wrapper patches anything; the command itself is the real one.
+(holding the temporary folder's path) and sleeps, so that a test can kill it at a known point: half an artifact
+on disk, the output lock held. Only this test wrapper patches anything; the command itself is the real one.
 """
 
 import sys

@@ -12,7 +12,6 @@ tensor, and :meth:`PlannedFile.finish` refuses a file with a tensor missing. Wri
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import struct
@@ -25,7 +24,7 @@ import torch
 
 from symfuse.errors import CheckpointError
 from symfuse.io.folder import WEIGHTS, WEIGHTS_INDEX
-from symfuse.io.safetensors import DTYPES
+from symfuse.io.safetensors import DTYPES, write_error
 
 _NAMES = {v: k for k, v in DTYPES.items()}
 # safetensors writes tensors by dtype (this order: its Rust enum, largest first), then by name
@@ -87,12 +86,7 @@ class PlannedFile:
                 done = os.pwrite(self._fd, view, offset)
                 view, offset = view[done:], offset + done
         except OSError as exc:  # pwrite's errors name no file
-            raise self._named(exc) from exc
-
-    def _named(self, exc: OSError) -> OSError:
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        fix = "free disk space there (or point TMPDIR / the store elsewhere)" if full else "check the folder"
-        return OSError(exc.errno, f"{self.path}: could not be written ({exc.strerror}) — {fix}")
+            raise write_error(self.path, exc.errno, exc.strerror) from exc
 
     def write(self, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
         """Store ``tensor`` (all of ``name``, or its rows from ``first_row`` on) at its place in the file.
@@ -131,7 +125,7 @@ class PlannedFile:
         try:
             os.fsync(self._fd)
         except OSError as exc:  # fsync's errors name no file either
-            raise self._named(exc) from exc
+            raise write_error(self.path, exc.errno, exc.strerror) from exc
 
     def finish(self) -> Path:
         """Check every tensor was written (the last rows of each), fsync and close the file.

@@ -156,6 +156,13 @@ def _entry(file: Path, name: str, info: Any, start: int, size: int) -> TensorInf
     return TensorInfo(DTYPES[code], tuple(shape), start + begin, start + end)
 
 
+def write_error(file: str | os.PathLike, code: int | None, detail: str) -> OSError:
+    """The OSError for a failed write of ``file``: names the file, keeps ``code`` (errno), says the fix."""
+    full = code in (errno.ENOSPC, errno.EDQUOT)
+    fix = "free disk space there (or point TMPDIR / the store elsewhere)" if full else "check the folder"
+    return OSError(code, f"{file}: could not be written ({detail}) — {fix}")
+
+
 def rows_per_block(shape: Sequence[int], elements: int) -> int:
     """How many leading-axis rows of a tensor of ``shape`` fit in a block of ``elements`` (at least one)."""
     return max(1, elements // max(1, math.prod(int(s) for s in shape[1:])))
@@ -394,9 +401,7 @@ def save_safetensors(
         except SafetensorError as exc:  # its I/O errors name no file and carry no errno
             if "I/O error" not in str(exc):
                 raise
-            full = "No space left" in str(exc)
-            fix = "free disk space there (or point TMPDIR / the store elsewhere)" if full else "check the folder"
-            raise OSError(errno.ENOSPC if full else errno.EIO, f"{file}: could not be written ({exc}) — {fix}") from exc
+            raise write_error(file, errno.ENOSPC if "No space left" in str(exc) else errno.EIO, str(exc)) from exc
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, file)

@@ -229,13 +229,13 @@ def merge_checkpoints(
         rows = union is not None and union.per_class(name, first.shape, heads)  # merged per class, over its learners
         # a merger whose every input enters a sum carries any NaN / inf into its output: its inputs are read
         # unchecked, and checked (to name the file) only when the output is not finite
-        deferred = merger.propagates_nonfinite and not rows and not (separate and name in heads)
+        deferred = (
+            merger.propagates_nonfinite and first.is_floating_point() and not rows and not (separate and name in heads)
+        )
         if not deferred:
             check_finite_tensor(first, name, r0.file_of(name))
         merged = _merge_one(name, first, rows, deferred)
-        if merged is first and deferred:
-            check_finite_tensor(first, name, r0.file_of(name))
-        elif merged is not first and merged.is_floating_point() and not _all_finite(merged):
+        if merged is not first and merged.is_floating_point() and not _all_finite(merged):
             if deferred:  # name the input that carried it
                 check_finite_tensor(first, name, r0.file_of(name))
                 for r in readers[1:]:
