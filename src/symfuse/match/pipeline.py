@@ -31,7 +31,8 @@ from symfuse.match.verify import check_module_transform, is_exact
 from symfuse.match.weights import match_module_weights
 from symfuse.symmetry.transforms import ModuleTransform
 
-ROW_BLOCK = 1 << 22  # elements per block when copying tensors outside the modules
+ROW_BLOCK = 1 << 20  # elements per block when copying tensors outside the modules (4 MiB of float32: the copy
+# holds a block of the source, one of the anchor and their difference while the other worker matches)
 
 
 def fast_sq_distance(a: torch.Tensor, b: torch.Tensor, block: int = 1024) -> float:

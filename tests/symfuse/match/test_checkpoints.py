@@ -192,3 +192,20 @@ def test_disguised_source_matches_onto_the_anchor_like_the_source(family, tmp_pa
     diff = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a) ** 0.5
     assert diff <= 1e-6 * _norm(tmp_path / "m1"), diff
     assert abs(r1["distance_after"] - r2["distance_after"]) <= 1e-6 * r1["distance_after"]
+
+
+def test_tensors_outside_the_modules_copied_in_small_row_blocks_give_the_same_files(tmp_path, monkeypatch):
+    # the embeddings and heads are copied block by block (finiteness, distance to the anchor, write at an offset);
+    # with 7-element blocks every such tensor takes many blocks and a partial last one
+    from symfuse.match import pipeline
+
+    src = save_tiny(tmp_path / "src", "bert", seed=1, head="seq")
+    anc = save_tiny(tmp_path / "anc", "bert", seed=2, head="seq")
+    whole = match_checkpoints(src, anc, tmp_path / "whole", symmetries=SYMMETRIES)
+    monkeypatch.setattr(pipeline, "ROW_BLOCK", 7)
+    blocks = match_checkpoints(src, anc, tmp_path / "blocks", symmetries=SYMMETRIES)
+    a = (tmp_path / "whole" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "blocks" / "model.safetensors").read_bytes()
+    assert blocks["distance_before"] == pytest.approx(whole["distance_before"], rel=1e-9)
+    assert blocks["distance_after"] == pytest.approx(whole["distance_after"], rel=1e-9)
+    assert whole["distance_after"] < whole["distance_before"]
