@@ -40,6 +40,7 @@ log = logging.getLogger("emotion_fusion")
 DATASETS = ("dair_emotion", "crowdflower", "isear", "meld")
 OOD = "goemotions_ekman"
 STRATEGIES = ("simple", "fisher", "regmean", "regmean++")
+DEFAULT_LR = 1e-4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-examples", type=int, default=500, help="test examples per evaluation set")
     p.add_argument("--stats-examples", type=int, default=256, help="examples per model for Grams / Fishers")
     p.add_argument("--max-length", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=DEFAULT_LR)
     p.add_argument("--head-lr-scale", type=float, default=1.0, help="the new head's learning rate = lr x this")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--no-extra-settings", action="store_true", help="only the default setting (no labels/...)")
@@ -91,7 +92,8 @@ def build_config(args: argparse.Namespace, seed: int, label: str, overrides: dic
     tag = "-".join(f"{k}-{v}" for k, v in sorted(overrides.items()) if k not in ("select", "select_on")) or "default"
     data = {
         "run_id": f"emo-s{seed}-{tag}-n{args.train_examples}-e{args.epochs}"
-        + (f"-h{args.head_lr_scale:g}" if args.head_lr_scale != 1 else ""),
+        + (f"-h{args.head_lr_scale:g}" if args.head_lr_scale != 1 else "")
+        + (f"-lr{args.lr:g}" if args.lr != DEFAULT_LR else ""),  # another lr never reuses stored fine-tunes
         "base_model": "minilm",
         "datasets": [
             {"name": n, "max_train_examples": args.train_examples, "max_eval_examples": args.eval_examples}

@@ -27,7 +27,7 @@ from symfuse.io import rows_per_block
 from symfuse.io.planned import PlannedCheckpoint
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.reading import PreadSource, trim_heap
-from symfuse.match.verify import check_module_transform, is_exact
+from symfuse.match.verify import check_module_transform, is_exact, module_invariants
 from symfuse.match.weights import match_module_weights
 from symfuse.symmetry.transforms import ModuleTransform
 
@@ -163,11 +163,15 @@ def match_and_write(
         before = module_sq_distance(s, a)
         del a  # at most two copies of the module per worker, as while matching: the anchor is read again below
         t0 = tick("distance", t0)
+        # a soft (OT) map changes the module's function by design; otherwise the invariants are taken now, so
+        # the source module is freed before the transformed one is checked (one module copy while checking)
+        before_inv = module_invariants(ref, s, src.geometry) if is_exact(mt) else None
+        t0 = tick("check", t0)
         new = mt.apply(s)
-        t0 = tick("apply", t0)
-        if is_exact(mt):  # a soft (OT) map changes the module's function by design
-            check_module_transform(ref, s, new, src.geometry, mt, where)
         del s
+        t0 = tick("apply", t0)
+        if before_inv is not None:
+            check_module_transform(ref, before_inv, new, src.geometry, mt, where)
         t0 = tick("check", t0)
         after = module_sq_distance(new, anc_io.read_module(ref))  # from the page cache
         t0 = tick("distance", t0)

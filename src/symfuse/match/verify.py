@@ -21,6 +21,7 @@ import logging
 import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,9 +114,46 @@ def is_exact(transform: ModuleTransform) -> bool:
     return all(k is None or k.exact for k in kinds)
 
 
+@dataclass(frozen=True)
+class ModuleInvariants:
+    """What :func:`check_module_transform` compares, taken from a module before its transform.
+
+    Attributes:
+        roles: Each role's shape and dtype.
+        values: The invariants on the probes (per head / per FFN).
+        dtype: The probes' dtype.
+    """
+
+    roles: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    values: dict[str, torch.Tensor]
+    dtype: torch.dtype
+
+
+def _invariants(ref: ModuleRef, w: Mapping[str, torch.Tensor], geo: Geometry, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(1234 + 2 * ref.layer + (ref.kind == "ffn"))
+    x = torch.randn(geo.d_model, N_PROBES, generator=g, dtype=dtype)
+    return _attn_invariants(w, geo, x) if ref.kind == "attn" else _ffn_invariant(w, x)
+
+
+def module_invariants(ref: ModuleRef, weights: Mapping[str, torch.Tensor], geo: Geometry) -> ModuleInvariants:
+    """A module's invariants before its transform, so the weights can be freed before the transformed ones are checked.
+
+    Args:
+        ref: The module.
+        weights: Its canonical weights.
+        geo: Model geometry (heads, head size).
+    """
+    geo = geo.of(ref.stack)  # multi-stack families (T5, CLIP): the module's own stack
+    # attention in float64 (rotations are checked to the stored dtype's rounding); the FFN (permutations only,
+    # the big matrices) in float32 without copies, to float32 summation-order noise
+    dtype = _work(weights) if ref.kind == "attn" else torch.float32
+    roles = {role: (tuple(t.shape), t.dtype) for role, t in weights.items()}
+    return ModuleInvariants(roles, _invariants(ref, weights, geo, dtype), dtype)
+
+
 def check_module_transform(
     ref: ModuleRef,
-    old: Mapping[str, torch.Tensor],
+    old: Mapping[str, torch.Tensor] | ModuleInvariants,
     new: Mapping[str, torch.Tensor],
     geo: Geometry,
     transform: ModuleTransform | None = None,
@@ -125,7 +163,7 @@ def check_module_transform(
 
     Args:
         ref: The module.
-        old: Its canonical weights before the transform.
+        old: Its canonical weights before the transform, or their :func:`module_invariants`.
         new: After the transform, in the stored dtype.
         geo: Model geometry (heads, head size).
         transform: The transform applied (permutations alone are held to float64 rounding).
@@ -137,26 +175,21 @@ def check_module_transform(
     Raises:
         VerificationError: a role missing or changed in shape / dtype, or an invariant broken beyond rounding.
     """
-    geo = geo.of(ref.stack)  # multi-stack families (T5, CLIP): the module's own stack
+    before = old if isinstance(old, ModuleInvariants) else module_invariants(ref, old, geo)
+    geo = geo.of(ref.stack)
     prefix = f"{where}: " if where else ""
-    for role, t in old.items():
-        if role not in new or new[role].shape != t.shape or new[role].dtype != t.dtype:
+    for role, (shape, dtype) in before.roles.items():
+        if role not in new or tuple(new[role].shape) != shape or new[role].dtype != dtype:
             got = (tuple(new[role].shape), new[role].dtype) if role in new else None
             raise VerificationError(
-                f"{prefix}module {ref.key}: role {role!r} is {got} after the transform, {(tuple(t.shape), t.dtype)} "
+                f"{prefix}module {ref.key}: role {role!r} is {got} after the transform, {(shape, dtype)} "
                 "before — the transform is not a symmetry of this module; nothing was published"
             )
-    # attention in float64 (rotations are checked to the stored dtype's rounding); the FFN (permutations only,
-    # the big matrices) in float32 without copies, to float32 summation-order noise
-    dtype = _work(old) if ref.kind == "attn" else torch.float32
-    g = torch.Generator().manual_seed(1234 + 2 * ref.layer + (ref.kind == "ffn"))
-    x = torch.randn(geo.d_model, N_PROBES, generator=g, dtype=dtype)
-    inv = _attn_invariants if ref.kind == "attn" else (lambda w, _g, x: _ffn_invariant(w, x))
-    before, after = inv(old, geo, x), inv(new, geo, x)
-    tol = max(_tol(transform, new), FLOAT32_TOL if dtype == torch.float32 else 0.0)
+    after = _invariants(ref, new, geo, before.dtype)
+    tol = max(_tol(transform, new), FLOAT32_TOL if before.dtype == torch.float32 else 0.0)
     heads = _head_order(transform, geo) if ref.kind == "attn" else None
     worst = 0.0
-    for what, b in before.items():
+    for what, b in before.values.items():
         rel = _rel(after[what], b if heads is None else b[heads])
         bad = ~(rel <= tol)
         if bool(bad.any()):

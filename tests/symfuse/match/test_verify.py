@@ -16,7 +16,13 @@ from symfuse.errors import CheckpointError, VerificationError
 from symfuse.io.planned import PlannedFile
 from symfuse.match import assemble_matched, match_checkpoints, pipeline
 from symfuse.match.checkpoints import match_all_modules
-from symfuse.match.verify import _empty_model, _run_streaming, check_module_transform, streaming_logit_diff
+from symfuse.match.verify import (
+    _empty_model,
+    _run_streaming,
+    check_module_transform,
+    module_invariants,
+    streaming_logit_diff,
+)
 from symfuse.symmetry.random import ALL_KINDS, random_module_transform
 from symfuse.symmetry.transforms import FFNPermutation, ModuleTransform, QKRotation
 from tests.tiny import DECODERS, save_tiny
@@ -83,6 +89,12 @@ def test_module_check_passes_exact_transforms_and_refuses_corrupted_ones(family,
             mt = random_module_transform(ref, geo, g, ALL_KINDS)
             new = mt.apply(w)
             assert check_module_transform(ref, w, new, geo, mt) < 1e-5
+            # the invariants taken before the transform (the source module freed) give the same verdict
+            inv = module_invariants(ref, w, geo)
+            assert check_module_transform(ref, inv, new, geo, mt) == check_module_transform(ref, w, new, geo, mt)
+            role = next(iter(w))
+            with pytest.raises(VerificationError, match=rf"{ref.key}: role '{role}' is .* after the transform"):
+                check_module_transform(ref, inv, {**new, role: new[role].double()}, geo, mt)
             if ref.kind == "attn":  # the rotation reaches the queries but not the keys
                 rot = next(p for p in mt.parts if isinstance(p, QKRotation))
                 bad = dict(new, q=QKRotation(rot.rot).apply(w)["q"])
@@ -91,6 +103,8 @@ def test_module_check_passes_exact_transforms_and_refuses_corrupted_ones(family,
                 bad = dict(new, o=new["o"] * 1.01)
                 with pytest.raises(VerificationError, match=rf"{ref.key}: .*V.O output"):
                     check_module_transform(ref, w, bad, geo, mt, "OUT")
+                with pytest.raises(VerificationError, match=rf"{ref.key}: .*V.O output"):
+                    check_module_transform(ref, inv, bad, geo, mt, "OUT")
             else:  # up rows permuted, down columns not
                 perm = next(p for p in mt.parts if isinstance(p, FFNPermutation)).perm
                 bad = dict(w, up=w["up"][perm])
