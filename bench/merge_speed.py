@@ -148,7 +148,7 @@ def one(root: Path, variant: str, k: int) -> dict:
     if strategy == "regmean":
         stats = [s / "gram.safetensors" for s in stats]
     shutil.rmtree(out, ignore_errors=True)  # the merge into a fresh folder: deleting an old result is not timed
-    # transformers' config machinery (2.4-2.9 s here) is imported once per process, as the interpreter is started
+    # transformers' config machinery (1-3 s here) is imported once per process, as the interpreter is started
     # once: a worker that merges again pays it once. Imported before the clock starts and reported beside it.
     t = time.perf_counter()
     from transformers import AutoConfig
