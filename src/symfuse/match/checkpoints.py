@@ -24,7 +24,14 @@ from symfuse.io import rows_per_block
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.forward import plain_forward_supported
 from symfuse.match.reading import PreadSource, trim_heap
-from symfuse.match.verify import VERIFY_MODES, StreamedReference, check_module_transform, is_exact, verify_outputs
+from symfuse.match.verify import (
+    VERIFY_MODES,
+    StreamedReference,
+    check_module_transform,
+    is_exact,
+    module_invariants,
+    verify_outputs,
+)
 from symfuse.match.weights import (
     DEFAULT_SYMMETRIES,
     check_symmetries,
@@ -232,10 +239,13 @@ def assemble_matched(
             _check_shapes(ref, w, a, f"{src.path} vs {anc_io.reader.path}")
             before = module_distance(w, a)
             del a
+        # a soft (OT) map changes the module's function by design; otherwise the check's invariants are taken
+        # before the transform, so the source is freed before the transformed module is checked
+        before_inv = module_invariants(ref, w, src.geometry) if mt is not None and is_exact(mt) else None
         new = mt.apply(w) if mt is not None else w
-        if mt is not None and is_exact(mt):  # a soft (OT) map changes the module's function by design
-            check_module_transform(ref, w, new, src.geometry, mt, str(out))
         del w
+        if before_inv is not None:
+            check_module_transform(ref, before_inv, new, src.geometry, mt, str(out))
         if anc_io is not None:
             after = module_distance(new, anc_io.read_module(ref))
             sq["before"] += before**2
