@@ -15,6 +15,8 @@ import os
 import sys
 import threading
 import time
+from typing import Any
+from uuid import UUID
 
 import pandas as pd
 
@@ -122,21 +124,57 @@ def start_ephemeral_server() -> threading.Thread | None:
     return thread
 
 
-def drain_events(settle_s: float = 0.5) -> None:
-    """Send the run's last events to the server and let it record them before the process stops it.
+def drain_events(flow_run_id: UUID | None, timeout_s: float = 20.0, poll_s: float = 0.2) -> bool:
+    """Send the run's last events to the server and wait until it has recorded them, before the process stops it.
 
     A flow whose tasks were all reused ends within a second of its last task-run events; the ephemeral server is
     stopped at exit while it is still writing them, and logs "Error flushing ... events" with tracebacks (harmless,
-    but on the user's console). Drained here, while the server is up, they are recorded before it stops.
+    but on the user's console). A fixed pause was too short on a busy 2-core machine, so this polls the API: the
+    server records a flow's task-run events in the order they came, so once every task run it holds is in a final
+    state and their number holds still across two polls, the last event has been written.
+
+    Args:
+        flow_run_id: The finished flow run (None: drain only).
+        timeout_s: Give up after this long (best effort: the events are for the UI; the results are stored).
+        poll_s: Pause between two reads of the flow run's task runs.
+
+    Returns:
+        Whether the server was seen to hold every task run in a final state.
     """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.events.worker import EventsWorker
 
+    log = logging.getLogger(__name__)
     try:
-        EventsWorker.drain_all(timeout=10, at_exit=False)
-    except Exception:  # best effort: the events are for the UI, the run's results are stored already
-        logging.getLogger(__name__).debug("draining Prefect's events failed", exc_info=True)
-        return
-    time.sleep(settle_s)
+        EventsWorker.drain_all(timeout=timeout_s, at_exit=False)
+        if flow_run_id is None:
+            return False
+        deadline = time.monotonic() + timeout_s
+        runs = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        seen: list[tuple[str, bool]] | None = None
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                now = sorted(_task_run_states(client, runs))
+                if now and now == seen and all(final for _, final in now):
+                    return True
+                seen = now
+                time.sleep(poll_s)
+    except Exception:  # best effort, as above
+        log.debug("waiting for Prefect to record the run's events failed", exc_info=True)
+        return False
+    log.debug("Prefect had not recorded every task run of %s after %.0f s", flow_run_id, timeout_s)
+    return False
+
+
+def _task_run_states(client: Any, runs: Any, page: int = 200) -> list[tuple[str, bool]]:
+    """(task run id, whether its state is final) for every task run of the filtered flow runs, read page by page."""
+    out: list[tuple[str, bool]] = []
+    while True:
+        batch = client.read_task_runs(flow_run_filter=runs, limit=page, offset=len(out))
+        out += [(str(r.id), bool(r.state and r.state.is_final())) for r in batch]
+        if len(batch) < page:
+            return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()  # the imported modules' objects: never garbage, no longer walked by every full collection
         if server is not None:
             server.join()
-        result = fusion_pipeline(config)
-        drain_events()
+        state = fusion_pipeline(config, return_state=True)
+        drain_events(state.state_details.flow_run_id if state.is_completed() else None)
+        result = state.result()
     except Exception as exc:  # the failed task's own error, one line (its traceback is in the run's logs)
         return report(exc, args.verbose)
     print_metrics(result["report"], config)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from flows.cli import _NoTraceback, main
+from flows.cli import _NoTraceback, drain_events, main
 from tests.flows.conftest import tiny_config
 
 
@@ -50,3 +50,26 @@ def test_a_failed_run_is_one_error_line_and_no_traceback(tiny_base, memory_root,
         record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", None, __import__("sys").exc_info())
     assert "boom" not in _NoTraceback(logging.Formatter()).format(record)
     assert "boom" in logging.Formatter().format(record)
+
+
+def test_drain_events_returns_once_the_server_holds_every_task_run_final():
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    @task
+    def square(x: int) -> int:
+        return x * x
+
+    @flow
+    def squares(n: int) -> int:
+        return sum(f.result() for f in square.map(range(n)))
+
+    state = squares(12, return_state=True)
+    assert state.result() == sum(x * x for x in range(12))
+    run_id = state.state_details.flow_run_id
+    assert drain_events(run_id, timeout_s=60)
+    with get_client(sync_client=True) as client:  # recorded, not merely sent: all 12, each Completed
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    assert len(runs) == 12 and all(r.state.is_completed() for r in runs), [(r.name, r.state_type) for r in runs]
+    assert drain_events(None) is False  # drain only (a failed run): no waiting
