@@ -381,13 +381,15 @@ class RunConfig(_Strict):
 
     @classmethod
     def demo(cls, quick: bool = False, **overrides) -> RunConfig:
-        """The embedded demo: MiniLM fine-tuned on crowdflower, goemotions and meld, merged six ways.
+        """The embedded demo: MiniLM fine-tuned on crowdflower, goemotions and meld, merged eight ways (six when quick).
 
         Full: 2000 training examples per dataset, 2 epochs (batch 16, lr 1e-4, head x100), max_length 64, stats on 256
         examples, evaluation on 500 test examples per set (target < 8 min on a 2-core CPU). Quick: crowdflower and
         meld only (``DEMO_QUICK_DATASETS``), 300 examples, 3 epochs of batch 8 at lr 2e-4 (merges that beat the majority
         class) with the token embeddings frozen (``freeze_embeddings``: the fine-tunes ~17 % faster, RegMean's
-        in-domain Matthews 0.192 vs 0.195), stats on 64, evaluation on 100 (target < 90 s).
+        in-domain Matthews 0.192 vs 0.195), stats on 64, evaluation on 100 (target < 90 s). Full merges with simple,
+        fisher, regmean and ties (TIES: the best all-model merge of ``bench/emotion_fusion.py`` on its three-seed mean,
+        in and out of domain); quick leaves ties out (its 90 s have no room for two more merges and their evaluations).
 
         Args:
             quick: The reduced variant.
@@ -419,7 +421,7 @@ class RunConfig(_Strict):
                 "freeze_embeddings": quick,  # quick: 89 -> 83 s median (bench/results/demo_speed.md)
             },
             "stats": {"kinds": ["gram", "fisher"], "max_examples": n_stats, "batch_size": 16},
-            "strategies": ["simple", "fisher", "regmean"],
+            "strategies": ["simple", "fisher", "regmean"] + ([] if quick else ["ties"]),
             "evaluation": {"in_domain": True, "out_of_domain": list(DEMO_OUT_OF_DOMAIN), "max_examples": n_eval},
             "device": "auto",
             "quick": quick,

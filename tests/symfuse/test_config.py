@@ -17,7 +17,8 @@ def test_demo_defaults(quick):
     names = ["crowdflower", "meld"] if quick else DATASETS  # quick leaves out goemotions (28 classes: learns nothing)
     assert cfg.dataset_names == names
     assert cfg.stats.kinds == ["gram", "fisher"]
-    assert cfg.strategies == ["simple", "fisher", "regmean"]
+    # full: + TIES, the best all-model merge of bench/emotion_fusion.py on three seeds; quick has no room for it
+    assert cfg.strategies == ["simple", "fisher", "regmean"] + ([] if quick else ["ties"])
     assert cfg.symmetries == ["rotation", "scaling", "ffn-permutation"]
     assert cfg.eval_datasets() == [*names, "goemotions_ekman"]
     assert cfg.anchor == "closest" and cfg.quick is quick
@@ -76,7 +77,10 @@ def test_minimal_yaml_gets_defaults(tmp_path):
         ({"regmean_alpha": 1.5}, "regmean_alpha: Input should be less than or equal to 1"),
         ({"merge_params": {"regmean": {"alpha": 1.5}}}, r"merge_params\.regmean\.alpha: Input should be less than"),
         ({"merge_params": {"regmean": {"alhpa": 0.5}}}, "alhpa: not a parameter of strategy regmean — choose from"),
-        ({"merge_params": {"ties": {"density": 0.5}}}, r"ties is not in strategies \['simple', 'fisher', 'regmean'\]"),
+        (
+            {"merge_params": {"dare": {"density": 0.5}}},
+            r"dare is not in strategies \['simple', 'fisher', 'regmean', 'ties'\]",
+        ),
         ({"regmean_alpha": 0.5, "merge_params": {"regmean": {"alpha": 0.4}}}, "both given"),
     ],
 )
