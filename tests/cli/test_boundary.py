@@ -55,6 +55,9 @@ def test_typed_errors_are_builtins():
 def test_one_line_keeps_the_first_line_and_names_os_errors():
     assert one_line(ValueError("first\nsecond")) == "error: first"
     assert one_line(FileNotFoundError(2, "No such file or directory", "/x/y")).startswith("error: /x/y")
+    assert one_line(PermissionError(13, "Permission denied", "/x/y")).endswith("check the path and its permissions")
+    full = one_line(OSError(28, "No space left on device", "/tmp/a/b"))  # a full disk: the fix is space, not the path
+    assert full.startswith("error: /tmp/a/b: no space left on device — free disk space there"), full
     line = one_line(KeyError("k"))
     assert line.startswith("error: internal error: KeyError:") and "-v" in line
 

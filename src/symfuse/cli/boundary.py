@@ -8,6 +8,7 @@ traceback is printed first. :func:`exit_status` is the one place exceptions map 
 
 from __future__ import annotations
 
+import errno
 import sys
 import traceback
 from collections.abc import Sequence
@@ -58,7 +59,13 @@ def _message(exc: BaseException) -> str:
         except Exception:
             pass
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
-        return f"{exc.filename}: {exc.strerror[:1].lower()}{exc.strerror[1:]} — check the path and its permissions"
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # a full disk: the path and its permissions are fine
+        fix = (
+            "free disk space there (or point TMPDIR / the store elsewhere)"
+            if full
+            else "check the path and its permissions"
+        )
+        return f"{exc.filename}: {exc.strerror[:1].lower()}{exc.strerror[1:]} — {fix}"
     text = str(exc).strip()
     return text or type(exc).__name__
 
