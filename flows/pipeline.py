@@ -113,6 +113,13 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     kinds = needed_kinds(config)
     stats = {(n, k): collect.submit(config, n, models[n], k) for n in names for k in kinds}
 
+    # 2b. Each fine-tuned model on every evaluation set, for reference: submitted now (after its statistics, which the
+    #     merges wait for), so they run in the cores a fine-tune leaves idle (one fine-tune at a time), not after
+    #     every merge.
+    eval_sets = config.eval_datasets()
+    own = [(m, d) for m in names for d in eval_sets]
+    own_evals = T.evaluate.map(unmapped(config), [m for m, _ in own], [models[m] for m, _ in own], [d for _, d in own])
+
     # 3. Matching: one task per attention / FFN module per other model onto the anchor model, or (barycenter) one
     #    task per module aligning every model to their mean (either task returns {model: transform URI}); then the
     #    matched checkpoints.
@@ -165,13 +172,12 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
         chosen, selections = greedy_merges(T, config, models, stats, kinds)
         merged |= chosen
 
-    # 6. Evaluate every merged model (and each fine-tuned model, for reference) on every evaluation set.
-    evaluated = {**{n: models[n] for n in names}, **merged}
-    eval_sets = config.eval_datasets()
-    grid = [(m, d) for m in evaluated for d in eval_sets]
-    evaluations = T.evaluate.map(
-        unmapped(config), [m for m, _ in grid], [evaluated[m] for m, _ in grid], [d for _, d in grid]
-    )
+    # 6. Evaluate every merged model on every evaluation set (the fine-tuned models' evaluations are under way).
+    grid = [(m, d) for m in merged for d in eval_sets]
+    evaluations = [
+        *own_evals,
+        *T.evaluate.map(unmapped(config), [m for m, _ in grid], [merged[m] for m, _ in grid], [d for _, d in grid]),
+    ]
 
     # 7. Report: report.md + metrics.csv + plots in the store, markdown / table / link artifacts in Prefect.
     others_uris = [*models.values(), *stats.values(), *matched_stats.values()]
