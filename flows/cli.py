@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.join()
         state = fusion_pipeline(config, return_state=True)
-        drain_events(state.state_details.flow_run_id if state.is_completed() else None)
+        # the ephemeral server stops at exit: wait until it has recorded the run (a real server keeps running)
+        ephemeral_done = server is not None and state.is_completed()
+        drain_events(state.state_details.flow_run_id if ephemeral_done else None)
         result = state.result()
     except Exception as exc:  # the failed task's own error, one line (its traceback is in the run's logs)
         return report(exc, args.verbose)

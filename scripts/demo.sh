@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job: fusion_pipeline on the embedded demo (MiniLM fine-tuned on crowdflower, goemotions, meld; Gram + Fisher
-# statistics; matching; simple / fisher / regmean x plain / matched; in-domain + goemotions_ekman evaluation).
+# statistics; matching; simple / fisher / regmean / ties (quick: no ties) x plain / matched; in-domain +
+# goemotions_ekman evaluation).
 # The data ships with the package (src/symfuse/data/demo/, sources and licences in its SOURCES.md).
 # Ephemeral Prefect, local store ($SYMFUSE_STORE or ./symfuse-runs). Prints the metrics table at the end.
 #   scripts/demo.sh            full demo (target < 8 min on 2 CPU cores)
