@@ -190,6 +190,45 @@ def test_streamed_finite_check_names_file_and_tensor(tiny, tmp_path):
         check_finite([tf], chunk_bytes=1024)  # a finite file passes
 
 
+def test_a_file_found_finite_is_not_read_again_until_it_changes(tiny, tmp_path, monkeypatch):
+    import os
+    import time
+
+    from symfuse.io import folder
+
+    settle = 1.0  # long enough that a busy CI machine still checks twice before it settles
+    monkeypatch.setattr(folder, "FINITE_SETTLED_NS", int(settle * 1e9))
+    reads = []
+    real = folder.check_finite_tensor
+    monkeypatch.setattr(folder, "check_finite_tensor", lambda t, n, w: reads.append(n) or real(t, n, w))
+    sd = load_file(str(tiny / "model.safetensors"))
+    file = tmp_path / "w.safetensors"
+    save_file(sd, str(file))
+
+    def check() -> int:
+        reads.clear()
+        with TensorFile(file) as tf:
+            check_finite([tf])
+        return len(reads)
+
+    assert check() == len(sd) and check() == len(sd)  # just written: read every time (a rewrite could keep its times)
+    time.sleep(settle + 0.05)
+    assert check() == len(sd)  # settled: read once more, then remembered
+    assert check() == 0
+    with TensorFile(file) as tf:
+        check_finite([tf], names=[QUERY])  # a check of some tensors only is never skipped
+    assert reads == [QUERY]
+    mtime = file.stat().st_mtime_ns
+    sd[QUERY][0, 0] = float("nan")  # rewritten, the same size: its times move, so it is read again
+    save_file(sd, str(file))
+    with pytest.raises(NonFiniteError, match=QUERY):
+        check()
+    time.sleep(settle + 0.05)
+    os.utime(file, ns=(mtime, mtime))  # the remembered mtime set back: the ctime still moved, the NaN is found
+    with pytest.raises(NonFiniteError, match=QUERY):
+        check()
+
+
 def test_missing_or_toy_tokenizer_is_refused(tiny, tmp_path):
     with pytest.raises(TokenizerError, match="no tokenizer files"):
         load_tokenizer(tiny)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -192,12 +194,31 @@ def check_finite_tensor(t: torch.Tensor, name: str, where: str | os.PathLike) ->
     return t
 
 
+# Files this process found finite as a whole: (device, inode, size, mtime_ns, ctime_ns). A rewrite changes the
+# identity (a replacement by rename: the inode; an in-place write: mtime and ctime; setting the mtime back: the
+# ctime), so it is checked again. Only files whose inode changed FINITE_SETTLED_NS or more before the check are
+# remembered: a rewrite within the same tick of the file system's coarse clock could keep both times ("racy"
+# entries, as git's index treats them).
+_FINITE: set[tuple[int, ...]] = set()
+_FINITE_LOCK = threading.Lock()
+FINITE_SETTLED_NS = 2_000_000_000
+
+
+def _settled_identity(path: str | os.PathLike) -> tuple[int, ...] | None:
+    """The file's identity, or None if it changed too recently to be remembered safely."""
+    st = os.stat(path)
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < FINITE_SETTLED_NS:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def check_finite(
     tensor_files: Iterable[TensorFile], names: Iterable[str] | None = None, chunk_bytes: int = _CHUNK_BYTES
 ) -> None:
     """Stream every float tensor of some files (or only ``names``) and refuse NaN / inf, chunk by chunk.
 
-    Memory is one chunk; each chunk is one ``preadv`` and one reduction.
+    Memory is one chunk; each chunk is one ``preadv`` and one reduction. A whole file found finite is not read again
+    by this process while it is unchanged (a model evaluated on several sets is checked once).
 
     Raises:
         NonFiniteError: naming the file and the tensor.
@@ -205,18 +226,31 @@ def check_finite(
     wanted = set(names) if names is not None else None
     pool = BufferPool()
     for tf in tensor_files:
-        for name, info in tf.header.tensors.items():
-            if (wanted is not None and name not in wanted) or not info.dtype.is_floating_point or not info.nbytes:
-                continue
-            if not info.shape or info.nbytes <= chunk_bytes:
-                check_finite_tensor(tf.get(name, pool, "finite"), name, tf.path)
-                continue
-            row = math.prod(info.shape[1:]) * info.dtype.itemsize
-            rows = max(1, chunk_bytes // max(row, 1))
-            for lo in range(0, info.shape[0], rows):
-                n = min(rows, info.shape[0] - lo)
-                buf = pool.take("finite", (n, *info.shape[1:]), info.dtype)
-                check_finite_tensor(tf.read_into(buf, info.begin + lo * row, name), name, tf.path)
+        ident = _settled_identity(tf.path) if wanted is None else None
+        if ident is not None:
+            with _FINITE_LOCK:
+                if ident in _FINITE:
+                    continue
+        _check_file_finite(tf, wanted, pool, chunk_bytes)
+        if ident is not None and _settled_identity(tf.path) == ident:  # unchanged while it was read
+            with _FINITE_LOCK:
+                _FINITE.add(ident)
+
+
+def _check_file_finite(tf: TensorFile, wanted: set[str] | None, pool: BufferPool, chunk_bytes: int) -> None:
+    """:func:`check_finite` for one file."""
+    for name, info in tf.header.tensors.items():
+        if (wanted is not None and name not in wanted) or not info.dtype.is_floating_point or not info.nbytes:
+            continue
+        if not info.shape or info.nbytes <= chunk_bytes:
+            check_finite_tensor(tf.get(name, pool, "finite"), name, tf.path)
+            continue
+        row = math.prod(info.shape[1:]) * info.dtype.itemsize
+        rows = max(1, chunk_bytes // max(row, 1))
+        for lo in range(0, info.shape[0], rows):
+            n = min(rows, info.shape[0] - lo)
+            buf = pool.take("finite", (n, *info.shape[1:]), info.dtype)
+            check_finite_tensor(tf.read_into(buf, info.begin + lo * row, name), name, tf.path)
 
 
 def check_tokenizer(folder: str | os.PathLike) -> None:
