@@ -70,7 +70,7 @@ def finetune(config: RunConfig, dataset: str) -> str:
                                  cfg.model_copy(update={"batch_size": micro, "grad_accum": accum}),
                                  device=config.resolved_device(), on_progress=progress)  # fmt: skip
         meta = stage_meta("finetune", f"finetune-{dataset}", t.seconds, dataset=dataset, micro_batch=micro)
-        return store.put_dir(key, out, "finetune", {"base": str(config.base_model)}, ck, meta)
+        return store.put_dir(key, out, "finetune", {"base": str(config.base_model)}, ck, meta, move=True)
 
 
 @symfuse_task("bring_checkpoint", "bring-{dataset}")

@@ -142,7 +142,7 @@ def assemble_matched(
         meta = stage_meta("assemble_matched", f"assemble-{model}", t.seconds, distances=distances(model, report),
                           distance_before=report.get("distance_before"), distance_after=report.get("distance_after"),
                           max_abs_logit_diff=report.get("max_abs_logit_diff"))  # fmt: skip
-        return store.put_dir(key, tmp / "matched", "assemble_matched", inputs, ck, meta)
+        return store.put_dir(key, tmp / "matched", "assemble_matched", inputs, ck, meta, move=True)
 
 
 def distances(model: str, report: Mapping) -> list[dict]:

@@ -116,4 +116,4 @@ def merge(
         digests = [layout.manifest_digest(store.manifest(u)) for u in models.values()]  # read by watch_checkpoints
         meta = stage_meta("merge", f"merge-{strategy}-{variant}", t.seconds, strategy=strategy, variant=variant,
                           heads=heads, model_digests=digests)  # fmt: skip
-        return store.put_dir(key, out, "merge", inputs, ck, meta)
+        return store.put_dir(key, out, "merge", inputs, ck, meta, move=True)

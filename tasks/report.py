@@ -122,7 +122,7 @@ def _build(config, store, key, ck, inputs, evaluations, matched, selections=()) 
             built = build_report(records, distances, timings, tmp, title=f"symfuse run {config.run_id}", facts=facts,
                                  selections=[store.get_json(uri) for uri in selections])  # fmt: skip
         meta = stage_meta("report", f"report-{config.run_id}", t.seconds, metric=built.metric)
-        store.put_dir(key, tmp, "report", inputs, ck, meta)
+        store.put_dir(key, tmp, "report", inputs, ck, meta, move=True)
     logger().info("report metrics (%s):\n%s", built.metric, built.table.round(4).to_string())
 
 

@@ -70,7 +70,7 @@ def collect_stats(config: RunConfig, model: str, model_uri: str, kind: str, data
                 on_progress=progress,
             )  # fmt: skip
         meta = stage_meta("collect_stats", f"stats-{model}-{kind}", t.seconds, kind=kind, dataset=dataset)
-        return store.put_file(key, files[kind], "collect_stats", {"model": model_uri}, ck, meta)
+        return store.put_file(key, files[kind], "collect_stats", {"model": model_uri}, ck, meta, move=True)
 
 
 @symfuse_task("follow_stats", "follow-stats-{model}-{kind}", gpu=True)
@@ -103,4 +103,4 @@ def follow_stats(config: RunConfig, model: str, matched_uri: str, stats_uri: str
                     on_progress=progress,
                 )[kind]  # fmt: skip
         meta = stage_meta("follow_stats", f"follow-stats-{model}-{kind}", t.seconds, kind=kind, how=how)
-        return store.put_file(key, out, "follow_stats", inputs, ck, meta)
+        return store.put_file(key, out, "follow_stats", inputs, ck, meta, move=True)

@@ -5,6 +5,8 @@ See :mod:`symfuse.store.reader` for the layout and the reading side.
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
 import logging
@@ -25,6 +27,20 @@ log = logging.getLogger(__name__)
 __all__ = ["JSON_FILE", "ArtifactStore", "default_cache_dir", "default_root"]
 
 
+@functools.cache
+def _umask() -> int:
+    """The process's umask (Linux: read, not set; elsewhere: set and restored once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 class ArtifactStore(ArtifactReader):
     """Folders of files with a manifest, under one fsspec root: :class:`ArtifactReader` plus versioned writes and gc.
 
@@ -40,6 +56,7 @@ class ArtifactStore(ArtifactReader):
         inputs: Mapping[str, str] | None = None,
         content_key: str | None = None,
         meta: Mapping[str, Any] | None = None,
+        move: bool = False,
     ) -> str:
         """Upload every file under ``local_dir`` as a new version of the artifact ``key``, then publish it.
 
@@ -55,6 +72,9 @@ class ArtifactStore(ArtifactReader):
             inputs: Name -> URI of the artifacts it was computed from.
             content_key: The stage's :func:`~symfuse.store.layout.content_key`, checked by :meth:`exists`.
             meta: Extra JSON-able facts to keep in the manifest.
+            move: The files are the caller's to give away (a task's scratch output): a local store on the same file
+                system renames them into the version instead of copying them (``local_dir`` is left without them).
+                Symlinks, other file systems and remote stores copy as usual.
 
         Returns:
             The artifact's URI.
@@ -73,11 +93,12 @@ class ArtifactStore(ArtifactReader):
             files = [f for f in files if f != MANIFEST and not (f.startswith(f".{MANIFEST}.") and f.endswith(".tmp"))]
         version = new_version()
         sizes, sha = {}, {}
-        for rel in files:
+        # symlinks first: they are copied, and may point at a file of src that ``move`` renames away
+        for rel in sorted(files, key=lambda r: not (src / r).is_symlink()):
             sizes[rel] = (src / rel).stat().st_size
             sha[rel] = _sha256_file(src / rel)
             with self._io(f"{self.uri(key)}/{rel}"):
-                self.fs.put_file(str(src / rel), self._path(key, VERSIONS, version, rel))
+                self._put(src / rel, self._path(key, VERSIONS, version, rel), move)
         return self._publish(key, version, files, sizes, sha, producer, inputs, content_key, meta)
 
     def put_file(
@@ -88,8 +109,11 @@ class ArtifactStore(ArtifactReader):
         inputs: Mapping[str, str] | None = None,
         content_key: str | None = None,
         meta: Mapping[str, Any] | None = None,
+        move: bool = False,
     ) -> str:
         """Upload one file as the artifact ``key`` (a folder holding that file, under its own name).
+
+        ``move`` as for :meth:`put_dir`; the other arguments too.
 
         Returns:
             The artifact's URI; :meth:`get_file` gives the file back.
@@ -102,8 +126,22 @@ class ArtifactStore(ArtifactReader):
         version = new_version()
         sizes, sha = {file.name: file.stat().st_size}, {file.name: _sha256_file(file)}
         with self._io(f"{self.uri(key)}/{file.name}"):
-            self.fs.put_file(str(file), self._path(key, VERSIONS, version, file.name))
+            self._put(file, self._path(key, VERSIONS, version, file.name), move)
         return self._publish(key, version, [file.name], sizes, sha, producer, inputs, content_key, meta)
+
+    def _put(self, src: Path, dest: str, move: bool) -> None:
+        """Copy ``src`` to ``dest`` in the store, or rename it there (``move``, a local store, one file system)."""
+        if move and self.is_local and not src.is_symlink():
+            Path(dest).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(src, dest)  # dest is in a fresh version folder: nothing of anyone else's is replaced
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:  # another file system: copy below
+                    raise
+            else:
+                os.chmod(dest, 0o666 & ~_umask())  # the mode a copy gets (a scratch file may be private: mkstemp)
+                return
+        self.fs.put_file(str(src), dest)
 
     def put_json(
         self,

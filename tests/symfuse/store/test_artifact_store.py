@@ -145,6 +145,35 @@ def test_put_file_get_file(store: ArtifactStore, tmp_path):
         store.get_file("runs/r1/two")
 
 
+def test_move_gives_the_files_away_only_where_a_rename_can(store: ArtifactStore, tmp_path):
+    import os
+    import stat
+
+    src = make_dir(tmp_path / "scratch")
+    (src / "model.safetensors").chmod(0o600)  # a scratch file made by mkstemp: private
+    (src / "link.txt").symlink_to(src / "config.json")  # a symlink is never moved (its target is not the caller's)
+    expected = read_all(src)
+    uri = store.put_dir(KEY, src, producer="merge", move=True)
+    assert read_all(store.get_dir(uri, tmp_path / "out")) == expected
+    digest = hashlib.sha256(expected["model.safetensors"]).hexdigest()
+    assert store.manifest(KEY)["sha256"]["model.safetensors"] == digest
+    left = {p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file() and not p.is_symlink()}
+    if store.is_local:  # renamed into the version: gone from the scratch folder, readable as a copy would be
+        assert left == set() and (src / "link.txt").is_symlink()
+        stored = store.local_cache(uri)
+        mask = os.umask(0o022)
+        os.umask(mask)
+        assert stat.S_IMODE((stored / "model.safetensors").stat().st_mode) == 0o666 & ~mask
+        assert not (stored / "link.txt").is_symlink() and (stored / "link.txt").read_bytes() == expected["config.json"]
+    else:  # memory:// and S3 copy: the caller keeps its files
+        assert left == {"config.json", "model.safetensors", "sub/notes.txt"}
+    one = tmp_path / "one.bin"
+    one.write_bytes(b"x" * 1000)
+    file_uri = store.put_file("runs/r1/stats/x", one, producer="collect_stats", move=True)
+    assert one.exists() is not store.is_local
+    assert Path(store.get_file(file_uri, tmp_path / "got")).read_bytes() == b"x" * 1000
+
+
 def test_put_get_json(store: ArtifactStore):
     key = layout.eval_key("r1", "simple-plain", "isear")
     store.put_json(key, {"accuracy": 0.5, "n": 3}, producer="evaluate", inputs={"model": "x"})
