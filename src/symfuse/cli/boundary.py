@@ -8,7 +8,6 @@ traceback is printed first. :func:`exit_status` is the one place exceptions map 
 
 from __future__ import annotations
 
-import errno
 import sys
 import traceback
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from typer._click import exceptions as cx  # typer's own click (typer >= 0.20 ve
 from typer.core import TyperGroup
 
 from symfuse.errors import MissingStats, OutputExistsError, SymfuseError, UsageError
+from symfuse.io.safetensors import DISK_FULL, DISK_FULL_FIX
 from symfuse.outputs import Terminated
 
 USAGE, DATA, INTERRUPTED = 2, 1, 130
@@ -59,12 +59,8 @@ def _message(exc: BaseException) -> str:
         except Exception:
             pass
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # a full disk: the path and its permissions are fine
-        fix = (
-            "free disk space there (or point TMPDIR / the store elsewhere)"
-            if full
-            else "check the path and its permissions"
-        )
+        # a full disk: the path and its permissions are fine
+        fix = DISK_FULL_FIX if exc.errno in DISK_FULL else "check the path and its permissions"
         return f"{exc.filename}: {exc.strerror[:1].lower()}{exc.strerror[1:]} — {fix}"
     text = str(exc).strip()
     return text or type(exc).__name__

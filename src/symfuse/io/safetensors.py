@@ -156,10 +156,13 @@ def _entry(file: Path, name: str, info: Any, start: int, size: int) -> TensorInf
     return TensorInfo(DTYPES[code], tuple(shape), start + begin, start + end)
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # errnos of a full disk or an exhausted quota
+DISK_FULL_FIX = "free disk space there (or point TMPDIR / the store elsewhere)"
+
+
 def write_error(file: str | os.PathLike, code: int | None, detail: str) -> OSError:
     """The OSError for a failed write of ``file``: names the file, keeps ``code`` (errno), says the fix."""
-    full = code in (errno.ENOSPC, errno.EDQUOT)
-    fix = "free disk space there (or point TMPDIR / the store elsewhere)" if full else "check the folder"
+    fix = DISK_FULL_FIX if code in DISK_FULL else "check the folder"
     return OSError(code, f"{file}: could not be written ({detail}) — {fix}")
 
 
