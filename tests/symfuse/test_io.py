@@ -194,10 +194,10 @@ def test_a_file_found_finite_is_not_read_again_until_it_changes(tiny, tmp_path, 
     import os
     import time
 
-    from symfuse.io import folder
+    from symfuse.io import folder, memo
 
     settle = 1.0  # long enough that a busy CI machine still checks twice before it settles
-    monkeypatch.setattr(folder, "FINITE_SETTLED_NS", int(settle * 1e9))
+    monkeypatch.setattr(memo, "SETTLED_NS", int(settle * 1e9))
     reads = []
     real = folder.check_finite_tensor
     monkeypatch.setattr(folder, "check_finite_tensor", lambda t, n, w: reads.append(n) or real(t, n, w))

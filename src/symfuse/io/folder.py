@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import threading
-import time
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import torch
 
 from symfuse.errors import CheckpointError, NonFiniteError, TokenizerError
+from symfuse.io.memo import FileMemo
 from symfuse.io.safetensors import BufferPool, TensorFile
 
 WEIGHTS = "model.safetensors"
@@ -194,22 +193,7 @@ def check_finite_tensor(t: torch.Tensor, name: str, where: str | os.PathLike) ->
     return t
 
 
-# Files this process found finite as a whole: (device, inode, size, mtime_ns, ctime_ns). A rewrite changes the
-# identity (a replacement by rename: the inode; an in-place write: mtime and ctime; setting the mtime back: the
-# ctime), so it is checked again. Only files whose inode changed FINITE_SETTLED_NS or more before the check are
-# remembered: a rewrite within the same tick of the file system's coarse clock could keep both times ("racy"
-# entries, as git's index treats them).
-_FINITE: set[tuple[int, ...]] = set()
-_FINITE_LOCK = threading.Lock()
-FINITE_SETTLED_NS = 2_000_000_000
-
-
-def _settled_identity(path: str | os.PathLike) -> tuple[int, ...] | None:
-    """The file's identity, or None if it changed too recently to be remembered safely."""
-    st = os.stat(path)
-    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < FINITE_SETTLED_NS:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+_FINITE: FileMemo[bool] = FileMemo()  # whole files this process found finite (see symfuse.io.memo)
 
 
 def check_finite(
@@ -226,15 +210,14 @@ def check_finite(
     wanted = set(names) if names is not None else None
     pool = BufferPool()
     for tf in tensor_files:
-        ident = _settled_identity(tf.path) if wanted is None else None
-        if ident is not None:
-            with _FINITE_LOCK:
-                if ident in _FINITE:
-                    continue
+        if wanted is not None:  # a check of some tensors only is neither skipped nor remembered
+            _check_file_finite(tf, wanted, pool, chunk_bytes)
+            continue
+        ident, finite = _FINITE.lookup(tf.path)
+        if finite:
+            continue
         _check_file_finite(tf, wanted, pool, chunk_bytes)
-        if ident is not None and _settled_identity(tf.path) == ident:  # unchanged while it was read
-            with _FINITE_LOCK:
-                _FINITE.add(ident)
+        _FINITE.remember(tf.path, ident, True)
 
 
 def _check_file_finite(tf: TensorFile, wanted: set[str] | None, pool: BufferPool, chunk_bytes: int) -> None:

@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import fsspec
 
+from symfuse.io.memo import FileMemo
 from symfuse.redact import install_log_redaction
 from symfuse.store.errors import ArtifactNotFound, CorruptArtifact, translated
 from symfuse.store.layout import MANIFEST, manifest_digest
@@ -63,28 +63,19 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-# Files whose sha256 this process already checked against a manifest: (device, inode, size, mtime_ns) -> digest.
-# A rewrite (or a replacement by rename) changes the identity, so it is hashed again; the same unchanged file is
-# hashed once per process however many tasks read it.
-_VERIFIED: dict[tuple[int, int, int, int], str] = {}
-_VERIFIED_LOCK = threading.Lock()
-
-
-def _file_identity(path: Path) -> tuple[int, int, int, int]:
-    st = path.stat()
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+# Files whose sha256 this process already checked against a manifest, by settled identity (symfuse.io.memo): the
+# same unchanged file is hashed once per process however many tasks read it; a rewrite is hashed again.
+_VERIFIED: FileMemo[str] = FileMemo()
 
 
 def _matches_sha256(path: Path, expected: str) -> bool:
     """Whether ``path`` hashes to ``expected``, hashing an unchanged file at most once per process."""
-    ident = _file_identity(path)
-    with _VERIFIED_LOCK:
-        if _VERIFIED.get(ident) == expected:
-            return True
+    ident, known = _VERIFIED.lookup(path)
+    if known == expected:
+        return True
     digest = _sha256_file(path)
-    if digest == expected and _file_identity(path) == ident:  # unchanged while it was hashed
-        with _VERIFIED_LOCK:
-            _VERIFIED[ident] = digest
+    if digest == expected:
+        _VERIFIED.remember(path, ident, digest)
     return digest == expected
 
 

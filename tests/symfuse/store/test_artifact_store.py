@@ -83,9 +83,13 @@ def test_sha256_catches_same_size_corruption(store: ArtifactStore, tmp_path):
 
 def test_local_cache_hashes_an_unchanged_file_once_and_a_rewritten_one_again(tmp_path, monkeypatch):
     import os
+    import time
 
+    from symfuse.io import memo
     from symfuse.store import reader
 
+    settle = 1.0  # long enough that a busy CI machine still reads twice before the files settle
+    monkeypatch.setattr(memo, "SETTLED_NS", int(settle * 1e9))
     store = ArtifactStore(str(tmp_path / "root"))
     store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
     hashed = []
@@ -93,7 +97,12 @@ def test_local_cache_hashes_an_unchanged_file_once_and_a_rewritten_one_again(tmp
     monkeypatch.setattr(reader, "_sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
     folder = store.local_cache(KEY)
     first = len(hashed)
-    assert first >= 1 and store.local_cache(KEY) == folder and len(hashed) == first  # verified digests remembered
+    assert first >= 1 and store.local_cache(KEY) == folder
+    assert len(hashed) == 2 * first  # just written: hashed every time (a rewrite could keep its times)
+    time.sleep(settle + 0.05)
+    store.local_cache(KEY)
+    assert len(hashed) == 3 * first  # settled: hashed once more, then remembered
+    assert store.local_cache(KEY) == folder and len(hashed) == 3 * first  # verified digests remembered
     target = data_path(store, KEY, "model.safetensors")
     stat = os.stat(target)
     store.fs.pipe_file(target, b"X" * stat.st_size)  # same size, other bytes, written in place
