@@ -13,6 +13,7 @@ from typing import Any
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
 from symfuse.merge import MERGERS, REPORT, merge_checkpoints, merger_params
+from symfuse.merge.head_refit import refit_merged_heads
 from symfuse.stats import model_fingerprint
 from tasks.common import (
     content_key,
@@ -49,6 +50,12 @@ def run_context(config: RunConfig, models: Sequence[str]) -> dict[str, Any]:
         "seed": config.finetune.seed,
         "device": config.resolved_device(),
     }
+
+
+def refit_sampling(config: RunConfig) -> dict[str, Any]:
+    """The data a head refit reads: each model's statistics subset (the statistics stage's settings)."""
+    return {"max_examples": config.stats.max_examples, "batch_size": config.stats.batch_size,
+            "max_length": config.finetune.max_length, "seed": config.finetune.seed}  # fmt: skip
 
 
 def strategy_params(config: RunConfig, strategy: str, models: Sequence[str] = ()) -> dict[str, Any]:
@@ -97,8 +104,10 @@ def merge(
             "extra": {"run_id": config.run_id, "variant": variant}}  # fmt: skip
     resolved = merger_params(strategy, params).model_dump(mode="json")  # defaults included: a new default re-merges
     resolved = {k: v for k, v in resolved.items() if k not in PLACEMENT}
-    ck = content_key({"strategy": strategy, "params": resolved, "order": list(models), "card": card},
-                     manifests(store, inputs) | extra)  # fmt: skip
+    what = {"strategy": strategy, "params": resolved, "order": list(models), "card": card}
+    if config.head_refit.enabled:  # (absent when off: merges stored before the option existed are reused)
+        what["head_refit"] = config.head_refit.model_dump() | refit_sampling(config)
+    ck = content_key(what, manifests(store, inputs) | extra)
     if (uri := reuse(store, key, ck, f"merged model {strategy}-{variant}")) is not None:
         return uri
     maybe_inject_fault()
@@ -111,6 +120,10 @@ def merge(
         with timed() as t:
             out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
                                     base=base, card=card, **params)  # fmt: skip
+            if config.head_refit.enabled:
+                refit_merged_heads(out, [links / n for n in models], [config.dataset(n).data for n in models],
+                                   ridge=config.head_refit.ridge, device=config.resolved_device(),
+                                   **refit_sampling(config))  # fmt: skip
         folders = json.loads((out / REPORT).read_text())["heads"].get("folders") or {}
         heads = dict(zip(models, folders.values(), strict=True)) if folders else dict.fromkeys(models, ".")
         digests = [layout.manifest_digest(store.manifest(u)) for u in models.values()]  # read by watch_checkpoints

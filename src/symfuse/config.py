@@ -133,6 +133,19 @@ class EvalSettings(_Strict):
         return [_check_name(v, "evaluation dataset") for v in value]
 
 
+class HeadRefitSettings(_Strict):
+    """Refit of the merged model's task heads to its own body (:mod:`symfuse.merge.head_refit`)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="After each merge, refit every task head in closed form so that, on its dataset's statistics "
+        "subset, the merged model reproduces that dataset's own model's logits (no labels read).",
+    )
+    ridge: float = Field(
+        default=0.1, gt=0, description="Pull towards the merged head, relative to the features' scale."
+    )
+
+
 class TimeoutSettings(_Strict):
     """Seconds one task of each stage may run before it fails with a (retried) timeout; null: no limit.
 
@@ -225,6 +238,7 @@ class RunConfig(_Strict):
         description="Greedy selection's validation set: a dataset name whose validation split scores the models "
         "(e.g. an out-of-domain set); default: the mean over the training datasets' validation splits.",
     )
+    head_refit: HeadRefitSettings = Field(default_factory=HeadRefitSettings)
     evaluation: EvalSettings = Field(default_factory=EvalSettings)
     store_root: str | None = Field(
         default=None, description="Artifact store URL (local folder, s3://bucket/prefix). Default: $SYMFUSE_STORE."

@@ -149,3 +149,32 @@ def test_progress_reaches_one_and_a_reused_result_says_so(base, tmp_path, monkey
     assert line.startswith(f"reused stored fine-tuned model isear at {uri} (key ")
     assert store.manifest(uri)["content_key"][:16] in line
     assert len(trained) == 1  # nothing trained the second time
+
+
+def test_merge_with_head_refit_rewrites_each_head_and_is_its_own_content(base, tmp_path):
+    import json
+
+    from symfuse.merge import REPORT
+    from tasks.merge import merge
+
+    datasets = [{"name": n, "max_train_examples": 32, "max_eval_examples": 16} for n in ("isear", "meld")]
+    plain = config(base, str(tmp_path / "store"), datasets=datasets)
+    refit = plain.model_copy(update={"head_refit": plain.head_refit.model_copy(update={"enabled": True})})
+    models = {n: finetune.fn(plain, n) for n in ("isear", "meld")}
+    store = ArtifactStore(plain.resolved_store_root())
+    kept = merge.fn(plain, "simple", "plain", models, {})
+    kept_ck = store.manifest(kept)["content_key"]
+    kept_heads = {rel: load_file(fetch(store, kept) / rel / "model.safetensors") for rel in (".", "heads/meld")}
+    uri = merge.fn(refit, "simple", "plain", models, {})
+    assert store.manifest(uri)["content_key"] != kept_ck  # the option is part of the content: re-merged
+    folder = fetch(store, uri)
+    report = json.loads((folder / REPORT).read_text())["heads"]["refit"]
+    assert set(report["heads"]) == {".", "heads/meld"} and report["ridge"] == refit.head_refit.ridge
+    for rel, head in report["heads"].items():
+        assert head["rows"] == 8 and head["logit_mse_after"] < head["logit_mse_before"]
+        new = load_file(folder / rel / "model.safetensors")
+        assert not torch.equal(new["classifier.weight"], kept_heads[rel]["classifier.weight"])
+        body = [k for k in new if not k.startswith("classifier")]
+        assert all(torch.equal(new[k], kept_heads[rel][k]) for k in body)  # the merged body is untouched
+    again = merge.fn(plain, "simple", "plain", models, {})  # off again: the content key merges had before the option
+    assert store.manifest(again)["content_key"] == kept_ck
