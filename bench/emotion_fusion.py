@@ -57,6 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-lr-scale", type=float, default=1.0, help="the new head's learning rate = lr x this")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--no-extra-settings", action="store_true", help="only the default setting (no labels/...)")
+    p.add_argument(
+        "--head-refit",
+        action="store_true",
+        help="also per-dataset heads with head_refit on (same fine-tunes; merges re-made, then put back)",
+    )
+    p.add_argument("--select", choices=["all", "greedy"], default="greedy", help="greedy adds <strategy>-greedy rows")
     p.add_argument("--store", default=str(ROOT / "bench" / "out" / "emotion_fusion"))
     p.add_argument("--results", default=str(ROOT / "bench" / "results" / "emotion_fusion.md"))
     args = p.parse_args(argv)
@@ -67,29 +73,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def settings(skip_extra: bool) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+def settings(
+    skip_extra: bool, head_refit: bool = False, select: str = "greedy"
+) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
     """``[(label, RunConfig overrides)]`` and notes on the settings not run.
 
     Every run selects greedily too (``select: greedy`` keeps every all-model merge and adds ``<strategy>-greedy``),
     so "all models vs greedy subset" are rows of one run. Head initialisation only matters where heads are merged,
     i.e. with union heads (per-dataset heads are kept per model, never merged).
     """
-    out: list[tuple[str, dict[str, Any]]] = [("per-dataset heads", {"select": "greedy"})]
+    out: list[tuple[str, dict[str, Any]]] = [("per-dataset heads", {"select": select})]
+    if head_refit:  # same run id (same fine-tunes and statistics); its merges replace the first setting's
+        out.append(("per-dataset heads, head refit", {"select": select, "head_refit": {"enabled": True}}))
     if skip_extra:
         return out, ["union heads and head initialisation: skipped (--no-extra-settings)"]
     out += [
-        ("union heads, same init", {"labels": "union", "select": "greedy"}),
-        ("union heads, different init", {"labels": "union", "head_init": "different", "select": "greedy"}),
+        ("union heads, same init", {"labels": "union", "select": select}),
+        ("union heads, different init", {"labels": "union", "head_init": "different", "select": select}),
         # the subset chosen on held-out data's VALIDATION split (the issue's "user-given OOD validation set"); the
         # OOD column reads its TEST split. Same fine-tunes and merges as "union heads, same init" (one run id).
         (f"union heads, greedy on {OOD} validation", {"labels": "union", "select": "greedy", "select_on": OOD}),
     ]
+    if head_refit:
+        out.append(("union heads, head refit", {"labels": "union", "select": select, "head_refit": {"enabled": True}}))
     return out, []
+
+
+# Overrides that change only what is merged or how it is selected: runs that differ only in these share one run id
+# (their fine-tunes and statistics).
+RUN_SHARING = ("select", "select_on", "head_refit")
 
 
 def build_config(args: argparse.Namespace, seed: int, label: str, overrides: dict[str, Any]) -> RunConfig:
     """The run of one seed and setting."""
-    tag = "-".join(f"{k}-{v}" for k, v in sorted(overrides.items()) if k not in ("select", "select_on")) or "default"
+    tag = "-".join(f"{k}-{v}" for k, v in sorted(overrides.items()) if k not in RUN_SHARING) or "default"
     data = {
         "run_id": f"emo-s{seed}-{tag}-n{args.train_examples}-e{args.epochs}"
         + (f"-h{args.head_lr_scale:g}" if args.head_lr_scale != 1 else "")
@@ -254,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = parse_args(argv)
-    todo, notes = settings(args.no_extra_settings)
+    todo, notes = settings(args.no_extra_settings, args.head_refit, args.select)
     from flows.pipeline import fusion_pipeline
     from symfuse.logs import quiet_third_party
 

@@ -120,13 +120,16 @@ def merge(
         with timed() as t:
             out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
                                     base=base, card=card, **params)  # fmt: skip
+            refit = {}
             if config.head_refit.enabled:
-                refit_merged_heads(out, [links / n for n in models], [config.dataset(n).data for n in models],
-                                   ridge=config.head_refit.ridge, device=config.resolved_device(),
-                                   **refit_sampling(config))  # fmt: skip
+                done = refit_merged_heads(out, [links / n for n in models], [config.dataset(n).data for n in models],
+                                          ridge=config.head_refit.ridge, device=config.resolved_device(),
+                                          **refit_sampling(config))  # fmt: skip
+                refit = {"head_refit": {rel: [h["logit_mse_before"], h["logit_mse_after"]]
+                                        for rel, h in done["heads"].items()}}  # fmt: skip
         folders = json.loads((out / REPORT).read_text())["heads"].get("folders") or {}
         heads = dict(zip(models, folders.values(), strict=True)) if folders else dict.fromkeys(models, ".")
         digests = [layout.manifest_digest(store.manifest(u)) for u in models.values()]  # read by watch_checkpoints
         meta = stage_meta("merge", f"merge-{strategy}-{variant}", t.seconds, strategy=strategy, variant=variant,
-                          heads=heads, model_digests=digests)  # fmt: skip
+                          heads=heads, model_digests=digests, **refit)  # fmt: skip
         return store.put_dir(key, out, "merge", inputs, ck, meta, move=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from prefect.artifacts import (
@@ -103,6 +103,16 @@ def report(
     return _publish(config, store, key, merged)
 
 
+def head_refit_fact(metas: Iterable[Mapping], ridge: float) -> str | None:
+    """The report's line on head refit: the merged heads' logit MSE to their own models, before -> after (or None)."""
+    pairs = [pair for m in metas for pair in (m.get("head_refit") or {}).values()]
+    if not pairs:
+        return None
+    before, after = (sum(p[i] for p in pairs) / len(pairs) for i in (0, 1))
+    return (f"ridge {ridge:g}; logit MSE to each dataset's own model {before:.4g} -> {after:.4g} "
+            f"(mean over {len(pairs)} merged heads)")  # fmt: skip
+
+
 def _build(config, store, key, ck, inputs, evaluations, matched, selections=()) -> None:
     """Gather the records from the store and write the report artifact."""
     records = [store.get_json(uri) for uri in evaluations]
@@ -117,6 +127,8 @@ def _build(config, store, key, ck, inputs, evaluations, matched, selections=()) 
         "symmetries": ", ".join(config.symmetries),
         "store": store.uri(layout.run_prefix(config.run_id)),
     }
+    if (refit := head_refit_fact(metas.values(), config.head_refit.ridge)) is not None:
+        facts["head refit"] = refit
     with scratch("report") as tmp:
         with timed() as t:
             built = build_report(records, distances, timings, tmp, title=f"symfuse run {config.run_id}", facts=facts,

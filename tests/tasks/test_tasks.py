@@ -156,6 +156,7 @@ def test_merge_with_head_refit_rewrites_each_head_and_is_its_own_content(base, t
 
     from symfuse.merge import REPORT
     from tasks.merge import merge
+    from tasks.report import head_refit_fact
 
     datasets = [{"name": n, "max_train_examples": 32, "max_eval_examples": 16} for n in ("isear", "meld")]
     plain = config(base, str(tmp_path / "store"), datasets=datasets)
@@ -176,5 +177,12 @@ def test_merge_with_head_refit_rewrites_each_head_and_is_its_own_content(base, t
         assert not torch.equal(new["classifier.weight"], kept_heads[rel]["classifier.weight"])
         body = [k for k in new if not k.startswith("classifier")]
         assert all(torch.equal(new[k], kept_heads[rel][k]) for k in body)  # the merged body is untouched
+    meta = store.manifest(uri)["meta"]["head_refit"]
+    assert meta == {rel: [h["logit_mse_before"], h["logit_mse_after"]] for rel, h in report["heads"].items()}
+    fact = head_refit_fact([{"stage": "finetune"}, store.manifest(uri)["meta"]], 0.1)
+    mean = [sum(p[i] for p in meta.values()) / 2 for i in (0, 1)]
+    want = f"logit MSE to each dataset's own model {mean[0]:.4g} -> {mean[1]:.4g} (mean over 2 merged heads)"
+    assert fact == f"ridge 0.1; {want}"
+    assert head_refit_fact([{"stage": "merge"}], 0.1) is None  # refit off: no line in the report
     again = merge.fn(plain, "simple", "plain", models, {})  # off again: the content key merges had before the option
     assert store.manifest(again)["content_key"] == kept_ck
