@@ -13,7 +13,6 @@ from typing import Any
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
 from symfuse.merge import MERGERS, REPORT, merge_checkpoints, merger_params
-from symfuse.merge.head_refit import refit_merged_heads
 from symfuse.stats import model_fingerprint
 from tasks.common import (
     content_key,
@@ -117,19 +116,21 @@ def merge(
         for name, uri in models.items():
             (links / name).symlink_to(fetch(store, uri), target_is_directory=True)
         files = [fetch_file(store, u) for u in stats_uris]
+        refit = None
+        if config.head_refit.enabled:
+            refit = {"data": [config.dataset(n).data for n in models], "ridge": config.head_refit.ridge,
+                     "device": config.resolved_device()} | refit_sampling(config)  # fmt: skip
         with timed() as t:
             out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
-                                    base=base, card=card, **params)  # fmt: skip
-            refit = {}
-            if config.head_refit.enabled:
-                done = refit_merged_heads(out, [links / n for n in models], [config.dataset(n).data for n in models],
-                                          ridge=config.head_refit.ridge, device=config.resolved_device(),
-                                          **refit_sampling(config))  # fmt: skip
-                refit = {"head_refit": {rel: [h["logit_mse_before"], h["logit_mse_after"]]
-                                        for rel, h in done["heads"].items()}}  # fmt: skip
-        folders = json.loads((out / REPORT).read_text())["heads"].get("folders") or {}
+                                    base=base, card=card, head_refit=refit, **params)  # fmt: skip
+        written = json.loads((out / REPORT).read_text())["heads"]
+        folders = written.get("folders") or {}
         heads = dict(zip(models, folders.values(), strict=True)) if folders else dict.fromkeys(models, ".")
+        refitted = {}
+        if "refit" in written:  # each head's logit MSE to its own model, before -> after (the report sums them up)
+            pairs = {rel: [h["logit_mse_before"], h["logit_mse_after"]] for rel, h in written["refit"]["heads"].items()}
+            refitted = {"head_refit": pairs}
         digests = [layout.manifest_digest(store.manifest(u)) for u in models.values()]  # read by watch_checkpoints
         meta = stage_meta("merge", f"merge-{strategy}-{variant}", t.seconds, strategy=strategy, variant=variant,
-                          heads=heads, model_digests=digests, **refit)  # fmt: skip
+                          heads=heads, model_digests=digests, **refitted)  # fmt: skip
         return store.put_dir(key, out, "merge", inputs, ck, meta, move=True)

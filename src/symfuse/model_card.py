@@ -48,6 +48,7 @@ def model_card(
     symmetries: Sequence[str] = (),
     heads: str = "merged",
     extra: Mapping[str, Any] | None = None,
+    head_refit: float | None = None,
 ) -> str:
     """The card's text.
 
@@ -61,6 +62,7 @@ def model_card(
         heads: ``merged`` (one head), ``union`` (one union head, merged per class) or ``per-dataset`` (one head
             folder per input under ``heads/``).
         extra: More facts for the front matter's ``symfuse`` entry (e.g. run id, variant).
+        head_refit: The ridge of the head refit (:mod:`symfuse.merge.head_refit`), or None: heads as merged.
 
     Returns:
         Markdown with YAML front matter.
@@ -78,6 +80,7 @@ def model_card(
             "params": dict(params),
             "symmetries": list(symmetries),
             "heads": heads,
+            **({"head_refit": {"ridge": head_refit}} if head_refit is not None else {}),
             "inputs": [str(i["path"]) for i in inputs],
             **dict(extra or {}),
         },
@@ -106,6 +109,12 @@ def model_card(
             else "one head over the union of the inputs' classes, each class merged from the inputs that learned it"
             if heads == "union"
             else "one merged body; each input's own head in `heads/<dataset>/` (the first input's here)"
+        )
+        + (
+            f"; refitted to the merged body in closed form (ridge {head_refit:g}) to reproduce each input's own "
+            "logits on its own data"
+            if head_refit is not None
+            else ""
         ),
     ]
     labels = (config.get("id2label") or {}).values()

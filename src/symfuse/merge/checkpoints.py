@@ -38,6 +38,7 @@ from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.errors import CheckpointError, MissingStats, NonFiniteError
 from symfuse.io import BufferPool, check_finite_tensor, parallel_reads
 from symfuse.merge.base import LazyTensors, TensorInputs, weighted_mean
+from symfuse.merge.head_refit import RefitOptions, refit_batches, refit_heads
 from symfuse.merge.heads import merge_class_rows, union_heads, write_label_space
 from symfuse.merge.registry import MERGERS
 from symfuse.model_card import CARD, input_metrics, model_card
@@ -147,6 +148,7 @@ def merge_checkpoints(
     base: str | Path | None = None,
     overwrite: bool = False,
     card: Mapping[str, Any] | None = None,
+    head_refit: RefitOptions | Mapping[str, Any] | None = None,
     **params: Any,
 ) -> Path:
     """Merge K checkpoints with a registered strategy and write a ``save_pretrained`` folder.
@@ -162,6 +164,9 @@ def merge_checkpoints(
         card: Facts for the ``README.md`` model card the merger cannot know: ``base_model`` (name of the base the
             inputs were fine-tuned from; default ``base``), ``symmetries`` (the inputs were matched with; default
             none), ``extra`` (more front-matter facts, e.g. the run id).
+        head_refit: Refit every task head to the merged body on each model's own data
+            (:mod:`symfuse.merge.head_refit`; its ``data`` is loaded before the merge starts), recorded under the
+            report's ``heads.refit``; None: heads as merged.
         **params: Strategy parameters (e.g. ``alpha=0.9``, ``weights=[...]``, ``density=0.2``); unknown ones raise.
             A merger that reads the models' data (``needs_data``: regmean++, ``data=[one dataset per model]``) does
             its work in :meth:`~symfuse.merge.base.Merger.prepare`, once the inputs are checked.
@@ -181,6 +186,7 @@ def merge_checkpoints(
         raise ValueError("merge needs at least one model")
     check_output(out, overwrite)
     merger = MERGERS[strategy](**params)
+    refit = RefitOptions.model_validate(head_refit) if head_refit is not None else None
     readers = [StreamingReader(m) for m in models]
     k = len(readers)
     if merger.needs_base and base is None:
@@ -207,6 +213,7 @@ def merge_checkpoints(
             if r.shape(n) != r0.shape(n):
                 raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, model 0 has {r0.shape(n)}")
 
+    refit_data = refit_batches([r.path for r in readers], refit) if refit is not None else None  # bad data: now
     merger.prepare([r.path for r in readers], frozenset(heads) if separate else frozenset())  # e.g. RegMean++
     grams, fishers = files.get("gram"), files.get("fisher")
     # Gram keys whose module reads the same input as another in EVERY model (q / k / v): one factorisation.
@@ -315,6 +322,11 @@ def merge_checkpoints(
                     replace=lambda n, t, r=r: t if n in head_names(r) else merged.get(n),
                     shard_bytes=SHARD_BYTES,
                 )
+        policy = "union" if union is not None else ("per-dataset" if separate else "merged")
+        refitted = None
+        if refit is not None and refit_data is not None:
+            refitted = refit_heads(tmp, names if separate else dict.fromkeys(names, "."), [r.path for r in readers],
+                                   refit_data, refit.ridge, learned, refit.device)  # fmt: skip
         report = {
             "strategy": strategy,
             "params": merger.params.model_dump(),
@@ -322,9 +334,10 @@ def merge_checkpoints(
             "stats": [str(s) for s in stats or []],
             "base": str(base) if base is not None else None,
             "heads": {
-                "policy": "union" if union is not None else ("per-dataset" if separate else "merged"),
+                "policy": policy,
                 "folders": names if separate else {},
                 **({"learners": union.learners()} if union is not None else {}),
+                **({"refit": refitted} if refitted is not None else {}),
             },
             "counters": merger.counters,
             "seconds": round(time.perf_counter() - start, 3),
@@ -338,7 +351,8 @@ def merge_checkpoints(
         text = model_card(
             strategy, report["params"], inputs, json.loads((tmp / "config.json").read_text()),
             base=card.get("base_model") or (str(base) if base is not None else None),
-            symmetries=card.get("symmetries") or (), heads=report["heads"]["policy"], extra=card.get("extra"),
+            symmetries=card.get("symmetries") or (), heads=policy, extra=card.get("extra"),
+            head_refit=refit.ridge if refit is not None else None,
         )  # fmt: skip
         (tmp / CARD).write_text(text)
     log.info("merged %d models with %s into %s in %.1f s", k, strategy, out, report["seconds"])

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from symfuse.errors import CheckpointError
@@ -271,28 +272,11 @@ def _replace_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
         save_safetensors(state, file, metadata=meta)
 
 
-def refit_merged_heads(
-    merged: Path,
-    models: Sequence[Path],
-    data: Sequence[str],
-    ridge: float = 0.1,
-    split: str = "train",
-    max_examples: int | None = 256,
-    batch_size: int = 16,
-    max_length: int = 128,
-    seed: int = 13,
-    device: str | torch.device = "cpu",
-) -> dict[str, Any]:
-    """:func:`refit_heads` on a :func:`~symfuse.merge.merge_checkpoints` output, its report updated.
+class RefitOptions(BaseModel):
+    """What a head refit reads and how (:func:`refit_heads`); the merge's ``head_refit`` argument.
 
-    Reads the heads' layout (per-dataset folders, one merged head, union classes) from the merge report, loads each
-    model's dataset (all of them before any forward pass: a bad source fails first) and records the refit under
-    ``heads.refit`` of the report.
-
-    Args:
-        merged: The merged folder (not yet published).
-        models: The K source checkpoints, in merge order.
-        data: One dataset source per model (its own data), in merge order.
+    Attributes:
+        data: One dataset per model (its own data), in merge order.
         ridge: See :func:`solve_head`.
         split: The split read.
         max_examples: Seeded subset of each dataset (as the statistics take it); None: all of it.
@@ -300,38 +284,38 @@ def refit_merged_heads(
         max_length: Token cap per example.
         seed: Seed of the subset.
         device: Where the forward passes run.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: list[str] = Field(min_length=1)
+    ridge: float = Field(default=0.1, gt=0)
+    split: str = "train"
+    max_examples: int | None = Field(default=256, gt=0)
+    batch_size: int = Field(default=16, gt=0)
+    max_length: int = Field(default=128, gt=0)
+    seed: int = 13
+    device: str = "cpu"
+
+
+def refit_batches(models: Sequence[Path], options: RefitOptions) -> list[list[dict[str, torch.Tensor]]]:
+    """Each model's batches for :func:`refit_heads`: every dataset loaded and tokenised (before any heavy work).
 
     Raises:
-        ValueError: ``data`` does not give one dataset per model.
+        ValueError: ``options.data`` does not give one dataset per model.
         DataError: a dataset cannot be loaded.
-        CheckpointError: a head without a classification output layer.
+        TokenizerError: a model folder has no tokenizer.
     """
-    import json
-
     from symfuse.data import load_task_dataset, make_batches
-    from symfuse.merge.checkpoints import REPORT
 
-    if len(data) != len(models):
+    if len(options.data) != len(models):
         raise ValueError(
-            f"head refit reads each model's own data: {len(data)} dataset(s) for {len(models)} models — give one per "
-            "model, in order"
+            f"head refit reads each model's own data: {len(options.data)} dataset(s) for {len(models)} models — "
+            "give one per model, in order"
         )
-    report = json.loads((merged / REPORT).read_text())
-    heads = report["heads"]
-    folders = heads.get("folders") or {f"model{i}": "." for i in range(len(models))}
-    datasets = [load_task_dataset(source) for source in data]
-    batches = [
-        make_batches(ds, folder, split, batch_size, max_length, max_examples, seed)
+    datasets = [load_task_dataset(source) for source in options.data]
+    o = options
+    return [
+        make_batches(ds, folder, o.split, o.batch_size, o.max_length, o.max_examples, o.seed)
         for ds, folder in zip(datasets, models, strict=True)
     ]
-    learned = None
-    if heads.get("policy") == "union":
-        from symfuse.checkpoint import CheckpointReader
-        from symfuse.merge.heads import union_heads
-
-        readers = [CheckpointReader(m) for m in models]
-        learned = union_heads([r.config for r in readers], [r.path for r in readers]).learned  # type: ignore[union-attr]
-    refit = refit_heads(merged, folders, models, batches, ridge, learned, device)
-    heads["refit"] = refit
-    (merged / REPORT).write_text(json.dumps(report, indent=2))
-    return refit

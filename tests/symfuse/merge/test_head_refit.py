@@ -146,3 +146,22 @@ def test_a_model_without_a_classification_head_is_one_clear_error(tmp_path):
     net = transformers.AutoModel.from_pretrained(str(a))
     with pytest.raises(CheckpointError, match="no classification output layer"):
         output_layer(net, set())
+
+
+def test_a_merge_with_head_refit_checks_its_data_before_merging(tmp_path, monkeypatch):
+    from symfuse.data.dataset import DatasetError
+    from symfuse.merge import checkpoints
+
+    a = _labelled(tmp_path / "emotion", ["anger", "joy", "sadness"], 0)
+    b = _labelled(tmp_path / "sst2", ["negative", "positive"], 1)
+    merged = []
+    monkeypatch.setattr(checkpoints, "write_checkpoint", lambda *a, **k: merged.append(1))
+    with pytest.raises(ValueError, match="1 dataset"):
+        merge_checkpoints("simple", [a, b], tmp_path / "o1", head_refit={"data": [str(tmp_path / "d")]})
+    with pytest.raises(DatasetError, match="no-such-set"):
+        merge_checkpoints(
+            "simple", [a, b], tmp_path / "o2", head_refit={"data": ["meld", str(tmp_path / "no-such-set")]}
+        )
+    with pytest.raises(ValueError, match="ridge"):
+        merge_checkpoints("simple", [a, b], tmp_path / "o3", head_refit={"data": ["meld", "meld"], "ridge": 0})
+    assert not merged and not any(p.name.startswith("o") for p in tmp_path.iterdir())
