@@ -59,6 +59,13 @@ def merge(
         int | None, typer.Option("--max-examples", help="regmean++: examples per dataset for its Grams (256).")
     ] = None,
     device: Annotated[str | None, typer.Option("--device", help="regmean++: forward passes on cpu|cuda.")] = None,
+    refit_heads: Annotated[
+        bool,
+        typer.Option("--refit-heads", help="Refit each head to the merged body on its model's own --data."),
+    ] = False,
+    refit_ridge: Annotated[
+        float | None, typer.Option("--refit-ridge", help="Head refit: pull towards the merged head (0.1).")
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Merge models: --models A B [C ...] [--stats SA SB ...] [--weights wA wB ...] --out OUT.
@@ -90,12 +97,27 @@ def merge(
         strategy, models, base, weights = mf.strategy, mf.models, mf.base, mf.weights
         stats = [Path(s) for s in mf.stats] if mf.stats is not None else None
         given = {k: (v, f"params.{k}") for k, v in mf.params.items()}
+        refit_given = {k: (v, f"head_refit.{k}") for k, v in (mf.head_refit or {}).items()}
+        if refit_heads or refit_ridge is not None:
+            raise UsageError(f"--refit-heads / --refit-ridge: given with --config — put head_refit: in {config}")
+        refit_on = mf.head_refit is not None
     else:
         given = {k: (v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None} | _param_options(
             param or [], shortcuts
         )
+        if refit_ridge is not None and not refit_heads:
+            raise UsageError("--refit-ridge: given without --refit-heads — add --refit-heads, or drop it")
+        refit_on, refit_given = refit_heads, {}
+        if refit_ridge is not None:
+            refit_given["ridge"] = (refit_ridge, "--refit-ridge")
     if strategy is None:
         raise UsageError("--strategy: missing — give --strategy NAME, or --config merge.yaml")
+    if refit_on and config is None:  # --data / --max-examples / --device: the refit's (and the merger's if it has them)
+        checks.one_of("--strategy", strategy, MERGERS.names())
+        fields = MERGERS[strategy].Params.model_fields
+        for k in REFIT_SHARED:
+            if k in given:
+                refit_given[k] = given[k] if k in fields else given.pop(k)
     models = list(models or [])
     try:
         params = _validate(strategy, models, stats, weights, base, given)
@@ -104,12 +126,52 @@ def merge(
             raise
         # the shared checks name the flag; in a file it is the key of the same name
         raise UsageError(f"{config}: {exc}") from exc
+    refit = _refit_options(refit_given, len(models), config) if refit_on else None
     from symfuse.merge import merge_checkpoints
 
     with claim_output(out, overwrite):
-        path = merge_checkpoints(strategy, models, out, stats=stats, base=base, overwrite=overwrite, **params)
+        path = merge_checkpoints(
+            strategy, models, out, stats=stats, base=base, overwrite=overwrite, head_refit=refit, **params
+        )
     report = json.loads((path / "symfuse_report.json").read_text())
     typer.echo(f"{path} ({strategy}, {report['seconds']} s)")
+
+
+REFIT_SHARED = ("data", "max_examples", "device")  # flags a head refit reads (and regmean++ too)
+
+
+def _refit_options(given: dict[str, tuple[Any, str]], n_models: int, config: Path | None) -> dict[str, Any]:
+    """The head refit's options (``--data`` one per model, ``--refit-ridge`` ...), checked; datasets loaded once.
+
+    Raises:
+        UsageError: missing or miscounted data, a bad value (named by its flag, or ``head_refit.<key>`` in a file).
+    """
+    from pydantic import ValidationError
+
+    from symfuse.merge.head_refit import RefitOptions
+
+    where = f"{config}: " if config is not None else ""
+    data, label = given.get("data", (None, "head_refit.data" if config is not None else "--data"))
+    if not data:
+        raise UsageError(
+            f"{where}{label}: head refit reads each model's own data — give one dataset per model, in order"
+        )
+    if not isinstance(data, list) or len(data) != n_models:
+        n = len(data) if isinstance(data, list) else 1
+        raise UsageError(f"{where}{label}: {n} dataset(s) for {n_models} models — give one per model, in order")
+    if "device" in given:
+        checks.device(given["device"][1], str(given["device"][0]))
+    values = {k: v for k, (v, _) in given.items()}
+    try:
+        options = RefitOptions.model_validate(values)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        key = str(e["loc"][0]) if e["loc"] else "head_refit"
+        label = given[key][1] if key in given else f"head_refit.{key}"
+        raise UsageError(f"{where}{label}: {e['msg'].removeprefix('Value error, ')}") from exc
+    for d in options.data:
+        checks.dataset(label, d)
+    return options.model_dump()
 
 
 def _param_options(values: list[str], shortcuts: dict[str, Any]) -> dict[str, tuple[Any, str]]:
