@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also per-dataset heads with head_refit on (same fine-tunes; merges re-made, then put back)",
     )
+    p.add_argument("--refit-ridges", default="0.1", help="comma-separated head refit ridges (one setting each)")
     p.add_argument("--select", choices=["all", "greedy"], default="greedy", help="greedy adds <strategy>-greedy rows")
     p.add_argument("--store", default=str(ROOT / "bench" / "out" / "emotion_fusion"))
     p.add_argument("--results", default=str(ROOT / "bench" / "results" / "emotion_fusion.md"))
@@ -74,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def settings(
-    skip_extra: bool, head_refit: bool = False, select: str = "greedy"
+    skip_extra: bool, head_refit: bool = False, select: str = "greedy", ridges: tuple[float, ...] = (0.1,)
 ) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
     """``[(label, RunConfig overrides)]`` and notes on the settings not run.
 
@@ -83,8 +84,9 @@ def settings(
     i.e. with union heads (per-dataset heads are kept per model, never merged).
     """
     out: list[tuple[str, dict[str, Any]]] = [("per-dataset heads", {"select": select})]
-    if head_refit:  # same run id (same fine-tunes and statistics); its merges replace the first setting's
-        out.append(("per-dataset heads, head refit", {"select": select, "head_refit": {"enabled": True}}))
+    for r in ridges if head_refit else ():  # same run id (same fine-tunes and statistics); merges replaced
+        out.append((f"per-dataset heads, head refit (ridge {r:g})",
+                    {"select": select, "head_refit": {"enabled": True, "ridge": r}}))  # fmt: skip
     if skip_extra:
         return out, ["union heads and head initialisation: skipped (--no-extra-settings)"]
     out += [
@@ -94,8 +96,9 @@ def settings(
         # OOD column reads its TEST split. Same fine-tunes and merges as "union heads, same init" (one run id).
         (f"union heads, greedy on {OOD} validation", {"labels": "union", "select": "greedy", "select_on": OOD}),
     ]
-    if head_refit:
-        out.append(("union heads, head refit", {"labels": "union", "select": select, "head_refit": {"enabled": True}}))
+    for r in ridges if head_refit else ():
+        out.append((f"union heads, head refit (ridge {r:g})",
+                    {"labels": "union", "select": select, "head_refit": {"enabled": True, "ridge": r}}))  # fmt: skip
     return out, []
 
 
@@ -271,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = parse_args(argv)
-    todo, notes = settings(args.no_extra_settings, args.head_refit, args.select)
+    ridges = tuple(float(r) for r in args.refit_ridges.split(",") if r.strip())
+    todo, notes = settings(args.no_extra_settings, args.head_refit, args.select, ridges)
     from flows.pipeline import fusion_pipeline
     from symfuse.logs import quiet_third_party
 
