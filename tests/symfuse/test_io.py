@@ -198,6 +198,7 @@ def test_a_file_found_finite_is_not_read_again_until_it_changes(tiny, tmp_path, 
 
     settle = 1.0  # long enough that a busy CI machine still checks twice before it settles
     monkeypatch.setattr(memo, "SETTLED_NS", int(settle * 1e9))
+    monkeypatch.setattr(memo, "FINE_SETTLED_NS", int(settle * 1e9))
     reads = []
     real = folder.check_finite_tensor
     monkeypatch.setattr(folder, "check_finite_tensor", lambda t, n, w: reads.append(n) or real(t, n, w))
@@ -398,3 +399,21 @@ def test_planned_file_sync_error_names_the_file(tmp_path, monkeypatch):
     ok.write("a", torch.ones(4))
     ok.finish()
     assert torch.equal(load_file(str(tmp_path / "y.safetensors"))["a"], torch.ones(4))
+
+
+def test_a_file_settles_after_its_file_systems_clock_granularity(monkeypatch):
+    from types import SimpleNamespace
+
+    from symfuse.io import memo
+
+    def at(changed_ns: int, now_ns: int):
+        st = SimpleNamespace(st_dev=1, st_ino=2, st_size=3, st_mtime_ns=changed_ns, st_ctime_ns=changed_ns)
+        monkeypatch.setattr(memo.os, "stat", lambda _path: st)
+        monkeypatch.setattr(memo.time, "time_ns", lambda: now_ns)
+        return memo.settled_identity("f")
+
+    t = 1_700_000_000_000_000_000
+    fine = t + 123_457  # a sub-millisecond part: a fine clock (ext4, xfs, tmpfs), settled after 100 ms
+    assert at(fine, fine + 50_000_000) is None and at(fine, fine + 100_000_000) == (1, 2, 3, fine, fine)
+    coarse = t  # whole seconds: a coarse clock (FAT, some network mounts), settled after 2 s
+    assert at(coarse, coarse + 1_000_000_000) is None and at(coarse, coarse + 2_000_000_000) is not None

@@ -90,6 +90,7 @@ def test_local_cache_hashes_an_unchanged_file_once_and_a_rewritten_one_again(tmp
 
     settle = 1.0  # long enough that a busy CI machine still reads twice before the files settle
     monkeypatch.setattr(memo, "SETTLED_NS", int(settle * 1e9))
+    monkeypatch.setattr(memo, "FINE_SETTLED_NS", int(settle * 1e9))
     store = ArtifactStore(str(tmp_path / "root"))
     store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
     hashed = []
