@@ -38,7 +38,7 @@ from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.errors import CheckpointError, MissingStats, NonFiniteError
 from symfuse.io import BufferPool, check_finite_tensor, parallel_reads
 from symfuse.merge.base import LazyTensors, TensorInputs, weighted_mean
-from symfuse.merge.head_refit import RefitOptions, refit_batches, refit_heads
+from symfuse.merge.head_refit import RefitOptions, check_refittable, refit_batches, refit_heads
 from symfuse.merge.heads import merge_class_rows, union_heads, write_label_space
 from symfuse.merge.registry import MERGERS
 from symfuse.model_card import CARD, input_metrics, model_card
@@ -213,7 +213,11 @@ def merge_checkpoints(
             if r.shape(n) != r0.shape(n):
                 raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, model 0 has {r0.shape(n)}")
 
-    refit_data = refit_batches([r.path for r in readers], refit) if refit is not None else None  # bad data: now
+    refit_data = None
+    if refit is not None:  # a model without a head, or bad data: refused now, not after the merge
+        for r in readers:
+            check_refittable(r.path, r.config, {n: r.shape(n) for n in head_names(r)})
+        refit_data = refit_batches([r.path for r in readers], refit)
     merger.prepare([r.path for r in readers], frozenset(heads) if separate else frozenset())  # e.g. RegMean++
     grams, fishers = files.get("gram"), files.get("fisher")
     # Gram keys whose module reads the same input as another in EVERY model (q / k / v): one factorisation.

@@ -110,6 +110,25 @@ def solve_head(
     return new_w, new_b
 
 
+def check_refittable(path: Path, config: Any, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse, before any heavy work, a checkpoint without a classification output layer to refit.
+
+    Args:
+        path: The checkpoint folder (for the message).
+        config: Its config (``num_labels``).
+        shapes: Its head tensors' shapes (tensors outside the base model).
+
+    Raises:
+        CheckpointError: no 2-D head weight with ``num_labels`` rows (a bare body, or a language-model head).
+    """
+    n = int(getattr(config, "num_labels", 0) or 0)
+    if not any(name.endswith(".weight") and len(s) == 2 and s[0] == n for name, s in shapes.items()):
+        raise CheckpointError(
+            f"{path}: no classification head with {n} outputs to refit — refit heads only for task-head models "
+            "(sequence or token classification), or drop the head refit"
+        )
+
+
 def output_layer(model: nn.Module, head_tensors: set[str]) -> tuple[str, nn.Linear]:
     """The classification output layer: the last linear head module with ``config.num_labels`` outputs.
 

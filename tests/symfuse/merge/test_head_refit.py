@@ -162,6 +162,9 @@ def test_a_merge_with_head_refit_checks_its_data_before_merging(tmp_path, monkey
         merge_checkpoints(
             "simple", [a, b], tmp_path / "o2", head_refit={"data": ["meld", str(tmp_path / "no-such-set")]}
         )
+    bare = save_tiny(tmp_path / "bare", "bert", seed=3)  # no head: refused before the merge too
+    with pytest.raises(CheckpointError, match="no classification head with 2 outputs to refit"):
+        merge_checkpoints("simple", [bare, bare], tmp_path / "o4", head_refit={"data": ["meld", "meld"]})
     with pytest.raises(ValueError, match="ridge"):
         merge_checkpoints("simple", [a, b], tmp_path / "o3", head_refit={"data": ["meld", "meld"], "ridge": 0})
     assert not merged and not any(p.name.startswith("o") for p in tmp_path.iterdir())
