@@ -47,3 +47,23 @@ def toy_dataset(folder: Path) -> Path:
 def listing(folder: Path) -> dict[str, bytes | None]:
     """Every path under ``folder`` (hidden ones included) with its bytes (None for folders)."""
     return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+def assert_merge_refused(tmp_path: Path, strategy: str, args: str, code: int, expect: str) -> None:
+    """``symfuse merge --strategy S ARGS --out tmp_path/out`` on two tiny BERTs and a toy dataset fails in one line.
+
+    ``args`` may name ``{A}``, ``{B}`` (the models) and ``{DATA}``. The exit code is ``code``, the last stderr line
+    is ``error: ...`` holding ``expect`` (an INFO line of a dataset loaded before it may precede it), there is no
+    traceback, and nothing under ``tmp_path`` changed.
+    """
+    from tests.tiny import save_tiny
+
+    paths = {"A": save_tiny(tmp_path / "a", "bert", seed=1), "B": save_tiny(tmp_path / "b", "bert", seed=2)}
+    paths["DATA"] = toy_dataset(tmp_path / "toy")
+    before = listing(tmp_path)
+    res = run_cli("merge", "--strategy", strategy, *args.format(**paths).split(), "--out", tmp_path / "out",
+                  cwd=tmp_path)  # fmt: skip
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == code, res.stderr
+    assert 1 <= len(lines) <= 2 and lines[-1].startswith("error: ") and expect in lines[-1], res.stderr
+    assert "Traceback" not in res.stderr and listing(tmp_path) == before

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from symfuse.cli import app
 from symfuse.cli import commands as _commands  # noqa: F401  (registers the commands)
-from tests.cli.helpers import listing, run_cli, toy_dataset
+from tests.cli.helpers import assert_merge_refused
 from tests.symfuse.merge.test_regmean_plusplus_cli import tiny  # noqa: F401  (the fixture)
 from tests.tiny import save_tiny
 
@@ -59,15 +59,7 @@ def test_refit_heads_rewrites_only_the_heads_and_reports_them(tiny):  # noqa: F8
     ids=["no-data", "data-count", "ridge-zero", "max-examples-zero", "bad-device", "unknown-dataset", "ridge-alone"],
 )
 def test_bad_refit_inputs_fail_in_one_line(tmp_path, args, code, expect):
-    paths = {"A": save_tiny(tmp_path / "a", "bert", seed=1), "B": save_tiny(tmp_path / "b", "bert", seed=2)}
-    paths["DATA"] = toy_dataset(tmp_path / "toy")
-    before = listing(tmp_path)
-    argv = ["merge", "--strategy", "simple", *args.format(**paths).split(), "--out", tmp_path / "out"]
-    res = run_cli(*argv, cwd=tmp_path)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert res.returncode == code, res.stderr
-    assert 1 <= len(lines) <= 2 and lines[-1].startswith("error: ") and expect in lines[-1], res.stderr
-    assert "Traceback" not in res.stderr and listing(tmp_path) == before
+    assert_merge_refused(tmp_path, "simple", args, code, expect)
 
 
 def test_merge_yaml_head_refit_errors_name_the_key(tmp_path):

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.cli import app
 from symfuse.cli import commands as _commands  # noqa: F401  (registers the commands)
-from tests.cli.helpers import listing, run_cli, toy_dataset
+from tests.cli.helpers import assert_merge_refused
 from tests.tiny import save_tiny, tiny_config
 
 runner = CliRunner()
@@ -94,16 +94,7 @@ def test_cli_regmean_plusplus_merges_layer_0_like_regmean_and_keeps_heads(tiny):
     ids=["no-data", "data-count", "max-examples-zero", "unknown-dataset", "stats-not-read"],
 )
 def test_bad_inputs_fail_in_one_line(tmp_path, args, code, expect):
-    paths = {"A": save_tiny(tmp_path / "a", "bert", seed=1), "B": save_tiny(tmp_path / "b", "bert", seed=2)}
-    paths["DATA"] = toy_dataset(tmp_path / "toy")
-    before = listing(tmp_path)
-    argv = ["merge", "--strategy", "regmean++", *args.format(**paths).split(), "--out", tmp_path / "out"]
-    res = run_cli(*argv, cwd=tmp_path)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert res.returncode == code, res.stderr
-    # the error is one line (an INFO line of a dataset loaded before it may precede it)
-    assert 1 <= len(lines) <= 2 and lines[-1].startswith("error: ") and expect in lines[-1], res.stderr
-    assert "Traceback" not in res.stderr and listing(tmp_path) == before
+    assert_merge_refused(tmp_path, "regmean++", args, code, expect)
 
 
 def test_data_is_refused_by_strategies_that_do_not_read_it(tmp_path):
