@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from symfuse.errors import CheckpointError
+from symfuse.errors import CheckpointError, NonFiniteError
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +252,11 @@ def refit_heads(
             every = torch.ones(layer.out_features, dtype=torch.bool)
             fit.masks.append(learned[i].to(torch.bool).clone() if learned is not None else every)
         new_w, new_b = solve_head(layer.weight, layer.bias, fit, ridge)
+        if not (torch.isfinite(new_w).all() and (new_b is None or torch.isfinite(new_b).all())):
+            raise NonFiniteError(
+                f"{folder}: the refitted head {path} is not finite (NaN / inf features or logits on the refit data) "
+                "— check the models' outputs on their data, or merge without the head refit"
+            )
         replace = {f"{path}.weight": new_w} | ({f"{path}.bias": new_b} if new_b is not None else {})
         report["heads"][rel] = {
             "layer": path,

@@ -168,3 +168,24 @@ def test_a_merge_with_head_refit_checks_its_data_before_merging(tmp_path, monkey
     with pytest.raises(ValueError, match="ridge"):
         merge_checkpoints("simple", [a, b], tmp_path / "o3", head_refit={"data": ["meld", "meld"], "ridge": 0})
     assert not merged and not any(p.name.startswith("o") for p in tmp_path.iterdir())
+
+
+def test_a_refit_that_would_write_nan_is_refused_and_leaves_the_head(tmp_path, monkeypatch):
+    from symfuse.errors import NonFiniteError
+    from symfuse.merge import head_refit
+
+    a = _labelled(tmp_path / "emotion", ["anger", "joy", "sadness"], 0)
+    b = _labelled(tmp_path / "sst2", ["negative", "positive"], 1)
+    out = merge_checkpoints("simple", [a, b], tmp_path / "out")
+    before = (out / "model.safetensors").read_bytes()
+    real = head_refit.accumulate
+
+    def poisoned(*args, **kwargs):
+        gram, cross, squares, n = real(*args, **kwargs)
+        return gram, cross * float("nan"), squares, n
+
+    monkeypatch.setattr(head_refit, "accumulate", poisoned)
+    folders = {"emotion": ".", "sst2": "heads/sst2"}
+    with pytest.raises(NonFiniteError, match="refitted head classifier is not finite"):
+        refit_heads(out, folders, [a, b], [_batches(a, 10), _batches(b, 20)])
+    assert (out / "model.safetensors").read_bytes() == before
