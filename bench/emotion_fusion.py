@@ -9,7 +9,10 @@ seed and setting, in a local store (``bench/out/emotion_fusion`` by default).
 
 Settings: per-dataset heads; union heads (``labels: union``, one multi-label head over the union of the label sets,
 each class merged over the models that learned it) with the same or different head initialisation. Every run also
-selects a subset greedily (``select: greedy``, rows ``<strategy> greedy``) next to the merges of all models.
+selects a subset greedily (``select: greedy``, rows ``<strategy> greedy``) next to the merges of all models
+(``--select all``: no greedy rows). ``--head-refit`` adds, per ``--refit-ridges`` value, the same setting with the
+merged heads refitted (``head_refit``); it shares the setting's fine-tunes and statistics (one run id), and its
+merges replace the setting's in the store, so re-running reuses less.
 
     python bench/emotion_fusion.py --quick                         # 1 seed, tiny caps (2 CPU cores: 32 ex. took 6 min)
     python bench/emotion_fusion.py --train-examples 2000 --epochs 2 --seeds 13,14,15
