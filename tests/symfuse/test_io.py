@@ -408,8 +408,8 @@ def test_a_file_settles_after_its_file_systems_clock_granularity(monkeypatch):
 
     def at(changed_ns: int, now_ns: int):
         st = SimpleNamespace(st_dev=1, st_ino=2, st_size=3, st_mtime_ns=changed_ns, st_ctime_ns=changed_ns)
-        monkeypatch.setattr(memo.os, "stat", lambda _path: st)
-        monkeypatch.setattr(memo.time, "time_ns", lambda: now_ns)
+        monkeypatch.setattr(memo, "os", SimpleNamespace(stat=lambda _path: st))  # memo's own names only
+        monkeypatch.setattr(memo, "time", SimpleNamespace(time_ns=lambda: now_ns))
         return memo.settled_identity("f")
 
     t = 1_700_000_000_000_000_000
