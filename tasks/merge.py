@@ -51,12 +51,6 @@ def run_context(config: RunConfig, models: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def refit_sampling(config: RunConfig) -> dict[str, Any]:
-    """The data a head refit reads: each model's statistics subset (the statistics stage's settings)."""
-    return {"max_examples": config.stats.max_examples, "batch_size": config.stats.batch_size,
-            "max_length": config.finetune.max_length, "seed": config.finetune.seed}  # fmt: skip
-
-
 def strategy_params(config: RunConfig, strategy: str, models: Sequence[str] = ()) -> dict[str, Any]:
     """The strategy's parameters, flattened at the task boundary: the run values it asks for, then its merge_params.
 
@@ -104,8 +98,12 @@ def merge(
     resolved = merger_params(strategy, params).model_dump(mode="json")  # defaults included: a new default re-merges
     resolved = {k: v for k, v in resolved.items() if k not in PLACEMENT}
     what = {"strategy": strategy, "params": resolved, "order": list(models), "card": card}
-    if config.head_refit.enabled:  # (absent when off: merges stored before the option existed are reused)
-        what["head_refit"] = config.head_refit.model_dump() | refit_sampling(config)
+    # a head refit reads the run values RegMean++ reads (each model's data, the statistics' sampling) and the ridge
+    refit = (
+        (run_context(config, list(models)) | {"ridge": config.head_refit.ridge}) if config.head_refit.enabled else None
+    )
+    if refit is not None:  # (absent when off: merges stored before the option existed are reused)
+        what["head_refit"] = {k: v for k, v in refit.items() if k not in PLACEMENT}
     ck = content_key(what, manifests(store, inputs) | extra)
     if (uri := reuse(store, key, ck, f"merged model {strategy}-{variant}")) is not None:
         return uri
@@ -116,10 +114,6 @@ def merge(
         for name, uri in models.items():
             (links / name).symlink_to(fetch(store, uri), target_is_directory=True)
         files = [fetch_file(store, u) for u in stats_uris]
-        refit = None
-        if config.head_refit.enabled:
-            refit = {"data": [config.dataset(n).data for n in models], "ridge": config.head_refit.ridge,
-                     "device": config.resolved_device()} | refit_sampling(config)  # fmt: skip
         with timed() as t:
             out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
                                     base=base, card=card, head_refit=refit, **params)  # fmt: skip
