@@ -7,7 +7,15 @@ out-of-domain evaluation; :func:`dataset_search_path` / :func:`bundled_datasets`
 :mod:`symfuse.data.locate`).
 """
 
-from symfuse.data.batches import IGNORE_INDEX, collate, encode_split, iter_batches, load_tokenizer, make_batches
+from symfuse.data.batches import (
+    IGNORE_INDEX,
+    batches_per_model,
+    collate,
+    encode_split,
+    iter_batches,
+    load_tokenizer,
+    make_batches,
+)
 from symfuse.data.dataset import (
     SPLITS,
     DatasetError,
@@ -24,6 +32,7 @@ __all__ = [
     "SPLITS",
     "DatasetError",
     "TaskDataset",
+    "batches_per_model",
     "bundled_datasets",
     "collate",
     "dataset_search_path",

@@ -196,3 +196,28 @@ def make_batches(
     tok = load_tokenizer(tokenizer)
     feats = encode_split(dataset, tok, split, max_length, max_examples, seed)
     return list(iter_batches(feats, batch_size, tok.pad_token_id or 0, shuffle=shuffle, seed=seed))
+
+
+def batches_per_model(
+    sources: Sequence[TaskDataset | str],
+    tokenizers: Sequence[Any],
+    split: str = "train",
+    batch_size: int = 16,
+    max_length: int = 128,
+    max_examples: int | None = None,
+    seed: int = 13,
+) -> list[list[dict[str, torch.Tensor]]]:
+    """Each model's own data as :func:`make_batches`, tokenised by that model's tokenizer (source i with tokenizer i).
+
+    Every dataset is loaded before any is tokenised, so a bad source fails before the work on the others.
+
+    Raises:
+        DatasetError: a source cannot be loaded.
+    """
+    from symfuse.data.dataset import load_task_dataset
+
+    datasets = [s if isinstance(s, TaskDataset) else load_task_dataset(s) for s in sources]
+    return [
+        make_batches(ds, tok, split, batch_size, max_length, max_examples, seed)
+        for ds, tok in zip(datasets, tokenizers, strict=True)
+    ]

@@ -330,16 +330,12 @@ def refit_batches(models: Sequence[Path], options: RefitOptions) -> list[list[di
         DataError: a dataset cannot be loaded.
         TokenizerError: a model folder has no tokenizer.
     """
-    from symfuse.data import load_task_dataset, make_batches
+    from symfuse.data import batches_per_model
 
     if len(options.data) != len(models):
         raise ValueError(
             f"head refit reads each model's own data: {len(options.data)} dataset(s) for {len(models)} models — "
             "give one per model, in order"
         )
-    datasets = [load_task_dataset(source) for source in options.data]
     o = options
-    return [
-        make_batches(ds, folder, o.split, o.batch_size, o.max_length, o.max_examples, o.seed)
-        for ds, folder in zip(datasets, models, strict=True)
-    ]
+    return batches_per_model(o.data, models, o.split, o.batch_size, o.max_length, o.max_examples, o.seed)

@@ -65,7 +65,7 @@ class RegMeanPlusPlusMerger(Merger):
             DataError: a dataset cannot be loaded.
         """
         from symfuse.checkpoint import load_hf_model
-        from symfuse.data import load_task_dataset, make_batches
+        from symfuse.data import batches_per_model
         from symfuse.merge.sequential import regmean_plusplus_state
 
         p = self.params
@@ -75,12 +75,7 @@ class RegMeanPlusPlusMerger(Merger):
                 f"regmean++ collects its Grams on each model's data: {len(data)} dataset(s) for {len(models)} "
                 "models — give one per model, in order (--data)"
             )
-        loaders = []
-        for folder, source in zip(models, data, strict=True):  # every dataset loads before any heavy work
-            ds = load_task_dataset(source)
-            loaders.append(
-                make_batches(ds, folder, p.split, p.batch_size, p.max_length, p.max_examples, p.seed)  # type: ignore[attr-defined]
-            )
+        loaders = batches_per_model(data, models, p.split, p.batch_size, p.max_length, p.max_examples, p.seed)  # type: ignore[attr-defined]
         nets = [load_hf_model(m, validate=False) for m in models]
         self._tail_grams = {}
         self._merged = regmean_plusplus_state(
