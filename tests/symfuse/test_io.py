@@ -417,3 +417,45 @@ def test_a_file_settles_after_its_file_systems_clock_granularity(monkeypatch):
     assert at(fine, fine + 50_000_000) is None and at(fine, fine + 100_000_000) == (1, 2, 3, fine, fine)
     coarse = t  # whole seconds: a coarse clock (FAT, some network mounts), settled after 2 s
     assert at(coarse, coarse + 1_000_000_000) is None and at(coarse, coarse + 2_000_000_000) is not None
+
+
+def test_planned_file_hands_large_tensors_to_the_disk_as_they_are_written(tmp_path, monkeypatch):
+    """Each tensor of WRITEBACK_BYTES or more starts its writeback at once, over exactly its bytes; the file is
+    still byte-identical to save_file's; small tensors wait for the fsync."""
+    from symfuse.io import planned
+
+    calls = []
+    real = planned.start_writeback
+
+    def record(fd, offset, nbytes):
+        ok = real(fd, offset, nbytes)
+        calls.append((offset, nbytes, ok))
+        return ok
+
+    monkeypatch.setattr(planned, "WRITEBACK_BYTES", 4096)
+    monkeypatch.setattr(planned, "start_writeback", record)
+    tensors = {"big": torch.randn(64, 32), "small": torch.randn(3)}  # 8192 and 12 bytes
+    layout = {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", layout, {"format": "pt"})
+    pf.write("small", tensors["small"])
+    assert calls == []
+    pf.write("big", tensors["big"])
+    pf.finish()
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    assert raw == (tmp_path / "ref.safetensors").read_bytes()
+    header = read_header(tmp_path / "x.safetensors")
+    begin, end = header.tensors["big"].begin, header.tensors["big"].end
+    assert [(o, n) for o, n, _ in calls] == [(begin, end - begin)]
+    assert calls[0][2] is sys.platform.startswith("linux")  # the kernel took the request where it exists
+
+
+def test_start_writeback_never_raises(tmp_path):
+    """A closed descriptor is simply not written back (durability is the fsync's job, which reports errors)."""
+    from symfuse.io.planned import start_writeback
+
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    os.write(fd, b"x" * 10)
+    assert start_writeback(fd, 0, 10) is sys.platform.startswith("linux")
+    os.close(fd)
+    assert start_writeback(fd, 0, 10) is False

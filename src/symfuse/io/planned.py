@@ -8,13 +8,20 @@ it is ready: nothing waits in memory for its shard to fill. The bytes are exactl
 The files are written where the caller says (a temporary folder that is renamed into place when everything
 succeeded, see :func:`symfuse.outputs.atomic_output_dir`); a file is fsynced by the thread that writes its last
 tensor, and :meth:`PlannedFile.finish` refuses a file with a tensor missing. Write errors name the file.
+
+Every tensor of :data:`WRITEBACK_BYTES` or more is handed to the disk as soon as it is written
+(:func:`start_writeback`), so the disk writes while the caller computes the next tensors and the final ``fsync``
+waits only for the last ones (a merge of roberta-base-sized models spent 0.7 s in that ``fsync`` before).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 import struct
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,6 +39,36 @@ _RANK = {
     n: i
     for i, n in enumerate(("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL"))
 }
+
+
+WRITEBACK_BYTES = 1 << 20  # tensors this large start their writeback at once (smaller ones wait for the fsync)
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, do not wait for it
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # a libc without it
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Ask the kernel to start writing bytes ``[offset, offset + nbytes)`` of ``fd`` to disk now, without waiting.
+
+    Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere (or if it fails) nothing happens. It guarantees
+    nothing: durability still comes from ``fsync``, which also reports any write error.
+
+    Returns:
+        Whether the kernel accepted the request.
+    """
+    fn = _sync_file_range()
+    return fn is not None and fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
@@ -112,6 +149,8 @@ class PlannedFile:
         if nbytes:
             offset = begin + (first_row * (size // shape[0]) if shape else 0)
             self._pwrite(memoryview(t.reshape(-1).view(torch.uint8).numpy()), self._data + offset)
+            if nbytes >= WRITEBACK_BYTES:
+                start_writeback(self._fd, self._data + offset, nbytes)
         with self._lock:
             self._written[name] = self._written.get(name, 0) + nbytes
             if self._written[name] >= size:
