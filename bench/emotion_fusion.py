@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-examples", type=int, default=2000, help="training examples per dataset")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--seeds", default="13,14,15", help="comma-separated fine-tuning seeds")
-    p.add_argument("--eval-examples", type=int, default=500, help="test examples per evaluation set")
+    p.add_argument("--eval-examples", type=int, default=500, help="test examples per evaluation set (0: all)")
     p.add_argument("--stats-examples", type=int, default=256, help="examples per model for Grams / Fishers")
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--lr", type=float, default=DEFAULT_LR)
@@ -66,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also per-dataset heads with head_refit on (same fine-tunes; merges re-made, then put back)",
     )
     p.add_argument("--refit-ridges", default="0.1", help="comma-separated head refit ridges (one setting each)")
+    p.add_argument(
+        "--ood-heads",
+        default="vote",
+        help="comma-separated rules for a merged model's heads out of domain (vote, closest, reliable): the first is "
+        "the default setting's, each other adds a per-dataset-heads setting (same fine-tunes and merges)",
+    )
     p.add_argument("--select", choices=["all", "greedy"], default="greedy", help="greedy adds <strategy>-greedy rows")
     p.add_argument("--store", default=str(ROOT / "bench" / "out" / "emotion_fusion"))
     p.add_argument("--results", default=str(ROOT / "bench" / "results" / "emotion_fusion.md"))
@@ -74,11 +80,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.train_examples, args.epochs, args.seeds, args.eval_examples, args.stats_examples = 200, 1, "13", 100, 64
     args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
     args.strategy_list = [s for s in args.strategies.split(",") if s.strip()]
+    args.ood_rules = [s.strip() for s in args.ood_heads.split(",") if s.strip()] or ["vote"]
     return args
 
 
 def settings(
-    skip_extra: bool, head_refit: bool = False, select: str = "greedy", ridges: tuple[float, ...] = (0.1,)
+    skip_extra: bool,
+    head_refit: bool = False,
+    select: str = "greedy",
+    ridges: tuple[float, ...] = (0.1,),
+    ood_rules: tuple[str, ...] = ("vote",),
 ) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
     """``[(label, RunConfig overrides)]`` and notes on the settings not run.
 
@@ -86,7 +97,11 @@ def settings(
     so "all models vs greedy subset" are rows of one run. Head initialisation only matters where heads are merged,
     i.e. with union heads (per-dataset heads are kept per model, never merged).
     """
-    out: list[tuple[str, dict[str, Any]]] = [("per-dataset heads", {"select": select})]
+    rule, *others = ood_rules
+    first = {"select": select} | ({"ood_heads": rule} if rule != "vote" else {})
+    out: list[tuple[str, dict[str, Any]]] = [("per-dataset heads" + (f", OOD {rule}" if rule != "vote" else ""), first)]
+    for r in others:  # same run id: only the out-of-domain evaluations are re-made
+        out.append((f"per-dataset heads, OOD {r}", {"select": select, "ood_heads": r}))
     for r in ridges if head_refit else ():  # same run id (same fine-tunes and statistics); merges replaced
         out.append((f"per-dataset heads, head refit (ridge {r:g})",
                     {"select": select, "head_refit": {"enabled": True, "ridge": r}}))  # fmt: skip
@@ -107,20 +122,22 @@ def settings(
 
 # Overrides that change only what is merged or how it is selected: runs that differ only in these share one run id
 # (their fine-tunes and statistics).
-RUN_SHARING = ("select", "select_on", "head_refit")
+RUN_SHARING = ("select", "select_on", "head_refit", "ood_heads")
 
 
 def build_config(args: argparse.Namespace, seed: int, label: str, overrides: dict[str, Any]) -> RunConfig:
     """The run of one seed and setting."""
     tag = "-".join(f"{k}-{v}" for k, v in sorted(overrides.items()) if k not in RUN_SHARING) or "default"
+    overrides = dict(overrides)
+    ood_heads = overrides.pop("ood_heads", "vote")
+    cap = args.eval_examples or None  # 0: every test example
     data = {
         "run_id": f"emo-s{seed}-{tag}-n{args.train_examples}-e{args.epochs}"
         + (f"-h{args.head_lr_scale:g}" if args.head_lr_scale != 1 else "")
         + (f"-lr{args.lr:g}" if args.lr != DEFAULT_LR else ""),  # another lr never reuses stored fine-tunes
         "base_model": "minilm",
         "datasets": [
-            {"name": n, "max_train_examples": args.train_examples, "max_eval_examples": args.eval_examples}
-            for n in DATASETS
+            {"name": n, "max_train_examples": args.train_examples, "max_eval_examples": cap} for n in DATASETS
         ],
         "finetune": {
             "epochs": args.epochs,
@@ -132,7 +149,7 @@ def build_config(args: argparse.Namespace, seed: int, label: str, overrides: dic
         },
         "stats": {"kinds": ["gram", "fisher"], "max_examples": args.stats_examples, "batch_size": 16},
         "strategies": args.strategy_list,
-        "evaluation": {"in_domain": True, "out_of_domain": [OOD], "max_examples": args.eval_examples},
+        "evaluation": {"in_domain": True, "out_of_domain": [OOD], "max_examples": cap, "ood_heads": ood_heads},
         "device": "auto",
         "store_root": args.store,
         **overrides,
@@ -240,15 +257,16 @@ def write_results(args: argparse.Namespace, runs: list[dict[str, Any]], notes: l
         f"Command: `{cmd}` (wall time {wall / 60:.1f} min, device: {runs[0]['device'] if runs else '?'}).",
         "",
         f"Sizes: {args.train_examples} training examples per dataset, {args.epochs} epoch(s), seeds "
-        f"{args.seed_list}, {args.eval_examples} test examples per evaluation set, statistics on "
+        f"{args.seed_list}, {args.eval_examples or 'all'} test examples per evaluation set, statistics on "
         f"{args.stats_examples} examples per model, max_length {args.max_length}, lr {args.lr} (head: x "
         f"{args.head_lr_scale}).",
         "Datasets: " + ", ".join(DATASETS) + f"; out of domain: {OOD}. In-domain: mean over the four test sets of",
         "macro-F1 over each dataset's own classes (merged models: each dataset with its own head). OOD: macro-F1 on",
         f"{OOD} over the six Ekman classes it shares with the training sets (neutral excluded); a merged model's",
-        "per-dataset heads vote (mean softmax probability per class over the heads that have it), a union head is",
-        "read directly. Time: fine-tuning (individual), merge (+ the statistics the strategy reads, summed over",
-        "models; regmean++ collects its Grams inside the merge).",
+        "per-dataset heads vote (mean softmax probability per class over the heads that have it; settings marked",
+        "'OOD reliable': the head with the best score on its own validation split over those classes answers",
+        "alone), a union head is read directly. Time: fine-tuning (individual), merge (+ the statistics the",
+        "strategy reads, summed over models; regmean++ collects its Grams inside the merge).",
         "Table cells: mean ± standard deviation over seeds.",
         "",
         *lines,
@@ -278,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args = parse_args(argv)
     ridges = tuple(float(r) for r in args.refit_ridges.split(",") if r.strip())
-    todo, notes = settings(args.no_extra_settings, args.head_refit, args.select, ridges)
+    todo, notes = settings(args.no_extra_settings, args.head_refit, args.select, ridges, tuple(args.ood_rules))
     from flows.pipeline import fusion_pipeline
     from symfuse.logs import quiet_third_party
 

@@ -10,6 +10,7 @@ from symfuse.data import load_task_dataset
 from symfuse.data.labels import shared_label_names
 from symfuse.evaluate import evaluate_model
 from symfuse.evaluate.ensemble import evaluate_heads
+from symfuse.evaluate.reliable import most_reliable, rate_heads
 from tasks.common import (
     Progress,
     content_key,
@@ -41,7 +42,8 @@ def pick_heads(
 
     A merged model of datasets with different label sets keeps one head per dataset (``heads`` from the merge
     manifest). In-domain sets use their own head. Other sets: ``vote``: every head sharing a class name with them
-    (they vote, :mod:`symfuse.evaluate.ensemble`); ``closest``: the head sharing the most class names.
+    (they vote, :mod:`symfuse.evaluate.ensemble`); ``reliable``: the same candidates, of which the caller keeps the
+    best-rated (:mod:`symfuse.evaluate.reliable`); ``closest``: the head sharing the most class names.
     """
     if not heads:
         return [(folder, "")]
@@ -58,7 +60,7 @@ def pick_heads(
     for n in heads:
         if shared[n]:
             voters.setdefault(heads[n], n)
-    if ood_heads == "vote" and len(voters) > 1:
+    if ood_heads in ("vote", "reliable") and len(voters) > 1:
         return [(folder / sub, n) for sub, n in voters.items()]
     best = max(heads, key=shared.__getitem__)  # ties: the first in merge order
     return [(folder / heads[best], best)]
@@ -86,8 +88,15 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
     micro, _ = batch_settings(64)
     common = dict(split=config.evaluation.split, max_examples=cap, device=config.resolved_device(),
                   batch_size=micro, max_length=config.finetune.max_length, seed=config.finetune.seed)  # fmt: skip
+    rating: dict[str, float] = {}
     # out_file: never write into the (possibly local) store's folder
     with scratch("eval") as tmp, timed() as t, Progress(f"eval-{model}-{dataset}") as progress:
+        if len(chosen) > 1 and config.evaluation.ood_heads == "reliable":
+            # rated on each head's own validation split, never on the split the model is scored on
+            rating = rate_heads({n: d for d, n in chosen}, {n: config.dataset(n).data for _, n in chosen},
+                                load_task_dataset(data).labels, **(common | {"split": "validation"}))  # fmt: skip
+            best = most_reliable(rating)
+            chosen = [(d, n) for d, n in chosen if n == best]
         if len(chosen) > 1:
             metrics = evaluate_heads([d for d, _ in chosen], data, out_file=tmp / "metrics.json", **common)
         else:
@@ -100,5 +109,7 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
     strategy, variant = describe(config, model)
     record = {"model": model, "strategy": strategy, "variant": variant, "dataset": dataset, "head": head,
               "domain": "in" if in_domain else "out", "metrics": metrics}  # fmt: skip
+    if rating:
+        record["head_rating"] = {"split": "validation", "scores": rating}
     meta = stage_meta("evaluate", f"eval-{model}-{dataset}", t.seconds, model=model, dataset=dataset)
     return store.put_json(key, record, "evaluate", {"model": model_uri}, ck, meta)

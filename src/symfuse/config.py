@@ -121,10 +121,12 @@ class EvalSettings(_Strict):
     )
     split: Literal["test", "validation"] = "test"
     max_examples: int | None = Field(default=None, ge=1, description="Cap per evaluation set.")
-    ood_heads: Literal["vote", "closest"] = Field(
+    ood_heads: Literal["vote", "closest", "reliable"] = Field(
         default="vote",
         description="A merged model's per-dataset heads on a set none was trained on: 'vote' (every head sharing a "
-        "class votes, mean softmax probability per class) or 'closest' (the one head sharing the most classes).",
+        "class votes, mean softmax probability per class), 'closest' (the one head sharing the most classes) or "
+        "'reliable' (the one head scoring best on its own dataset's validation split over the classes it shares "
+        "with the set, see symfuse.evaluate.reliable).",
     )
 
     @field_validator("out_of_domain")

@@ -186,3 +186,32 @@ def test_merge_with_head_refit_rewrites_each_head_and_is_its_own_content(base, t
     assert head_refit_fact([{"stage": "merge"}], 0.1) is None  # refit off: no line in the report
     again = merge.fn(plain, "simple", "plain", models, {})  # off again: the content key merges had before the option
     assert store.manifest(again)["content_key"] == kept_ck
+
+
+def test_out_of_domain_the_most_reliable_head_answers_alone(base, tmp_path):
+    """``ood_heads: reliable``: every head sharing a class is rated on its own validation split; the best one is
+    scored alone on the OOD test set and the record keeps the ratings. It is a content of its own (vote differs)."""
+    from symfuse.evaluate import evaluate_model
+    from symfuse.evaluate.reliable import rate_heads
+    from tasks.evaluate import evaluate
+    from tasks.merge import merge
+
+    datasets = [{"name": n, "max_train_examples": 32, "max_eval_examples": 16} for n in ("isear", "meld")]
+    voting = config(base, str(tmp_path / "store"), datasets=datasets, evaluation={"max_examples": 24})
+    reliable = voting.model_copy(update={"evaluation": voting.evaluation.model_copy(update={"ood_heads": "reliable"})})
+    models = {n: finetune.fn(voting, n) for n in ("isear", "meld")}
+    store = ArtifactStore(voting.resolved_store_root())
+    uri = merge.fn(voting, "simple", "plain", models, {})
+    folder = fetch(store, uri)
+    heads = {n: folder / rel for n, rel in store.manifest(uri)["meta"]["heads"].items()}
+    record = store.get_json(evaluate.fn(reliable, "simple-plain", uri, "goemotions_ekman"))
+    how = dict(max_examples=24, max_length=24, seed=voting.finetune.seed)
+    want = rate_heads(heads, {"isear": "isear", "meld": "meld"}, ["anger", "disgust", "fear", "joy", "neutral",
+                      "sadness", "surprise"], **how)  # fmt: skip
+    assert record["head_rating"] == {"split": "validation", "scores": pytest.approx(want, abs=1e-12)}
+    best = max(want, key=want.get)
+    assert record["head"] == best
+    alone = evaluate_model(heads[best], "goemotions_ekman", out_file=tmp_path / "m.json", in_domain=False, **how)
+    assert record["metrics"]["macro_f1"] == pytest.approx(alone["macro_f1"], abs=1e-12)
+    voted = store.get_json(evaluate.fn(voting, "simple-plain", uri, "goemotions_ekman"))
+    assert voted["head"] == "isear+meld" and "head_rating" not in voted
