@@ -23,7 +23,7 @@ from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party
 from symfuse.merge import MERGERS
 from tasks.common import warm_imports
-from tasks.evaluate import evaluate
+from tasks.evaluate import check_head_rule, evaluate
 from tasks.fanout import collect_stats_remote, finetune_remote
 from tasks.finetune import bring_checkpoint, finetune
 from tasks.housekeeping import clean_store
@@ -99,6 +99,7 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     unknown = [s for s in config.strategies if s not in MERGERS]
     if unknown:
         raise ValueError(f"unknown merge strategies {unknown}; choose from {sorted(MERGERS)}")
+    check_head_rule(config)  # before any fine-tune: the OOD head rule's validation splits exist
 
     # 1. One model per dataset: fine-tuned from the base, or the checkpoint the user brings.
     trained = [n for n in names if config.dataset(n).checkpoint is None]

@@ -10,7 +10,7 @@ from symfuse.data import load_task_dataset
 from symfuse.data.labels import shared_label_names
 from symfuse.evaluate import evaluate_model
 from symfuse.evaluate.ensemble import evaluate_heads
-from symfuse.evaluate.reliable import most_reliable, rate_heads
+from symfuse.evaluate.reliable import most_reliable, rate_heads, require_rating_split
 from tasks.common import (
     Progress,
     content_key,
@@ -64,6 +64,18 @@ def pick_heads(
         return [(folder / sub, n) for sub, n in voters.items()]
     best = max(heads, key=shared.__getitem__)  # ties: the first in merge order
     return [(folder / heads[best], best)]
+
+
+def check_head_rule(config: RunConfig) -> None:
+    """Before any heavy work: ``ood_heads: reliable`` needs every training dataset's validation split.
+
+    Raises:
+        DatasetError: naming the dataset without one, and the fix.
+    """
+    ev = config.evaluation
+    if ev.ood_heads == "reliable" and ev.out_of_domain and len(config.dataset_names) > 1:
+        for n in config.dataset_names:
+            require_rating_split(load_task_dataset(config.dataset(n).data))
 
 
 @symfuse_task("evaluate", "eval-{model}-{dataset}", gpu=True)

@@ -215,3 +215,20 @@ def test_out_of_domain_the_most_reliable_head_answers_alone(base, tmp_path):
     assert record["metrics"]["macro_f1"] == pytest.approx(alone["macro_f1"], abs=1e-12)
     voted = store.get_json(evaluate.fn(voting, "simple-plain", uri, "goemotions_ekman"))
     assert voted["head"] == "isear+meld" and "head_rating" not in voted
+
+
+def test_the_reliable_head_rule_is_refused_up_front_without_validation_splits(base, tmp_path):
+    """Checked before any fine-tune: a training dataset without a validation split cannot rate its head."""
+    from symfuse.data import load_task_dataset
+    from symfuse.data.dataset import DatasetError
+    from tasks.evaluate import check_head_rule
+
+    folder = tmp_path / "isear_nv"
+    shutil.copytree(load_task_dataset("isear").files["train"].parent, folder,
+                    ignore=shutil.ignore_patterns("validation.jsonl"))  # fmt: skip
+    datasets = [{"name": "isear", "source": str(folder)}, {"name": "meld"}]
+    cfg = config(base, str(tmp_path / "store"), datasets=datasets, evaluation={"ood_heads": "reliable"})
+    with pytest.raises(DatasetError, match=r"^isear_nv: no validation split to rate its head on — add validation"):
+        check_head_rule(cfg)
+    check_head_rule(config(base, str(tmp_path / "store"), datasets=datasets))  # vote: nothing to rate
+    check_head_rule(cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"out_of_domain": []})}))

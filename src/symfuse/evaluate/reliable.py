@@ -15,12 +15,23 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from symfuse.data import load_task_dataset
-from symfuse.data.dataset import DatasetError
+from symfuse.data.dataset import DatasetError, TaskDataset
 from symfuse.data.labels import shared_label_names
 from symfuse.evaluate.ensemble import _heads_logits, vote
 from symfuse.evaluate.scoring import score_logits
 
 log = logging.getLogger(__name__)
+
+
+def require_rating_split(ds: TaskDataset, split: str = "validation") -> None:
+    """Raise if ``ds`` has no ``split`` to rate its head on (checked before any heavy work, and by :func:`rate_heads`).
+
+    Raises:
+        DatasetError: naming the dataset and the fix.
+    """
+    if split not in ds.splits:
+        raise DatasetError(f"{ds.name}: no {split} split to rate its head on — add {split}.jsonl, or use "
+                           f"evaluation.ood_heads: vote")  # fmt: skip
 
 
 def rate_heads(
@@ -59,9 +70,7 @@ def rate_heads(
     scores: dict[str, float] = {}
     for name, folder in heads.items():
         ds = load_task_dataset(data[name])
-        if split not in ds.splits:
-            raise DatasetError(f"{ds.name}: no {split} split to rate its head on — add {split}.jsonl, or use "
-                               f"evaluation.ood_heads: vote")  # fmt: skip
+        require_rating_split(ds, split)
         rated, logits, gold = _heads_logits([folder], ds, how)
         if not rated:
             continue
