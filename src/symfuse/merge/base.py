@@ -31,6 +31,9 @@ class LazyTensors(Sequence[torch.Tensor]):
         slot: Slot name in ``pool``.
         checks: Optional per-model validation ``check(tensor)`` (raises), run by every access; a caller that
             validates on its own pass reads with :meth:`load_unchecked` and calls :meth:`check` only on doubt.
+        spans: Optional per-model ``(shape, dtype, read_span)``: ``read_span(out, first)`` fills the flat ``out``
+            (stored dtype) with elements ``first:first + out.numel()`` of the stored tensor, unchecked, so a pass
+            can read a tensor chunk by chunk while it computes (:meth:`span`).
     """
 
     def __init__(
@@ -39,10 +42,16 @@ class LazyTensors(Sequence[torch.Tensor]):
         pool: BufferPool | None = None,
         slot: str = "lazy",
         checks: Sequence[Callable[[torch.Tensor], object]] | None = None,
+        spans: Sequence[tuple[tuple[int, ...], torch.dtype, Callable[[torch.Tensor, int], object]]] | None = None,
     ):
         self._loaders = list(loaders)
         self.pool, self.slot = pool, slot
         self._checks = list(checks) if checks is not None else None
+        self._spans = list(spans) if spans is not None else None
+
+    def span(self, i: int) -> tuple[tuple[int, ...], torch.dtype, Callable[[torch.Tensor, int], object]] | None:
+        """Model ``i``'s ``(shape, stored dtype, read_span)`` when it can be read in spans, else None."""
+        return self._spans[i] if self._spans is not None else None
 
     def __len__(self) -> int:
         return len(self._loaders)
@@ -211,11 +220,18 @@ def chunked(fn: Callable[..., Any], *tensors: torch.Tensor, parallel: bool = Fal
     faster with two threads here).
     """
     flat = [t.view(-1) for t in tensors]
-    n = flat[0].numel()
+    spans(lambda s, e: fn(*(f[s:e] for f in flat)), flat[0].numel(), parallel)
+
+
+def spans(fn: Callable[[int, int], Any], n: int, parallel: bool = False) -> None:
+    """Call ``fn(start, stop)`` on consecutive spans of ``range(n)`` of :data:`SERIAL_CHUNK` elements.
+
+    ``parallel``: shared out to threads as in :func:`chunked` (``fn`` must then touch nothing but its span).
+    """
     workers = min(4, torch.get_num_threads(), -(-n // SERIAL_CHUNK)) if parallel else 1
     if workers <= 1:
         for s in range(0, n, SERIAL_CHUNK):
-            fn(*(f[s : s + SERIAL_CHUNK] for f in flat))
+            fn(s, min(n, s + SERIAL_CHUNK))
         return
     starts = iter(range(0, n, SERIAL_CHUNK))
     lock = threading.Lock()
@@ -226,7 +242,7 @@ def chunked(fn: Callable[..., Any], *tensors: torch.Tensor, parallel: bool = Fal
                 s = next(starts, None)
             if s is None:
                 return
-            fn(*(f[s : s + SERIAL_CHUNK] for f in flat))
+            fn(s, min(n, s + SERIAL_CHUNK))
 
     futures = [_pool().submit(run) for _ in range(workers - 1)]
     try:

@@ -137,6 +137,7 @@ def _gram_inputs(grams: Sequence[StatsFile], module: str, pool: BufferPool) -> L
         pool,
         "gram",
         checks=[lambda t, g=g: check_finite_tensor(t, module, g.path) for g in grams],
+        spans=[(g.shape(module), g.dtype(module), lambda o, f, g=g: g.read_span(module, o, f)) for g in grams],
     )
 
 

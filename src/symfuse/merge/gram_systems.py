@@ -2,8 +2,10 @@
 
 :func:`build_system` gives the same :class:`~symfuse.merge.regmean.GramSystem` as
 :func:`~symfuse.merge.regmean.gram_system` with less memory traffic: the reference model's Gram is read first
-(as stored), then each other Gram is read once and, cache-sized chunk by chunk, added into the sum ``S`` and
-subtracted from the reference straight into the solve dtype (``G_i - G_r`` from the stored values, so a float64
+(as stored), then each other Gram is read once, cache-sized chunk by chunk (each chunk read from the file into
+a per-thread buffer when the Grams come from statistics files, so it is still in cache when used: the Gram never
+passes through memory whole), added into the sum ``S`` and subtracted from the reference straight into the solve
+dtype (``G_i - G_r`` from the stored values, so a float64
 file loses nothing to an early rounding). The off-diagonal scaling ``alpha`` is applied in the same chunk; the
 diagonals are restored from the stored ones; a NaN / inf anywhere shows in ``S`` and is then traced to its file.
 The chunk passes are shared out to the torch threads (:func:`symfuse.merge.base.chunked`), and ``S`` is factored
@@ -13,13 +15,14 @@ with all of them.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import torch
 
 from symfuse.errors import NonFiniteError
 from symfuse.io import BufferPool
-from symfuse.merge.base import LazyTensors, chunked
+from symfuse.merge.base import SERIAL_CHUNK, LazyTensors, chunked, spans
 from symfuse.merge.regmean import GramSystem, factor_system, scale_gram, system_weights
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,34 @@ def _check(grams: Sequence[torch.Tensor], i: int, t: torch.Tensor) -> None:
         grams.check(i, t)
     elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
         raise NonFiniteError(f"regmean: Gram {i} holds NaN / inf values")
+
+
+_SPAN_BUFFERS = threading.local()  # per thread: one chunk of a Gram as read (reused)
+
+
+def _streamed_pass(step, span, summed: torch.Tensor, g_ref: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``step`` over a Gram read chunk by chunk into a per-thread buffer, still in cache when ``step`` reads it.
+
+    Instead of reading the Gram whole into memory and then passing over it. Returns its diagonal (float64).
+    """
+    (n, _), stored, read_span = span
+    diag = torch.empty(n, dtype=torch.float64)
+    flat_s, flat_r, flat_d = summed.view(-1), g_ref.view(-1), d.view(-1)
+
+    def one(s: int, e: int) -> None:
+        buf = getattr(_SPAN_BUFFERS, "buf", None)
+        if buf is None or buf.dtype != stored or buf.numel() < e - s:
+            buf = _SPAN_BUFFERS.buf = torch.empty(SERIAL_CHUNK, dtype=stored)
+        g_ = buf[: e - s]
+        read_span(g_, s)
+        step(flat_s[s:e], g_, flat_r[s:e], flat_d[s:e])
+        first = -(-s // (n + 1))  # the diagonal entries k (n + 1) in [s, e)
+        last = (e - 1) // (n + 1)
+        if last >= first:
+            diag[first : last + 1] = g_[first * (n + 1) - s :: n + 1][: last + 1 - first]
+
+    spans(one, n * n, parallel=True)
+    return diag
 
 
 def build_system(
@@ -71,11 +102,13 @@ def build_system(
     for i, c in enumerate(mw):
         if i == ref:
             continue
-        g = _load(grams, i, raw_pool, "gram.raw")
-        if g.shape != (n, n):
-            raise ValueError(f"regmean: Grams must be square and of one size, got {tuple(g.shape)} and ({n}, {n})")
+        span = grams.span(i) if isinstance(grams, LazyTensors) and c != 0.0 else None
+        g = _load(grams, i, raw_pool, "gram.raw") if span is None else None
+        shape = tuple(g.shape) if g is not None else tuple(span[0])  # type: ignore[index]
+        if shape != (n, n):
+            raise ValueError(f"regmean: Grams must be square and of one size, got {shape} and ({n}, {n})")
         if c == 0.0:  # adds nothing; still refused when corrupt
-            _check(grams, i, g)
+            _check(grams, i, g)  # type: ignore[arg-type]
             continue
         d = pool.take(f"gram{i}", (n, n), dtype)
 
@@ -85,8 +118,11 @@ def build_system(
             if alpha != 1.0:
                 d_.mul_(alpha)
 
-        chunked(step, summed, g, g_ref, d, parallel=True)
-        diag_i = g.diagonal().to(torch.float64)
+        if span is None:
+            chunked(step, summed, g, g_ref, d, parallel=True)
+            diag_i = g.diagonal().to(torch.float64)  # type: ignore[union-attr]
+        else:
+            diag_i = _streamed_pass(step, span, summed, g_ref, d)
         diag_sum += c * diag_i
         d.diagonal().copy_(diag_i - diag_ref)
         diffs[i] = d

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -101,6 +102,17 @@ class StatsFile:
     def shape(self, key: str) -> tuple[int, ...]:
         """Shape of one statistic, without reading it."""
         return self._f.shape(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        """Stored dtype of one statistic, without reading it."""
+        return self._f.dtype(key)
+
+    def read_span(self, key: str, out: torch.Tensor, first: int) -> torch.Tensor:
+        """Fill the flat ``out`` (the stored dtype) with elements ``first:first + out.numel()`` of statistic ``key``."""
+        info = self._f.info(key)
+        if out.dtype != info.dtype or first < 0 or first + out.numel() > math.prod(info.shape):
+            raise ValueError(f"{self.path}: {key!r} has no {out.dtype} elements {first}:{first + out.numel()}")
+        return self._f.read_into(out, info.begin + first * out.element_size(), key)
 
     @property
     def same_input(self) -> dict[str, str]:

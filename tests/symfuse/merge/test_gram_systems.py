@@ -63,6 +63,63 @@ def test_one_pass_system_names_the_file_with_nan(tmp_path):
         gs.build_system([g * 1e300 for g in _grams(2, 4)], None, 0.9, torch.float32)
 
 
+def _span_inputs(files, key):
+    """The Grams of ``key`` in statistics files, as the merge reads them (spans and whole loads)."""
+    from symfuse.merge.checkpoints import _gram_inputs
+
+    return _gram_inputs([StatsFile(f) for f in files], key, BufferPool())
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", [7, 13, 10_000])
+def test_grams_read_in_spans_give_the_system_of_grams_read_whole(tmp_path, monkeypatch, stored, chunk):
+    """Chunks read from the file into a per-thread buffer (diagonals across chunk borders included) build exactly
+    the system of Grams read whole: same values bit for bit, and the factor of the closed form."""
+    from symfuse.merge import base
+
+    n, weights = 11, [0.3, 0.5, 0.2]
+    grams = _grams(3, n, dtype=stored)
+    files = [save_stats({"m": g}, tmp_path / f"g{i}.safetensors", {"kind": "gram"}) for i, g in enumerate(grams)]
+    monkeypatch.setattr(base, "SERIAL_CHUNK", chunk)
+    monkeypatch.setattr(gs, "SERIAL_CHUNK", chunk)
+    monkeypatch.setattr(gs, "_SPAN_BUFFERS", threading.local())
+    reads = []
+    lazy = _span_inputs(files, "m")
+    real = [lazy.span(i) for i in range(3)]
+    lazy._spans = [(sh, dt, lambda o, f, r=r: reads.append((o.numel(), f)) or r(o, f)) for sh, dt, r in real]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)  # two threads share the chunks
+    try:
+        got = gs.build_system(lazy, weights, 0.9, torch.float64)
+    finally:
+        torch.set_num_threads(prev)
+    whole = gs.build_system([g.clone() for g in grams], weights, 0.9, torch.float64)
+    assert torch.equal(got.summed, whole.summed)
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(got.diffs, whole.diffs, strict=True))
+    # the two non-reference Grams were read in spans covering each element once; the reference read whole
+    assert sorted(f for _, f in reads) == sorted(list(range(0, n * n, chunk)) * 2)
+    assert sum(k for k, _ in reads) == 2 * n * n
+
+
+def test_a_nan_in_a_gram_read_in_spans_names_its_file(tmp_path):
+    grams = _grams(3, 6)
+    grams[1][2, 4] = float("nan")
+    files = [save_stats({"m": g}, tmp_path / f"s{i}.safetensors", {"kind": "gram"}) for i, g in enumerate(grams)]
+    with pytest.raises(NonFiniteError, match=r"s1\.safetensors: tensor 'm' holds 1 NaN"):
+        gs.build_system(_span_inputs(files, "m"), [1.0, 1.0, 2.0], 0.9, torch.float64)
+
+
+def test_statistics_read_span_reads_exactly_the_elements_asked(tmp_path):
+    g = torch.arange(30, dtype=torch.float64).reshape(5, 6)
+    f = StatsFile(save_stats({"m": g}, tmp_path / "g.safetensors", {"kind": "gram"}))
+    out = torch.empty(7, dtype=torch.float64)
+    assert torch.equal(f.read_span("m", out, 20), torch.arange(20, 27, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"g\.safetensors: 'm' has no torch.float64 elements 25:32"):
+        f.read_span("m", out, 25)
+    with pytest.raises(ValueError, match=r"torch\.float32 elements"):
+        f.read_span("m", torch.empty(3), 0)
+
+
 def test_merger_builds_one_system_per_input_and_merges_as_the_closed_form(monkeypatch):
     g = torch.Generator().manual_seed(3)
     keys = ["a", "a", "b", "c", "c", "d"]
