@@ -7,7 +7,7 @@ from pathlib import Path
 
 from symfuse.config import RunConfig
 from symfuse.data import load_task_dataset
-from symfuse.data.labels import shared_label_names
+from symfuse.data.labels import shared_label_names, union_label_names
 from symfuse.evaluate import evaluate_model
 from symfuse.evaluate.ensemble import evaluate_heads
 from symfuse.evaluate.reliable import most_reliable, rate_heads, require_rating_split
@@ -66,6 +66,17 @@ def pick_heads(
     return [(folder / heads[best], best)]
 
 
+def ood_classes(data: str, training: tuple[str, ...]) -> list[str] | None:
+    """The classes an out-of-domain set ``data`` is scored over, for every model of a run alike.
+
+    Those it shares with the union of the training datasets' classes (the RegMean paper's protocol; emotion: the six
+    Ekman classes), so a model whose head lacks some of them is not scored on an easier task. None where they share
+    none of those (then each head is scored over the classes it shares with the set).
+    """
+    union = union_label_names(load_task_dataset(d).labels for d in training)
+    return shared_label_names(load_task_dataset(data).labels, union) or None
+
+
 def check_head_rule(config: RunConfig) -> None:
     """Before any heavy work: ``ood_heads: reliable`` needs every training dataset's validation split.
 
@@ -88,8 +99,9 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
     cap = (config.dataset(dataset).max_eval_examples if in_domain else None) or config.evaluation.max_examples
     # scoring 3: OOD sets never in-domain, one class per example there
     settings = {"data": data, "split": config.evaluation.split, "max": cap, "scoring": 3}
+    scored = None if in_domain else ood_classes(data, tuple(config.dataset(n).data for n in config.dataset_names))
     if not in_domain:
-        settings["ood_heads"] = config.evaluation.ood_heads
+        settings |= {"ood_heads": config.evaluation.ood_heads, "scored": scored}
     ck = content_key(settings, manifests(store, {"model": model_uri}))
     if (uri := reuse(store, key, ck, f"evaluation of {model} on {dataset}")) is not None:
         return uri
@@ -106,16 +118,18 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
         if len(chosen) > 1 and config.evaluation.ood_heads == "reliable":
             # rated on each head's own validation split, never on the split the model is scored on
             rating = rate_heads({n: d for d, n in chosen}, {n: config.dataset(n).data for _, n in chosen},
-                                load_task_dataset(data).labels, **(common | {"split": "validation"}))  # fmt: skip
+                                load_task_dataset(data).labels, **(common | {"split": "validation"}),
+                                scored=scored)  # fmt: skip
             best = most_reliable(rating)
             chosen = [(d, n) for d, n in chosen if n == best]
         if len(chosen) > 1:
-            metrics = evaluate_heads([d for d, _ in chosen], data, out_file=tmp / "metrics.json", **common)
+            metrics = evaluate_heads([d for d, _ in chosen], data, out_file=tmp / "metrics.json", scored=scored,
+                                     **common)  # fmt: skip
         else:
             # a model never trained on ``dataset`` scores it out of domain even if the label sets are equal
             own = dataset == model if model in config.dataset_names else in_domain
             metrics = evaluate_model(chosen[0][0], data, out_file=tmp / "metrics.json", on_progress=progress,
-                                     in_domain=None if own else False, **common)  # fmt: skip
+                                     in_domain=None if own else False, scored=scored, **common)  # fmt: skip
     head = "+".join(h for _, h in chosen)
     metrics.pop("metrics_file", None)
     strategy, variant = describe(config, model)

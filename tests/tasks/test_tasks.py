@@ -206,15 +206,21 @@ def test_out_of_domain_the_most_reliable_head_answers_alone(base, tmp_path):
     heads = {n: folder / rel for n, rel in store.manifest(uri)["meta"]["heads"].items()}
     record = store.get_json(evaluate.fn(reliable, "simple-plain", uri, "goemotions_ekman"))
     how = dict(max_examples=24, max_length=24, seed=voting.finetune.seed)
-    want = rate_heads(heads, {"isear": "isear", "meld": "meld"}, ["anger", "disgust", "fear", "joy", "neutral",
-                      "sadness", "surprise"], **how)  # fmt: skip
+    six = ["anger", "disgust", "fear", "joy", "sadness", "surprise"]  # the set's classes in isear + meld's union
+    target = ["anger", "disgust", "fear", "joy", "neutral", "sadness", "surprise"]
+    want = rate_heads(heads, {"isear": "isear", "meld": "meld"}, target, scored=six, **how)
     assert record["head_rating"] == {"split": "validation", "scores": pytest.approx(want, abs=1e-12)}
     best = max(want, key=want.get)
     assert record["head"] == best
-    alone = evaluate_model(heads[best], "goemotions_ekman", out_file=tmp_path / "m.json", in_domain=False, **how)
+    alone = evaluate_model(heads[best], "goemotions_ekman", out_file=tmp_path / "m.json", in_domain=False,
+                           scored=six, **how)  # fmt: skip
     assert record["metrics"]["macro_f1"] == pytest.approx(alone["macro_f1"], abs=1e-12)
+    assert record["metrics"]["classes"] == six  # every model of the run is scored over the same classes
     voted = store.get_json(evaluate.fn(voting, "simple-plain", uri, "goemotions_ekman"))
-    assert voted["head"] == "isear+meld" and "head_rating" not in voted
+    assert voted["head"] == "isear+meld" and "head_rating" not in voted and voted["metrics"]["classes"] == six
+    # isear's own model lacks surprise: scored over the six all the same, surprise at F1 0
+    own = store.get_json(evaluate.fn(voting, "isear", models["isear"], "goemotions_ekman"))
+    assert own["metrics"]["classes"] == six and own["metrics"]["per_class_f1"]["surprise"] == 0.0
 
 
 def test_the_reliable_head_rule_is_refused_up_front_without_validation_splits(base, tmp_path):

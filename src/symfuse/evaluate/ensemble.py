@@ -197,6 +197,7 @@ def evaluate_heads(
     max_length: int = 128,
     seed: int = 13,
     out_file: Path | None = None,
+    scored: list[str] | None = None,
 ) -> dict:
     """Metrics of several classification heads (checkpoint folders sharing a body) voting on a dataset, as JSON.
 
@@ -210,6 +211,8 @@ def evaluate_heads(
         max_length: Truncation length in tokens.
         seed: Seed of the subset.
         out_file: Where to write the JSON (default ``<first model>/eval_<dataset>_<split>_heads.json``).
+        scored: The classes to score, whatever the heads have (see :func:`symfuse.evaluate.scoring.score_logits`);
+            None: those the heads share with the dataset.
 
     Returns:
         The metrics of :func:`symfuse.evaluate.scoring.score_logits` plus ``heads`` (the folders that voted),
@@ -230,7 +233,8 @@ def evaluate_heads(
     used = [str(h.path) for h in heads]
     classes = list(dict.fromkeys(c for names, _ in voters for c in shared_label_names(ds.labels, names)))
     scores = vote(voters, classes, sigmoid)
-    metrics = score_logits(ds, classes, "single_label_classification", [scores.float()], [gold], in_domain=False)
+    metrics = score_logits(ds, classes, "single_label_classification", [scores.float()], [gold], in_domain=False,
+                           scored=scored)  # fmt: skip
     metrics.update(
         {
             "heads": used,

@@ -59,6 +59,7 @@ def evaluate_model(
     out_file: Path | None = None,
     on_progress: Callable[[float], None] | None = None,
     in_domain: bool | None = None,
+    scored: list[str] | None = None,
 ) -> dict:
     """Metrics of a task model on a dataset split, written as JSON.
 
@@ -83,6 +84,8 @@ def evaluate_model(
         in_domain: False: the model never trained on this dataset, score it out of domain (shared classes) even when
             the label sets are equal (meld's head on goemotions_ekman); None: in domain iff the head's classes are
             the dataset's (a union head: iff it learned from this dataset).
+        scored: Out of domain: the classes to score, whatever the head has (see
+            :func:`symfuse.evaluate.scoring.score_logits`); None: those the head shares with the dataset.
 
     Returns:
         The metrics (``macro_f1`` / ``f1`` / ``accuracy`` / ``matthews`` / ``pearson`` ... per task, ``loss`` when the
@@ -113,7 +116,7 @@ def evaluate_model(
         in_domain = in_domain is not False and space.covers(ds.name, ds.labels)
         never = [i for i, ok in enumerate(space.learned) if not ok]
         logits = [z.index_fill(1, torch.tensor(never, dtype=torch.long), float("-inf")) for z in logits]
-    metrics = score_logits(ds, head_labels, head_problem, logits, labels, in_domain=in_domain)
+    metrics = score_logits(ds, head_labels, head_problem, logits, labels, in_domain=in_domain, scored=scored)
     if same_space or ds.problem_type == "regression":
         metrics["loss"] = loss
     metrics.update(

@@ -5,7 +5,10 @@ A merge of models with different label sets keeps one body and one head per data
 data it may see: its OWN dataset's validation split, scored exactly as the out-of-domain set will be scored: over the
 classes it shares with that set, predicting among those classes only (out-of-domain scoring of
 :func:`symfuse.evaluate.scoring.score_logits`). This compares heads with different numbers of classes on the task
-they will be asked to do, and reads no label of the out-of-domain set.
+they will be asked to do, and reads no label of the out-of-domain set. When the set is scored over a fixed class set
+(``scored``: the classes it shares with the union of the training sets) a head lacking some of them is rated lower in
+proportion: its rating is the mean F1 over the classes it has times the share of the scored classes it has, i.e.
+the macro-F1 over the scored classes if each missing class scores 0 (as it does on the set).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def rate_heads(
     batch_size: int = 64,
     max_length: int = 128,
     seed: int = 13,
+    scored: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """Each head's score on its own dataset's ``split``, over the classes it shares with ``target_labels``.
 
@@ -57,6 +61,7 @@ def rate_heads(
         batch_size: Evaluation batch size.
         max_length: Truncation length in tokens.
         seed: Seed of the subsets.
+        scored: The classes the set is scored over (see the module docstring); None: each head's own shared ones.
 
     Returns:
         Dataset name -> the primary metric (e.g. macro-F1) of its head, for every head sharing a class with
@@ -75,14 +80,17 @@ def rate_heads(
         if not rated:
             continue
         classes = shared_label_names(target_labels, rated[0].names)
+        if scored:
+            classes = shared_label_names(classes, scored, restrict=None)
         if not classes:
             continue
         own = shared_label_names(ds.labels, classes, restrict=None)  # the same classes in the dataset's spelling
         z = vote([(rated[0].names, logits[0])], own, [rated[0].multi])
         metrics = score_logits(ds, own, "single_label_classification", [z.float()], [gold], in_domain=False)
-        scores[name] = float(metrics[metrics["primary"]])
-        log.info("head %s on %s/%s over %d shared classes: %s = %.4f", name, ds.name, split, len(own),
-                 metrics["primary"], scores[name])  # fmt: skip
+        coverage = len(classes) / len(scored) if scored else 1.0
+        scores[name] = float(metrics[metrics["primary"]]) * coverage
+        log.info("head %s on %s/%s over %d shared classes: %s = %.4f (rating %.4f)", name, ds.name, split, len(own),
+                 metrics["primary"], metrics[metrics["primary"]], scores[name])  # fmt: skip
     return scores
 
 

@@ -17,6 +17,10 @@ Label-space rule (in-domain and out-of-domain alike):
   is restricted to the shared classes too: single-label examples whose gold class is not shared are dropped,
   multi-label examples keep only their shared labels (a prediction is right when it is one of them) and are dropped
   when none is left. Macro-F1 is the mean F1 of the shared classes that occur in gold or predictions.
+* ``scored`` (out of domain): score a FIXED class set instead, the same for every model of a run (the evaluate
+  task passes the classes the set shares with the union of the training sets: the RegMean paper's protocol). A
+  head lacking one of them never predicts it, and its gold examples stay: that class's F1 is 0 in the macro mean.
+  So a model that covers fewer of the set's classes is not scored on an easier task.
 * NER: tags are matched by name; entity types the other side lacks become ``O`` in gold and are never predicted.
 """
 
@@ -47,6 +51,7 @@ def score_logits(
     logits: Sequence[torch.Tensor],
     labels: Sequence[torch.Tensor],
     in_domain: bool | None = None,
+    scored: Sequence[str] | None = None,
 ) -> dict:
     """Metrics of a head's logits against a dataset's gold labels (see the module docstring for the label rule).
 
@@ -58,6 +63,8 @@ def score_logits(
         labels: Per-batch gold labels (as collated).
         in_domain: Whether the head was trained on this dataset (every class of the dataset is scored); None: when
             head and dataset have the same class names.
+        scored: Out of domain: the dataset's classes to score whatever the head has (a class the head lacks is
+            never predicted); None: the classes the head shares with the dataset.
 
     Returns:
         Metrics (floats), ``n`` (scored examples), ``classes`` (the scored class names), ``primary`` (metric name).
@@ -84,10 +91,14 @@ def score_logits(
             f"{dataset.name}: the model's classes {list(head_labels)} share none with the dataset's "
             f"{dataset.labels}; pass --labels-from with the dataset the head was trained on"
         )
+    if scored and not in_domain:
+        classes = shared_label_names(dataset.labels, scored, restrict=None)
     head_index = label_index(head_labels)
-    h_idx = [head_index[c.casefold()] for c in classes]
+    h_idx = [head_index.get(c.casefold(), -1) for c in classes]
     g_idx = [dataset.labels.index(c) for c in classes]
-    z = torch.cat(logits)[:, h_idx]  # (n, shared)
+    z = torch.cat(logits)[:, [max(i, 0) for i in h_idx]]  # (n, scored)
+    if min(h_idx) < 0:  # classes the head lacks: never predicted
+        z = z.masked_fill(torch.tensor([i < 0 for i in h_idx]), float("-inf"))
     y = torch.cat(labels)
     # one class per example, except a multi-label head on its own multi-label data (sigmoid > 0.5 per class)
     one_class = not (dataset.multi_label and in_domain)

@@ -77,6 +77,25 @@ def test_out_of_domain_scoring_maps_by_name_over_shared_classes():
     assert m["accuracy"] == pytest.approx(0.5)
 
 
+def test_a_fixed_scored_class_set_keeps_the_classes_a_head_lacks_at_f1_zero():
+    """``scored``: the same classes for every head; one the head lacks is never predicted and its gold examples stay
+    (F1 0 in the macro mean), where the default drops them and scores an easier task."""
+    data = _ds(["anger", "fear", "joy"])
+    head = ["joy", "anger", "love"]  # no fear
+    logits = torch.tensor([[0.0, 1.0, 9.0], [5.0, 0.0, 0.0], [2.0, 1.0, 0.0], [0.0, 3.0, 0.0]])
+    gold = torch.tensor([0, 1, 2, 2])  # anger fear joy joy
+    m = score_logits(data, head, "single_label_classification", [logits], [gold], scored=["Anger", "fear", "joy"])
+    assert m["classes"] == ["anger", "fear", "joy"] and m["n"] == 4 and not m["in_domain"]
+    # predictions anger, joy, joy, anger. anger: tp1 fp1 fn0 -> 2/3; fear: tp0 fn1 -> 0; joy: tp1 fp1 fn1 -> 1/2
+    assert m["per_class_f1"] == pytest.approx({"anger": 2 / 3, "fear": 0.0, "joy": 0.5})
+    assert m["macro_f1"] == pytest.approx((2 / 3 + 0.0 + 0.5) / 3) and m["accuracy"] == pytest.approx(0.5)
+    easier = score_logits(data, head, "single_label_classification", [logits], [gold])
+    assert easier["n"] == 3 and easier["macro_f1"] > m["macro_f1"]
+    # in domain, ``scored`` changes nothing
+    own = score_logits(data, ["joy", "fear", "anger"], "single_label_classification", [logits], [gold], scored=["joy"])
+    assert own["classes"] == ["anger", "fear", "joy"] and own["in_domain"]
+
+
 def test_union_head_in_domain_scores_every_dataset_class_with_one_class_per_example():
     # a multi-label union head (names in another case) on its single-label in-domain data: argmax over the
     # dataset's classes (never "Fear", which this dataset lacks), Matthews reported

@@ -62,3 +62,13 @@ def test_a_dataset_without_a_validation_split_is_named_with_the_fix(heads, tmp_p
     fix = r"isear_nv: no validation split to rate its head on — add validation\.jsonl"
     with pytest.raises(DatasetError, match=fix):
         rate_heads({"isear": heads["isear"]}, {"isear": str(folder)}, EKMAN_SET, **KW)
+
+
+def test_a_head_lacking_some_scored_classes_is_rated_down_in_proportion(heads):
+    """Scored over the six Ekman classes, isear's head (no surprise) is rated at 5/6 of its own score; meld's (all
+    six) keeps its own: each missing class counts as F1 0, as it does on the set."""
+    six = ["anger", "disgust", "fear", "joy", "sadness", "surprise"]
+    plain = rate_heads(heads, {n: n for n in heads}, EKMAN_SET, **KW)
+    fixed = rate_heads(heads, {n: n for n in heads}, EKMAN_SET, scored=six, **KW)
+    assert fixed["isear"] == pytest.approx(plain["isear"] * 5 / 6, abs=1e-12)
+    assert fixed["meld"] == pytest.approx(plain["meld"], abs=1e-12)
