@@ -263,7 +263,7 @@ def write_results(args: argparse.Namespace, runs: list[dict[str, Any]], notes: l
         "Datasets: " + ", ".join(DATASETS) + f"; out of domain: {OOD}. In-domain: mean over the four test sets of",
         "macro-F1 over each dataset's own classes (merged models: each dataset with its own head). OOD: macro-F1 on",
         f"{OOD} over the six Ekman classes it shares with the training sets (neutral excluded), for every model",
-        "(a head lacking one of them scores F1 0 on it: run with this commit's protocol); a merged model's",
+        "(a head lacking one of them scores F1 0 on it); a merged model's",
         "per-dataset heads vote (mean softmax probability per class over the heads that have it; settings marked",
         "'OOD reliable': the head with the best score on its own validation split over those classes answers",
         "alone), a union head is read directly. Time: fine-tuning (individual), merge (+ the statistics the",
