@@ -106,6 +106,8 @@ def score_logits(
         pred = (torch.sigmoid(z) > 0.5).numpy()
     else:
         pred = np.eye(len(classes), dtype=bool)[z.argmax(-1).numpy()]
+        if max(h_idx) < 0:  # a head with none of the scored classes predicts none of them
+            pred[:] = False
     if dataset.multi_label:
         gold = y[:, g_idx].numpy().astype(bool)
         keep = gold.any(1) if not in_domain else np.ones(len(gold), dtype=bool)

@@ -91,6 +91,9 @@ def test_a_fixed_scored_class_set_keeps_the_classes_a_head_lacks_at_f1_zero():
     assert m["macro_f1"] == pytest.approx((2 / 3 + 0.0 + 0.5) / 3) and m["accuracy"] == pytest.approx(0.5)
     easier = score_logits(data, head, "single_label_classification", [logits], [gold])
     assert easier["n"] == 3 and easier["macro_f1"] > m["macro_f1"]
+    # a head with none of the scored classes predicts none of them: every F1 is 0 (not "always the first class")
+    none = score_logits(data, head, "single_label_classification", [logits], [gold], scored=["fear"])
+    assert none["classes"] == ["fear"] and none["n"] == 1 and none["macro_f1"] == 0.0 and none["accuracy"] == 0.0
     # in domain, ``scored`` changes nothing
     own = score_logits(data, ["joy", "fear", "anger"], "single_label_classification", [logits], [gold], scored=["joy"])
     assert own["classes"] == ["anger", "fear", "joy"] and own["in_domain"]
