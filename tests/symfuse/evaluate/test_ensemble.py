@@ -11,9 +11,7 @@ import torch
 
 from symfuse.evaluate import evaluate_model
 from symfuse.evaluate.ensemble import evaluate_heads, vote
-from symfuse.train import FinetuneConfig, finetune
 from tasks.evaluate import pick_heads
-from tests.symfuse.train.helpers import save_tiny_base
 
 
 def test_vote_is_the_mean_probability_over_the_heads_that_have_the_class():
@@ -38,15 +36,6 @@ def test_vote_is_the_mean_probability_over_the_heads_that_have_the_class():
     multi = vote([a, b], ["anger", "fear", "joy"], multi=[False, True]).exp()
     torch.testing.assert_close(multi[:, 1], torch.sigmoid(b[1][:, 1].double()), rtol=0, atol=1e-12)
     torch.testing.assert_close(multi[:, 0], (pa[:, 1] + torch.sigmoid(b[1][:, 0].double())) / 2, rtol=0, atol=1e-12)
-
-
-@pytest.fixture(scope="module")
-def heads(tmp_path_factory):
-    root = tmp_path_factory.mktemp("heads")
-    base = save_tiny_base(root / "base")
-    cfg = FinetuneConfig(epochs=1, lr=1e-3, batch_size=8, max_length=32, max_train_examples=32,
-                         max_eval_examples=16, progress=False)  # fmt: skip
-    return {n: finetune(base, n, root / n, cfg) for n in ("isear", "meld", "crowdflower")}
 
 
 def test_one_head_votes_like_itself_and_heads_without_shared_classes_stay_out(heads, tmp_path):
