@@ -100,7 +100,9 @@ def merge(
     what = {"strategy": strategy, "params": resolved, "order": list(models), "card": card}
     # a head refit reads the run values RegMean++ reads (each model's data, the statistics' sampling) and the ridge
     refit = (
-        (run_context(config, list(models)) | {"ridge": config.head_refit.ridge}) if config.head_refit.enabled else None
+        (run_context(config, list(models)) | {"ridge": config.head_refit.ridge})
+        if config.head_refit.applies(strategy)
+        else None
     )
     if refit is not None:  # (absent when off: merges stored before the option existed are reused)
         what["head_refit"] = {k: v for k, v in refit.items() if k not in PLACEMENT}

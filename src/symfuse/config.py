@@ -146,6 +146,14 @@ class HeadRefitSettings(_Strict):
     ridge: float = Field(
         default=0.1, gt=0, description="Pull towards the merged head, relative to the features' scale."
     )
+    strategies: list[str] | None = Field(
+        default=None,
+        description="Refit only the merges of these strategies (each one of the run's strategies); null: every one.",
+    )
+
+    def applies(self, strategy: str) -> bool:
+        """Whether the merges of ``strategy`` are refitted."""
+        return self.enabled and (self.strategies is None or strategy in self.strategies)
 
 
 class TimeoutSettings(_Strict):
@@ -330,6 +338,10 @@ class RunConfig(_Strict):
                     "drop its parameters"
                 )
             merger_params(strategy, values, label=lambda k, s=strategy: f"merge_params.{s}.{k}")
+        stray = [s for s in self.head_refit.strategies or [] if s not in self.strategies]
+        if stray:
+            raise ValueError(f"head_refit.strategies {stray}: not in strategies {self.strategies} — add them there "
+                             "or drop them")  # fmt: skip
         return self
 
     def strategy_params(self, strategy: str) -> dict[str, Any]:

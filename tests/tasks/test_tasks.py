@@ -186,6 +186,10 @@ def test_merge_with_head_refit_rewrites_each_head_and_is_its_own_content(base, t
     assert head_refit_fact([{"stage": "merge"}], 0.1) is None  # refit off: no line in the report
     again = merge.fn(plain, "simple", "plain", models, {})  # off again: the content key merges had before the option
     assert store.manifest(again)["content_key"] == kept_ck
+    # refit limited to other strategies' merges: this one is the plain merge again
+    only = refit.model_copy(update={"head_refit": refit.head_refit.model_copy(update={"strategies": ["regmean"]})})
+    assert store.manifest(merge.fn(only, "simple", "plain", models, {}))["content_key"] == kept_ck
+    assert only.head_refit.applies("regmean") and not only.head_refit.applies("simple")
 
 
 def test_out_of_domain_the_most_reliable_head_answers_alone(base, tmp_path):
