@@ -11,7 +11,8 @@ tensor, and :meth:`PlannedFile.finish` refuses a file with a tensor missing. Wri
 
 Every tensor of :data:`WRITEBACK_BYTES` or more is handed to the disk as soon as it is written
 (:func:`start_writeback`), so the disk writes while the caller computes the next tensors and the final ``fsync``
-waits only for the last ones (a merge of roberta-base-sized models spent 0.7 s in that ``fsync`` before).
+waits only for the last ones (stop 18's profile of a roberta-base-sized merge: 0.7 s in that ``fsync``; the merge's
+wall time did not measurably change at stop 21, see bench/results/merge_speed.md).
 """
 
 from __future__ import annotations
