@@ -224,6 +224,17 @@ def fetch_file(store: ArtifactStore, uri: str) -> Path:
     return fetch(store, uri) / files[0]
 
 
+def training_classes(config: RunConfig) -> list[str]:
+    """The union of the training datasets' classes, each once, in dataset order.
+
+    The label space of union heads, and what out-of-domain sets are scored against.
+    """
+    from symfuse.data import load_task_dataset
+    from symfuse.data.labels import union_label_names
+
+    return union_label_names(load_task_dataset(config.dataset(n).data).labels for n in config.dataset_names)
+
+
 def stage_meta(stage: str, name: str, seconds: float, **extra: Any) -> dict[str, Any]:
     """Manifest ``meta`` every task writes: its stage, task-run name and seconds of work (the report's timings)."""
     return {"stage": stage, "name": name, "seconds": seconds, **extra}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from symfuse.config import RunConfig
 from symfuse.data import load_task_dataset
-from symfuse.data.labels import shared_label_names, union_label_names
+from symfuse.data.labels import shared_label_names
 from symfuse.evaluate import evaluate_model
 from symfuse.evaluate.ensemble import evaluate_heads
 from symfuse.evaluate.reliable import most_reliable, rate_heads, require_rating_split
@@ -23,6 +23,7 @@ from tasks.common import (
     stage_meta,
     symfuse_task,
     timed,
+    training_classes,
 )
 from tasks.policy import batch_settings, maybe_inject_fault
 
@@ -66,15 +67,14 @@ def pick_heads(
     return [(folder / heads[best], best)]
 
 
-def ood_classes(data: str, training: tuple[str, ...]) -> list[str] | None:
+def ood_classes(config: RunConfig, data: str) -> list[str] | None:
     """The classes an out-of-domain set ``data`` is scored over, for every model of a run alike.
 
     Those it shares with the union of the training datasets' classes (the RegMean paper's protocol; emotion: the six
     Ekman classes), so a model whose head lacks some of them is not scored on an easier task. None where they share
     none of those (then each head is scored over the classes it shares with the set).
     """
-    union = union_label_names(load_task_dataset(d).labels for d in training)
-    return shared_label_names(load_task_dataset(data).labels, union) or None
+    return shared_label_names(load_task_dataset(data).labels, training_classes(config)) or None
 
 
 def check_head_rule(config: RunConfig) -> None:
@@ -99,7 +99,7 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
     cap = (config.dataset(dataset).max_eval_examples if in_domain else None) or config.evaluation.max_examples
     # scoring 3: OOD sets never in-domain, one class per example there
     settings = {"data": data, "split": config.evaluation.split, "max": cap, "scoring": 3}
-    scored = None if in_domain else ood_classes(data, tuple(config.dataset(n).data for n in config.dataset_names))
+    scored = None if in_domain else ood_classes(config, data)
     if not in_domain:
         settings |= {"ood_heads": config.evaluation.ood_heads, "scored": scored}
     ck = content_key(settings, manifests(store, {"model": model_uri}))

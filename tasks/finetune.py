@@ -19,6 +19,7 @@ from tasks.common import (
     stage_meta,
     symfuse_task,
     timed,
+    training_classes,
 )
 from tasks.policy import batch_settings, maybe_inject_fault
 
@@ -39,12 +40,7 @@ def finetune_settings(config: RunConfig, dataset: str) -> FinetuneConfig:
 
 def union_labels(config: RunConfig) -> list[str] | None:
     """The union of the training datasets' classes (in dataset order) with ``labels: union``; else None."""
-    if config.labels != "union":
-        return None
-    from symfuse.data import load_task_dataset
-    from symfuse.data.labels import union_label_names
-
-    return union_label_names(load_task_dataset(config.dataset(n).data).labels for n in config.dataset_names)
+    return training_classes(config) if config.labels == "union" else None
 
 
 def finetune_keys(config: RunConfig, dataset: str) -> tuple[str, str]:
