@@ -20,7 +20,7 @@ from pathlib import Path
 from symfuse.data import load_task_dataset
 from symfuse.data.dataset import DatasetError, TaskDataset
 from symfuse.data.labels import shared_label_names
-from symfuse.evaluate.ensemble import _heads_logits, vote
+from symfuse.evaluate.ensemble import _heads_logits
 from symfuse.evaluate.scoring import score_logits
 
 log = logging.getLogger(__name__)
@@ -85,8 +85,9 @@ def rate_heads(
         if not classes:
             continue
         own = shared_label_names(ds.labels, classes, restrict=None)  # the same classes in the dataset's spelling
-        z = vote([(rated[0].names, logits[0])], own, [rated[0].multi])
-        metrics = score_logits(ds, own, "single_label_classification", [z.float()], [gold], in_domain=False)
+        # one class per example among ``own`` (argmax of the head's logits over them), as on the out-of-domain set
+        metrics = score_logits(ds, rated[0].names, "single_label_classification", [logits[0]], [gold],
+                               in_domain=False, scored=own)  # fmt: skip
         coverage = len(classes) / len(scored) if scored else 1.0
         scores[name] = float(metrics[metrics["primary"]]) * coverage
         log.info("head %s on %s/%s over %d shared classes: %s = %.4f (rating %.4f)", name, ds.name, split, len(own),
