@@ -5,11 +5,10 @@
 (as stored), then each other Gram is read once, cache-sized chunk by chunk (each chunk read from the file into
 a per-thread buffer when the Grams come from statistics files, so it is still in cache when used: the Gram never
 passes through memory whole), added into the sum ``S`` and subtracted from the reference straight into the solve
-dtype (``G_i - G_r`` from the stored values, so a float64
-file loses nothing to an early rounding). The off-diagonal scaling ``alpha`` is applied in the same chunk; the
-diagonals are restored from the stored ones; a NaN / inf anywhere shows in ``S`` and is then traced to its file.
-The chunk passes are shared out to the torch threads (:func:`symfuse.merge.base.chunked`), and ``S`` is factored
-with all of them.
+dtype (``G_i - G_r`` from the stored values, so a float64 file loses nothing to an early rounding). The
+off-diagonal scaling ``alpha`` is applied in the same chunk; the diagonals are restored from the stored ones; a NaN
+/ inf anywhere shows in ``S`` and is then traced to its file. The chunk passes are shared out to the torch threads
+(:func:`symfuse.merge.base.chunked`), and ``S`` is factored with all of them.
 """
 
 from __future__ import annotations
