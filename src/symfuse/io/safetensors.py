@@ -320,6 +320,18 @@ class TensorFile:
                 raise CheckpointError(f"{self.path}: file ends inside tensor {name!r}; it is truncated — {_FIX}")
             done += got
 
+    def read_span(self, name: str, out: torch.Tensor, first: int) -> torch.Tensor:
+        """Fill the flat ``out`` (the stored dtype) with elements ``first:first + out.numel()`` of tensor ``name``.
+
+        Raises:
+            CheckpointError: the tensor is absent.
+            ValueError: ``out`` is not of the stored dtype, or the span runs past the tensor's end.
+        """
+        info = self.info(name)
+        if out.dtype != info.dtype or first < 0 or first + out.numel() > math.prod(info.shape):
+            raise ValueError(f"{self.path}: {name!r} has no {out.dtype} elements {first}:{first + out.numel()}")
+        return self.read_into(out, info.begin + first * out.element_size(), name)
+
     def get(
         self, name: str, pool: BufferPool | None = None, slot: str = "", alloc: Allocator | None = None
     ) -> torch.Tensor:

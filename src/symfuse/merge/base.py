@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -257,17 +258,116 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(3, thread_name_prefix="symfuse-chunks")
 
 
-def acc_dtype(t: torch.Tensor) -> torch.dtype:
-    """Accumulation dtype for elementwise merging: float64 for float64 inputs, else float32.
+_CHUNK_BUFFERS = threading.local()  # per thread: reusable chunk buffers by key and dtype
+
+
+def chunk_buffer(key: object, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The calling thread's reusable buffer ``key`` of ``numel`` elements of ``dtype`` (contents undefined)."""
+    bufs = getattr(_CHUNK_BUFFERS, "bufs", None)
+    if bufs is None:
+        bufs = _CHUNK_BUFFERS.bufs = {}
+    buf = bufs.get((key, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = bufs[key, dtype] = torch.empty(max(numel, SERIAL_CHUNK), dtype=dtype)
+    return buf[:numel]
+
+
+class Chunks:
+    """K tensors read chunk by chunk (flat spans ``[s, e)``), for one fused pass over all of them.
+
+    A tensor of a :class:`LazyTensors` that can read spans is read from its file a span at a time into a
+    per-thread buffer (so it never passes through memory whole, and the chunk is still in cache when used);
+    any other is loaded whole once (``pool``'s slot ``{slot}{i}``) and its chunks are views. Reads are
+    unchecked: a caller checks what it doubts (a NaN / inf propagates into its result).
+
+    Args:
+        tensors: K tensors (plain or :class:`LazyTensors`).
+        pool: Buffers for tensors loaded whole (None: new memory).
+        slot: Slot prefix in ``pool`` and buffer key prefix.
+        dtype: Convert each chunk to this dtype (None: as stored).
+
+    Attributes:
+        shapes: The K shapes.
+        stored: The K stored dtypes.
+        numel: Elements of the first tensor.
+    """
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], pool: BufferPool | None, slot: str, dtype: torch.dtype | None = None
+    ):
+        self.shapes: list[tuple[int, ...]] = []
+        self.stored: list[torch.dtype] = []
+        self._reads: list[Callable[[int, int, object], torch.Tensor]] = []
+        self._slot, self._dtype = slot, dtype
+        lazy = isinstance(tensors, LazyTensors)
+        for i in range(len(tensors)):
+            span = tensors.span(i) if lazy else None  # type: ignore[union-attr]
+            if span is not None:
+                shape, stored, read_span = span
+                self._reads.append(functools.partial(self._from_file, stored, read_span))
+            else:
+                t = tensors.load_unchecked(i, pool, f"{slot}{i}") if lazy else tensors[i]  # type: ignore[union-attr]
+                shape, stored = tuple(t.shape), t.dtype
+                self._reads.append(functools.partial(self._from_memory, t.contiguous().view(-1)))
+            self.shapes.append(tuple(shape))
+            self.stored.append(stored)
+        self.numel = math.prod(self.shapes[0]) if self.shapes else 0
+
+    def _convert(self, chunk: torch.Tensor, key: object) -> torch.Tensor:
+        if self._dtype is None or chunk.dtype == self._dtype:
+            return chunk
+        return chunk_buffer((self._slot, key, "as"), self._dtype, chunk.numel()).copy_(chunk)
+
+    def _from_file(self, stored: torch.dtype, read_span: Callable, s: int, e: int, key: object) -> torch.Tensor:
+        buf = chunk_buffer((self._slot, key), stored, e - s)
+        read_span(buf, s)
+        return self._convert(buf, key)
+
+    def _from_memory(self, flat: torch.Tensor, s: int, e: int, key: object) -> torch.Tensor:
+        return self._convert(flat[s:e], key)
+
+    def read(self, i: int, s: int, e: int, key: object = None) -> torch.Tensor:
+        """Elements ``[s, e)`` of tensor ``i`` (flat), valid until this thread reads again with the same ``key``.
+
+        ``key`` (default ``i``) names the per-thread buffer: a pass that is done with one tensor's chunk before it
+        reads the next may share one key between them and keep its working set in cache.
+        """
+        return self._reads[i](s, e, i if key is None else key)
+
+    def __call__(self, s: int, e: int) -> list[torch.Tensor]:
+        """Elements ``[s, e)`` of every tensor (own buffers), valid until this thread's next call."""
+        return [r(s, e, i) for i, r in enumerate(self._reads)]
+
+
+def acc_dtype(t: torch.Tensor | torch.dtype) -> torch.dtype:
+    """Accumulation dtype for elementwise merging: float64 for float64 inputs (or dtype), else float32.
 
     A weighted sum of K float32 values in float32 is accurate to a few ulps; float64 copies of a large embedding
     matrix would double the merge's peak memory.
     """
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+    return torch.float64 if (t if isinstance(t, torch.dtype) else t.dtype) == torch.float64 else torch.float32
 
 
 def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """``sum_i w_i t_i`` (weights already sum to 1), returned in the inputs' dtype."""
+    """``sum_i w_i t_i`` (weights already sum to 1), returned in the inputs' dtype.
+
+    Tensors that can be read in spans (:class:`Chunks`) are summed in one fused pass, chunk by chunk in cache;
+    others one model at a time (one tensor in memory besides the sum).
+    """
+    lazy = isinstance(tensors, LazyTensors)
+    if lazy and all(tensors.span(i) is not None for i in range(len(tensors))):  # type: ignore[union-attr]
+        chunks = Chunks(tensors, None, "mean")
+        out = torch.empty(chunks.shapes[0], dtype=chunks.stored[0])
+        flat, dt = out.view(-1), acc_dtype(chunks.stored[0])
+
+        def one(s: int, e: int) -> None:
+            acc = chunk_buffer("mean.acc", dt, e - s).zero_()
+            for i, w in enumerate(weights):
+                acc.add_(chunks.read(i, s, e, "x"), alpha=w)
+            flat[s:e].copy_(acc)
+
+        spans(one, chunks.numel, parallel=True)
+        return out
     dt = acc_dtype(tensors[0])
     acc = torch.zeros(tensors[0].shape, dtype=dt)
     for t, w in zip(tensors, weights, strict=True):

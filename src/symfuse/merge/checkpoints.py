@@ -2,7 +2,9 @@
 
 Memory is O(one tensor x K) plus one output shard: tensors and statistics are read one at a time with plain
 reads (no mmap, so page-cache pages do not count towards the process), merged, and streamed into the output
-by :func:`symfuse.checkpoint.write_checkpoint`.
+by :func:`symfuse.checkpoint.write_checkpoint`. Where a merger reads its inputs unchecked (its output carries any
+NaN / inf, traced to its file afterwards), the K tensors can also be read span by span, all K at once, in one
+fused pass (:class:`symfuse.merge.base.Chunks`: the weighted mean, RegMean's means and deltas).
 
 Classification heads (tensors outside the base model, e.g. ``classifier.*``, ``pre_classifier.*``,
 ``classifier.dense.*`` for RoBERTa, ``score.*`` for GPT-2):
@@ -141,6 +143,16 @@ def _gram_inputs(grams: Sequence[StatsFile], module: str, pool: BufferPool) -> L
     )
 
 
+def _tensor_spans(name: str, first: torch.Tensor, others: Sequence[CheckpointReader]) -> list:
+    """Spans of K models' tensor ``name`` (see :class:`LazyTensors`), unchecked: model 0's from ``first``."""
+    flat = first.detach().contiguous().view(-1)
+    spans = [(tuple(first.shape), first.dtype, lambda o, f: o.copy_(flat[f : f + o.numel()]))]
+    for r in others:
+        tf = r.tensor_file(name)
+        spans.append((tf.shape(name), tf.dtype(name), lambda o, f, tf=tf: tf.read_span(name, o, f)))
+    return spans
+
+
 def merge_checkpoints(
     strategy: str,
     models: Sequence[str | Path],
@@ -271,6 +283,7 @@ def merge_checkpoints(
             + [checked(lambda p, s, r=r: r.get(name, p, s), r.file_of(name)) for r in readers[1:]],
             pool,
             "tensor",
+            spans=_tensor_spans(name, first, readers[1:]) if deferred else None,  # unchecked: only when deferred
         )
         b = base_tensor(name)
         if merger.needs_base and b is None:  # e.g. a head absent from a bare base model

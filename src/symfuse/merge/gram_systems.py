@@ -1,27 +1,28 @@
-"""RegMean's Gram systems built in one pass per Gram.
+"""RegMean's Gram systems built in one fused pass over the K Grams.
 
 :func:`build_system` gives the same :class:`~symfuse.merge.regmean.GramSystem` as
-:func:`~symfuse.merge.regmean.gram_system` with less memory traffic: the reference model's Gram is read first
-(as stored), then each other Gram is read once, cache-sized chunk by chunk (each chunk read from the file into
-a per-thread buffer when the Grams come from statistics files, so it is still in cache when used: the Gram never
-passes through memory whole), added into the sum ``S`` and subtracted from the reference straight into the solve
-dtype (``G_i - G_r`` from the stored values, so a float64 file loses nothing to an early rounding). The
-off-diagonal scaling ``alpha`` is applied in the same chunk; the diagonals are restored from the stored ones; a NaN
-/ inf anywhere shows in ``S`` and is then traced to its file. The chunk passes are shared out to the torch threads
-(:func:`symfuse.merge.base.chunked`), and ``S`` is factored with all of them.
+:func:`~symfuse.merge.regmean.gram_system` with a fraction of its memory traffic. The Grams are walked together,
+one cache-sized chunk at a time: each model's chunk is read as stored (from its statistics file into a per-thread
+buffer when the Grams come from files, so no Gram ever passes through memory whole), and while the reference
+model's chunk and the chunk of the sum ``S`` stay in cache every other model's chunk is added into ``S`` and
+subtracted from the reference straight into the solve dtype (``G_i - G_r`` from the stored values, so a float64
+file loses nothing to an early rounding). Per element that is one read of each Gram, one write of ``S`` and of
+each difference: the reference and ``S`` are not re-read once per model. The off-diagonal scaling ``alpha`` is
+applied in the same chunk; the diagonals are restored from the stored ones; a NaN / inf anywhere shows in ``S``
+and is then traced to its file. The chunks are shared out to the torch threads (:func:`symfuse.merge.base.spans`),
+and ``S`` is factored with all of them.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 
 import torch
 
 from symfuse.errors import NonFiniteError
 from symfuse.io import BufferPool
-from symfuse.merge.base import SERIAL_CHUNK, LazyTensors, chunked, spans
+from symfuse.merge.base import Chunks, LazyTensors, spans
 from symfuse.merge.regmean import GramSystem, factor_system, scale_gram, system_weights
 
 log = logging.getLogger(__name__)
@@ -40,34 +41,6 @@ def _check(grams: Sequence[torch.Tensor], i: int, t: torch.Tensor) -> None:
         raise NonFiniteError(f"regmean: Gram {i} holds NaN / inf values")
 
 
-_SPAN_BUFFERS = threading.local()  # per thread: one chunk of a Gram as read (reused)
-
-
-def _streamed_pass(step, span, summed: torch.Tensor, g_ref: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """``step`` over a Gram read chunk by chunk into a per-thread buffer, still in cache when ``step`` reads it.
-
-    Instead of reading the Gram whole into memory and then passing over it. Returns its diagonal (float64).
-    """
-    (n, _), stored, read_span = span
-    diag = torch.empty(n, dtype=torch.float64)
-    flat_s, flat_r, flat_d = summed.view(-1), g_ref.view(-1), d.view(-1)
-
-    def one(s: int, e: int) -> None:
-        buf = getattr(_SPAN_BUFFERS, "buf", None)
-        if buf is None or buf.dtype != stored or buf.numel() < e - s:
-            buf = _SPAN_BUFFERS.buf = torch.empty(SERIAL_CHUNK, dtype=stored)
-        g_ = buf[: e - s]
-        read_span(g_, s)
-        step(flat_s[s:e], g_, flat_r[s:e], flat_d[s:e])
-        first = -(-s // (n + 1))  # the diagonal entries k (n + 1) in [s, e)
-        last = (e - 1) // (n + 1)
-        if last >= first:
-            diag[first : last + 1] = g_[first * (n + 1) - s :: n + 1][: last + 1 - first]
-
-    spans(one, n * n, parallel=True)
-    return diag
-
-
 def build_system(
     grams: Sequence[torch.Tensor],
     model_weights: Sequence[float] | None = None,
@@ -78,7 +51,8 @@ def build_system(
 ) -> GramSystem:
     """The factored system of K Grams (see :func:`symfuse.merge.regmean.gram_system`; same arguments, result).
 
-    ``raw_pool`` (default ``pool``) holds the Grams as read (two buffers), ``pool`` the system itself.
+    ``raw_pool`` (default ``pool``) holds Grams that cannot be read in spans (whole, one buffer per model; see
+    :class:`~symfuse.merge.base.Chunks`), ``pool`` the system itself.
 
     Raises:
         ValueError: a bad alpha, non-square Grams or Grams of different sizes.
@@ -88,50 +62,62 @@ def build_system(
     pool = pool if pool is not None else BufferPool()
     raw_pool = raw_pool if raw_pool is not None else pool
     ref = max(range(len(mw)), key=mw.__getitem__)
-    g_ref = _load(grams, ref, raw_pool, "gram.ref")
-    n = g_ref.shape[0]
-    if g_ref.dim() != 2 or g_ref.shape != (n, n):
-        raise ValueError(f"regmean: Grams must be square and of one size, got {tuple(g_ref.shape)}")
-    summed = pool.take("summed", (n, n), dtype)
-    c_ref = mw[ref]
-    chunked(lambda s_, r_: torch.mul(r_, c_ref * alpha, out=s_), summed, g_ref, parallel=True)
-    diag_ref = g_ref.diagonal().to(torch.float64)
-    diag_sum = c_ref * diag_ref
+    chunks = Chunks(grams, raw_pool, "gram.raw")  # each Gram's chunks as stored
+    shape = chunks.shapes[ref]
+    n = shape[0]
+    if len(shape) != 2 or shape != (n, n):
+        raise ValueError(f"regmean: Grams must be square and of one size, got {shape}")
+    others: list[tuple[int, float, torch.Tensor]] = []  # (model, weight, its difference (flat))
     diffs: list[torch.Tensor | None] = [None] * len(mw)
     for i, c in enumerate(mw):
         if i == ref:
             continue
-        span = grams.span(i) if isinstance(grams, LazyTensors) and c != 0.0 else None
-        g = _load(grams, i, raw_pool, "gram.raw") if span is None else None
-        shape = tuple(g.shape) if g is not None else tuple(span[0])  # type: ignore[index]
-        if shape != (n, n):
-            raise ValueError(f"regmean: Grams must be square and of one size, got {shape} and ({n}, {n})")
         if c == 0.0:  # adds nothing; still refused when corrupt
-            _check(grams, i, g)  # type: ignore[arg-type]
+            g = _load(grams, i, raw_pool, "gram.raw")
+            if tuple(g.shape) != (n, n):
+                raise ValueError(f"regmean: Grams must be square and of one size, got {tuple(g.shape)} and ({n}, {n})")
+            _check(grams, i, g)
             continue
-        d = pool.take(f"gram{i}", (n, n), dtype)
+        if chunks.shapes[i] != (n, n):
+            raise ValueError(f"regmean: Grams must be square and of one size, got {chunks.shapes[i]} and ({n}, {n})")
+        diffs[i] = pool.take(f"gram{i}", (n, n), dtype)
+        others.append((i, c, diffs[i].view(-1)))
+    summed = pool.take("summed", (n, n), dtype)
+    flat_s = summed.view(-1)
+    diags = torch.empty(len(mw), n, dtype=torch.float64)  # each Gram's stored diagonal
+    c_ref = mw[ref]
 
-        def step(s_: torch.Tensor, g_: torch.Tensor, r_: torch.Tensor, d_: torch.Tensor, c: float = c) -> None:
+    def one(s: int, e: int) -> None:  # every Gram's chunk [s, e), the reference's and S's kept in cache
+        first = -(-s // (n + 1))  # the diagonal entries k (n + 1) in [s, e)
+        count = (e - 1) // (n + 1) + 1 - first
+        s_, r_ = flat_s[s:e], chunks.read(ref, s, e, "ref")
+        torch.mul(r_, c_ref * alpha, out=s_)
+        if count > 0:
+            diags[ref, first : first + count] = r_[first * (n + 1) - s :: n + 1][:count]
+        for i, c, flat_d in others:
+            g_, d_ = chunks.read(i, s, e, "other"), flat_d[s:e]  # one buffer for them all: stays in cache
             s_.add_(g_, alpha=c * alpha)  # S += c alpha G_i (diagonal fixed below)
             torch.sub(g_, r_, out=d_)  # G_i - G_r from the stored values, rounded once
             if alpha != 1.0:
                 d_.mul_(alpha)
+            if count > 0:
+                diags[i, first : first + count] = g_[first * (n + 1) - s :: n + 1][:count]
 
-        if span is None:
-            chunked(step, summed, g, g_ref, d, parallel=True)
-            diag_i = g.diagonal().to(torch.float64)  # type: ignore[union-attr]
-        else:
-            diag_i = _streamed_pass(step, span, summed, g_ref, d)
-        diag_sum += c * diag_i
-        d.diagonal().copy_(diag_i - diag_ref)
-        diffs[i] = d
+    spans(one, n * n, parallel=True)
+    diag_sum = c_ref * diags[ref]
+    for i, c, _ in others:
+        diag_sum += c * diags[i]
+        diffs[i].diagonal().copy_(diags[i] - diags[ref])  # type: ignore[union-attr]
     summed.diagonal().copy_(diag_sum)
     if not bool(torch.isfinite(summed.sum())):  # NaN / inf in a Gram propagate into S: find the file
         for i in range(len(mw)):
-            _check(grams, i, _load(grams, i, raw_pool, "gram.raw") if i != ref else g_ref)
+            _check(grams, i, _load(grams, i, raw_pool, "gram.raw"))
         raise NonFiniteError(
             f"regmean: the summed Gram ({n} x {n}) overflows {dtype} — merge with dtype float64 (--dtype float64)"
         )
-    return factor_system(
-        summed, diffs, mw, ref, pool, lambda out: out.copy_(scale_gram(g_ref.to(dtype), alpha)).mul_(sum(mw))
-    )
+
+    def reference_part(out: torch.Tensor) -> None:  # (sum_i c_i) G_r', for the lstsq fallback
+        g_ref = _load(grams, ref, raw_pool, "gram.raw").to(dtype, copy=True)
+        out.copy_(scale_gram(g_ref, alpha)).mul_(sum(mw))
+
+    return factor_system(summed, diffs, mw, ref, pool, reference_part)

@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from symfuse.merge.base import MergeParams, Merger, TensorInputs, chunked, load_all, weighted_mean
+from symfuse.merge.base import Chunks, MergeParams, Merger, TensorInputs, chunked, load_all, spans, weighted_mean
 from symfuse.stats.io import BufferPool
 
 log = logging.getLogger(__name__)
@@ -213,40 +213,43 @@ def regmean_apply(
     dtype = system.summed.dtype
     n_in = system.summed.shape[0]
     pool = system.pool
-    stored: list[torch.dtype] = []
-    ws = load_all(weights, pool, "weight", dtype, stored=stored)  # K weights in the stored layout, dtype
-    out_dtype = stored[0]
-    for w in ws:
-        if (w.shape[0] if conv1d else w.shape[-1]) != n_in or w.dim() != 2:
-            raise ValueError(f"regmean: weight {tuple(w.shape)} does not match Gram ({n_in}, {n_in})")
+    chunks = Chunks(weights, pool, "weight.in", dtype)  # K weights in the stored layout, chunks in dtype
+    shape = chunks.shapes[0]
+    for sh in chunks.shapes:
+        if len(sh) != 2 or (sh[0] if conv1d else sh[-1]) != n_in or sh != shape:
+            raise ValueError(f"regmean: weight {sh} does not match Gram ({n_in}, {n_in}) and weight {shape}")
+    out_dtype = chunks.stored[0]
     # Everything stays in the stored layout: for nn.Linear (out, in), B^T = sum_i c_i D_i (G_i' - G_r') (the
     # Grams are symmetric), and the solve reads B^T as the column-major (in, out) right-hand side.
     c = system.weights
     total = sum(c)
-    mean = torch.empty(ws[0].shape, dtype=dtype)  # Wbar (the output)
+    mean = torch.empty(shape, dtype=dtype)  # Wbar (the output)
     others = [i for i, d in enumerate(system.diffs) if d is not None]
+    ds = {i: _take(pool, f"weight{i}", shape, dtype) for i in others}  # D_i = W_i - Wbar
     share = [ci / total for ci in c]
+    flat_m, flat_d = mean.view(-1), {i: d.view(-1) for i, d in ds.items()}
 
-    def mean_and_deltas(m: torch.Tensor, *w: torch.Tensor) -> None:  # one pass, cache-sized chunks
+    def mean_and_deltas(s: int, e: int) -> None:  # one fused pass, every model's chunk in cache
+        w, m = chunks(s, e), flat_m[s:e]
         torch.mul(w[0], share[0], out=m)
         for w_, a in zip(w[1:], share[1:], strict=True):
             m.add_(w_, alpha=a)
         for i in others:
-            w[i].sub_(m)  # D_i, in place in our own copy
+            torch.sub(w[i], m, out=flat_d[i][s:e])
 
-    chunked(mean_and_deltas, mean, *ws, parallel=True)
+    spans(mean_and_deltas, chunks.numel, parallel=True)
     used = "none"
     if others:
         used = str(dtype).removeprefix("torch.")
         if delta_dtype != "same":
             scale = float(mean.norm()) or 1.0
-            ratio = max(float(ws[i].norm()) for i in others) / scale
+            ratio = max(float(ds[i].norm()) for i in others) / scale
             if delta_dtype == "bfloat16" or BF16_UNIT * ratio * system.cond <= bf16_tol:
                 used = "bfloat16"
         b = _take(pool, "rhs", mean.shape, dtype)  # B^T (out, in), or B (in, out) for conv1d
         if used == "bfloat16":  # one product over the K - 1 models: [c_1 D_1 .. c_m D_m] @ [dG_1; ..; dG_m]
             dg = system.bf16_diffs()  # (m in, in)
-            dd = torch.cat([ws[i].mul(c[i]).to(torch.bfloat16) for i in others], dim=0 if conv1d else 1)
+            dd = torch.cat([ds[i].mul(c[i]).to(torch.bfloat16) for i in others], dim=0 if conv1d else 1)
             if conv1d:
                 b.copy_(dg.T @ dd)  # (in, m in) @ (m in, out); dG^T = dG
             else:
@@ -256,9 +259,9 @@ def regmean_apply(
             for j, i in enumerate(others):
                 diff, beta = system.diffs[i], 1.0 if j else 0.0  # the first product overwrites b
                 if conv1d:
-                    b.addmm_(diff, ws[i], beta=beta, alpha=c[i])
+                    b.addmm_(diff, ds[i], beta=beta, alpha=c[i])
                 else:
-                    b.addmm_(ws[i], diff, beta=beta, alpha=c[i])
+                    b.addmm_(ds[i], diff, beta=beta, alpha=c[i])
         rhs = b if conv1d else b.T  # (in, out)
         if system.factor is not None:
             x = torch.cholesky_solve(rhs, system.factor)  # (in, out)
@@ -331,7 +334,7 @@ class RegMeanMerger(Merger):
         """RegMean solve for a linear weight with Grams, weighted mean otherwise.
 
         Layers whose ``gram_key`` equals the previous layer's (one input, e.g. q / k / v) reuse its factor
-        without reading their Grams. Each system is built in one pass per Gram
+        without reading their Grams. Each system is built in one fused pass over the K Grams
         (:func:`symfuse.merge.gram_systems.build_system`) in the calling thread, between the products and solves
         that use every core: a builder thread beside them made the products 1.4x slower on 2 cores.
         """

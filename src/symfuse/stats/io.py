@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -109,10 +108,7 @@ class StatsFile:
 
     def read_span(self, key: str, out: torch.Tensor, first: int) -> torch.Tensor:
         """Fill the flat ``out`` (the stored dtype) with elements ``first:first + out.numel()`` of statistic ``key``."""
-        info = self._f.info(key)
-        if out.dtype != info.dtype or first < 0 or first + out.numel() > math.prod(info.shape):
-            raise ValueError(f"{self.path}: {key!r} has no {out.dtype} elements {first}:{first + out.numel()}")
-        return self._f.read_into(out, info.begin + first * out.element_size(), key)
+        return self._f.read_span(key, out, first)
 
     @property
     def same_input(self) -> dict[str, str]:

@@ -81,8 +81,7 @@ def test_grams_read_in_spans_give_the_system_of_grams_read_whole(tmp_path, monke
     grams = _grams(3, n, dtype=stored)
     files = [save_stats({"m": g}, tmp_path / f"g{i}.safetensors", {"kind": "gram"}) for i, g in enumerate(grams)]
     monkeypatch.setattr(base, "SERIAL_CHUNK", chunk)
-    monkeypatch.setattr(gs, "SERIAL_CHUNK", chunk)
-    monkeypatch.setattr(gs, "_SPAN_BUFFERS", threading.local())
+    monkeypatch.setattr(base, "_CHUNK_BUFFERS", threading.local())
     reads = []
     lazy = _span_inputs(files, "m")
     real = [lazy.span(i) for i in range(3)]
@@ -96,9 +95,9 @@ def test_grams_read_in_spans_give_the_system_of_grams_read_whole(tmp_path, monke
     whole = gs.build_system([g.clone() for g in grams], weights, 0.9, torch.float64)
     assert torch.equal(got.summed, whole.summed)
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(got.diffs, whole.diffs, strict=True))
-    # the two non-reference Grams were read in spans covering each element once; the reference read whole
-    assert sorted(f for _, f in reads) == sorted(list(range(0, n * n, chunk)) * 2)
-    assert sum(k for k, _ in reads) == 2 * n * n
+    # all three Grams (the reference too) were read in spans covering each element once
+    assert sorted(f for _, f in reads) == sorted(list(range(0, n * n, chunk)) * 3)
+    assert sum(k for k, _ in reads) == 3 * n * n
 
 
 def test_a_nan_in_a_gram_read_in_spans_names_its_file(tmp_path):
