@@ -253,6 +253,25 @@ def spans(fn: Callable[[int, int], Any], n: int, parallel: bool = False) -> None
             f.result()
 
 
+def chunked_sum(t: torch.Tensor) -> float:
+    """The sum of a tensor's elements (float64 accumulation), summed chunk by chunk as :func:`chunked` passes run.
+
+    For finiteness checks between BLAS calls: torch's own ``sum`` of a large tensor runs on all cores and leaves
+    their threads spinning into the next BLAS call (a (3072, 3072) solve: 70 ms instead of 62 here).
+    """
+    flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().view(-1)
+    parts: list[torch.Tensor] = []
+    lock = threading.Lock()
+
+    def one(s: int, e: int) -> None:
+        part = flat[s:e].sum(dtype=torch.float64)
+        with lock:
+            parts.append(part)
+
+    spans(one, flat.numel(), parallel=True)
+    return float(torch.stack(parts).sum()) if parts else 0.0
+
+
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(3, thread_name_prefix="symfuse-chunks")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,7 @@ import torch
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.errors import CheckpointError, MissingStats, NonFiniteError
 from symfuse.io import BufferPool, check_finite_tensor, parallel_reads
-from symfuse.merge.base import LazyTensors, TensorInputs, weighted_mean
+from symfuse.merge.base import LazyTensors, TensorInputs, chunked_sum, weighted_mean
 from symfuse.merge.head_refit import RefitOptions, check_refittable, refit_batches, refit_heads
 from symfuse.merge.heads import merge_class_rows, union_heads, write_label_space
 from symfuse.merge.registry import MERGERS
@@ -122,7 +123,7 @@ def _resolve_stats(
 
 def _all_finite(t: torch.Tensor) -> bool:
     """Whether every element is finite (one reduction; element-wise only when the sum is not finite)."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+    return math.isfinite(chunked_sum(t)) or bool(torch.isfinite(t).all())
 
 
 def _finite_loader(

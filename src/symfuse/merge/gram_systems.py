@@ -16,13 +16,15 @@ and ``S`` is factored with all of them.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
 
 from symfuse.errors import NonFiniteError
 from symfuse.io import BufferPool
-from symfuse.merge.base import Chunks, LazyTensors, spans
+from symfuse.merge.base import Chunks, LazyTensors, chunked_sum, spans
+from symfuse.merge.linalg import Backend, resolve
 from symfuse.merge.regmean import GramSystem, factor_system, scale_gram, system_weights
 
 log = logging.getLogger(__name__)
@@ -48,11 +50,13 @@ def build_system(
     dtype: torch.dtype = torch.float64,
     pool: BufferPool | None = None,
     raw_pool: BufferPool | None = None,
+    linalg: Backend = "auto",
 ) -> GramSystem:
     """The factored system of K Grams (see :func:`symfuse.merge.regmean.gram_system`; same arguments, result).
 
     ``raw_pool`` (default ``pool``) holds Grams that cannot be read in spans (whole, one buffer per model; see
-    :class:`~symfuse.merge.base.Chunks`), ``pool`` the system itself.
+    :class:`~symfuse.merge.base.Chunks`), ``pool`` the system itself. ``linalg``: the factor's backend
+    (:mod:`symfuse.merge.linalg`).
 
     Raises:
         ValueError: a bad alpha, non-square Grams or Grams of different sizes.
@@ -109,7 +113,7 @@ def build_system(
         diag_sum += c * diags[i]
         diffs[i].diagonal().copy_(diags[i] - diags[ref])  # type: ignore[union-attr]
     summed.diagonal().copy_(diag_sum)
-    if not bool(torch.isfinite(summed.sum())):  # NaN / inf in a Gram propagate into S: find the file
+    if not math.isfinite(chunked_sum(summed)):  # NaN / inf in a Gram propagate into S: find the file
         for i in range(len(mw)):
             _check(grams, i, _load(grams, i, raw_pool, "gram.raw"))
         raise NonFiniteError(
@@ -120,4 +124,4 @@ def build_system(
         g_ref = _load(grams, ref, raw_pool, "gram.raw").to(dtype, copy=True)
         out.copy_(scale_gram(g_ref, alpha)).mul_(sum(mw))
 
-    return factor_system(summed, diffs, mw, ref, pool, reference_part)
+    return factor_system(summed, diffs, mw, ref, pool, reference_part, resolve(linalg))

@@ -42,6 +42,7 @@ import torch
 from pydantic import Field
 
 from symfuse.merge.base import Chunks, MergeParams, Merger, TensorInputs, chunked, load_all, spans, weighted_mean
+from symfuse.merge.linalg import Backend, Factor, addmm_, cholesky_, cholesky_solve_t_, resolve, sync_threads
 from symfuse.stats.io import BufferPool
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class RegMeanParams(MergeParams):
     dtype: Literal["float64", "float32"] = "float64"  # Gram sum, Cholesky factor and solve precision
     delta_dtype: Literal["same", "bfloat16", "auto"] = "same"  # precision of the correction products (see module)
     bf16_tol: float = 1e-6  # auto: largest predicted relative error accepted for bfloat16 products
+    linalg: Backend = "auto"  # products, Cholesky and solves: torch's BLAS / LAPACK, scipy's, or the faster here
 
 
 @dataclass
@@ -66,9 +68,9 @@ class GramSystem:
         diffs: Per model, ``G_i' - G_r'`` (in, in) in the solve dtype; None for the reference model ``r`` and
             for models of weight 0 (they add nothing to the correction).
         weights: The K model weights ``c_i``.
-        summed: The lower Cholesky factor of ``S = sum_i c_i G_i'`` (factored in place), or ``S`` itself when it
-            is not positive definite.
-        factor: ``summed`` when it holds the factor, None after the lstsq fallback.
+        summed: The memory of the Cholesky factor of ``S = sum_i c_i G_i'`` (factored in place), or ``S`` itself
+            when it is not positive definite.
+        factor: The factor (its ``lower`` triangle, backend), None after the lstsq fallback.
         cond: ``(max diag L / min diag L)^2``, a lower bound on cond(S) (inf when not positive definite).
         ref: Index of the reference model (largest weight).
         pool: The buffers holding the tensors (None: own memory).
@@ -77,7 +79,7 @@ class GramSystem:
     diffs: list[torch.Tensor | None]
     weights: list[float]
     summed: torch.Tensor
-    factor: torch.Tensor | None
+    factor: Factor | None
     cond: float
     ref: int
     pool: BufferPool | None = None
@@ -119,6 +121,7 @@ def gram_system(
     alpha: float = 0.9,
     dtype: torch.dtype = torch.float64,
     pool: BufferPool | None = None,
+    linalg: Backend = "torch",
 ) -> GramSystem:
     """Read K Grams, scale their off-diagonals, sum them and factor the sum.
 
@@ -128,6 +131,7 @@ def gram_system(
         alpha: Off-diagonal scale in [0, 1].
         dtype: Compute precision.
         pool: Reuse these buffers for the Grams and the factor (valid until the next call with the same pool).
+        linalg: The factor's backend (:mod:`symfuse.merge.linalg`).
 
     Returns:
         The factored system; the caller's Gram tensors are never modified.
@@ -157,7 +161,9 @@ def gram_system(
         if i != ref and mw[i] != 0.0:
             chunked(torch.Tensor.sub_, g, mine[ref])  # in place: the Grams themselves are not needed any more
             diffs[i] = g
-    return factor_system(summed, diffs, mw, ref, pool, lambda out: torch.mul(mine[ref], sum(mw), out=out))
+    return factor_system(
+        summed, diffs, mw, ref, pool, lambda out: torch.mul(mine[ref], sum(mw), out=out), resolve(linalg)
+    )
 
 
 def factor_system(
@@ -167,6 +173,7 @@ def factor_system(
     ref: int,
     pool: BufferPool | None,
     reference_part: Callable[[torch.Tensor], object],
+    linalg: Literal["torch", "scipy"] = "torch",
 ) -> GramSystem:
     """Cholesky-factor the summed Gram ``S`` in place into a :class:`GramSystem`.
 
@@ -174,18 +181,19 @@ def factor_system(
     system solves by lstsq: ``reference_part(out)`` writes the first term (``(sum_i c_i) G_r'``) into ``out``.
     """
     n = summed.shape[0]
-    info = torch.empty((), dtype=torch.int32)
-    torch.linalg.cholesky_ex(summed, out=(summed, info))  # in place: S is not needed once factored
-    if int(info) != 0:
+    if linalg == "scipy":
+        sync_threads()
+    factor = cholesky_(summed, linalg)  # in place: S is not needed once factored
+    if factor is None:
         log.warning("regmean: summed Gram (%d x %d) is not positive definite; solving by lstsq", n, n)
         reference_part(summed)
         for d, c in zip(diffs, mw, strict=True):
             if d is not None:
                 summed.add_(d, alpha=c)
         return GramSystem(diffs, mw, summed, None, math.inf, ref, pool)
-    dg = summed.diagonal()
+    dg = factor.diagonal()
     cond = float((dg.max() / dg.min()) ** 2)
-    return GramSystem(diffs, mw, summed, summed, cond, ref, pool)
+    return GramSystem(diffs, mw, summed, factor, cond, ref, pool)
 
 
 def regmean_apply(
@@ -219,8 +227,9 @@ def regmean_apply(
         if len(sh) != 2 or (sh[0] if conv1d else sh[-1]) != n_in or sh != shape:
             raise ValueError(f"regmean: weight {sh} does not match Gram ({n_in}, {n_in}) and weight {shape}")
     out_dtype = chunks.stored[0]
-    # Everything stays in the stored layout: for nn.Linear (out, in), B^T = sum_i c_i D_i (G_i' - G_r') (the
-    # Grams are symmetric), and the solve reads B^T as the column-major (in, out) right-hand side.
+    # The weights stay in the stored layout; the products go into B^T (out, in) row-major, nn.Linear's layout:
+    # B^T = sum_i c_i D_i (G_i' - G_r') (the Grams are symmetric; D_i^T for conv1d), which the solve reads as the
+    # column-major (in, out) right-hand side.
     c = system.weights
     total = sum(c)
     mean = torch.empty(shape, dtype=dtype)  # Wbar (the output)
@@ -246,29 +255,29 @@ def regmean_apply(
             ratio = max(float(ds[i].norm()) for i in others) / scale
             if delta_dtype == "bfloat16" or BF16_UNIT * ratio * system.cond <= bf16_tol:
                 used = "bfloat16"
-        b = _take(pool, "rhs", mean.shape, dtype)  # B^T (out, in), or B (in, out) for conv1d
+        b = _take(pool, "rhs", (shape[1], shape[0]) if conv1d else shape, dtype)  # B^T (out, in)
         if used == "bfloat16":  # one product over the K - 1 models: [c_1 D_1 .. c_m D_m] @ [dG_1; ..; dG_m]
             dg = system.bf16_diffs()  # (m in, in)
             dd = torch.cat([ds[i].mul(c[i]).to(torch.bfloat16) for i in others], dim=0 if conv1d else 1)
-            if conv1d:
-                b.copy_(dg.T @ dd)  # (in, m in) @ (m in, out); dG^T = dG
-            else:
-                b.copy_(dd @ dg)  # (out, m in) @ (m in, in)
+            b.copy_((dg.T @ dd).T if conv1d else dd @ dg)  # (in, m in) @ (m in, out); dG^T = dG
             del dd
         else:
-            for j, i in enumerate(others):
-                diff, beta = system.diffs[i], 1.0 if j else 0.0  # the first product overwrites b
-                if conv1d:
-                    b.addmm_(diff, ds[i], beta=beta, alpha=c[i])
-                else:
-                    b.addmm_(ds[i], diff, beta=beta, alpha=c[i])
-        rhs = b if conv1d else b.T  # (in, out)
+            backend = system.factor.backend if system.factor is not None else "torch"
+            for j, i in enumerate(others):  # the first product overwrites b
+                addmm_(b, ds[i], system.diffs[i], 1.0 if j else 0.0, c[i], backend, a_t=conv1d)  # type: ignore[arg-type]
         if system.factor is not None:
-            x = torch.cholesky_solve(rhs, system.factor)  # (in, out)
+            x = cholesky_solve_t_(b, system.factor)  # X^T (out, in)
         else:
-            x = torch.linalg.lstsq(system.summed.double(), rhs.double().contiguous()).solution.to(dtype)
-        mean.add_(x if conv1d else x.T)
-    return mean.to(out_dtype), used
+            x = torch.linalg.lstsq(system.summed.double(), b.T.double().contiguous()).solution.to(dtype).T
+        if conv1d:
+            mean.add_(x.T)
+        else:  # single-threaded chunks: torch's all-core add would leave its threads spinning into the next BLAS
+            chunked(torch.Tensor.add_, mean, x, parallel=True)
+    if mean.dtype == out_dtype:
+        return mean, used
+    out = torch.empty(mean.shape, dtype=out_dtype)
+    chunked(torch.Tensor.copy_, out, mean, parallel=True)
+    return out, used
 
 
 def _take(pool: BufferPool | None, slot: str, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -285,6 +294,7 @@ def regmean_solve(
     cache: GramSystem | None = None,
     delta_dtype: Literal["same", "bfloat16", "auto"] = "same",
     bf16_tol: float = 1e-6,
+    linalg: Backend = "torch",
 ) -> tuple[torch.Tensor, GramSystem]:
     """Merge one linear layer's weights with RegMean (see the module docstring for the algebra).
 
@@ -298,6 +308,7 @@ def regmean_solve(
         cache: The :class:`GramSystem` of the same Grams (another layer reading the same input), reused.
         delta_dtype: Precision of the correction products: ``same``, ``bfloat16`` or ``auto``.
         bf16_tol: ``auto``: largest predicted relative error accepted for bfloat16 products.
+        linalg: Backend of the factor, products and solve (:mod:`symfuse.merge.linalg`).
 
     Returns:
         ``(merged weight in the input layout and dtype, the GramSystem)``; ``system.factor`` is None after the
@@ -306,7 +317,7 @@ def regmean_solve(
     Raises:
         ValueError: if alpha is outside [0, 1] or shapes disagree (the message names them).
     """
-    system = cache if cache is not None else gram_system(grams, model_weights, alpha, dtype)
+    system = cache if cache is not None else gram_system(grams, model_weights, alpha, dtype, linalg=linalg)
     out, _ = regmean_apply(system, weights, conv1d, delta_dtype, bf16_tol)
     return out, system
 
@@ -349,7 +360,7 @@ class RegMeanMerger(Merger):
 
             self._system = None
             dtype = getattr(torch, p.dtype)  # type: ignore[attr-defined]
-            system = build_system(t.gram, t.weights, p.alpha, dtype, self.pool, self._raw)  # type: ignore[attr-defined]
+            system = build_system(t.gram, t.weights, p.alpha, dtype, self.pool, self._raw, p.linalg)  # type: ignore[attr-defined]
             self._system, self._system_key = system, t.gram_key
             if system.factor is None:
                 self.count("lstsq_fallback")
