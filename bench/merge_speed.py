@@ -120,6 +120,7 @@ def setup(root: Path, k: int) -> None:
 VARIANTS = {  # name -> (stats folder suffix, merge params)
     "regmean float64": ("", {"dtype": "float64"}),
     "regmean float32": ("", {"dtype": "float32"}),
+    "regmean float32, torch linalg": ("", {"dtype": "float32", "linalg": "torch"}),
     "regmean float32 bf16": ("", {"dtype": "float32", "delta_dtype": "bfloat16"}),
     "regmean float32 auto": ("", {"dtype": "float32", "delta_dtype": "auto"}),
     "regmean float32, f32 Grams": ("-f32", {"dtype": "float32"}),

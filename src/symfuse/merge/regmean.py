@@ -21,6 +21,10 @@ How it is computed (exact algebra, cheaper and numerically kinder than the formu
 * One factorisation per input: ``S`` is factored once by Cholesky (``dtype``, float64 by default) and reused by
   every layer reading the same input (q / k / v, recorded as ``same_input`` in the Gram file); when ``S`` is
   not positive definite the correction is solved by ``lstsq`` in float64 (logged, counted).
+* In place: the products, the factorisation and the solves run in the system's own buffers through torch's or
+  scipy's BLAS / LAPACK (``linalg``, :mod:`symfuse.merge.linalg`: ``auto`` takes the one that is faster on this
+  CPU); the means and deltas, and the Gram systems (:mod:`symfuse.merge.gram_systems`), are built in one fused
+  pass over the K inputs read span by span.
 * Correction precision (``delta_dtype``): ``same`` computes ``B`` in ``dtype``; ``bfloat16`` computes it with
   bfloat16 inputs (float32 accumulation, one product over the K - 1 models), about 2x faster on CPUs with
   bfloat16 dot products; ``auto`` uses bfloat16 only when the predicted relative error
