@@ -373,6 +373,8 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     Tensors that can be read in spans (:class:`Chunks`) are summed in one fused pass, chunk by chunk in cache;
     others one model at a time (one tensor in memory besides the sum).
     """
+    if len(weights) != len(tensors):
+        raise ValueError(f"weighted_mean: {len(tensors)} tensors but {len(weights)} weights")
     lazy = isinstance(tensors, LazyTensors)
     if lazy and all(tensors.span(i) is not None for i in range(len(tensors))):  # type: ignore[union-attr]
         chunks = Chunks(tensors, None, "mean")
