@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from symfuse.errors import CheckpointError
+from symfuse.io.direct import DirectWriter
 from symfuse.io.folder import WEIGHTS, WEIGHTS_INDEX
 from symfuse.io.safetensors import DTYPES, write_error
 
@@ -86,6 +87,8 @@ class PlannedFile:
         file: Destination (created or truncated; its size is set at once).
         layout: ``{name: (dtype, shape)}`` of every tensor the file will hold.
         metadata: String metadata (``__metadata__``).
+        direct: Write large tensors around the page cache where the file system allows it
+            (:mod:`symfuse.io.direct`; its bounce buffers add 4 MiB to the writer's memory).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class PlannedFile:
         file: str | os.PathLike,
         layout: Mapping[str, tuple[torch.dtype, Sequence[int]]],
         metadata: Mapping[str, str] | None = None,
+        direct: bool = True,
     ):
         self.path = Path(file)
         order = sorted(layout, key=lambda n: (_RANK[_NAMES[layout[n][0]]], n.encode()))
@@ -115,6 +119,7 @@ class PlannedFile:
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self._fd, self.size)
+        self._direct = DirectWriter(self.path, self._pwrite, direct)  # large tensors' aligned middles
         self._pwrite(struct.pack("<Q", len(text)) + text, 0)
 
     def _pwrite(self, data: memoryview | bytes, offset: int) -> None:
@@ -125,6 +130,18 @@ class PlannedFile:
                 view, offset = view[done:], offset + done
         except OSError as exc:  # pwrite's errors name no file
             raise write_error(self.path, exc.errno, exc.strerror) from exc
+
+    def _store(self, view: memoryview, offset: int) -> None:
+        """Bytes ``view`` at ``offset``: the aligned middle of a large range directly, the rest buffered."""
+        a, b = self._direct.middle(offset, len(view))
+        if b > a:
+            self._direct.write(view[a - offset : b - offset], a)  # queued for the disk; copied, so ours again
+            self._pwrite(view[: a - offset], offset)  # the unaligned ends
+            self._pwrite(view[b - offset :], b)
+            return
+        self._pwrite(view, offset)
+        if len(view) >= WRITEBACK_BYTES:
+            start_writeback(self._fd, offset, len(view))
 
     def write(self, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
         """Store ``tensor`` (all of ``name``, or its rows from ``first_row`` on) at its place in the file.
@@ -149,9 +166,7 @@ class PlannedFile:
         nbytes = t.numel() * t.element_size()
         if nbytes:
             offset = begin + (first_row * (size // shape[0]) if shape else 0)
-            self._pwrite(memoryview(t.reshape(-1).view(torch.uint8).numpy()), self._data + offset)
-            if nbytes >= WRITEBACK_BYTES:
-                start_writeback(self._fd, self._data + offset, nbytes)
+            self._store(memoryview(t.reshape(-1).view(torch.uint8).numpy()), self._data + offset)
         with self._lock:
             self._written[name] = self._written.get(name, 0) + nbytes
             if self._written[name] >= size:
@@ -162,6 +177,7 @@ class PlannedFile:
             self._fsync()
 
     def _fsync(self) -> None:
+        self._direct.flush()  # the queued direct writes first (raises their error, naming the file)
         try:
             os.fsync(self._fd)
         except OSError as exc:  # fsync's errors name no file either
@@ -184,6 +200,8 @@ class PlannedFile:
         """Close the descriptor (idempotent; the file stays as written so far)."""
         if not hasattr(self, "_fd"):  # the constructor failed before opening it
             return
+        if hasattr(self, "_direct"):
+            self._direct.close()
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)
@@ -220,9 +238,10 @@ class PlannedCheckpoint:
         reader: The checkpoint copied (a :class:`symfuse.checkpoint.CheckpointReader`).
         out: Folder to write into (a temporary folder the caller publishes).
         shard_bytes: Largest shard size.
+        direct: Large tensors around the page cache (see :class:`PlannedFile`).
     """
 
-    def __init__(self, reader: Any, out: Path, shard_bytes: int):
+    def __init__(self, reader: Any, out: Path, shard_bytes: int, direct: bool = True):
         self.out = out
         self.shards = plan_shards(reader, shard_bytes)
         single = len(self.shards) == 1
@@ -237,7 +256,7 @@ class PlannedCheckpoint:
                     layout[n] = (info.dtype, info.shape)
                     self.dtype[n] = info.dtype
                 name = WEIGHTS if single else f"model-{i:05d}.safetensors"
-                pf = PlannedFile(out / name, layout, {"format": "pt"})
+                pf = PlannedFile(out / name, layout, {"format": "pt"}, direct)
                 self.files.append(pf)
                 self.file_of.update(dict.fromkeys(names, pf))
         except BaseException:

@@ -1,0 +1,178 @@
+"""Direct (O_DIRECT) writes of planned safetensors files: same bytes as save_file, refusals fall back to buffered."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from symfuse.io import direct, planned
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "m", "bert", seed=0)
+
+
+def _layout(tensors):
+    return {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {  # odd sizes: every tensor starts and ends off the 4 KiB grid
+        "a": torch.randn(1001, 7, generator=g),
+        "b": torch.randn(3, generator=g),
+        "c": torch.randn(2049, 5, generator=g).to(torch.bfloat16),
+        "d": torch.randn(4096 * 3 + 5, generator=g, dtype=torch.float64),
+    }
+
+
+@pytest.fixture
+def small_direct(monkeypatch, tmp_path):
+    """Direct writes for anything over 4 KiB, where the test folder's file system allows them."""
+    if not direct.direct_writes_wanted(tmp_path):
+        pytest.skip(f"no direct writes on this file system ({direct.filesystem_type(tmp_path)})")
+    monkeypatch.setattr(direct, "DIRECT_MIN_BYTES", 4096)
+
+
+def _expected_direct_bytes(path, tensors):
+    """Bytes of the 4 KiB-aligned middles of every tensor of at least 4 KiB in the file written."""
+    from symfuse.io.safetensors import read_header
+
+    total = 0
+    for name, info in read_header(path).tensors.items():
+        if tensors[name].nbytes >= 4096:
+            a, b = -(-info.begin // 4096) * 4096, info.end // 4096 * 4096
+            total += max(0, b - a)
+    return total
+
+
+def test_direct_writes_give_the_bytes_save_file_writes(tmp_path, small_direct):
+    tensors = _tensors()
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", _layout(tensors), {"format": "pt"})
+    for name in ("d", "b", "a", "c"):  # any order
+        pf.write(name, tensors[name])
+    written = pf._direct.direct_bytes
+    pf.finish()
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert written == _expected_direct_bytes(tmp_path / "x.safetensors", tensors) > 3 * 4096
+
+
+def test_row_blocks_from_several_threads_give_the_same_bytes(tmp_path, small_direct):
+    """Blocks of rows of one tensor written concurrently (as the match pipeline's workers do): identical file."""
+    tensors = _tensors()
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", _layout(tensors), {"format": "pt"})
+    jobs = [("a", r, tensors["a"][r : r + 300]) for r in range(0, 1001, 300)]
+    jobs += [("c", r, tensors["c"][r : r + 700]) for r in range(0, 2049, 700)]
+    jobs += [("b", 0, tensors["b"]), ("d", 0, tensors["d"])]
+    threads = [threading.Thread(target=pf.write, args=(n, t, r)) for n, r, t in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert pf._direct.direct_bytes > 0
+    pf.finish()
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("failure", ["refused", "short"])
+def test_a_refused_or_short_direct_write_is_finished_buffered(tmp_path, small_direct, monkeypatch, failure):
+    """EINVAL from a direct write switches direct writes off for the file; a short one writes its rest buffered."""
+    tensors = _tensors()
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", _layout(tensors), {"format": "pt"})
+    direct_fd = pf._direct._fd
+    real = os.pwrite
+    calls = []
+
+    def flaky(fd, data, offset):
+        if fd != direct_fd:
+            return real(fd, data, offset)
+        calls.append(len(data))
+        if failure == "refused":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data[:4096], offset)  # one block of what was asked
+
+    monkeypatch.setattr(direct.os, "pwrite", flaky)
+    pf.write("d", tensors["d"])
+    pf._direct.flush()
+    if failure == "refused":
+        assert not pf._direct.active and pf._direct.direct_bytes == 0 and len(calls) == 1
+    else:
+        assert pf._direct.active and pf._direct.direct_bytes == 4096
+    for name in ("a", "b", "c"):
+        pf.write(name, tensors[name])
+    pf.finish()
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_a_direct_write_error_names_the_file(tmp_path, small_direct, monkeypatch):
+    tensors = _tensors()
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", _layout(tensors), {"format": "pt"})
+    direct_fd = pf._direct._fd
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        if fd == direct_fd:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", full)
+    pf.write("d", tensors["d"])  # queued: the error comes with the next write, or the flush before the fsync
+    for name in ("a", "b", "c"):
+        try:
+            pf.write(name, tensors[name])
+        except OSError as exc:
+            raised = exc
+            break
+    else:
+        with pytest.raises(OSError) as info:
+            pf.finish()
+        raised = info.value
+    assert raised.errno == errno.ENOSPC
+    assert "x.safetensors: could not be written (No space left on device) — free disk space" in str(raised)
+    pf.close()
+    assert pf._direct._fd == -1 and pf._direct._executor is None
+
+
+def test_direct_writes_only_where_wanted(tmp_path, monkeypatch):
+    """Off by SYMFUSE_DIRECT_WRITES=0 and on file systems not known to support them (tmpfs, network, FUSE)."""
+    if direct.filesystem_type(tmp_path) is None:
+        assert not direct.direct_writes_wanted(tmp_path)  # no statfs here: never direct
+        return
+    monkeypatch.setattr(direct, "filesystem_type", lambda path: 0x01021994)  # tmpfs
+    assert not direct.direct_writes_wanted(tmp_path)
+    monkeypatch.setattr(direct, "filesystem_type", lambda path: 0xEF53)  # ext4
+    assert direct.direct_writes_wanted(tmp_path)
+    off = planned.PlannedFile(tmp_path / "off.safetensors", _layout(_tensors()), direct=False)  # the caller's choice
+    assert not off._direct.active
+    off.close()
+    monkeypatch.setenv("SYMFUSE_DIRECT_WRITES", "0")
+    assert not direct.direct_writes_wanted(tmp_path)
+    tensors = _tensors()
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", _layout(tensors), {"format": "pt"})
+    assert not pf._direct.active and pf._direct.middle(0, 1 << 30) == (0, 0)
+    pf.close()
+
+
+def test_write_checkpoint_with_direct_writes_is_save_files_bytes(tiny, tmp_path, small_direct):
+    from safetensors.torch import load_file
+
+    from symfuse.checkpoint import CheckpointReader, write_checkpoint
+
+    sd = load_file(str(tiny / "model.safetensors"))
+    with CheckpointReader(tiny) as r:
+        out = write_checkpoint(r, tmp_path / "out", replace=lambda n, t: t * 3 if t.is_floating_point() else t)
+    want = {n: t * 3 if t.is_floating_point() else t for n, t in sd.items()}
+    save_file(want, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert _expected_direct_bytes(out / "model.safetensors", want) > 0
