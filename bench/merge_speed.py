@@ -259,7 +259,9 @@ def ratio_table(args: argparse.Namespace, child) -> None:
                   f"{floor:.1f} s ({f['fastest']} fastest; with torch's primitives only {torch_floors[-1]:.1f} s), "
                   f"ratio {ratios[-1]:.2f}; I/O {ios[-1]:.1f} s (read {io['read_gb']:.1f} GB in {io['read_s']:.1f} s: "
                   f"preadv {io['preadv_s']:.1f} s, mapped {io['mmap_s']:.1f} s; write {io['write_gb']:.2f} GB in "
-                  f"{io['write_s']:.1f} s), merge / (floor + I/O) {full[-1]:.2f}; (floor + I/O) / floor "
+                  f"{io['write_s']:.2f} s: buffered {io['buffered_write_s']:.2f} s, direct "
+                  f"{io['direct_write_s']:.2f} s), "
+                  f"merge / (floor + I/O) {full[-1]:.2f}; (floor + I/O) / floor "
                   f"{(floor + ios[-1]) / floor:.2f}; peak RSS {rss[-1]:.0f} MiB; imports before the clock "
                   f"{imports[-1]:.1f} s", flush=True)  # fmt: skip
 
