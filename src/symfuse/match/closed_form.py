@@ -10,36 +10,15 @@ key-side columns (or value-side / output-side for VO), ``A*`` / ``B*`` the ancho
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
 from symfuse.match.assignment import certified_sparse_assignment
+from symfuse.threads import torch_threads
 
 log = logging.getLogger(__name__)
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Run the block with ``n`` torch intra-op threads, then restore the previous count.
-
-    The count is per calling thread (OpenMP / MKL thread-local settings), so worker threads may lower it without
-    touching the main thread. Used for tiny LAPACK calls: MKL's threaded SVD of small matrices is 10-50x slower
-    than the sequential one (thread start-up and barriers dominate), worse still when other processes share
-    the cores.
-    """
-    prev = torch.get_num_threads()
-    if prev == n:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 def procrustes(m: torch.Tensor) -> torch.Tensor:

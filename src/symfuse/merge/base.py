@@ -15,6 +15,7 @@ import torch
 from symfuse.errors import MissingStats
 from symfuse.merge.registry import MergeParams
 from symfuse.stats.io import BufferPool
+from symfuse.threads import torch_threads
 
 
 class LazyTensors(Sequence[torch.Tensor]):
@@ -206,10 +207,14 @@ class Merger:
             raise MissingStats(f"{self.name}: no base tensor for {t.name}; pass --base")
 
 
-SERIAL_CHUNK = 32_000  # elements per elementwise op: below torch's parallel grain size (32768), so ONE thread
-# Memory-bound elementwise loops gain little from a second thread, and on a shared CPU OpenMP's barriers wait for
-# a descheduled thread: 2-thread elementwise ops measured 10-18x slower than 1-thread ones on this 2-core machine
-# under load. Cache-sized chunks run single-threaded and stay in L2; BLAS / LAPACK calls keep every thread.
+SERIAL_CHUNK = 131_072  # elements per elementwise op, run with ONE torch thread in each of the pass's threads
+# Memory-bound elementwise loops gain little from a second torch thread, and on a shared CPU OpenMP's barriers wait
+# for a descheduled thread: 2-thread elementwise ops measured 10-18x slower than 1-thread ones on this 2-core
+# machine under load. So each chunk's ops run single-threaded (torch_threads(1) in every thread of a pass; until
+# stop 22 chunks of 32,000 elements stayed under torch's grain size instead) and the pass's own threads share the
+# chunks. Per op torch spends ~3 us in Python and dispatch: a (3072, 3072) Gram system's fused pass (K = 5) took
+# 71 ms in 32,000-element chunks, 45 of them without the reads, mostly per-chunk overhead; 31 ms in 131,072-element
+# ones (a numpy version of the pass measured the same). The chunks stay in L3; BLAS / LAPACK calls keep every thread.
 
 
 def chunked(fn: Callable[..., Any], *tensors: torch.Tensor, parallel: bool = False) -> None:
@@ -231,19 +236,21 @@ def spans(fn: Callable[[int, int], Any], n: int, parallel: bool = False) -> None
     """
     workers = min(4, torch.get_num_threads(), -(-n // SERIAL_CHUNK)) if parallel else 1
     if workers <= 1:
-        for s in range(0, n, SERIAL_CHUNK):
-            fn(s, min(n, s + SERIAL_CHUNK))
+        with torch_threads(1):
+            for s in range(0, n, SERIAL_CHUNK):
+                fn(s, min(n, s + SERIAL_CHUNK))
         return
     starts = iter(range(0, n, SERIAL_CHUNK))
     lock = threading.Lock()
 
     def run() -> None:
-        while True:
-            with lock:
-                s = next(starts, None)
-            if s is None:
-                return
-            fn(s, min(n, s + SERIAL_CHUNK))
+        with torch_threads(1):  # this thread's own count: the others' stay as they are
+            while True:
+                with lock:
+                    s = next(starts, None)
+                if s is None:
+                    return
+                fn(s, min(n, s + SERIAL_CHUNK))
 
     futures = [_pool().submit(run) for _ in range(workers - 1)]
     try:

@@ -146,25 +146,30 @@ def test_merger_builds_one_system_per_input_and_merges_as_the_closed_form(monkey
     assert merger.counters["factor_reused"] == 2
 
 
-@pytest.mark.parametrize("n", [5, 100_003])
+@pytest.mark.parametrize("n", [5, 300_007])
 def test_parallel_chunks_cover_every_element_once(n):
+    """Every element once; each thread of the pass runs its ops with one torch thread; counts restored after."""
+    from symfuse.merge import base
     from symfuse.merge.base import chunked
 
     x = torch.zeros(n)
     seen = []
+    threads_inside = set()
 
     def fn(c):
         seen.append(threading.current_thread().name)
+        threads_inside.add(torch.get_num_threads())
         c.add_(1.0)
 
     prev = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         chunked(fn, x, parallel=True)
+        assert torch.get_num_threads() == 2  # the caller's count is back
     finally:
         torch.set_num_threads(prev)
     assert torch.equal(x, torch.ones(n))
-    assert len(seen) == -(-n // 32_000)
+    assert len(seen) == -(-n // base.SERIAL_CHUNK) and threads_inside == {1}
 
 
 def test_merged_checkpoint_equals_layer_by_layer_regmean(tmp_path):
