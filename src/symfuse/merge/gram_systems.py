@@ -23,7 +23,7 @@ import torch
 
 from symfuse.errors import NonFiniteError
 from symfuse.io import BufferPool
-from symfuse.merge.base import Chunks, LazyTensors, chunked_sum, spans
+from symfuse.merge.base import Chunks, LazyTensors, spans
 from symfuse.merge.linalg import Backend, resolve
 from symfuse.merge.regmean import GramSystem, factor_system, scale_gram, system_weights
 
@@ -90,6 +90,7 @@ def build_system(
     flat_s = summed.view(-1)
     diags = torch.empty(len(mw), n, dtype=torch.float64)  # each Gram's stored diagonal
     c_ref = mw[ref]
+    sums: list[torch.Tensor] = []  # per chunk of S, in float64: the finiteness check, while the chunk is in cache
 
     def one(s: int, e: int) -> None:  # every Gram's chunk [s, e), the reference's and S's kept in cache
         first = -(-s // (n + 1))  # the diagonal entries k (n + 1) in [s, e)
@@ -106,6 +107,7 @@ def build_system(
                 d_.mul_(alpha)
             if count > 0:
                 diags[i, first : first + count] = g_[first * (n + 1) - s :: n + 1][:count]
+        sums.append(s_.sum(dtype=torch.float64))  # list.append is atomic
 
     spans(one, n * n, parallel=True)
     diag_sum = c_ref * diags[ref]
@@ -113,7 +115,8 @@ def build_system(
         diag_sum += c * diags[i]
         diffs[i].diagonal().copy_(diags[i] - diags[ref])  # type: ignore[union-attr]
     summed.diagonal().copy_(diag_sum)
-    if not math.isfinite(chunked_sum(summed)):  # NaN / inf in a Gram propagate into S: find the file
+    total = float(torch.stack(sums).sum()) + float(summed.diagonal().sum(dtype=torch.float64))
+    if not math.isfinite(total):  # NaN / inf in a Gram propagate into S (the chunks, then its diagonal): find the file
         for i in range(len(mw)):
             _check(grams, i, _load(grams, i, raw_pool, "gram.raw"))
         raise NonFiniteError(
