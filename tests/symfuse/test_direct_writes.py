@@ -60,6 +60,7 @@ def test_direct_writes_give_the_bytes_save_file_writes(tmp_path, small_direct):
     for name in ("d", "b", "a", "c"):  # any order
         pf.write(name, tensors[name])
     written = pf._direct.direct_bytes
+    assert pf._direct._executor is None and not pf._direct.active  # the last tensor in: thread and buffers freed
     pf.finish()
     save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
     assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
@@ -164,15 +165,34 @@ def test_direct_writes_only_where_wanted(tmp_path, monkeypatch):
     pf.close()
 
 
-def test_write_checkpoint_with_direct_writes_is_save_files_bytes(tiny, tmp_path, small_direct):
+@pytest.mark.parametrize("shard_bytes", [2 * 1024**3, 8 * 1024])
+def test_write_checkpoint_with_direct_writes_is_save_files_bytes(tiny, tmp_path, small_direct, shard_bytes):
+    """One file or many shards (each shard's writer thread and buffers freed when its last tensor is in)."""
+    import json
+
     from safetensors.torch import load_file
 
     from symfuse.checkpoint import CheckpointReader, write_checkpoint
+    from symfuse.io.safetensors import read_header
 
     sd = load_file(str(tiny / "model.safetensors"))
+    threads = threading.active_count()
     with CheckpointReader(tiny) as r:
-        out = write_checkpoint(r, tmp_path / "out", replace=lambda n, t: t * 3 if t.is_floating_point() else t)
+        out = write_checkpoint(
+            r, tmp_path / "out", replace=lambda n, t: t * 3 if t.is_floating_point() else t, shard_bytes=shard_bytes
+        )
+    assert threading.active_count() == threads  # no writer thread left behind
     want = {n: t * 3 if t.is_floating_point() else t for n, t in sd.items()}
-    save_file(want, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
-    assert (out / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
-    assert _expected_direct_bytes(out / "model.safetensors", want) > 0
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    if len(files) == 1:
+        parts = {"model.safetensors": want}
+    else:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        parts = {f: {n: want[n] for n, s in index["weight_map"].items() if s == f} for f in files}
+    direct_total = 0
+    for f, part in parts.items():
+        save_file(part, str(tmp_path / f"ref-{f}"), metadata={"format": "pt"})
+        assert (out / f).read_bytes() == (tmp_path / f"ref-{f}").read_bytes()
+        assert sorted(read_header(out / f).tensors) == sorted(part)
+        direct_total += _expected_direct_bytes(out / f, part)
+    assert direct_total > 0 and (len(files) > 2) == (shard_bytes < 1024**2)

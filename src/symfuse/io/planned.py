@@ -9,10 +9,11 @@ The files are written where the caller says (a temporary folder that is renamed 
 succeeded, see :func:`symfuse.outputs.atomic_output_dir`); a file is fsynced by the thread that writes its last
 tensor, and :meth:`PlannedFile.finish` refuses a file with a tensor missing. Write errors name the file.
 
-Every tensor of :data:`WRITEBACK_BYTES` or more is handed to the disk as soon as it is written
-(:func:`start_writeback`), so the disk writes while the caller computes the next tensors and the final ``fsync``
-waits only for the last ones (stop 18's profile of a roberta-base-sized merge: 0.7 s in that ``fsync``; the merge's
-wall time did not measurably change at stop 21, see bench/results/merge_speed.md).
+On local disk file systems the aligned middle of every large tensor is written around the page cache
+(:mod:`symfuse.io.direct`, from a background thread; ``direct=False`` turns it off). Any other tensor of
+:data:`WRITEBACK_BYTES` or more is handed to the disk as soon as it is written (:func:`start_writeback`), so the disk
+writes while the caller computes the next tensors and the final ``fsync`` waits only for the last ones (stop 18's
+profile of a roberta-base-sized merge: 0.7 s in that ``fsync``; see bench/results/merge_speed.md).
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ class PlannedFile:
             self._synced = self._synced or complete
         if complete:  # the last tensor: flush now, in the writing thread, not in finish()
             self._fsync()
+            self._direct.close()  # its thread and buffers: a checkpoint's shards are written one after another
 
     def _fsync(self) -> None:
         self._direct.flush()  # the queued direct writes first (raises their error, naming the file)

@@ -115,7 +115,7 @@ def build_system(
         diag_sum += c * diags[i]
         diffs[i].diagonal().copy_(diags[i] - diags[ref])  # type: ignore[union-attr]
     summed.diagonal().copy_(diag_sum)
-    total = float(torch.stack(sums).sum()) + float(summed.diagonal().sum(dtype=torch.float64))
+    total = (float(torch.stack(sums).sum()) if sums else 0.0) + float(summed.diagonal().sum(dtype=torch.float64))
     if not math.isfinite(total):  # NaN / inf in a Gram propagate into S (the chunks, then its diagonal): find the file
         for i in range(len(mw)):
             _check(grams, i, _load(grams, i, raw_pool, "gram.raw"))
