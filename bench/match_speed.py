@@ -15,12 +15,14 @@ just before. "write s" = streaming the matched checkpoint (with per-module dista
 cores). Breakdown columns are wall seconds summed over modules (threads overlap, so they can exceed "match s").
 "rss gib" = the process's peak RSS over matching AND writing (ru_maxrss, GiB).
 
-Whole command (``--job command``, issue 17): for a case, five rounds of two fresh subprocesses each, (a) the
-matching alone (as above) and (b) the whole ``symfuse match`` command run in-process through the CLI app (typer),
-after the imports (interpreter start and ``import torch, transformers, symfuse`` excluded, as in the issue):
-reading, matching, applying, the per-module checks, writing, the default streamed output check and publishing.
-Peak RSS of each = the subprocess's VmHWM (/proc/self/status) at its end, imports included in both. Prints the
-median and range of: match s, command s, command - match s, and both peak RSS.
+Whole command (``--job command``, issue 17): for a case, five rounds of three fresh subprocesses each, (a) the
+matching alone (as above), (a') the same after the allocator setting the ``symfuse match`` process makes
+(:func:`symfuse.runtime.map_large_allocations`: glibc's mmap threshold fixed at 1 MiB), and (b) the whole command
+run in-process through the console entry point (:func:`symfuse.cli.main`, as ``symfuse match ...`` runs), after the
+imports (interpreter start and ``import torch, transformers, symfuse`` excluded, as in the issue): reading,
+matching, applying, the per-module checks, writing, the default streamed output check and publishing. Peak RSS of
+each = the subprocess's VmHWM (/proc/self/status) at its end, imports included in all. Prints the median and range
+of: match s, command s, command - match s, and the three peak RSS.
 
 Usage: python bench/match_speed.py [--cases minilm,roberta-planted,...] [--workdir DIR] [--workers N]
        python bench/match_speed.py --job command [--cases roberta-planted] [--rounds 5] [--verify stream]
@@ -29,6 +31,8 @@ Usage: python bench/match_speed.py [--cases minilm,roberta-planted,...] [--workd
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import resource
 import shutil
@@ -189,24 +193,36 @@ def _vm_hwm_mib() -> float:
 
 
 def run_command(case: str, work: Path, what: str, verify: str) -> dict:
-    """One measurement in this (fresh) process: ``match`` = matching alone, ``command`` = the whole command."""
+    """One measurement in this (fresh) process: ``match`` = matching alone, ``match-mapped`` = the same under the
+    command's allocator setting (:func:`symfuse.runtime.map_large_allocations`), ``command`` = the whole command
+    through the console entry point (``symfuse match ...``: :func:`symfuse.cli.main`)."""
     import torch  # noqa: F401  (imports are not timed)
     import transformers  # noqa: F401
 
+    import symfuse.cli.commands
     import symfuse.cli.match  # noqa: F401
     from symfuse.checkpoint import CheckpointReader
-    from symfuse.cli import app
+    from symfuse.cli import main
     from symfuse.match.checkpoints import match_all_modules
+    from symfuse.runtime import map_large_allocations
 
     source, anchor = prepare(case, work)
     out = work / f"{case}-cmd"
     shutil.rmtree(out, ignore_errors=True)
+    if what == "match-mapped":
+        map_large_allocations()
     t0 = time.perf_counter()
-    if what == "match":
+    if what in ("match", "match-mapped"):
         with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
             match_all_modules(src, anc, DEFAULT)
     else:
-        app(["match", str(source), str(anchor), "--out", str(out), "--verify", verify], standalone_mode=False)
+        sys.argv = ["symfuse", "match", str(source), str(anchor), "--out", str(out), "--verify", verify]
+        with contextlib.redirect_stdout(io.StringIO()):  # the report (the RESULT line is ours)
+            try:
+                main()
+            except SystemExit as exc:
+                if exc.code:
+                    raise
     seconds = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     return {"seconds": seconds, "rss_mib": _vm_hwm_mib()}
@@ -219,13 +235,17 @@ def command_table(cases: list[str], work: Path, rounds: int, verify: str) -> Non
     def med(xs: list[float]) -> str:
         return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
-    print("| case | match s | command s | command - match s | match peak RSS MiB | command peak RSS MiB |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| case | match s | command s | command - match s | match peak RSS MiB | match peak RSS MiB, the command's "
+        "allocator setting | command peak RSS MiB |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    whats = ("match", "match-mapped", "command")
     for case in cases:
         subprocess.run([sys.executable, __file__, "--prepare", case, "--workdir", str(work)], check=True)
-        rows: dict[str, list[dict]] = {"match": [], "command": []}
+        rows: dict[str, list[dict]] = {w: [] for w in whats}
         for _ in range(rounds):
-            for what in ("match", "command"):
+            for what in whats:
                 cmd = [sys.executable, __file__, "--one-command", case, what, "--workdir", str(work)]
                 proc = subprocess.run([*cmd, "--verify", verify], check=True, capture_output=True, text=True)
                 line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
@@ -233,9 +253,12 @@ def command_table(cases: list[str], work: Path, rounds: int, verify: str) -> Non
         m = [r["seconds"] for r in rows["match"]]
         c = [r["seconds"] for r in rows["command"]]
         extra = [ci - mi for ci, mi in zip(c, m, strict=True)]
-        rm = [r["rss_mib"] for r in rows["match"]]
-        rc = [r["rss_mib"] for r in rows["command"]]
-        print(f"| {case} | {med(m)} | {med(c)} | {med(extra)} | {med(rm)} | {med(rc)} |", flush=True)
+        rss = {w: [r["rss_mib"] for r in rows[w]] for w in whats}
+        print(
+            f"| {case} | {med(m)} | {med(c)} | {med(extra)} | {med(rss['match'])} | {med(rss['match-mapped'])} | "
+            f"{med(rss['command'])} |",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from symfuse.match.assignment import certified_sparse_assignment
-from symfuse.threads import torch_threads
+from symfuse.runtime import torch_threads
 
 log = logging.getLogger(__name__)
 

@@ -164,6 +164,7 @@ def match_and_write(
         t0 = time.perf_counter()
         before = module_sq_distance(s, a)
         del a  # at most two copies of the module per worker, as while matching: the anchor is read again below
+        trim_heap()
         t0 = tick("distance", t0)
         # a soft (OT) map changes the module's function by design; otherwise the invariants are taken now, so
         # the source module is freed before the transformed one is checked (one module copy while checking)
@@ -171,6 +172,7 @@ def match_and_write(
         t0 = tick("check", t0)
         new = mt.apply(s)
         del s
+        trim_heap()
         t0 = tick("apply", t0)
         if before_inv is not None:
             check_module_transform(ref, before_inv, new, src.geometry, mt, where)

@@ -21,6 +21,7 @@ import torch
 
 from symfuse.arch import ModuleRef, ModuleWeights
 from symfuse.checkpoint import CheckpointReader
+from symfuse.runtime import libc
 
 
 class PreadSource:
@@ -75,21 +76,13 @@ class PreadSource:
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:  # no C library found
-        return None
-
-
-@functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    return getattr(_libc(), "malloc_trim", None)  # glibc only
+    return getattr(libc(), "malloc_trim", None)  # glibc only
 
 
 @functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
-    fn = getattr(_libc(), "madvise", None)
+    fn = getattr(libc(), "madvise", None)
     if fn is not None:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         fn.restype = ctypes.c_int

@@ -14,8 +14,8 @@ import torch
 
 from symfuse.errors import MissingStats
 from symfuse.merge.registry import MergeParams
+from symfuse.runtime import torch_threads
 from symfuse.stats.io import BufferPool
-from symfuse.threads import torch_threads
 
 
 class LazyTensors(Sequence[torch.Tensor]):
