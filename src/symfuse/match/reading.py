@@ -12,7 +12,6 @@ it concurrently.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 from collections.abc import Callable, Sequence
