@@ -3,8 +3,8 @@
 A buffered ``pwrite`` into a new file makes the kernel allocate and account a page-cache page (and, on ext4, a
 delayed block reservation) per 4 KiB: measured here (ext4, shared 2-core VM), 0.9-1.1 CPU seconds for 0.5 GB,
 whereas the same bytes written with ``O_DIRECT`` from a reused aligned buffer take 0.01-0.04 CPU seconds and
-0.14-0.19 s of wall time (bench/results/merge_speed.md, stop 23). A merged or matched checkpoint is not read back
-by the process that writes it, so caching its pages buys nothing.
+0.14-0.19 s of wall time (bench/results/merge_speed.md, stop 23). A merged checkpoint is not read back by the
+process that writes it, so caching its pages buys nothing.
 
 :class:`DirectWriter` writes the 4 KiB-aligned middle of a large range through a second descriptor opened with
 ``O_DIRECT``: the bytes are copied into reused page-aligned buffers and written by a background thread while the
