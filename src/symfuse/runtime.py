@@ -8,6 +8,7 @@ import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -35,11 +36,20 @@ def torch_threads(n: int) -> Iterator[None]:
 
 @functools.cache
 def libc() -> ctypes.CDLL | None:
-    """The C library (None where none is found)."""
+    """The C library, with ``errno`` kept for ``ctypes.get_errno`` (None where none is found)."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:  # no C library found
         return None
+
+
+def libc_function(name: str, argtypes: tuple, restype: type = ctypes.c_int) -> Any:
+    """The C library's function ``name`` with its signature set (None where the library lacks it)."""
+    fn = getattr(libc(), name, None)
+    if fn is not None:
+        fn.argtypes = argtypes
+        fn.restype = restype
+    return fn
 
 
 MAP_THRESHOLD = 1 << 20  # bytes: allocations this large get their own mapping (map_large_allocations)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from symfuse.io.safetensors import write_error
+from symfuse.runtime import libc_function
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,7 @@ DIRECT_FILESYSTEMS = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x
 def _statfs() -> Any:
     if not sys.platform.startswith("linux") or not hasattr(os, "O_DIRECT"):
         return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).statfs
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_char_p, ctypes.c_void_p)
-    fn.restype = ctypes.c_int
-    return fn
+    return libc_function("statfs", (ctypes.c_char_p, ctypes.c_void_p))
 
 
 def filesystem_type(path: str | os.PathLike) -> int | None:

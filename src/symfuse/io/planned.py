@@ -35,6 +35,7 @@ from symfuse.errors import CheckpointError
 from symfuse.io.direct import DirectWriter
 from symfuse.io.folder import WEIGHTS, WEIGHTS_INDEX
 from symfuse.io.safetensors import DTYPES, write_error
+from symfuse.runtime import libc_function
 
 _NAMES = {v: k for k, v in DTYPES.items()}
 # safetensors writes tensors by dtype (this order: its Rust enum, largest first), then by name
@@ -52,13 +53,7 @@ _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty p
 def _sync_file_range() -> Any:
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # a libc without it
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    return fn
+    return libc_function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint))
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from symfuse.arch import ModuleRef, ModuleWeights
 from symfuse.checkpoint import CheckpointReader
-from symfuse.runtime import libc
+from symfuse.runtime import libc, libc_function
 
 
 class PreadSource:
@@ -81,11 +81,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 @functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
-    fn = getattr(libc(), "madvise", None)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return fn
+    return libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
 
 
 _HUGE_PAGE = 2 << 20
