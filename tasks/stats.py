@@ -24,8 +24,8 @@ from tasks.policy import batch_settings, maybe_inject_fault
 
 
 def stats_settings(config: RunConfig, dataset: str, kind: str) -> dict:
-    """What changes a statistics file besides the model: kind, data, caps, sequence length."""
-    return {
+    """What changes a statistics file besides the model: kind, data, caps, sequence length, Gram dtype."""
+    settings = {
         "kind": kind,
         "data": config.dataset(dataset).data,
         "max_examples": config.stats.max_examples,
@@ -33,6 +33,9 @@ def stats_settings(config: RunConfig, dataset: str, kind: str) -> dict:
         "max_length": config.finetune.max_length,
         "seed": config.finetune.seed,
     }
+    if kind == "gram" and config.stats.gram_dtype != "float64":  # float64 Grams keep the keys they always had
+        settings["gram_dtype"] = config.stats.gram_dtype
+    return settings
 
 
 def stats_keys(
@@ -67,7 +70,7 @@ def collect_stats(config: RunConfig, model: str, model_uri: str, kind: str, data
                 fetch(store, model_uri), config.dataset(dataset).data, [kind], tmp,
                 max_examples=config.stats.max_examples, batch_size=micro, device=config.resolved_device(),
                 max_length=config.finetune.max_length, seed=config.finetune.seed, progress=False,
-                on_progress=progress,
+                on_progress=progress, gram_dtype=config.stats.gram_dtype,
             )  # fmt: skip
         meta = stage_meta("collect_stats", f"stats-{model}-{kind}", t.seconds, kind=kind, dataset=dataset)
         return store.put_file(key, files[kind], "collect_stats", {"model": model_uri}, ck, meta, move=True)
@@ -100,7 +103,7 @@ def follow_stats(config: RunConfig, model: str, matched_uri: str, stats_uri: str
                     matched, config.dataset(model).data, [kind], tmp,
                     max_examples=config.stats.max_examples, batch_size=micro, device=config.resolved_device(),
                     max_length=config.finetune.max_length, seed=config.finetune.seed, progress=False,
-                    on_progress=progress,
+                    on_progress=progress, gram_dtype=config.stats.gram_dtype,
                 )[kind]  # fmt: skip
         meta = stage_meta("follow_stats", f"follow-stats-{model}-{kind}", t.seconds, kind=kind, how=how)
         return store.put_file(key, out, "follow_stats", inputs, ck, meta, move=True)

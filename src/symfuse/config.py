@@ -110,6 +110,11 @@ class StatsSettings(_Strict):
     kinds: list[Literal["gram", "fisher"]] = Field(default_factory=lambda: list(STATS_KINDS), min_length=1)
     max_examples: int | None = Field(default=512, ge=1, description="Training examples used per model.")
     batch_size: int = Field(default=16, ge=1)
+    gram_dtype: Literal["float64", "float32"] = Field(
+        default="float64",
+        description="How Grams are stored: float32 halves them and what float32 RegMean merges read (accumulated "
+        "in float64 either way); keep float64 for float64 merges.",
+    )
 
 
 class EvalSettings(_Strict):

@@ -115,6 +115,7 @@ CASES = [
     C("stats-batch-size-zero", f"stats {{A}} --data {{DATA}} {OUT} --batch-size 0", 2, "--batch-size"),
     C("stats-unknown-fisher-mode", f"stats {{A}} --data {{DATA}} {OUT} --fisher-mode nope", 2, "--fisher-mode"),
     C("stats-bad-device", f"stats {{A}} --data {{DATA}} {OUT} --device gpu", 2, "--device"),
+    C("stats-bad-gram-dtype", f"stats {{A}} --data {{DATA}} {OUT} --gram-dtype float16", 2, "--gram-dtype"),
     C("stats-unknown-dataset", f"stats {{A}} --data nosuch_dataset {OUT}", 1, "nosuch_dataset", verbose=True),
     C("stats-missing-model", f"stats {{MISSING}} --data {{DATA}} {OUT}", 2, "missing"),
     C("stats-garbage-model", f"stats {{GARBAGE}} --data {{DATA}} {OUT}", 1, "garbage"),

@@ -24,6 +24,13 @@ def stats(
     max_length: Annotated[int, typer.Option("--max-length", help="Tokens per example at most.")] = 128,
     fisher_mode: Annotated[str, typer.Option("--fisher-mode", help="empirical or sampled.")] = "empirical",
     device: Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")] = "cpu",
+    gram_dtype: Annotated[
+        str,
+        typer.Option(
+            "--gram-dtype",
+            help="How Grams are stored: float64, or float32 (half the size; for float32 RegMean merges).",
+        ),
+    ] = "float64",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Collect per-layer input Grams and/or diagonal Fisher of MODEL on DATASET."""
@@ -31,6 +38,7 @@ def stats(
     checks.at_least("--batch-size", batch_size, 1)
     checks.at_least("--max-length", max_length, 2)
     checks.one_of("--fisher-mode", fisher_mode, ("empirical", "sampled"))
+    checks.one_of("--gram-dtype", gram_dtype, ("float64", "float32"))
     checks.device("--device", device)
     checks.local_path("MODEL", model)
     from symfuse.stats import collect_stats
@@ -51,6 +59,7 @@ def stats(
             split=split,
             max_length=max_length,
             fisher_mode=fisher_mode,
+            gram_dtype=gram_dtype,
         )
     for k, path in written.items():
         typer.echo(f"{k}: {Path(out) / path.name}")

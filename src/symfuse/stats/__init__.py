@@ -1,12 +1,13 @@
 """Per-model statistics: input Gram matrices, diagonal Fisher (file format: :mod:`symfuse.stats.io`)."""
 
-from symfuse.stats.collect import collect_stats, load_model, model_fingerprint
+from symfuse.stats.collect import GRAM_DTYPES, collect_stats, load_model, model_fingerprint
 from symfuse.stats.fisher import FisherStats, collect_fisher
 from symfuse.stats.gram import GramStats, collect_gram, linear_modules
 from symfuse.stats.io import STAT_KINDS, StatsFile, load_stats, save_stats
 from symfuse.stats.transform import transform_stats
 
 __all__ = [
+    "GRAM_DTYPES",
     "STAT_KINDS",
     "FisherStats",
     "GramStats",
