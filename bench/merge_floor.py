@@ -130,13 +130,14 @@ def arithmetic_floor(k: int) -> dict:
             "fastest": {k: sorted(v) for k, v in fastest.items()}, "by_backend": by_backend}  # fmt: skip
 
 
-def _merge_reads(root: Path, k: int):
+def _merge_reads(root: Path, k: int, suffix: str = ""):
     """``(TensorFile, name)`` of every tensor the merge reads: each model's tensors, and the Grams of its statistics
-    except those recorded as another key's ``same_input`` (k / v: q's Gram is read once)."""
+    (``s{i}{suffix}``) except those recorded as another key's ``same_input`` (k / v: q's Gram is read once)."""
     from symfuse.io import TensorFile
 
     for i in range(k):
-        for file, grams in ((root / f"s{i}" / "gram.safetensors", True), (root / f"m{i}" / "model.safetensors", False)):
+        grams_file = root / f"s{i}{suffix}" / "gram.safetensors"
+        for file, grams in ((grams_file, True), (root / f"m{i}" / "model.safetensors", False)):
             with TensorFile(file) as tf:
                 alias = set(json.loads(tf.metadata.get("same_input", "{}"))) if grams else set()
                 for name in tf.header.tensors:
@@ -144,25 +145,26 @@ def _merge_reads(root: Path, k: int):
                         yield tf, name
 
 
-def _read_inputs(root: Path, k: int, pool) -> int:
+def _read_inputs(root: Path, k: int, pool, suffix: str = "") -> int:
     """Read every tensor the merge reads once into ``pool``; the bytes read."""
     nbytes = 0
-    for tf, name in _merge_reads(root, k):
+    for tf, name in _merge_reads(root, k, suffix):
         nbytes += tf.get(name, pool, "x").numel() * tf.dtype(name).itemsize
     return nbytes
 
 
-def io_floor(root: Path, k: int) -> dict:
+def io_floor(root: Path, k: int, suffix: str = "") -> dict:
     """Seconds to move the merge's bytes once (warm page cache): read what it reads, write what it writes.
 
     The read is the faster of two ways: ``preadv`` into reused buffers (below), and mapping the files and summing
     every byte once in the merge's single-threaded chunks (no copy: :func:`_touch_inputs`).
 
-    Every Gram the merge reads (float64 as stored; k / v Grams that are recorded as q's ``same_input`` are not
-    read) and every tensor of the K models, each read into one reused buffer with the library's own reader
-    (``preadv``, split across threads); then the output's bytes written once and fsynced, the faster of buffered
-    ``pwrite`` and ``O_DIRECT`` (the merge writes its large tensors directly: :mod:`symfuse.io.direct`). No
-    conversion, no arithmetic: what any implementation reading these files and writing the result must pay.
+    Every Gram the merge reads (from ``s{i}{suffix}``, as stored: float64, or float32 for ``-f32``; k / v Grams
+    that are recorded as q's ``same_input`` are not read) and every tensor of the K models, each read into one
+    reused buffer with the library's own reader (``preadv``, split across threads); then the output's bytes
+    written once and fsynced, the faster of buffered ``pwrite`` and ``O_DIRECT`` (the merge writes its large
+    tensors directly: :mod:`symfuse.io.direct`). No conversion, no arithmetic: what any implementation reading
+    these files and writing the result must pay.
     """
     import os
 
@@ -171,10 +173,10 @@ def io_floor(root: Path, k: int) -> dict:
     pool = BufferPool()
     t = time.perf_counter()
     with parallel_reads():  # as the merge reads
-        nbytes = _read_inputs(root, k, pool)
+        nbytes = _read_inputs(root, k, pool, suffix)
     read_s = time.perf_counter() - t
     t = time.perf_counter()
-    mapped = _touch_inputs(root, k)
+    mapped = _touch_inputs(root, k, suffix)
     mmap_s = time.perf_counter() - t
     with TensorFile(root / "m0" / "model.safetensors") as tf:
         out = sum(t.nbytes for t in tf.header.tensors.values())
@@ -217,7 +219,7 @@ def _write_floor(root: Path, nbytes: int, direct: bool) -> float:
         buf.close()
 
 
-def _touch_inputs(root: Path, k: int) -> int:
+def _touch_inputs(root: Path, k: int, suffix: str = "") -> int:
     """Every byte :func:`_read_inputs` reads, mapped (no copy) and summed once by the merge's chunk threads."""
     import mmap
     import warnings
@@ -231,7 +233,7 @@ def _touch_inputs(root: Path, k: int) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a read-only buffer: only read here
-            for tf, name in _merge_reads(root, k):
+            for tf, name in _merge_reads(root, k, suffix):
                 if tf.path not in maps:  # one mapping per file, the previous file's dropped
                     for m in maps.values():
                         m.close()

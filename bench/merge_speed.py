@@ -246,7 +246,7 @@ def ratio_table(args: argparse.Namespace, child) -> None:
             f = json.loads(child("--job", "floor"))[str(k)]
             floor = f["floor_s"]
             torch_floors.append(f["by_backend"]["torch"])
-            io = json.loads(child("--job", "iofloor"))[str(k)]
+            io = json.loads(child("--job", "iofloor", f"--suffix={VARIANTS[variant][0]}"))[str(k)]  # its own Grams
             r = json.loads(child("--one", variant, str(k)))
             ratios.append(r["seconds"] / floor)
             rss.append(r["peak_rss_mib"])
@@ -288,6 +288,7 @@ def main() -> None:
     ap.add_argument("--gram-examples", type=int, default=512)
     ap.add_argument("--one", nargs=2, metavar=("VARIANT", "K"))
     ap.add_argument("--job", choices=["setup", "errors", "gram", "floor", "iofloor", "ratio"])
+    ap.add_argument("--suffix", default="", help="iofloor: the statistics folders' suffix (-f32: float32 Grams)")
     ap.add_argument("--rounds", type=int, default=5, help="--job ratio: rounds")
     args = ap.parse_args()
     # Every heavy step runs in its own process: Linux keeps ru_maxrss across fork + exec, so a parent that had
@@ -311,7 +312,7 @@ def main() -> None:
         print(json.dumps({k: arithmetic_floor(k) for k in args.ks}))
         return
     if args.job == "iofloor":
-        print(json.dumps({k: io_floor(args.root, k) for k in args.ks}))
+        print(json.dumps({k: io_floor(args.root, k, args.suffix) for k in args.ks}))
         return
 
     def child(*extra: str) -> str:

@@ -201,6 +201,14 @@ class Merger:
         """Merge one tensor of K models."""
         raise NotImplementedError
 
+    def output_finite(self, out: torch.Tensor) -> bool | None:
+        """Whether ``out``, what :meth:`merge_tensor` just returned, is all finite, if the merger already knows.
+
+        None (the default): ``merge_checkpoints`` checks it. A merger that took the output's sum in its last pass
+        over it answers True and spares that pass.
+        """
+        return None
+
     def check_inputs(self, t: TensorInputs) -> None:
         """Raise a clear error if the tensor lacks what this merger needs."""
         if self.needs_base and t.base is None:

@@ -260,7 +260,11 @@ def merge_checkpoints(
         if not deferred:
             check_finite_tensor(first, name, r0.file_of(name))
         merged = _merge_one(name, first, rows, deferred)
-        if merged is not first and merged.is_floating_point() and not _all_finite(merged):
+        if (
+            merged is not first
+            and merged.is_floating_point()
+            and not (merger.output_finite(merged) or _all_finite(merged))
+        ):
             if deferred:  # name the input that carried it
                 check_finite_tensor(first, name, r0.file_of(name))
                 for r in readers[1:]:

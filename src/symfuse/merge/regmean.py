@@ -206,6 +206,8 @@ def regmean_apply(
     conv1d: bool = False,
     delta_dtype: Literal["same", "bfloat16", "auto"] = "same",
     bf16_tol: float = 1e-6,
+    *,
+    finite: list[bool] | None = None,
 ) -> tuple[torch.Tensor, str]:
     """Merge one linear layer's K weights with a factored :class:`GramSystem` of their input.
 
@@ -215,6 +217,9 @@ def regmean_apply(
         conv1d: Weights are stored (in, out).
         delta_dtype: Precision of the correction products (see the module docstring).
         bf16_tol: ``auto``: largest predicted relative error accepted for bfloat16 products.
+        finite: When given, ``True`` is appended if the output is known to be all finite: its float64 sum is
+            taken in the last pass over it (the correction added, the stored dtype written), while each chunk is
+            in cache. Nothing is appended when the sum is not finite (NaN / inf, or a float64 sum's overflow).
 
     Returns:
         ``(merged weight in the input layout and dtype, precision used for the products)``.
@@ -275,12 +280,26 @@ def regmean_apply(
             x = torch.linalg.lstsq(system.summed.double(), b.T.double().contiguous()).solution.to(dtype).T
         if conv1d:
             mean.add_(x.T)
-        else:  # single-threaded chunks: torch's all-core add would leave its threads spinning into the next BLAS
-            chunked(torch.Tensor.add_, mean, x, parallel=True)
-    if mean.dtype == out_dtype:
-        return mean, used
-    out = torch.empty(mean.shape, dtype=out_dtype)
-    chunked(torch.Tensor.copy_, out, mean, parallel=True)
+            x = None
+    else:
+        x = None
+    out = mean if mean.dtype == out_dtype else torch.empty(mean.shape, dtype=out_dtype)
+    flat_x = x.reshape(-1) if x is not None else None  # X^T (out, in) is row-major like the mean: a view
+    flat_o = out.view(-1)
+    sums: list[torch.Tensor] = []
+
+    def finish(s: int, e: int) -> None:  # single-threaded chunks: an all-core torch op spins into the next BLAS
+        m = flat_m[s:e]
+        if flat_x is not None:
+            m.add_(flat_x[s:e])
+        o = m if out is mean else flat_o[s:e].copy_(m)
+        if finite is not None:
+            sums.append(o.sum(dtype=torch.float64))  # list.append is atomic
+
+    if flat_x is not None or out is not mean or finite is not None:
+        spans(finish, mean.numel(), parallel=True)
+    if finite is not None and math.isfinite(float(torch.stack(sums).sum()) if sums else 0.0):
+        finite.append(True)
     return out, used
 
 
@@ -339,6 +358,7 @@ class RegMeanMerger(Merger):
         self._system: GramSystem | None = None
         self._system_key: str | None = None
         self._raw = BufferPool()  # the Grams as read (two buffers)
+        self._finite: torch.Tensor | None = None  # the last output, when its final pass found it finite
 
     def close(self) -> None:
         """Release the Gram buffers."""
@@ -353,6 +373,7 @@ class RegMeanMerger(Merger):
         (:func:`symfuse.merge.gram_systems.build_system`) in the calling thread, between the products and solves
         that use every core: a builder thread beside them made the products 1.4x slower on 2 cores.
         """
+        self._finite = None
         if t.gram is None:
             return weighted_mean(t.tensors, t.weights)
         p = self.params
@@ -368,7 +389,14 @@ class RegMeanMerger(Merger):
             self._system, self._system_key = system, t.gram_key
             if system.factor is None:
                 self.count("lstsq_fallback")
-        out, used = regmean_apply(system, t.tensors, t.conv1d, p.delta_dtype, p.bf16_tol)  # type: ignore[attr-defined]
+        finite: list[bool] = []
+        out, used = regmean_apply(system, t.tensors, t.conv1d, p.delta_dtype, p.bf16_tol, finite=finite)  # type: ignore[attr-defined]
         self.count("regmean_solves")
         self.count(f"products_{used}")
+        self._finite = out if finite else None
         return out
+
+    def output_finite(self, out: torch.Tensor) -> bool | None:
+        """True when ``out`` is the last RegMean solve's output and its final pass found it finite, else None."""
+        known, self._finite = self._finite is out, None
+        return True if known else None
