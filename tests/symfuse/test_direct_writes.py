@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -196,3 +197,119 @@ def test_write_checkpoint_with_direct_writes_is_save_files_bytes(tiny, tmp_path,
         assert sorted(read_header(out / f).tensors) == sorted(part)
         direct_total += _expected_direct_bytes(out / f, part)
     assert direct_total > 0 and (len(files) > 2) == (shard_bytes < 1024**2)
+
+
+def _gated_pwrite(monkeypatch, pf):
+    """Direct writes of ``pf`` wait for ``gate``; returns (gate, number of direct writes done)."""
+    gate, done = threading.Event(), []
+    direct_fd, real = pf._direct._fd, os.pwrite
+
+    def gated(fd, data, offset):
+        if fd == direct_fd:
+            assert gate.wait(30), "the test never opened the gate"
+            done.append(len(data))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", gated)
+    return gate, done
+
+
+def test_a_handed_over_tensor_is_written_from_the_writer_thread(tmp_path, small_direct, monkeypatch):
+    """write() returns before any of the large middle is copied; the tensor is kept alive until it is written."""
+    import weakref
+
+    tensors = _tensors()
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", _layout(tensors), {"format": "pt"})
+    gate, done = _gated_pwrite(monkeypatch, pf)
+    owners, queue_write = [], pf._direct.write
+
+    def spy(view, offset, owner=None):
+        owners.append(weakref.ref(owner))  # what keeps the handed-over memory alive
+        queue_write(view, offset, owner)
+
+    monkeypatch.setattr(pf._direct, "write", spy)
+    mine = tensors["d"].clone()
+    pf.write("d", mine, hand_over=True)  # returns with the disk write blocked: nothing copied in this thread
+    assert owners[0]().data_ptr() == mine.data_ptr()  # the caller's own memory, no copy
+    del mine
+    assert owners[0]() is not None and not done and pf._direct._handed_over > 0
+    gate.set()
+    pf._direct.flush()
+    assert pf._direct._handed_over == 0 and sum(done) > 0
+    deadline = time.monotonic() + 10
+    while owners[0]() is not None and time.monotonic() < deadline:  # the writer's call returns just after flush
+        time.sleep(0.01)
+    assert owners[0]() is None  # let go once written
+    for name in ("a", "b", "c"):
+        pf.write(name, tensors[name], hand_over=True)
+    pf.finish()
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_without_hand_over_the_caller_may_change_its_tensor_at_once(tmp_path, small_direct, monkeypatch):
+    """The default copies the bytes before write() returns (a reused buffer stays the caller's)."""
+    tensors = _tensors()
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", _layout(tensors), {"format": "pt"})
+    gate, _ = _gated_pwrite(monkeypatch, pf)
+    reused = tensors["d"].clone()
+    pf.write("d", reused)
+    reused.fill_(float("nan"))  # the caller's next use of its buffer, before the disk saw a byte
+    strided = tensors["a"].T.contiguous().T  # not contiguous: write() takes its own copy, handed over
+    strided_copy = strided.clone()
+    pf.write("a", strided)
+    gate.set()
+    for name in ("b", "c"):
+        pf.write(name, tensors[name])
+    pf.finish()
+    assert torch.equal(strided, strided_copy)
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_handed_over_bytes_are_bounded(tmp_path, small_direct, monkeypatch):
+    """Past HANDED_OVER_BYTES waiting for the disk, the caller waits (memory bound); then every byte lands."""
+    monkeypatch.setattr(direct, "HANDED_OVER_BYTES", 8192)
+    tensors = _tensors()
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", _layout(tensors), {"format": "pt"})
+    gate, _ = _gated_pwrite(monkeypatch, pf)
+    pf.write("d", tensors["d"], hand_over=True)  # ~12 KiB handed over: the budget is spent
+    second = threading.Thread(target=pf.write, args=("a", tensors["a"]), kwargs={"hand_over": True})
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # waiting for the first to be copied out
+    gate.set()
+    second.join(30)
+    assert not second.is_alive()
+    for name in ("b", "c"):
+        pf.write(name, tensors[name], hand_over=True)
+    pf.finish()
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_a_handed_over_write_error_names_the_file(tmp_path, small_direct, monkeypatch):
+    tensors = _tensors()
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", _layout(tensors), {"format": "pt"})
+    direct_fd, real = pf._direct._fd, os.pwrite
+
+    def full(fd, data, offset):
+        if fd == direct_fd:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", full)
+    pf.write("d", tensors["d"], hand_over=True)
+    with pytest.raises(OSError) as info:
+        pf._direct.flush()
+    assert info.value.errno == errno.ENOSPC and "x.safetensors: could not be written" in str(info.value)
+    pf.close()
+    assert pf._direct._executor is None and pf._direct._handed_over == 0
+
+
+def test_buffer_pool_knows_its_buffers():
+    from symfuse.io import BufferPool
+
+    pool = BufferPool()
+    t = pool.take("x", (10, 3), torch.float32)
+    assert pool.holds(t) and pool.holds(t[2:]) and not pool.holds(t.clone())

@@ -8,7 +8,8 @@ process that writes it, so caching its pages buys nothing.
 
 :class:`DirectWriter` writes the 4 KiB-aligned middle of a large range through a second descriptor opened with
 ``O_DIRECT``: the bytes are copied into reused page-aligned buffers and written by a background thread while the
-caller goes on; the caller writes the unaligned ends through its ordinary descriptor (no page is ever written both
+caller goes on (a caller that hands its memory over, promising not to change it, is not even held up by the copy);
+the caller writes the unaligned ends through its ordinary descriptor (no page is ever written both
 ways, so the page cache and the disk never disagree). ``fsync`` on either descriptor flushes both, after
 :meth:`DirectWriter.flush`. Only on file systems known to support it on a local block device (ext4, xfs, btrfs,
 f2fs): network and FUSE file systems, tmpfs, overlay and anything unknown keep buffered writes. If the kernel still
@@ -42,6 +43,7 @@ ALIGN = 4096  # file offsets, lengths and the buffer of a direct write are multi
 BOUNCE_BYTES = 1 << 20  # each reused aligned buffer (larger ones measured no faster)
 BOUNCE_BUFFERS = 4  # buffers per file: the bytes queued for the disk at most
 DIRECT_MIN_BYTES = 1 << 20  # smaller writes stay buffered (a copy and a hand-over to the writer thread per call)
+HANDED_OVER_BYTES = 256 << 20  # bytes of handed-over tensors waiting for the disk at most (the caller then waits)
 # statfs f_type of local block-device file systems whose O_DIRECT is known to work (linux/magic.h)
 DIRECT_FILESYSTEMS = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0xF2F52010: "f2fs"}
 
@@ -97,6 +99,7 @@ class DirectWriter:
         self._free: queue.SimpleQueue[memoryview] | None = None  # bounce buffers not in flight
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight = 0
+        self._handed_over = 0  # bytes of handed-over views not yet copied out
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # one producer at a time
         self._done = threading.Condition()
@@ -119,10 +122,13 @@ class DirectWriter:
         b = (offset + nbytes) // ALIGN * ALIGN
         return (a, b) if b > a else (offset, offset)
 
-    def write(self, view: memoryview, offset: int) -> None:
+    def write(self, view: memoryview, offset: int, owner: object = None) -> None:
         """Queue ``view`` (bytes ``[offset, offset + len(view))``, as returned by :meth:`middle`) for the disk.
 
-        ``view`` may be reused as soon as this returns (its bytes are copied).
+        Without ``owner``, ``view`` may be reused as soon as this returns (its bytes are copied here). With
+        ``owner`` (the object owning ``view``'s memory, kept alive until written) the memory is handed over: the
+        caller must not change it until :meth:`flush` returns; the writer thread copies it out, and the caller
+        waits only while :data:`HANDED_OVER_BYTES` are already waiting.
 
         Raises:
             OSError: an earlier queued write failed (the message names the file).
@@ -134,6 +140,13 @@ class DirectWriter:
                 for _ in range(BOUNCE_BUFFERS):
                     self._free.put(_aligned_buffer())
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="symfuse-write")
+            if owner is not None:
+                with self._done:
+                    self._done.wait_for(lambda: self._handed_over < HANDED_OVER_BYTES)
+                    self._handed_over += len(view)
+                    self._in_flight += 1
+                self._executor.submit(self._write_handed_over, view, offset, owner)  # type: ignore[union-attr]
+                return
             done = 0
             while done < len(view):
                 n = min(BOUNCE_BYTES, len(view) - done)
@@ -143,6 +156,23 @@ class DirectWriter:
                     self._in_flight += 1
                 self._executor.submit(self._write_buffer, buf, n, offset + done)  # type: ignore[union-attr]
                 done += n
+
+    def _write_handed_over(self, view: memoryview, offset: int, owner: object) -> None:  # in the writer thread
+        try:
+            done = 0
+            while done < len(view) and self._error is None:
+                n = min(BOUNCE_BYTES, len(view) - done)
+                buf = self._free.get()  # type: ignore[union-attr]  # this thread returns each one before the next
+                buf[:n] = view[done : done + n]
+                with self._done:
+                    self._in_flight += 1
+                self._write_buffer(buf, n, offset + done)
+                done += n
+        finally:  # ``owner`` (an argument of this call) is let go when it returns
+            with self._done:
+                self._handed_over -= len(view)
+                self._in_flight -= 1
+                self._done.notify_all()
 
     def _write_buffer(self, buf: memoryview, n: int, offset: int) -> None:  # in the writer thread
         try:

@@ -127,11 +127,14 @@ class PlannedFile:
         except OSError as exc:  # pwrite's errors name no file
             raise write_error(self.path, exc.errno, exc.strerror) from exc
 
-    def _store(self, view: memoryview, offset: int) -> None:
-        """Bytes ``view`` at ``offset``: the aligned middle of a large range directly, the rest buffered."""
+    def _store(self, view: memoryview, offset: int, owner: object = None) -> None:
+        """Bytes ``view`` at ``offset``: the aligned middle of a large range directly, the rest buffered.
+
+        ``owner``: the memory is handed over to the direct writer (see :meth:`DirectWriter.write`).
+        """
         a, b = self._direct.middle(offset, len(view))
         if b > a:
-            self._direct.write(view[a - offset : b - offset], a)  # queued for the disk; copied, so ours again
+            self._direct.write(view[a - offset : b - offset], a, owner)  # queued for the disk
             self._pwrite(view[: a - offset], offset)  # the unaligned ends
             self._pwrite(view[b - offset :], b)
             return
@@ -139,8 +142,11 @@ class PlannedFile:
         if len(view) >= WRITEBACK_BYTES:
             start_writeback(self._fd, offset, len(view))
 
-    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
+    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0, *, hand_over: bool = False) -> None:
         """Store ``tensor`` (all of ``name``, or its rows from ``first_row`` on) at its place in the file.
+
+        ``hand_over``: the caller will not change ``tensor`` until the file is finished, so its large middle is
+        copied out by the writer thread while the caller goes on (it is kept alive until then).
 
         Raises:
             CheckpointError: an unknown name, a dtype / shape other than planned, or rows past the end.
@@ -162,7 +168,9 @@ class PlannedFile:
         nbytes = t.numel() * t.element_size()
         if nbytes:
             offset = begin + (first_row * (size // shape[0]) if shape else 0)
-            self._store(memoryview(t.reshape(-1).view(torch.uint8).numpy()), self._data + offset)
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            copied = t.data_ptr() != tensor.data_ptr()  # contiguous() made our own copy
+            self._store(view, self._data + offset, t if hand_over or copied else None)
         with self._lock:
             self._written[name] = self._written.get(name, 0) + nbytes
             if self._written[name] >= size:
@@ -260,9 +268,10 @@ class PlannedCheckpoint:
             self.close()
             raise
 
-    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
-        """Store (rows of) one tensor, converted to its stored dtype."""
-        self.file_of[name].write(name, tensor.to(self.dtype[name]), first_row)
+    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0, *, hand_over: bool = False) -> None:
+        """Store (rows of) one tensor, converted to its stored dtype (``hand_over``: see :meth:`PlannedFile.write`)."""
+        stored = tensor.to(self.dtype[name])
+        self.file_of[name].write(name, stored, first_row, hand_over=hand_over or stored is not tensor)
 
     def finish(self) -> None:
         """Check and flush every shard to disk; write the index (several shards)."""

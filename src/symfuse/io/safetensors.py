@@ -225,6 +225,11 @@ class BufferPool:
             if self._bufs[k] is None:
                 del self._bufs[k]
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in one of this pool's buffers (so a later :meth:`take` may overwrite it)."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(b.untyped_storage().data_ptr() == ptr for b in self._bufs.values())
+
     def nbytes(self) -> int:
         """Bytes held by every slot."""
         return sum(b.numel() for b in self._bufs.values())

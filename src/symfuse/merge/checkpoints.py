@@ -260,6 +260,8 @@ def merge_checkpoints(
         if not deferred:
             check_finite_tensor(first, name, r0.file_of(name))
         merged = _merge_one(name, first, rows, deferred)
+        if merger.fresh_outputs and merged is not first and pool.holds(merged):  # handed over below: never a pool's
+            merged = merged.clone()
         if (
             merged is not first
             and merged.is_floating_point()
@@ -329,7 +331,8 @@ def merge_checkpoints(
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         try:
             with parallel_reads():  # the merge's reads run between its BLAS calls: the cores are free
-                write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True)
+                write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True,
+                                 hand_over=merger.fresh_outputs)  # fmt: skip
         finally:
             merger.close()
         if union is not None:  # the merged head learned every class some model learned
