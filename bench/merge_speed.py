@@ -136,8 +136,10 @@ def one(root: Path, variant: str, k: int) -> dict:
         stats = [s / "gram.safetensors" for s in stats]
     shutil.rmtree(out, ignore_errors=True)  # the merge into a fresh folder: deleting an old result is not timed
     # transformers' config machinery (1-3 s here) is imported once per process, as the interpreter is started
-    # once: a worker that merges again pays it once. Imported before the clock starts and reported beside it.
+    # once: a worker that merges again pays it once. So are scipy's LAPACK / BLAS wrappers (0.1-0.2 s; the merge's
+    # linalg backend, imported on first use). Imported before the clock starts and reported beside it.
     t = time.perf_counter()
+    import scipy.linalg  # noqa: F401
     from transformers import AutoConfig
 
     AutoConfig.from_pretrained(str(root / "m0"))
