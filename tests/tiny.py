@@ -172,3 +172,16 @@ def save_tiny(folder: Path, family: str, seed: int = 0, head: str = "base", **ov
     model = tiny_model(family, seed=seed, head=head, **overrides)
     model.save_pretrained(folder)
     return Path(folder)
+
+
+def save_tiny_text_classifier(folder: Path, seed: int = 0, num_labels: int = 2) -> Path:
+    """A tiny BERT sequence classifier with the real MiniLM tokenizer (fast, reads real text), saved to ``folder``."""
+    from symfuse.checkpoint import resolve_checkpoint
+
+    tok = T.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
+    torch.manual_seed(seed)
+    T.BertForSequenceClassification(
+        tiny_config("bert", vocab_size=tok.vocab_size, num_labels=num_labels)
+    ).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return Path(folder)

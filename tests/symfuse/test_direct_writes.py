@@ -43,6 +43,20 @@ def small_direct(monkeypatch, tmp_path):
     monkeypatch.setattr(direct, "DIRECT_MIN_BYTES", 4096)
 
 
+def _assert_save_files_bytes(tmp_path, tensors):
+    """``tmp_path / "x.safetensors"`` holds the bytes save_file writes for ``tensors``."""
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def _write_rest_and_compare(pf, tmp_path, tensors, names, hand_over=False):
+    """Write ``names``, finish the file, and compare it with save_file's bytes."""
+    for name in names:
+        pf.write(name, tensors[name], hand_over=hand_over)
+    pf.finish()
+    _assert_save_files_bytes(tmp_path, tensors)
+
+
 def _expected_direct_bytes(path, tensors):
     """Bytes of the 4 KiB-aligned middles of every tensor of at least 4 KiB in the file written."""
     from symfuse.io.safetensors import read_header
@@ -63,8 +77,7 @@ def test_direct_writes_give_the_bytes_save_file_writes(tmp_path, small_direct):
     written = pf._direct.direct_bytes
     assert pf._direct._executor is None and not pf._direct.active  # the last tensor in: thread and buffers freed
     pf.finish()
-    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
-    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    _assert_save_files_bytes(tmp_path, tensors)
     assert written == _expected_direct_bytes(tmp_path / "x.safetensors", tensors) > 3 * 4096
 
 
@@ -82,8 +95,7 @@ def test_row_blocks_from_several_threads_give_the_same_bytes(tmp_path, small_dir
         t.join()
     assert pf._direct.direct_bytes > 0
     pf.finish()
-    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
-    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    _assert_save_files_bytes(tmp_path, tensors)
 
 
 @pytest.mark.parametrize("failure", ["refused", "short"])
@@ -113,8 +125,7 @@ def test_a_refused_or_short_direct_write_is_finished_buffered(tmp_path, small_di
     for name in ("a", "b", "c"):
         pf.write(name, tensors[name])
     pf.finish()
-    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
-    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    _assert_save_files_bytes(tmp_path, tensors)
 
 
 def test_a_direct_write_error_names_the_file(tmp_path, small_direct, monkeypatch):
@@ -240,11 +251,7 @@ def test_a_handed_over_tensor_is_written_from_the_writer_thread(tmp_path, small_
     while owners[0]() is not None and time.monotonic() < deadline:  # the writer's call returns just after flush
         time.sleep(0.01)
     assert owners[0]() is None  # let go once written
-    for name in ("a", "b", "c"):
-        pf.write(name, tensors[name], hand_over=True)
-    pf.finish()
-    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
-    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    _write_rest_and_compare(pf, tmp_path, tensors, ("a", "b", "c"), hand_over=True)
 
 
 def test_without_hand_over_the_caller_may_change_its_tensor_at_once(tmp_path, small_direct, monkeypatch):
@@ -259,12 +266,8 @@ def test_without_hand_over_the_caller_may_change_its_tensor_at_once(tmp_path, sm
     strided_copy = strided.clone()
     pf.write("a", strided)
     gate.set()
-    for name in ("b", "c"):
-        pf.write(name, tensors[name])
-    pf.finish()
+    _write_rest_and_compare(pf, tmp_path, tensors, ("b", "c"))
     assert torch.equal(strided, strided_copy)
-    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
-    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
 
 
 def test_handed_over_bytes_are_bounded(tmp_path, small_direct, monkeypatch):
@@ -281,11 +284,7 @@ def test_handed_over_bytes_are_bounded(tmp_path, small_direct, monkeypatch):
     gate.set()
     second.join(30)
     assert not second.is_alive()
-    for name in ("b", "c"):
-        pf.write(name, tensors[name], hand_over=True)
-    pf.finish()
-    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
-    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    _write_rest_and_compare(pf, tmp_path, tensors, ("b", "c"), hand_over=True)
 
 
 def test_a_handed_over_write_error_names_the_file(tmp_path, small_direct, monkeypatch):

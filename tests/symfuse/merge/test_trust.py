@@ -5,28 +5,20 @@ import shutil
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
-from symfuse.checkpoint import resolve_checkpoint
 from symfuse.errors import NonFiniteError, StatsMismatchError
 from symfuse.match import disguise_checkpoint
 from symfuse.merge import merge_checkpoints
 from symfuse.stats import StatsFile, collect_stats, save_stats, transform_stats
-from tests.tiny import tiny_config
+from tests.tiny import save_tiny_text_classifier
 
 QUERY = "bert.encoder.layer.0.attention.self.query"
 
 
 def _model(folder, seed):
     """A tiny 2-label BERT classifier with the real MiniLM tokenizer (fast, real text)."""
-    tok = transformers.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
-    torch.manual_seed(seed)
-    transformers.BertForSequenceClassification(
-        tiny_config("bert", vocab_size=tok.vocab_size, num_labels=2)
-    ).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny_text_classifier(folder, seed)
 
 
 def _toy_data(folder):

@@ -6,25 +6,13 @@ import json
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file
 
-from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
 from symfuse.merge import merge_checkpoints
 from symfuse.stats import StatsFile, collect, collect_stats
 from tasks.stats import stats_settings
-from tests.tiny import tiny_config
-
-
-def _model(folder, seed):
-    tok = transformers.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
-    torch.manual_seed(seed)
-    transformers.BertForSequenceClassification(
-        tiny_config("bert", vocab_size=tok.vocab_size, num_labels=2)
-    ).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+from tests.tiny import save_tiny_text_classifier
 
 
 def _data(folder):
@@ -43,7 +31,7 @@ def collected(tmp_path_factory):
     """Two models, each with float64 and float32 Grams collected on the same data."""
     root = tmp_path_factory.mktemp("gram-dtype")
     data = _data(root / "toy")
-    models = [_model(root / f"m{i}", seed=i) for i in range(2)]
+    models = [save_tiny_text_classifier(root / f"m{i}", seed=i) for i in range(2)]
     stats: dict[str, list] = {"float64": [], "float32": []}
     for dtype, files in stats.items():
         for i, m in enumerate(models):
