@@ -312,3 +312,45 @@ def test_buffer_pool_knows_its_buffers():
     pool = BufferPool()
     t = pool.take("x", (10, 3), torch.float32)
     assert pool.holds(t) and pool.holds(t[2:]) and not pool.holds(t.clone())
+
+
+def test_handed_over_and_copied_writes_of_one_file_never_wait_on_each_other(tmp_path, small_direct, monkeypatch):
+    """A copied write waiting for bounce buffers while a handed-over one is being written: both finish.
+
+    The handed-over write runs in the writer thread with that thread's own buffer: had it taken bounce buffers too,
+    a caller waiting for one could take the one it gave back, with the caller's own pieces queued behind it in the
+    one writer thread: a deadlock (a race, so the test also checks that the writer thread never takes one).
+    """
+    import queue
+
+    takers: list[str] = []
+
+    class Recording(queue.SimpleQueue):
+        def get(self, *args, **kwargs):
+            item = super().get(*args, **kwargs)
+            if isinstance(item, memoryview):  # a bounce buffer (the executor's work queue is one of these too)
+                takers.append(threading.current_thread().name)
+            return item
+
+    monkeypatch.setattr(direct.queue, "SimpleQueue", Recording)
+    monkeypatch.setattr(direct, "BOUNCE_BYTES", 4096)
+    monkeypatch.setattr(direct, "BOUNCE_BUFFERS", 2)
+    tensors = _tensors()
+    pf = planned.PlannedFile(tmp_path / "x.safetensors", _layout(tensors), {"format": "pt"})
+    gate, _ = _gated_pwrite(monkeypatch, pf)
+
+    def writes():
+        pf.write("d", tensors["d"], hand_over=True)  # ~24 pieces, the first held at the gate
+        pf.write("a", tensors["a"])  # copied: 7 pieces through 2 bounce buffers
+        pf.write("c", tensors["c"], hand_over=True)
+        pf.write("b", tensors["b"])
+        pf.finish()
+
+    worker = threading.Thread(target=writes, daemon=True)
+    worker.start()
+    time.sleep(0.3)
+    gate.set()
+    worker.join(60)
+    assert not worker.is_alive(), "the writes deadlocked"
+    _assert_save_files_bytes(tmp_path, tensors)
+    assert takers and not [t for t in takers if t.startswith("symfuse-write")]  # only callers take bounce buffers

@@ -97,6 +97,7 @@ class DirectWriter:
         self._fallback = fallback
         self._fd = -1
         self._free: queue.SimpleQueue[memoryview] | None = None  # bounce buffers not in flight
+        self._own: memoryview | None = None  # the writer thread's buffer for handed-over memory
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight = 0
         self._handed_over = 0  # bytes of handed-over views not yet copied out
@@ -159,14 +160,13 @@ class DirectWriter:
 
     def _write_handed_over(self, view: memoryview, offset: int, owner: object) -> None:  # in the writer thread
         try:
+            if self._own is None:  # the writer thread's own buffer: never one a caller may be waiting for
+                self._own = _aligned_buffer()
             done = 0
             while done < len(view) and self._error is None:
                 n = min(BOUNCE_BYTES, len(view) - done)
-                buf = self._free.get()  # type: ignore[union-attr]  # this thread returns each one before the next
-                buf[:n] = view[done : done + n]
-                with self._done:
-                    self._in_flight += 1
-                self._write_buffer(buf, n, offset + done)
+                self._own[:n] = view[done : done + n]
+                self._write_out(self._own, n, offset + done)
                 done += n
         finally:  # ``owner`` (an argument of this call) is let go when it returns
             with self._done:
@@ -175,6 +175,16 @@ class DirectWriter:
                 self._done.notify_all()
 
     def _write_buffer(self, buf: memoryview, n: int, offset: int) -> None:  # in the writer thread
+        try:
+            self._write_out(buf, n, offset)
+        finally:
+            self._free.put(buf)  # type: ignore[union-attr]
+            with self._done:
+                self._in_flight -= 1
+                self._done.notify_all()
+
+    def _write_out(self, buf: memoryview, n: int, offset: int) -> None:  # in the writer thread
+        """``buf[:n]`` at ``offset``: directly, or what is refused or short buffered; an error is kept to raise."""
         try:
             wrote = 0
             if self._fd >= 0 and self._error is None:
@@ -191,11 +201,6 @@ class DirectWriter:
                 self._fallback(buf[wrote:n], offset + wrote)
         except BaseException as exc:  # raised to the caller by its next write or flush
             self._error = self._error or exc
-        finally:
-            self._free.put(buf)  # type: ignore[union-attr]
-            with self._done:
-                self._in_flight -= 1
-                self._done.notify_all()
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -214,7 +219,7 @@ class DirectWriter:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        self._free = None
+        self._free = self._own = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
