@@ -9,8 +9,8 @@ process that writes it, so caching its pages buys nothing.
 :class:`DirectWriter` writes the 4 KiB-aligned middle of a large range through a second descriptor opened with
 ``O_DIRECT``: the bytes are copied into reused page-aligned buffers and written by a background thread while the
 caller goes on (a caller that hands its memory over, promising not to change it, is not even held up by the copy);
-the caller writes the unaligned ends through its ordinary descriptor (no page is ever written both
-ways, so the page cache and the disk never disagree). ``fsync`` on either descriptor flushes both, after
+the caller writes the unaligned ends through its ordinary descriptor (no page is ever written both ways, so the page
+cache and the disk never disagree). ``fsync`` on either descriptor flushes both, after
 :meth:`DirectWriter.flush`. Only on file systems known to support it on a local block device (ext4, xfs, btrfs,
 f2fs): network and FUSE file systems, tmpfs, overlay and anything unknown keep buffered writes. If the kernel still
 refuses a direct write (``EINVAL``), the writer switches itself off and writes the rest buffered.
@@ -136,18 +136,19 @@ class DirectWriter:
         """
         self._raise()
         with self._lock:
-            if self._free is None:
-                self._free = queue.SimpleQueue()
-                for _ in range(BOUNCE_BUFFERS):
-                    self._free.put(_aligned_buffer())
+            if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="symfuse-write")
             if owner is not None:
                 with self._done:
                     self._done.wait_for(lambda: self._handed_over < HANDED_OVER_BYTES)
                     self._handed_over += len(view)
                     self._in_flight += 1
-                self._executor.submit(self._write_handed_over, view, offset, owner)  # type: ignore[union-attr]
+                self._executor.submit(self._write_handed_over, view, offset, owner)
                 return
+            if self._free is None:  # the bounce buffers: only for copied writes
+                self._free = queue.SimpleQueue()
+                for _ in range(BOUNCE_BUFFERS):
+                    self._free.put(_aligned_buffer())
             done = 0
             while done < len(view):
                 n = min(BOUNCE_BYTES, len(view) - done)
@@ -155,7 +156,7 @@ class DirectWriter:
                 buf[:n] = view[done : done + n]
                 with self._done:
                     self._in_flight += 1
-                self._executor.submit(self._write_buffer, buf, n, offset + done)  # type: ignore[union-attr]
+                self._executor.submit(self._write_buffer, buf, n, offset + done)
                 done += n
 
     def _write_handed_over(self, view: memoryview, offset: int, owner: object) -> None:  # in the writer thread

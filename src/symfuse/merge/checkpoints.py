@@ -260,8 +260,6 @@ def merge_checkpoints(
         if not deferred:
             check_finite_tensor(first, name, r0.file_of(name))
         merged = _merge_one(name, first, rows, deferred)
-        if merger.fresh_outputs and merged is not first and pool.holds(merged):  # handed over below: never a pool's
-            merged = merged.clone()
         if (
             merged is not first
             and merged.is_floating_point()
@@ -277,6 +275,8 @@ def merge_checkpoints(
                 f"{out}: merged tensor {name!r} came out NaN / inf with {strategy} (inputs were finite) — nothing "
                 "was written; try --dtype float64, a larger --epsilon / smaller --alpha, or another strategy"
             )
+        if merger.fresh_outputs and merged is not first and pool.holds(merged):  # handed over: never a pool's
+            return merged.clone()
         return merged
 
     def _merge_one(name: str, first: torch.Tensor, rows: bool, deferred: bool) -> torch.Tensor:
