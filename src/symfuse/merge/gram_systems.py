@@ -4,10 +4,12 @@
 :func:`~symfuse.merge.regmean.gram_system` with a fraction of its memory traffic. The Grams are walked together,
 one cache-sized chunk at a time: each model's chunk is read as stored (from its statistics file into a per-thread
 buffer when the Grams come from files, so no Gram ever passes through memory whole), and while the reference
-model's chunk and the chunk of the sum ``S`` stay in cache every other model's chunk is added into ``S`` and
-subtracted from the reference straight into the solve dtype (``G_i - G_r`` from the stored values, so a float64
-file loses nothing to an early rounding). Per element that is one read of each Gram, one write of ``S`` and of
-each difference: the reference and ``S`` are not re-read once per model. The off-diagonal scaling ``alpha`` is
+model's chunk and the chunk of the sum ``S`` stay in cache every other model's difference ``G_i - G_r`` is taken
+from the stored values (in the wider of the stored and the solve dtype, so a float64 file loses nothing to an early
+rounding), rounded once into the solve dtype and added into ``S = (sum_i c_i) G_r + sum_i c_i (G_i - G_r)``. Every
+op is between tensors of one dtype: a float64-stored chunk is converted once (torch's mixed-dtype loops ran 2-4x
+slower). Per element that is one read of each Gram, one write of ``S`` and of each difference: the reference and
+``S`` are not re-read once per model. The off-diagonal scaling ``alpha`` is
 applied in the same chunk; the diagonals are restored from the stored ones; a NaN / inf anywhere shows in ``S``
 and is then traced to its file. The chunks are shared out to the torch threads (:func:`symfuse.merge.base.spans`),
 and ``S`` is factored with all of them.
@@ -23,7 +25,7 @@ import torch
 
 from symfuse.errors import NonFiniteError
 from symfuse.io import BufferPool
-from symfuse.merge.base import Chunks, LazyTensors, spans
+from symfuse.merge.base import Chunks, LazyTensors, chunk_buffer, chunked_sum, spans
 from symfuse.merge.linalg import Backend, resolve
 from symfuse.merge.regmean import GramSystem, factor_system, scale_gram, system_weights
 
@@ -89,33 +91,48 @@ def build_system(
     summed = pool.take("summed", (n, n), dtype)
     flat_s = summed.view(-1)
     diags = torch.empty(len(mw), n, dtype=torch.float64)  # each Gram's stored diagonal
-    c_ref = mw[ref]
-    sums: list[torch.Tensor] = []  # per chunk of S, in float64: the finiteness check, while the chunk is in cache
+    scale_ref = alpha * sum(mw)  # S = alpha (sum_i c_i) G_r + sum_i c_i alpha (G_i - G_r), diagonal fixed below
+    sums: list[torch.Tensor] = []  # per chunk of S: the finiteness check, while the chunk is in cache
 
     def one(s: int, e: int) -> None:  # every Gram's chunk [s, e), the reference's and S's kept in cache
         first = -(-s // (n + 1))  # the diagonal entries k (n + 1) in [s, e)
         count = (e - 1) // (n + 1) + 1 - first
         s_, r_ = flat_s[s:e], chunks.read(ref, s, e, "ref")
-        torch.mul(r_, c_ref * alpha, out=s_)
         if count > 0:
             diags[ref, first : first + count] = r_[first * (n + 1) - s :: n + 1][:count]
+        if r_.dtype == dtype:
+            torch.mul(r_, scale_ref, out=s_)
+        else:  # one conversion, then same-dtype ops (torch's mixed-dtype loops run 2-4x slower)
+            s_.copy_(r_).mul_(scale_ref)
+        refs = {r_.dtype: r_}  # the reference's chunk in each precision a difference is taken in
         for i, c, flat_d in others:
             g_, d_ = chunks.read(i, s, e, "other"), flat_d[s:e]  # one buffer for them all: stays in cache
-            s_.add_(g_, alpha=c * alpha)  # S += c alpha G_i (diagonal fixed below)
-            torch.sub(g_, r_, out=d_)  # G_i - G_r from the stored values, rounded once
-            if alpha != 1.0:
-                d_.mul_(alpha)
             if count > 0:
                 diags[i, first : first + count] = g_[first * (n + 1) - s :: n + 1][:count]
-        sums.append(s_.sum(dtype=torch.float64))  # list.append is atomic
+            # G_i - G_r in the wider of the stored dtypes and the solve's, rounded once into dtype
+            wide = torch.promote_types(torch.promote_types(g_.dtype, r_.dtype), dtype)
+            if wide not in refs:
+                refs[wide] = chunk_buffer("gram.ref", wide, e - s).copy_(r_)
+            if g_.dtype != wide:
+                g_ = chunk_buffer("gram.wide", wide, e - s).copy_(g_)
+            if wide == dtype:
+                torch.sub(g_, refs[wide], out=d_)
+            else:
+                d_.copy_(torch.sub(g_, refs[wide], out=chunk_buffer("gram.diff", wide, e - s)))
+            if alpha != 1.0:
+                d_.mul_(alpha)
+            s_.add_(d_, alpha=c)
+        sums.append(s_.sum())  # in dtype (fast); a float32 overflow is told from a NaN / inf below
 
     spans(one, n * n, parallel=True)
-    diag_sum = c_ref * diags[ref]
+    diag_sum = mw[ref] * diags[ref]
     for i, c, _ in others:
         diag_sum += c * diags[i]
         diffs[i].diagonal().copy_(diags[i] - diags[ref])  # type: ignore[union-attr]
     summed.diagonal().copy_(diag_sum)
-    total = (float(torch.stack(sums).sum()) if sums else 0.0) + float(summed.diagonal().sum(dtype=torch.float64))
+    total = (float(torch.stack(sums).double().sum()) if sums else 0.0) + float(diag_sum.sum())
+    if not math.isfinite(total):  # the chunks' sums overflowed, or S holds NaN / inf: sum again in float64
+        total = chunked_sum(summed)
     if not math.isfinite(total):  # NaN / inf in a Gram propagate into S (the chunks, then its diagonal): find the file
         for i in range(len(mw)):
             _check(grams, i, _load(grams, i, raw_pool, "gram.raw"))

@@ -217,9 +217,10 @@ def regmean_apply(
         conv1d: Weights are stored (in, out).
         delta_dtype: Precision of the correction products (see the module docstring).
         bf16_tol: ``auto``: largest predicted relative error accepted for bfloat16 products.
-        finite: When given, ``True`` is appended if the output is known to be all finite: its float64 sum is
+        finite: When given, ``True`` is appended if the output is known to be all finite: its sum is
             taken in the last pass over it (the correction added, the stored dtype written), while each chunk is
-            in cache. Nothing is appended when the sum is not finite (NaN / inf, or a float64 sum's overflow).
+            in cache. Nothing is appended when the sum is not finite (NaN / inf, or the sum's overflow: each
+            chunk is summed in float32 unless the output is float64; the caller then checks element by element).
 
     Returns:
         ``(merged weight in the input layout and dtype, precision used for the products)``.
@@ -287,6 +288,7 @@ def regmean_apply(
     flat_x = x.reshape(-1) if x is not None else None  # X^T (out, in) is row-major like the mean: a view
     flat_o = out.view(-1)
     sums: list[torch.Tensor] = []
+    acc = torch.float64 if out_dtype == torch.float64 else torch.float32  # 6x faster than float64 sums here
 
     def finish(s: int, e: int) -> None:  # single-threaded chunks: an all-core torch op spins into the next BLAS
         m = flat_m[s:e]
@@ -294,11 +296,11 @@ def regmean_apply(
             m.add_(flat_x[s:e])
         o = m if out is mean else flat_o[s:e].copy_(m)
         if finite is not None:
-            sums.append(o.sum(dtype=torch.float64))  # list.append is atomic
+            sums.append(o.sum(dtype=acc))  # list.append is atomic
 
     if flat_x is not None or out is not mean or finite is not None:
         spans(finish, mean.numel(), parallel=True)
-    if finite is not None and math.isfinite(float(torch.stack(sums).sum()) if sums else 0.0):
+    if finite is not None and math.isfinite(float(torch.stack(sums).double().sum()) if sums else 0.0):
         finite.append(True)
     return out, used
 

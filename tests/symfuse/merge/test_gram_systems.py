@@ -196,3 +196,47 @@ def test_merged_checkpoint_equals_layer_by_layer_regmean(tmp_path):
             torch.testing.assert_close(merged.get(name + ".weight"), want.float(), rtol=0, atol=2e-5)
     for r in readers:
         r.close()
+
+
+@pytest.mark.parametrize(
+    ("stored", "dtype"),
+    [
+        ((torch.float64,) * 3, torch.float32),
+        ((torch.float32,) * 3, torch.float64),
+        ((torch.float64, torch.float32, torch.float64), torch.float32),
+        ((torch.float32, torch.float64, torch.float32), torch.float64),
+    ],
+)
+def test_differences_of_close_grams_are_taken_before_rounding(stored, dtype):
+    """Grams that differ by 1e-6 of their size: each difference is taken in the wider of the stored and the solve
+    dtype and rounded once (rounding the Grams first would cost ~5 % of it in float32), and S is their weighted
+    sum, whatever mix of float32 and float64 files."""
+    n, weights, alpha = 40, [0.5, 0.3, 0.2], 0.9
+    base = _grams(1, n, seed=7)[0]
+    grams = [(base + 1e-6 * e).to(st) for e, st in zip(_grams(3, n, seed=8), stored, strict=True)]
+    got = gs.build_system(grams, weights, alpha, dtype)
+    exact = [g.double() for g in grams]  # the stored values
+    for i in (1, 2):
+        want = _scaled(exact[i] - exact[0], alpha)
+        err = float((got.diffs[i].double() - want).abs().max() / want.abs().max())
+        assert got.diffs[i].dtype == dtype and err < (1e-6 if dtype == torch.float32 else 1e-12), err
+    s = sum(c * _scaled(g, alpha) for c, g in zip(weights, exact, strict=True))
+    factor = got.factor.lower.double()
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(factor @ factor.T, s, rtol=tol, atol=tol * float(s.abs().max()))
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.float64])
+def test_large_finite_grams_whose_chunk_sums_overflow_float32_still_build(stored):
+    """Entries near 1e37 are finite float32 values, their sum over a chunk is not: not mistaken for NaN / inf."""
+    grams = _grams(3, 40)
+    scale = 3e37 / float(max(g.abs().max() for g in grams))  # S's entries below 1e38, float32's limit 3.4e38
+    grams = [(g * scale).to(stored) for g in grams]
+    assert all(bool(torch.isfinite(g.float()).all()) for g in grams)
+    summed = sum(g.float() for g in grams)
+    assert bool(torch.isfinite(summed).all()) and not torch.isfinite(summed.sum())  # S's float32 sum overflows
+    got = gs.build_system(grams, None, 0.9, torch.float32)
+    assert got.factor is not None and bool(torch.isfinite(got.factor.lower).all())
+    s = sum(_scaled(g.double(), 0.9) for g in grams)
+    factor = got.factor.lower.double()
+    torch.testing.assert_close(factor @ factor.T, s, rtol=1e-5, atol=1e-5 * float(s.abs().max()))
