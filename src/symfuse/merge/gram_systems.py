@@ -9,10 +9,10 @@ from the stored values (in the wider of the stored and the solve dtype, so a flo
 rounding), rounded once into the solve dtype and added into ``S = (sum_i c_i) G_r + sum_i c_i (G_i - G_r)``. Every
 op is between tensors of one dtype: a float64-stored chunk is converted once (torch's mixed-dtype loops ran 2-4x
 slower). Per element that is one read of each Gram, one write of ``S`` and of each difference: the reference and
-``S`` are not re-read once per model. The off-diagonal scaling ``alpha`` is
-applied in the same chunk; the diagonals are restored from the stored ones; a NaN / inf anywhere shows in ``S``
-and is then traced to its file. The chunks are shared out to the torch threads (:func:`symfuse.merge.base.spans`),
-and ``S`` is factored with all of them.
+``S`` are not re-read once per model. The off-diagonal scaling ``alpha`` is applied in the same chunk; the
+diagonals are restored from the stored ones; a NaN / inf anywhere shows in ``S`` and is then traced to its file.
+The chunks are shared out to the torch threads (:func:`symfuse.merge.base.spans`), and ``S`` is factored with all
+of them.
 """
 
 from __future__ import annotations
