@@ -240,3 +240,28 @@ def test_large_finite_grams_whose_chunk_sums_overflow_float32_still_build(stored
     s = sum(_scaled(g.double(), 0.9) for g in grams)
     factor = got.factor.lower.double()
     torch.testing.assert_close(factor @ factor.T, s, rtol=1e-5, atol=1e-5 * float(s.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_merge_reads_float32_and_float64_gram_files_together(tmp_path, dtype):
+    """One model's statistics stored in float32, the others' in float64 (``--gram-dtype``): one merge, the closed
+    form of the stored values, at either solve precision."""
+    folders, stats = [], []
+    model = tiny_model("bert", head="seq")
+    lins = {n: m.in_features for n, m in linear_modules(model).items()}
+    for i in range(3):
+        folders.append(save_tiny(tmp_path / f"m{i}", "bert", seed=i, head="seq"))
+        stored = torch.float32 if i == 1 else torch.float64
+        gr = {name: _grams(1, n, seed=100 * i + j, dtype=stored)[0] for j, (name, n) in enumerate(sorted(lins.items()))}
+        stats.append(save_stats(gr, tmp_path / f"s{i}" / "gram.safetensors", {"kind": "gram", "conv1d": []}))
+    out = merge_checkpoints("regmean", folders, tmp_path / "out", stats=stats, alpha=0.9, dtype=dtype)
+    readers = [CheckpointReader(f) for f in folders]
+    tol = 2e-5 if dtype == "float32" else 1e-6
+    with CheckpointReader(out) as merged:
+        for name in lins:
+            grams = [StatsFile(s).get(name).double() for s in stats]
+            ws = [r.get(name + ".weight") for r in readers]
+            want, _ = regmean_solve(ws, grams, alpha=0.9, dtype=torch.float64)
+            torch.testing.assert_close(merged.get(name + ".weight"), want.float(), rtol=0, atol=tol)
+    for r in readers:
+        r.close()
