@@ -90,12 +90,15 @@ def test_merge_spares_its_own_check_for_regmean_outputs(tmp_path, monkeypatch):
     assert all(bool(torch.isfinite(t).all()) for t in floats)
 
 
-def test_finite_output_whose_float32_sum_overflows_is_left_to_the_caller():
-    """Weights near 1e36: the output is finite, its chunks' float32 sums are not: not reported, not mistaken."""
+def test_finite_output_whose_float32_sum_overflows_is_never_refused():
+    """Weights near 1e36: the output is finite though its chunks' float32 sums overflow. Whatever the last pass
+    reports, the merge's own test (``output_finite`` or the element-wise check) accepts it: no false NaN / inf."""
     n, m = 300, 450
     grams = [_spd(n, s) for s in range(2)]
     ws = [(w.abs() + 1) * 1e36 for w in _weights(2, (m, n), torch.float32)]
+    assert not torch.isfinite(ws[0].sum())
     system = build_system(grams, alpha=0.9, dtype=torch.float32)
     finite: list[bool] = []
     out, _ = regmean_apply(system, ws, finite=finite)
-    assert finite == [] and bool(torch.isfinite(out).all())
+    assert bool(torch.isfinite(out).all()) and finite in ([], [True])
+    assert finite == [True] or mc._all_finite(out)
