@@ -172,30 +172,42 @@ def test_parallel_chunks_cover_every_element_once(n):
     assert len(seen) == -(-n // base.SERIAL_CHUNK) and threads_inside == {1}
 
 
-def test_merged_checkpoint_equals_layer_by_layer_regmean(tmp_path):
+def _tiny_models_with_grams(tmp_path, stored=(torch.float64,) * 3, same_input=False):
+    """Three tiny BERT classifiers and a Gram file each (model i's Grams stored in ``stored[i]``; with
+    ``same_input``, k / v share q's Gram, recorded as in real files); returns ``(folders, stats, linear names)``."""
     folders, stats = [], []
     model = tiny_model("bert", head="seq")
     lins = {n: m.in_features for n, m in linear_modules(model).items()}
-    for i in range(3):
+    for i, dt in enumerate(stored):
         folders.append(save_tiny(tmp_path / f"m{i}", "bert", seed=i, head="seq"))
-        gr = {}
-        for j, (name, n) in enumerate(sorted(lins.items())):
-            gr[name] = _grams(1, n, seed=100 * i + j)[0]
-        same = {n: n.rsplit(".", 1)[0] + ".query" for n in gr if n.endswith((".key", ".value"))}
-        for n, q in same.items():
-            gr[n] = gr[q].clone()
-        save_stats(gr, tmp_path / f"s{i}" / "gram.safetensors", {"kind": "gram", "conv1d": [], "same_input": same})
-        stats.append(tmp_path / f"s{i}" / "gram.safetensors")
-    out = merge_checkpoints("regmean", folders, tmp_path / "out", stats=stats, alpha=0.7, dtype="float32")
+        gr = {name: _grams(1, n, seed=100 * i + j, dtype=dt)[0] for j, (name, n) in enumerate(sorted(lins.items()))}
+        meta = {"kind": "gram", "conv1d": []}
+        if same_input:
+            same = {n: n.rsplit(".", 1)[0] + ".query" for n in gr if n.endswith((".key", ".value"))}
+            for n, q in same.items():
+                gr[n] = gr[q].clone()
+            meta["same_input"] = same
+        stats.append(save_stats(gr, tmp_path / f"s{i}" / "gram.safetensors", meta))
+    return folders, stats, list(lins)
+
+
+def _assert_layer_by_layer_regmean(out, folders, stats, names, alpha, atol):
+    """Each linear weight of the merged checkpoint ``out`` is the float64 RegMean solve of its stored Grams."""
     readers = [CheckpointReader(f) for f in folders]
     with CheckpointReader(out) as merged:
-        for name in lins:
-            grams = [StatsFile(s).get(name) for s in stats]
+        for name in names:
+            grams = [StatsFile(s).get(name).double() for s in stats]
             ws = [r.get(name + ".weight") for r in readers]
-            want, _ = regmean_solve(ws, grams, alpha=0.7, dtype=torch.float64)
-            torch.testing.assert_close(merged.get(name + ".weight"), want.float(), rtol=0, atol=2e-5)
+            want, _ = regmean_solve(ws, grams, alpha=alpha, dtype=torch.float64)
+            torch.testing.assert_close(merged.get(name + ".weight"), want.float(), rtol=0, atol=atol)
     for r in readers:
         r.close()
+
+
+def test_merged_checkpoint_equals_layer_by_layer_regmean(tmp_path):
+    folders, stats, names = _tiny_models_with_grams(tmp_path, same_input=True)
+    out = merge_checkpoints("regmean", folders, tmp_path / "out", stats=stats, alpha=0.7, dtype="float32")
+    _assert_layer_by_layer_regmean(out, folders, stats, names, alpha=0.7, atol=2e-5)
 
 
 @pytest.mark.parametrize(
@@ -246,22 +258,7 @@ def test_large_finite_grams_whose_chunk_sums_overflow_float32_still_build(stored
 def test_merge_reads_float32_and_float64_gram_files_together(tmp_path, dtype):
     """One model's statistics stored in float32, the others' in float64 (``--gram-dtype``): one merge, the closed
     form of the stored values, at either solve precision."""
-    folders, stats = [], []
-    model = tiny_model("bert", head="seq")
-    lins = {n: m.in_features for n, m in linear_modules(model).items()}
-    for i in range(3):
-        folders.append(save_tiny(tmp_path / f"m{i}", "bert", seed=i, head="seq"))
-        stored = torch.float32 if i == 1 else torch.float64
-        gr = {name: _grams(1, n, seed=100 * i + j, dtype=stored)[0] for j, (name, n) in enumerate(sorted(lins.items()))}
-        stats.append(save_stats(gr, tmp_path / f"s{i}" / "gram.safetensors", {"kind": "gram", "conv1d": []}))
+    stored = (torch.float64, torch.float32, torch.float64)
+    folders, stats, names = _tiny_models_with_grams(tmp_path, stored)
     out = merge_checkpoints("regmean", folders, tmp_path / "out", stats=stats, alpha=0.9, dtype=dtype)
-    readers = [CheckpointReader(f) for f in folders]
-    tol = 2e-5 if dtype == "float32" else 1e-6
-    with CheckpointReader(out) as merged:
-        for name in lins:
-            grams = [StatsFile(s).get(name).double() for s in stats]
-            ws = [r.get(name + ".weight") for r in readers]
-            want, _ = regmean_solve(ws, grams, alpha=0.9, dtype=torch.float64)
-            torch.testing.assert_close(merged.get(name + ".weight"), want.float(), rtol=0, atol=tol)
-    for r in readers:
-        r.close()
+    _assert_layer_by_layer_regmean(out, folders, stats, names, alpha=0.9, atol=2e-5 if dtype == "float32" else 1e-6)
