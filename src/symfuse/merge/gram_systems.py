@@ -100,25 +100,27 @@ def build_system(
         s_, r_ = flat_s[s:e], chunks.read(ref, s, e, "ref")
         if count > 0:
             diags[ref, first : first + count] = r_[first * (n + 1) - s :: n + 1][:count]
-        if r_.dtype == dtype:
-            torch.mul(r_, scale_ref, out=s_)
-        else:  # one conversion, then same-dtype ops (torch's mixed-dtype loops run 2-4x slower)
-            s_.copy_(r_).mul_(scale_ref)
-        refs = {r_.dtype: r_}  # the reference's chunk in each precision a difference is taken in
+        refs = {r_.dtype: r_}  # the reference's chunk in each dtype it is used in, converted once (torch's
+        # mixed-dtype loops run 2-4x slower than a conversion and same-dtype ops)
+
+        def ref_in(dt: torch.dtype) -> torch.Tensor:
+            if dt not in refs:
+                refs[dt] = chunk_buffer("gram.ref", dt, e - s).copy_(r_)
+            return refs[dt]
+
+        torch.mul(ref_in(dtype), scale_ref, out=s_)
         for i, c, flat_d in others:
             g_, d_ = chunks.read(i, s, e, "other"), flat_d[s:e]  # one buffer for them all: stays in cache
             if count > 0:
                 diags[i, first : first + count] = g_[first * (n + 1) - s :: n + 1][:count]
             # G_i - G_r in the wider of the stored dtypes and the solve's, rounded once into dtype
             wide = torch.promote_types(torch.promote_types(g_.dtype, r_.dtype), dtype)
-            if wide not in refs:
-                refs[wide] = chunk_buffer("gram.ref", wide, e - s).copy_(r_)
             if g_.dtype != wide:
                 g_ = chunk_buffer("gram.wide", wide, e - s).copy_(g_)
             if wide == dtype:
-                torch.sub(g_, refs[wide], out=d_)
+                torch.sub(g_, ref_in(wide), out=d_)
             else:
-                d_.copy_(torch.sub(g_, refs[wide], out=chunk_buffer("gram.diff", wide, e - s)))
+                d_.copy_(torch.sub(g_, ref_in(wide), out=chunk_buffer("gram.diff", wide, e - s)))
             if alpha != 1.0:
                 d_.mul_(alpha)
             s_.add_(d_, alpha=c)
