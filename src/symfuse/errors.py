@@ -54,3 +54,7 @@ class UnknownChoiceError(SymfuseError, ValueError, KeyError):
 
 class VerificationError(SymfuseError, ValueError):
     """A result failed its own check (e.g. a matched module no longer computes the source's function)."""
+
+
+class DeviceError(UsageError):
+    """A device that is not there (``cuda`` without a GPU, ``cuda:3`` on a one-GPU machine) or not supported."""

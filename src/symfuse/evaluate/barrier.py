@@ -17,8 +17,9 @@ import torch
 
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split
+from symfuse.device import resolve_device
 from symfuse.evaluate.evaluate import write_json_atomic
-from symfuse.evaluate.predict import head_problem_type, load_task_model, resolve_device, run_model
+from symfuse.evaluate.predict import head_problem_type, load_task_model, run_model
 
 log = logging.getLogger(__name__)
 

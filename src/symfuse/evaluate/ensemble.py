@@ -26,8 +26,9 @@ from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split
 from symfuse.data.dataset import DatasetError, TaskDataset
 from symfuse.data.labels import label_index, shared_label_names
+from symfuse.device import resolve_device
 from symfuse.evaluate.evaluate import write_json_atomic
-from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, resolve_device, run_model
+from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model
 from symfuse.evaluate.scoring import score_logits
 
 log = logging.getLogger(__name__)

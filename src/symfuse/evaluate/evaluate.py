@@ -18,7 +18,8 @@ from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split
 from symfuse.data.labels import read_label_space
-from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, resolve_device, run_model
+from symfuse.device import resolve_device
+from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model
 from symfuse.evaluate.scoring import score_logits
 
 log = logging.getLogger(__name__)

@@ -11,19 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from symfuse.data.batches import IGNORE_INDEX
+from symfuse.device import resolve_device
 
 log = logging.getLogger(__name__)
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-
-
-def resolve_device(device: str = "cpu") -> torch.device:
-    """``device`` as a torch device, falling back to CPU (with a warning) when CUDA is asked for but absent."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        log.warning("CUDA not available; using CPU")
-        return torch.device("cpu")
-    return dev
 
 
 def head_problem_type(config: Any) -> str:

@@ -19,6 +19,7 @@ import torch
 
 from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
+from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError
 from symfuse.io import rows_per_block
 from symfuse.match.closed_form import torch_threads
@@ -340,6 +341,7 @@ def match_checkpoints(
     logit_check: bool | None = None,
     overwrite: bool = False,
     verify: str | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict:
     """The whole ``symfuse match``: match SOURCE onto ANCHOR module by module and write the matched folder.
 
@@ -356,6 +358,7 @@ def match_checkpoints(
         logit_check: See :func:`assemble_matched`.
         overwrite: Replace an existing ``out`` (atomically, at the end).
         verify: ``stream`` (default), ``full`` or ``none`` (see :func:`assemble_matched`).
+        device: Where the matching runs (``cpu``, ``cuda``, ``cuda:N``, ``auto``; one module at a time on it).
 
     Returns:
         The report (``distance_before``, ``distance_after``, ``max_abs_logit_diff``, ``per_module``,
@@ -369,6 +372,7 @@ def match_checkpoints(
     t0 = time.perf_counter()
     symmetries = check_symmetries(symmetries)
     verify = _verify_mode(verify, logit_check)
+    dev = resolve_device(device)
     check_output(out, overwrite)
     out = Path(out)
     timings: dict[str, float] = {}
@@ -384,7 +388,7 @@ def match_checkpoints(
         try:
             with atomic_output_dir(out, overwrite=overwrite) as tmp:
                 transforms, per_module, before, after = match_and_write(
-                    src, anc, tmp, symmetries, workers, timings, where=str(out)
+                    src, anc, tmp, symmetries, workers, timings, where=str(out), device=dev
                 )
                 match_s = time.perf_counter() - t0
                 save_transforms(transforms, tmp / TRANSFORMS_FILE)
@@ -397,7 +401,7 @@ def match_checkpoints(
                 report = {
                     "source": str(src.path), "anchor": str(anc.path), "family": src.spec.family,
                     "symmetries": list(symmetries), "exact": exact, "distance_before": before, "distance_after": after,
-                    "max_abs_logit_diff": diff, "verify": verify, "per_module": per_module,
+                    "max_abs_logit_diff": diff, "verify": verify, "device": str(dev), "per_module": per_module,
                     "match_seconds": match_s, "timings": timings, "seconds": time.perf_counter() - t0,
                 }  # fmt: skip
                 (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))

@@ -44,11 +44,11 @@ def _rope_rotation(v: torch.Tensor) -> torch.Tensor:
     """RoPE rotation (..., d, d) whose pair ``i`` rotates by the angle of ``v[..., i, :]`` (identity where 0)."""
     x, y = v[..., 0], v[..., 1]
     h = x.shape[-1]
-    i = torch.arange(h)
+    i = torch.arange(h, device=v.device)
     norm = torch.sqrt(x * x + y * y)
     c = torch.where(norm > 0, x / norm.clamp_min(1e-300), torch.ones_like(x))
     s = torch.where(norm > 0, y / norm.clamp_min(1e-300), torch.zeros_like(y))
-    r = torch.zeros(*x.shape[:-1], 2 * h, 2 * h, dtype=v.dtype)
+    r = torch.zeros(*x.shape[:-1], 2 * h, 2 * h, dtype=v.dtype, device=v.device)
     r[..., i, i] = c
     r[..., i + h, i + h] = c
     r[..., i, i + h] = -s
@@ -126,7 +126,7 @@ def scale_objective(
 def _pair_vectors(m: torch.Tensor) -> torch.Tensor:
     """RoPE pairs ``(i, i + d/2)``: ``(M_ii + M_jj, M_ji − M_ij)`` (..., d/2, 2), whose length is the best score."""
     h = m.shape[-1] // 2
-    i = torch.arange(h)
+    i = torch.arange(h, device=m.device)
     return torch.stack([m[..., i, i] + m[..., i + h, i + h], m[..., i + h, i] - m[..., i, i + h]], dim=-1)
 
 
@@ -169,7 +169,7 @@ def fit_rotation_scale(
     else:
         r = _rotation(ma.double(), mb.double(), torch.ones_like(aa), rope) if rotate else None
         if r is None:
-            r = torch.eye(dh, dtype=torch.float64).expand_as(ma)
+            r = torch.eye(dh, dtype=torch.float64, device=ma.device).expand_as(ma)
         ab, bab = _cross_terms(r, ma, mb, rope)
         a = solve_scale(aa, ab, bb, bab) if scale else torch.ones_like(aa)
     ab, bab = _cross_terms(r, ma, mb, rope)
@@ -208,6 +208,7 @@ def assign_max(sim: torch.Tensor, sparse_from: int = 256) -> tuple[torch.Tensor,
     Returns:
         ``perm`` (n,) int64 (anchor position j takes source row ``perm[j]``), and whether a solver ran.
     """
+    sim = sim.cpu()  # the assignment runs on the CPU (a copy when ``sim`` lives on a device)
     n = sim.shape[0]
     col_of_row = sim.argmax(dim=1)
     hits = torch.bincount(col_of_row, minlength=n)

@@ -22,6 +22,7 @@ import torch
 
 from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, copy_side_files
+from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError
 from symfuse.io import rows_per_block
 from symfuse.io.planned import PlannedCheckpoint
@@ -109,6 +110,7 @@ def match_and_write(
     timings: dict[str, float] | None = None,
     shard_bytes: int = 128 * 1024**2,
     where: str | None = None,
+    device: torch.device | str = "cpu",
 ) -> tuple[dict[str, ModuleTransform], list[dict[str, Any]], float, float]:
     """Match every module of ``src`` onto ``anc`` and write the matched weights into ``out`` (a temp folder).
 
@@ -121,6 +123,9 @@ def match_and_write(
         timings: Accumulates seconds per stage (summed over threads).
         shard_bytes: Largest output shard.
         where: The output's final name, for errors (default ``out``).
+        device: Where each module's matching, transform and check run (one module on it at a time per worker);
+            the assignment solver and the small per-head fits run on the CPU, the weights are written from host
+            memory, and the returned transforms are on the CPU.
 
     Returns:
         ``(transforms by module key, per-module distance records, distance before, distance after)``.
@@ -141,6 +146,8 @@ def match_and_write(
         return now
 
     refs = src.modules()
+    dev = resolve_device(device)
+    on_dev = (lambda w: w) if dev.type == "cpu" else (lambda w: {r: t.to(dev) for r, t in w.items()})
     if workers is None:
         workers = 1 if src.geometry.d_model * src.geometry.d_ffn > 16_000_000 else min(2, os.cpu_count() or 1)
     owner = src.tensor_owners()
@@ -160,6 +167,7 @@ def match_and_write(
         s, a = _read(src_io, ref), _read(anc_io, ref)
         t0 = tick("io", t0)
         _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
+        s, a = on_dev(s), on_dev(a)
         mt = match_module_weights(ref, s, a, src.geometry, symmetries, timings)
         t0 = time.perf_counter()
         before = module_sq_distance(s, a)
@@ -177,8 +185,9 @@ def match_and_write(
         if before_inv is not None:
             check_module_transform(ref, before_inv, new, src.geometry, mt, where)
         t0 = tick("check", t0)
-        after = module_sq_distance(new, anc_io.read_module(ref))  # from the page cache
+        after = module_sq_distance(new, on_dev(anc_io.read_module(ref)))  # from the page cache
         t0 = tick("distance", t0)
+        new = {r: t.cpu() for r, t in new.items()}
         for name, t in src.spec.write_module(new, ref, src.config, src.prefix).items():
             if name in owner:
                 if tuple(t.shape) != tuple(src.shape(name)):
@@ -187,7 +196,7 @@ def match_and_write(
         del new
         tick("write", t0)
         trim_heap()
-        results[ref.key] = (mt, before, after)
+        results[ref.key] = (mt.to("cpu"), before, after)
 
     def job(item: ModuleRef | None) -> None:
         if item is None:

@@ -73,7 +73,7 @@ def _attn_invariants(w: Mapping[str, torch.Tensor], geo: Geometry, x: torch.Tens
     """Per head: QK scores (each q-side x k-side role pair) and the V/O output contribution, on probes ``x``."""
     nh, nkv, dh, p = geo.n_heads, geo.n_kv_heads, geo.head_dim, x.shape[1]
     y = x.flip(1)  # second probe set for the key side
-    group = torch.arange(nh) // (nh // nkv)
+    group = torch.arange(nh, device=x.device) // (nh // nkv)
     out = {}
     for qr in ("q", "pos_q"):
         for kr in ("k", "pos_k"):
@@ -99,7 +99,7 @@ def _head_order(transform: ModuleTransform | None, geo: Geometry) -> torch.Tenso
     groups = torch.arange(geo.n_kv_heads)
     for p in transform.parts if transform is not None else ():
         if isinstance(p, HeadPermutation):
-            groups = groups[p.perm]
+            groups = groups[p.perm.cpu()]
     g = geo.n_heads // geo.n_kv_heads
     return (groups[:, None] * g + torch.arange(g)[None, :]).reshape(-1)
 
@@ -131,7 +131,8 @@ class ModuleInvariants:
 
 def _invariants(ref: ModuleRef, w: Mapping[str, torch.Tensor], geo: Geometry, dtype: torch.dtype) -> dict:
     g = torch.Generator().manual_seed(1234 + 2 * ref.layer + (ref.kind == "ffn"))
-    x = torch.randn(geo.d_model, N_PROBES, generator=g, dtype=dtype)
+    device = next(iter(w.values())).device  # the probes are drawn on the CPU: the same on every device
+    x = torch.randn(geo.d_model, N_PROBES, generator=g, dtype=dtype).to(device)
     return _attn_invariants(w, geo, x) if ref.kind == "attn" else _ffn_invariant(w, x)
 
 
@@ -190,7 +191,7 @@ def check_module_transform(
     heads = _head_order(transform, geo) if ref.kind == "attn" else None
     worst = 0.0
     for what, b in before.values.items():
-        rel = _rel(after[what], b if heads is None else b[heads])
+        rel = _rel(after[what], b if heads is None else b[heads.to(b.device)])
         bad = ~(rel <= tol)
         if bool(bad.any()):
             h = int(bad.nonzero()[0, 0])

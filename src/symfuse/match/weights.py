@@ -127,8 +127,9 @@ def side_stats(
     """
     n, dh = geo.n_kv_heads, geo.head_dim
     f64 = torch.float64
-    cross = torch.zeros(n, dh, dh, dtype=f64)
-    norms = torch.zeros(n, dh, dtype=f64)
+    device = src[_SIDES[side][0]].device
+    cross = torch.zeros(n, dh, dh, dtype=f64, device=device)
+    norms = torch.zeros(n, dh, dtype=f64, device=device)
     for role in _SIDES[side]:
         if role not in src:
             continue
@@ -173,9 +174,10 @@ def match_attention(
         sb, ab = attention_blocks(src, geo), attention_blocks(anc, geo)
         cost = torch.zeros(geo.n_kv_heads, geo.n_kv_heads, dtype=torch.float64)
         for name, a_role, b_role, use_rope in (("qk", "q", "k", rope), ("vo", "v", "o", False)):
-            ma, mb = _cross(sb[a_role], ab[a_role], True), _cross(sb[b_role], ab[b_role], True)
-            na = (sb[a_role] ** 2).sum(-1)[:, None].expand(-1, geo.n_kv_heads, -1)
-            nb = (sb[b_role] ** 2).sum(-1)[:, None].expand(-1, geo.n_kv_heads, -1)
+            # the products on the weights' device, the small per-pair fits on the CPU
+            ma, mb = _cross(sb[a_role], ab[a_role], True).cpu(), _cross(sb[b_role], ab[b_role], True).cpu()
+            na = (sb[a_role] ** 2).sum(-1)[:, None].expand(-1, geo.n_kv_heads, -1).cpu()
+            nb = (sb[b_role] ** 2).sum(-1)[:, None].expand(-1, geo.n_kv_heads, -1).cpu()
             _, _, obj = fit_rotation_scale(ma, mb, na, nb, *maps[name], use_rope)
             cost += obj  # anchor norms are the same for every source head: omitted
         del sb, ab
@@ -185,7 +187,8 @@ def match_attention(
         src = hp.apply(src)
         t0 = _tick(timings, "head_perm", t0)
     if rotate or scale:
-        stats = {side: side_stats(src, anc, side, geo) for side in _SIDES}
+        # cross products on the weights' device; the per-head rotations / scales (dh x dh) are solved on the CPU
+        stats = {side: tuple(x.cpu() for x in side_stats(src, anc, side, geo)) for side in _SIDES}
         fits = {}
         for name, a_role, b_role, use_rope in (("qk", "q", "k", rope), ("vo", "v", "o", False)):
             (ma, na), (mb, nb) = stats[a_role], stats[b_role]
@@ -209,8 +212,9 @@ def ffn_similarity(src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tens
     column, so they do not change the optimum).
     """
     f32 = torch.float32
-    n = src["up"].shape[0]
-    sim = torch.matmul(src["up"].to(f32), anc["up"].to(f32).T, out=empty_hugepages((n, n)))  # (d_ffn, d_ffn)
+    n, device = src["up"].shape[0], src["up"].device
+    buf = empty_hugepages((n, n)) if device.type == "cpu" else torch.empty(n, n, dtype=f32, device=device)
+    sim = torch.matmul(src["up"].to(f32), anc["up"].to(f32).T, out=buf)  # (d_ffn, d_ffn)
     if "gate" in src:
         sim.addmm_(src["gate"].to(f32), anc["gate"].to(f32).T)
     for b in ("up_bias", "gate_bias"):
@@ -250,6 +254,7 @@ def match_ffn(
     if "ffn-permutation" not in symmetries:
         return ModuleTransform(key, ())
     t0 = time.perf_counter()
+    sketch = sketch and src["up"].device.type == "cpu"  # a device computes the full cost matrix at once
     nn = certified_nearest(src, anc) if sketch else None
     t0 = _tick(timings, "ffn_sketch", t0)
     if nn is not None and torch.bincount(nn, minlength=nn.numel()).max() == 1:

@@ -174,6 +174,9 @@ class Merger:
         self.params = self.Params(**params)
         self.counters: dict[str, int] = {}
         self.pool: BufferPool | None = None  # scratch buffers a merger may reuse (set by merge_checkpoints)
+        # where merge_tensor's inputs live and its maths runs (set by merge_checkpoints; off the CPU, mergers take
+        # whole-tensor torch ops and no pool)
+        self.device = torch.device("cpu")
 
     def close(self) -> None:
         """Release background work and buffers (called once the merge is done or failed)."""
@@ -238,6 +241,9 @@ def chunked(fn: Callable[..., Any], *tensors: torch.Tensor, parallel: bool = Fal
     faster with two threads here).
     """
     flat = [t.view(-1) for t in tensors]
+    if flat[0].device.type != "cpu":  # a device runs one kernel over the whole tensor
+        fn(*flat)
+        return
     spans(lambda s, e: fn(*(f[s:e] for f in flat)), flat[0].numel(), parallel)
 
 
@@ -279,6 +285,8 @@ def chunked_sum(t: torch.Tensor) -> float:
     their threads spinning into the next BLAS call (a (3072, 3072) solve: 70 ms instead of 62 here).
     """
     flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().view(-1)
+    if flat.device.type != "cpu":
+        return float(flat.sum(dtype=torch.float64))
     parts: list[torch.Tensor] = []
     lock = threading.Lock()
 
@@ -408,8 +416,9 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
 
         spans(one, chunks.numel, parallel=True)
         return out
-    dt = acc_dtype(tensors[0])
-    acc = torch.zeros(tensors[0].shape, dtype=dt)
+    first = tensors[0]
+    dt = acc_dtype(first)
+    acc = torch.zeros(first.shape, dtype=dt, device=first.device)
     for t, w in zip(tensors, weights, strict=True):
         chunked(lambda a, x, w=w: a.add_(x, alpha=w), acc, t.contiguous())
-    return acc.to(tensors[0].dtype)
+    return acc.to(first.dtype)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
+from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, MissingStats, NonFiniteError
 from symfuse.io import BufferPool, check_finite_tensor, parallel_reads
 from symfuse.merge.base import LazyTensors, TensorInputs, chunked_sum, weighted_mean
@@ -133,14 +134,24 @@ def _finite_loader(
     return lambda p, s: check_finite_tensor(load(p, s), name, where)
 
 
-def _gram_inputs(grams: Sequence[StatsFile], module: str, pool: BufferPool) -> LazyTensors:
-    """The K Grams of ``module`` (checked finite on access; RegMean checks them in its own pass instead)."""
+def _gram_inputs(
+    grams: Sequence[StatsFile],
+    module: str,
+    pool: BufferPool | None,
+    to_dev: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> LazyTensors:
+    """The K Grams of ``module`` (checked finite on access; RegMean checks them in its own pass instead).
+
+    On the CPU (``pool`` given) they can also be read in spans; elsewhere each is read whole and moved by ``to_dev``.
+    """
     return LazyTensors(
-        [lambda p, s, g=g: g.get(module, p, s) for g in grams],
+        [lambda p, s, g=g: to_dev(g.get(module, p, s)) for g in grams],
         pool,
         "gram",
         checks=[lambda t, g=g: check_finite_tensor(t, module, g.path) for g in grams],
-        spans=[(g.shape(module), g.dtype(module), lambda o, f, g=g: g.read_span(module, o, f)) for g in grams],
+        spans=[(g.shape(module), g.dtype(module), lambda o, f, g=g: g.read_span(module, o, f)) for g in grams]
+        if pool is not None
+        else None,
     )
 
 
@@ -163,6 +174,7 @@ def merge_checkpoints(
     overwrite: bool = False,
     card: Mapping[str, Any] | None = None,
     head_refit: RefitOptions | Mapping[str, Any] | None = None,
+    device: str | torch.device = "cpu",
     **params: Any,
 ) -> Path:
     """Merge K checkpoints with a registered strategy and write a ``save_pretrained`` folder.
@@ -181,6 +193,9 @@ def merge_checkpoints(
         head_refit: Refit every task head to the merged body on each model's own data
             (:mod:`symfuse.merge.head_refit`; its ``data`` is loaded before the merge starts), recorded under the
             report's ``heads.refit``; None: heads as merged.
+        device: Where the merge's maths runs (``cpu``, ``cuda``, ``cuda:N``, ``auto``). Off the CPU, one tensor of
+            the K models (with its statistics) is on the device at a time, merged with whole-tensor torch ops,
+            and written from host memory.
         **params: Strategy parameters (e.g. ``alpha=0.9``, ``weights=[...]``, ``density=0.2``); unknown ones raise.
             A merger that reads the models' data (``needs_data``: regmean++, ``data=[one dataset per model]``) does
             its work in :meth:`~symfuse.merge.base.Merger.prepare`, once the inputs are checked.
@@ -196,6 +211,8 @@ def merge_checkpoints(
     """
     start = time.perf_counter()
     MERGERS.require([strategy])  # one line naming the choices
+    dev = resolve_device(device)
+    on_cpu = dev.type == "cpu"  # the CPU reads into reused buffers and fuses passes over spans; a device does not
     if not models:
         raise ValueError("merge needs at least one model")
     check_output(out, overwrite)
@@ -239,8 +256,9 @@ def merge_checkpoints(
     if grams is not None:
         pairs = [g.same_input for g in grams]
         same_input = {k: v for k, v in pairs[0].items() if all(p.get(k) == v for p in pairs[1:])}
-    pool = BufferPool()  # reused read buffers: no page faults for fresh memory on every tensor
-    merger.pool = pool
+    pool = BufferPool() if on_cpu else None  # reused read buffers: no page faults for fresh memory on every tensor
+    merger.pool, merger.device = pool, dev
+    to_dev = (lambda t: t) if on_cpu else (lambda t: t.to(dev))
 
     def base_tensor(name: str) -> torch.Tensor | None:
         if base_reader is None:
@@ -248,14 +266,18 @@ def merge_checkpoints(
         bname = base_reader.prefix + name[len(r0.prefix) :] if name.startswith(r0.prefix) else name
         if not base_reader.has(bname):
             return None
-        return check_finite_tensor(base_reader.get(bname), bname, base_reader.file_of(bname))
+        return to_dev(check_finite_tensor(base_reader.get(bname), bname, base_reader.file_of(bname)))
 
     def merge_one(name: str, first: torch.Tensor) -> torch.Tensor:
         rows = union is not None and union.per_class(name, first.shape, heads)  # merged per class, over its learners
         # a merger whose every input enters a sum carries any NaN / inf into its output: its inputs are read
         # unchecked, and checked (to name the file) only when the output is not finite
         deferred = (
-            merger.propagates_nonfinite and first.is_floating_point() and not rows and not (separate and name in heads)
+            on_cpu
+            and merger.propagates_nonfinite
+            and first.is_floating_point()
+            and not rows
+            and not (separate and name in heads)
         )
         if not deferred:
             check_finite_tensor(first, name, r0.file_of(name))
@@ -275,6 +297,8 @@ def merge_checkpoints(
                 f"{out}: merged tensor {name!r} came out NaN / inf with {strategy} (inputs were finite) — nothing "
                 "was written; try --dtype float64, a larger --epsilon / smaller --alpha, or another strategy"
             )
+        if not on_cpu:
+            return merged.cpu()
         if merger.fresh_outputs and merged is not first and pool.holds(merged):  # handed over: never a pool's
             return merged.clone()
         return merged
@@ -286,8 +310,8 @@ def merge_checkpoints(
             return first  # integer / bool tensors pass through untouched
         checked = (lambda load, where: load) if deferred else (lambda load, where: _finite_loader(load, name, where))
         tensors = LazyTensors(
-            [lambda p, s: p.take(s, first.shape, first.dtype).copy_(first) if p is not None else first.clone()]
-            + [checked(lambda p, s, r=r: r.get(name, p, s), r.file_of(name)) for r in readers[1:]],
+            [lambda p, s: p.take(s, first.shape, first.dtype).copy_(first) if p is not None else to_dev(first.clone())]
+            + [checked(lambda p, s, r=r: to_dev(r.get(name, p, s)), r.file_of(name)) for r in readers[1:]],
             pool,
             "tensor",
             spans=_tensor_spans(name, first, readers[1:]) if deferred else None,  # unchecked: only when deferred
@@ -301,14 +325,14 @@ def merge_checkpoints(
             return weighted_mean(tensors, weights)
         fisher = None
         if fishers is not None and all(f.has(name) for f in fishers):
-            loads = [checked(lambda p, s, f=f: f.get(name, p, s), f.path) for f in fishers]
+            loads = [checked(lambda p, s, f=f: to_dev(f.get(name, p, s)), f.path) for f in fishers]
             fisher = LazyTensors(loads, pool, "fisher")
         gram, conv1d = None, False
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if grams is not None and module is not None and first.dim() == 2:
             have = [g.has(module) for g in grams]
             if all(have):
-                gram = _gram_inputs(grams, module, pool)
+                gram = _gram_inputs(grams, module, pool, to_dev)
                 conv1d = module in grams[0].conv1d
             elif any(have):
                 raise MissingStats(f"Gram of {module} is missing from some models' statistics; recollect them")

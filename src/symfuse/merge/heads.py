@@ -118,7 +118,7 @@ def merge_class_rows(
     for c in range(out.shape[0]):
         groups.setdefault(tuple(int(i) for i in torch.nonzero(learned[:, c]).flatten().tolist()), []).append(c)
     for who, rows in groups.items():
-        idx = torch.tensor(rows, dtype=torch.long)
+        idx = torch.tensor(rows, dtype=torch.long, device=out.device)
         if len(who) <= 1:  # one learner keeps its row exactly; no learner keeps model 0's initial row
             out[idx] = tensors[who[0] if who else 0][idx]
             continue

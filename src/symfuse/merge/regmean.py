@@ -47,6 +47,7 @@ from pydantic import Field
 
 from symfuse.merge.base import Chunks, MergeParams, Merger, TensorInputs, chunked, load_all, spans, weighted_mean
 from symfuse.merge.linalg import Backend, Factor, addmm_, cholesky_, cholesky_solve_t_, resolve, sync_threads
+from symfuse.merge.regmean_plain import PlainSystem
 from symfuse.stats.io import BufferPool
 
 log = logging.getLogger(__name__)
@@ -362,10 +363,12 @@ class RegMeanMerger(Merger):
         self._system_key: str | None = None
         self._raw = BufferPool()  # the Grams as read (two buffers)
         self._finite: torch.Tensor | None = None  # the last output, when its final pass found it finite
+        self._plain: tuple[str | None, PlainSystem] | None = None  # the device path's last system, by Gram key
 
     def close(self) -> None:
         """Release the Gram buffers."""
         self._system = None
+        self._plain = None
         self._raw.clear()
 
     def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
@@ -379,6 +382,8 @@ class RegMeanMerger(Merger):
         self._finite = None
         if t.gram is None:
             return weighted_mean(t.tensors, t.weights)
+        if self.device.type != "cpu":
+            return self._merge_plain(t)
         p = self.params
         if t.gram_key is not None and t.gram_key == self._system_key and self._system is not None:
             system = self._system
@@ -398,6 +403,23 @@ class RegMeanMerger(Merger):
         self.count(f"products_{used}")
         self._finite = out if finite else None
         return out
+
+    def _merge_plain(self, t: TensorInputs) -> torch.Tensor:
+        """The same merge in whole-tensor torch ops on ``self.device`` (:mod:`symfuse.merge.regmean_plain`)."""
+        from symfuse.merge.regmean_plain import plain_apply, plain_system
+
+        p = self.params
+        cached = self._plain
+        if t.gram_key is None or cached is None or cached[0] != t.gram_key:
+            dtype = getattr(torch, p.dtype)  # type: ignore[attr-defined]
+            self._plain = None  # the old system's memory is freed before the new one is built
+            cached = self._plain = (t.gram_key, plain_system(t.gram, t.weights, p.alpha, dtype, self.device))  # type: ignore[arg-type,attr-defined]
+            if cached[1].factor is None:
+                self.count("lstsq_fallback")
+        else:
+            self.count("factor_reused")
+        self.count("regmean_solves")
+        return plain_apply(cached[1], [x.to(self.device) for x in t.tensors], t.conv1d)
 
     def output_finite(self, out: torch.Tensor) -> bool | None:
         """True when ``out`` is the last RegMean solve's output and its final pass found it finite, else None."""

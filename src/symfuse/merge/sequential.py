@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from symfuse.arch.registry import get_spec
+from symfuse.device import resolve_device
 from symfuse.errors import UnsupportedArchitecture
 from symfuse.merge.regmean_plusplus import regmean_plusplus
 from symfuse.stats.gram import collect_gram, is_conv1d, linear_modules, model_inputs
@@ -212,7 +213,7 @@ def regmean_plusplus_state(
         raise ValueError(f"regmean++: {k} models and {len(batches)} data loaders; give one loader per model")
     if any(len(b) == 0 for b in batches):
         raise ValueError("regmean++: a model has no data batches; give each model a non-empty data sample")
-    dev = torch.device(device if torch.cuda.is_available() or str(device) == "cpu" else "cpu")
+    dev = resolve_device(device)
     keep = set(keep)
     states = [_floating_state(m) for m in models]
     names = [n for n in states[0] if n not in keep]

@@ -47,7 +47,7 @@ class FisherMerger(Merger):
         eps = self.params.epsilon  # type: ignore[attr-defined]
         dt = acc_dtype(t.tensors[0])
         shape = t.tensors[0].shape
-        num = torch.zeros(shape, dtype=dt).view(-1)  # the output
+        num = torch.zeros(shape, dtype=dt, device=self.device).view(-1)  # the output
         den = self.pool.take("fisher.den", num.shape, dt) if self.pool is not None else torch.empty_like(num)
         den.zero_()
         for x, f, w in zip(t.tensors, t.fisher, t.weights, strict=True):  # one model's tensor + Fisher at a time

@@ -44,7 +44,7 @@ def ties_combine(taus: Sequence[torch.Tensor], weights: Sequence[float], density
     """TIES: trim, elect sign, disjoint (weighted) mean of the agreeing entries."""
     trimmed = [trim_top(t, density) for t in taus]
     stacked = torch.stack(trimmed)  # (K, ...)
-    w = torch.tensor(list(weights), dtype=torch.float64).view(-1, *([1] * trimmed[0].dim()))
+    w = torch.tensor(list(weights), dtype=torch.float64, device=stacked.device).view(-1, *([1] * trimmed[0].dim()))
     sign = torch.sign((stacked * w).sum(0))
     agree = (torch.sign(stacked) == sign) & (stacked != 0)
     num = (stacked * w * agree).sum(0)
@@ -59,7 +59,7 @@ def dare_drop(tau: torch.Tensor, drop: float, seed: int, name: str, index: int) 
     if drop >= 1.0:
         raise ValueError(f"dare drop rate must be < 1, got {drop}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) * 31 + index)
-    keep = torch.rand(tau.shape, generator=g) >= drop
+    keep = (torch.rand(tau.shape, generator=g) >= drop).to(tau.device)  # drawn on the CPU: one mask on every device
     return torch.where(keep, tau / (1.0 - drop), torch.zeros_like(tau))
 
 

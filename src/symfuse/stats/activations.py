@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from symfuse.arch import ArchSpec, ModuleRef, get_spec
+from symfuse.device import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def collect_activation_stats(
     Returns:
         The :class:`ActivationStats` (float64, on CPU).
     """
-    dev = torch.device(device if device == "cpu" or torch.cuda.is_available() else "cpu")
+    dev = resolve_device(device)
     geo_a = get_spec(model_a.config).geometry(model_a.config)
     geo_b = get_spec(model_b.config).geometry(model_b.config)
     if geo_a != geo_b:

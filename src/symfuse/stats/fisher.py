@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from symfuse.device import resolve_device
 from symfuse.stats.gram import model_inputs
 from symfuse.stats.per_example import Recorder, squared_grad_sums
 
@@ -153,7 +154,7 @@ def collect_fisher(
     """
     if mode not in ("empirical", "sampled"):
         raise ValueError(f"unknown Fisher mode {mode!r}; use 'empirical' or 'sampled'")
-    device = torch.device(device if torch.cuda.is_available() or str(device) == "cpu" else "cpu")
+    device = resolve_device(device)
     gen = torch.Generator().manual_seed(seed)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     acc = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in params.items()}

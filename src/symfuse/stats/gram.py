@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from symfuse.device import resolve_device
+
 log = logging.getLogger(__name__)
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "pixel_values", "position_ids")
@@ -90,7 +92,7 @@ def collect_gram(
     Returns:
         The Grams with their counts.
     """
-    device = torch.device(device if torch.cuda.is_available() or str(device) == "cpu" else "cpu")
+    device = resolve_device(device)
     lins = linear_modules(model)
     if modules is not None:
         wanted = set(modules)

@@ -113,6 +113,14 @@ class Transform:
         """``self`` after ``earlier`` as ONE part of this type, or None when they do not fuse."""
         return None
 
+    def to(self, device: torch.device | str) -> Transform:
+        """The part with its tensors on ``device`` (``self`` when they are there already)."""
+        state = self.tensors()
+        device = torch.device(device)
+        if all(t.device == device for t in state.values()):
+            return self
+        return type(self).from_tensors({k: v.to(device) for k, v in state.items()})
+
     def compose(self, earlier: Transform) -> ModuleTransform:
         """``self ∘ earlier`` (apply ``earlier`` first)."""
         return ModuleTransform("", (earlier, self)).simplify()
@@ -164,7 +172,7 @@ class HeadPermutation(Transform):
 
     def _head_index(self, n_heads: int) -> torch.Tensor:
         g = n_heads // self.perm.numel()
-        return (self.perm[:, None] * g + torch.arange(g)[None, :]).reshape(-1)  # (n_heads,)
+        return (self.perm[:, None] * g + torch.arange(g, device=self.perm.device)[None, :]).reshape(-1)  # (n_heads,)
 
     @override
     def apply(self, weights: Mapping[str, torch.Tensor]) -> Weights:
@@ -195,7 +203,7 @@ class HeadPermutation(Transform):
         n = gram.shape[-1]
         # group block index -> element index: each group holds n/n_kv consecutive elements
         per = n // self.perm.numel()
-        idx = (self.perm[:, None] * per + torch.arange(per)[None, :]).reshape(-1)
+        idx = (self.perm[:, None] * per + torch.arange(per, device=self.perm.device)[None, :]).reshape(-1)
         return gram[..., idx, :][..., :, idx]
 
     @override
@@ -393,11 +401,16 @@ class ModuleTransform:
         return self.key.rpartition(".")[2]
 
     def apply(self, weights: Mapping[str, torch.Tensor]) -> Weights:
-        """New canonical weights of the transformed module."""
+        """New canonical weights of the transformed module (computed on the weights' device)."""
         out = dict(weights)
+        device = next(iter(out.values())).device if out else None
         for p in self.parts:
-            out = p.apply(out)
+            out = (p.to(device) if device is not None else p).apply(out)
         return out
+
+    def to(self, device: torch.device | str) -> ModuleTransform:
+        """The transform with every part's tensors on ``device``."""
+        return ModuleTransform(self.key, tuple(p.to(device) for p in self.parts))
 
     def inverse(self) -> ModuleTransform:
         """The transform undoing this one."""

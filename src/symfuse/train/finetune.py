@@ -40,8 +40,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data import TaskDataset, collate, encode_split, iter_batches, load_task_dataset, load_tokenizer
 from symfuse.data.labels import LABEL_SPACE_KEY, columns_of, learned_space, union_columns
+from symfuse.device import resolve_device
 from symfuse.errors import NonFiniteError
-from symfuse.evaluate.predict import forward_logits, resolve_device, run_model, task_loss
+from symfuse.evaluate.predict import forward_logits, run_model, task_loss
 from symfuse.evaluate.scoring import score_logits
 from symfuse.io import check_finite_tensor
 from symfuse.outputs import atomic_output_dir, check_output
