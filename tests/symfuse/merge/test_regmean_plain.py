@@ -42,7 +42,7 @@ def test_identical_grams_give_the_weighted_mean_and_singular_sums_fall_back_to_l
 
 def test_merger_off_the_cpu_path_reuses_one_factor_per_input():
     """The merger's device branch (driven on the CPU here) equals its fused branch and reuses q/k/v's factor."""
-    _, _, ws, grams, ns = _regression_models(k=3, d_in=7, d_out=7)
+    _, _, ws, grams, _ = _regression_models(k=3, d_in=7, d_out=7)
     fused = RegMeanMerger(alpha=0.9)
     plain = RegMeanMerger(alpha=0.9)
     w = fused.model_weights(3)
