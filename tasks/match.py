@@ -79,7 +79,9 @@ def match_module(config: RunConfig, model: str, model_uri: str, anchor_uri: str,
     source, anchor = fetch(store, model_uri), fetch(store, anchor_uri)
     with scratch("match") as tmp:
         with timed() as t:
-            transform = symfuse.match.match_module(source, anchor, module, config.symmetries)
+            transform = symfuse.match.match_module(
+                source, anchor, module, config.symmetries, device=config.resolved_device()
+            )
         file = symfuse.match.save_transform(transform, tmp / f"{module}.safetensors")
         meta = stage_meta("match_module", f"match-{model}-{module}", t.seconds, module=module)
         return {model: store.put_file(key, file, "match_module", {"model": model_uri, "anchor": anchor_uri}, ck, meta)}
@@ -100,7 +102,9 @@ def match_module_barycenter(config: RunConfig, models: Mapping[str, str], module
     folders = [fetch(store, uri) for uri in models.values()]
     with scratch("match") as tmp:
         with timed() as t:
-            transforms = symfuse.match.match_module_many(folders, module, config.symmetries, anchor="barycenter")
+            transforms = symfuse.match.match_module_many(
+                folders, module, config.symmetries, anchor="barycenter", device=config.resolved_device()
+            )
         meta = stage_meta("match_module", f"match-barycenter-{module}", t.seconds, module=module)
         return {
             n: store.put_file(keys[n], symfuse.match.save_transform(tr, tmp / f"{n}.safetensors"), "match_module",

@@ -117,8 +117,10 @@ def merge(
             (links / name).symlink_to(fetch(store, uri), target_is_directory=True)
         files = [fetch_file(store, u) for u in stats_uris]
         with timed() as t:
+            maths = {k: v for k, v in params.items() if k not in PLACEMENT}  # the merge's own device: the run's
             out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
-                                    base=base, card=card, head_refit=refit, **params)  # fmt: skip
+                                    base=base, card=card, head_refit=refit, device=config.resolved_device(),
+                                    **maths)  # fmt: skip
         written = json.loads((out / REPORT).read_text())["heads"]
         folders = written.get("folders") or {}
         heads = dict(zip(models, folders.values(), strict=True)) if folders else dict.fromkeys(models, ".")

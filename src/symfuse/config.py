@@ -259,7 +259,12 @@ class RunConfig(_Strict):
     store_root: str | None = Field(
         default=None, description="Artifact store URL (local folder, s3://bucket/prefix). Default: $SYMFUSE_STORE."
     )
-    device: Literal["cpu", "cuda", "auto"] = Field(default="auto", description="'auto' uses CUDA when present.")
+    device: str = Field(
+        default="auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="Where fine-tuning, statistics, matching, merging and evaluation run: auto (CUDA when torch sees "
+        "a GPU), cpu, cuda or cuda:N. A device that is not there stops the task with one line.",
+    )
     quick: bool = Field(default=False, description="Marks a reduced demo run (smaller caps); informational.")
     timeouts: TimeoutSettings = Field(
         default_factory=TimeoutSettings, description="Per-stage task time limits in seconds (null: none)."
@@ -376,15 +381,14 @@ class RunConfig(_Strict):
         return out + [n for n in self.evaluation.out_of_domain if n not in out]
 
     def resolved_device(self) -> str:
-        """``cpu`` or ``cuda``: ``auto`` becomes ``cuda`` when torch sees a GPU."""
-        if self.device != "auto":
-            return self.device
-        try:
-            import torch
+        """``cpu`` or ``cuda:N`` on this machine (``auto``: CUDA when torch sees a GPU).
 
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:  # pragma: no cover - torch is a hard dependency
-            return "cpu"
+        Raises:
+            DeviceError: the run asks for a device this machine does not have.
+        """
+        from symfuse.device import resolve_device
+
+        return str(resolve_device(self.device, "device (run config)"))
 
     def resolved_store_root(self) -> str:
         """``store_root``, else ``$SYMFUSE_STORE``, else ``./symfuse-runs``."""

@@ -37,6 +37,11 @@ class MergeFile(_Strict):
     base: str | None = Field(default=None, description="Base checkpoint (task-vector strategies).")
     weights: list[float] | None = Field(default=None, description="One weight per model (>= 0, positive sum).")
     params: dict[str, Any] = Field(default_factory=dict, description="The strategy's parameters {name: value}.")
+    device: str = Field(
+        default="auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="Where the merge runs: auto (CUDA when torch sees a GPU), cpu, cuda or cuda:N (--device wins).",
+    )
     head_refit: dict[str, Any] | None = Field(
         default=None,
         description="Refit each head to the merged body: {data: [one dataset per model], ridge: 0.1, max_examples: "

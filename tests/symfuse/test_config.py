@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -103,7 +105,9 @@ def test_yaml_must_be_a_mapping(tmp_path):
 def test_json_schema_is_a_typed_form():
     schema = RunConfig.model_json_schema()
     props = schema["properties"]
-    assert props["device"]["enum"] == ["cpu", "cuda", "auto"]
+    device = re.compile(props["device"]["pattern"])  # the UI's form checks it as the run is created
+    assert all(device.fullmatch(d) for d in ("auto", "cpu", "cuda", "cuda:1"))
+    assert not any(device.fullmatch(d) for d in ("gpu", "cuda:", "cpu:0", "mps"))
     assert "datasets" in schema["required"]
     assert schema["additionalProperties"] is False
     dataset = schema["$defs"]["DatasetConfig"]

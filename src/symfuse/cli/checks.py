@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -130,16 +129,18 @@ def multi_value_command(*options: str) -> type[MultiValueCommand]:
     return type("MultiValue", (MultiValueCommand,), {"multi_value": tuple(options)})
 
 
-def device(option: str, value: str) -> None:
-    """A torch device string (``cpu``, ``cuda``, ``cuda:1``, ...)."""
-    if re.fullmatch(r"(cpu|cuda|mps|xpu)(:\d+)?", value):
-        return
-    import torch
+DEVICE_HELP = "Where the maths runs: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N."
 
-    try:
-        torch.device(value)
-    except (RuntimeError, ValueError) as exc:
-        raise UsageError(f"{option}: {value!r} is not a device — give cpu, cuda or cuda:N") from exc
+
+def device(option: str, value: str) -> str:
+    """The device ``value`` names on this machine (``cpu`` / ``cuda:N``); a device that is not there is refused.
+
+    Raises:
+        DeviceError: (a UsageError, exit 2) not a device, or not on this machine.
+    """
+    from symfuse.device import resolve_device
+
+    return str(resolve_device(value, option))
 
 
 def dataset(option: str, value: str) -> None:

@@ -28,13 +28,13 @@ def evaluate(
     out: Annotated[
         Path | None, typer.Option("--out", help="Metrics JSON (default <model>/eval_<data>_<split>.json).")
     ] = None,
-    device: Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
 ) -> None:
     """Evaluate MODEL on a dataset split; print and write the metrics JSON."""
     checks.at_least("--max-examples", max_examples, 1)
     checks.at_least("--max-length", max_length, 2)
     checks.at_least("--batch-size", batch_size, 1)
-    checks.device("--device", device)
+    device = checks.device("--device", device)
     checks.local_path("MODEL", model)
     checks.checkpoint(model, arch=False)
     if out is not None and out.is_dir():
@@ -68,14 +68,14 @@ def barrier(
         int | None, typer.Option("--max-examples", help="Examples to use at most (all when absent).")
     ] = None,
     max_length: Annotated[int, typer.Option("--max-length", help="Tokens per example at most.")] = 128,
-    device: Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Loss barrier along (1-λ)θ_A + λθ_B on a dataset split."""
     checks.at_least("--points", points, 2)
     checks.at_least("--max-examples", max_examples, 1)
     checks.at_least("--max-length", max_length, 2)
-    checks.device("--device", device)
+    device = checks.device("--device", device)
     checks.local_path("A", a)
     checks.local_path("B", b)
     checks.checkpoint(a, arch=False)

@@ -57,6 +57,7 @@ def match(
             "checked while it is applied in all three (with --data the models already in memory are compared).",
         ),
     ] = "stream",
+    device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
 ) -> None:
     """Align SOURCE to ANCHOR by exact symmetries; write OUT (checkpoint, transforms, report) and print the report.
 
@@ -80,21 +81,26 @@ def match(
     checks.checkpoint(anchor)
     if data is not None:
         checks.dataset("--data", data)
+    device = checks.device("--device", device)
     with claim_output(out, overwrite):
         if ot_kind is not None:  # OT fusion (symfuse.match.ot): the report's `exact` says if it stayed exact
             from symfuse.match.ot_checkpoints import match_ot_checkpoints
 
             extra = [n for n in names if n != ot_kind]
-            report = match_ot_checkpoints(source, anchor, out, ot_kind, extra, data, max_examples, overwrite=overwrite)
+            report = match_ot_checkpoints(
+                source, anchor, out, ot_kind, extra, data, max_examples, device=device, overwrite=overwrite
+            )
         elif data is not None:
             from symfuse.match.activation import match_activation_checkpoints
 
-            report = match_activation_checkpoints(source, anchor, out, data, names, max_examples, overwrite=overwrite)
+            report = match_activation_checkpoints(
+                source, anchor, out, data, names, max_examples, device=device, overwrite=overwrite
+            )
         else:
             from symfuse.match import match_checkpoints
 
             report = match_checkpoints(
-                source, anchor, out, symmetries=names, workers=workers, overwrite=overwrite, verify=verify
+                source, anchor, out, names, workers, overwrite=overwrite, verify=verify, device=device
             )
     summary = {k: v for k, v in report.items() if k != "per_module"}
     typer.echo(json.dumps(summary, indent=2))
@@ -134,6 +140,7 @@ def disguise(
         ),
     ] = "rotation,scaling,ffn-permutation,head-permutation",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
+    device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
 ) -> None:
     """Apply random exact symmetry transforms to SOURCE (same function, different weights).
 
@@ -146,8 +153,9 @@ def disguise(
         raise UsageError(f"--noise: {noise} is negative — give a relative noise >= 0 (0 keeps the function exactly)")
     checks.local_path("SOURCE", source)
     checks.checkpoint(source)
+    device = checks.device("--device", device)
     with claim_output(out, overwrite):
         from symfuse.match import disguise_checkpoint
 
-        disguise_checkpoint(source, out, seed=seed, noise=noise, kinds=names, overwrite=overwrite)
+        disguise_checkpoint(source, out, seed=seed, noise=noise, kinds=names, overwrite=overwrite, device=device)
     typer.echo(f"wrote disguised copy of {source} to {out}")

@@ -55,6 +55,7 @@ def match_many_cmd(
     ] = "rotation,scaling,ffn-permutation",
     max_iter: Annotated[int, typer.Option("--max-iter", help="Barycenter iterations per module at most.")] = 20,
     tol: Annotated[float, typer.Option("--tol", help="Barycenter tolerance (relative move of the mean).")] = 1e-7,
+    device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Align M1 M2 [M3 ...] to one anchor; write OUT/<model>/ (matched checkpoints) and a report json.
@@ -78,10 +79,11 @@ def match_many_cmd(
         checks.local_path("M1 M2", m)
     for m in models:
         checks.checkpoint(m)
+    device = checks.device("--device", device)
     with claim_output(out, overwrite):
         from symfuse.match import assemble_matched, match_many
 
-        result = match_many(models, anchor=index, symmetries=sym, max_iter=max_iter, tol=tol)
+        result = match_many(models, anchor=index, symmetries=sym, max_iter=max_iter, tol=tol, device=device)
         anchor_model = None if result["anchor"] == "barycenter" else models[result["anchor"]]
         per_model = []
         with atomic_output_dir(out, overwrite=overwrite) as tmp:
@@ -95,6 +97,7 @@ def match_many_cmd(
                 "anchor": result["anchor"] if anchor_model is None else anchor_model,
                 "anchor_mode": anchor,
                 "symmetries": sym,
+                "device": device,
                 "models": per_model,
                 "max_iterations": max(result["iterations"].values(), default=0),
             }

@@ -58,7 +58,9 @@ def merge(
     max_examples: Annotated[
         int | None, typer.Option("--max-examples", help="regmean++: examples per dataset for its Grams (256).")
     ] = None,
-    device: Annotated[str | None, typer.Option("--device", help="regmean++: forward passes on cpu|cuda.")] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help=checks.DEVICE_HELP + " Default: the config's device, else auto.")
+    ] = None,
     refit_heads: Annotated[
         bool,
         typer.Option("--refit-heads", help="Refit each head to the merged body on its model's own --data."),
@@ -82,7 +84,6 @@ def merge(
     # the parameter flags are shortcuts for --param NAME=VALUE: the strategy's Params validates them all
     shortcuts = {"alpha": alpha, "lam": lam, "density": density, "drop": drop, "combine": combine, "seed": seed}
     shortcuts |= {"dtype": dtype, "epsilon": epsilon, "data": data or None, "max_examples": max_examples}
-    shortcuts |= {"device": device}
     if config is not None:
         flags = {"--strategy": strategy, "--models": models, "--stats": stats, "--weights": weights, "--base": base}
         flags |= {"--param": param} | {f"--{k}": v for k, v in shortcuts.items()}
@@ -95,6 +96,7 @@ def merge(
 
         mf = load_merge_file(config)
         strategy, models, base, weights = mf.strategy, mf.models, mf.base, mf.weights
+        device_given = (device, "--device") if device is not None else (mf.device, f"{config}: device")
         stats = [Path(s) for s in mf.stats] if mf.stats is not None else None
         given = {k: (v, f"params.{k}") for k, v in mf.params.items()}
         refit_given = {k: (v, f"head_refit.{k}") for k, v in (mf.head_refit or {}).items()}
@@ -110,14 +112,22 @@ def merge(
         refit_on, refit_given = refit_heads, {}
         if refit_ridge is not None:
             refit_given["ridge"] = (refit_ridge, "--refit-ridge")
+        device_given = (device or "auto", "--device")
     if strategy is None:
         raise UsageError("--strategy: missing — give --strategy NAME, or --config merge.yaml")
+    if "device" in given:  # an older spelling (regmean++'s --param device=...): the merge's device
+        if device is not None and device != given["device"][0]:
+            raise UsageError(f"{given['device'][1]}: given with --device — give the device once, with --device")
+        device_given = given.pop("device")
+    dev = checks.device(device_given[1], str(device_given[0]))
     if refit_on and config is None:  # --data / --max-examples / --device: the refit's (and the merger's if it has them)
         checks.one_of("--strategy", strategy, MERGERS.names())
         fields = MERGERS[strategy].Params.model_fields
         for k in REFIT_SHARED:
             if k in given:
                 refit_given[k] = given[k] if k in fields else given.pop(k)
+    if refit_on:
+        refit_given.setdefault("device", (dev, device_given[1]))
     models = list(models or [])
     try:
         params = _validate(strategy, models, stats, weights, base, given)
@@ -131,13 +141,13 @@ def merge(
 
     with claim_output(out, overwrite):
         path = merge_checkpoints(
-            strategy, models, out, stats=stats, base=base, overwrite=overwrite, head_refit=refit, **params
+            strategy, models, out, stats=stats, base=base, overwrite=overwrite, head_refit=refit, device=dev, **params
         )
     report = json.loads((path / "symfuse_report.json").read_text())
     typer.echo(f"{path} ({strategy}, {report['seconds']} s)")
 
 
-REFIT_SHARED = ("data", "max_examples", "device")  # flags a head refit reads (and regmean++ too)
+REFIT_SHARED = ("data", "max_examples")  # flags a head refit reads (and regmean++ too); the device is the merge's
 
 
 def _refit_options(given: dict[str, tuple[Any, str]], n_models: int, config: Path | None) -> dict[str, Any]:
@@ -208,8 +218,6 @@ def _validate(
     if len(models) < 2:
         raise UsageError(f"--models: {len(models)} model(s) given — give two or more: --models A B [C ...]")
     data, data_label = given.get("data", (None, "--data"))
-    if given.get("device", (None,))[0] is not None:
-        checks.device(given["device"][1], given["device"][0])
     if weights:
         if len(weights) != len(models):
             raise UsageError(f"--weights: {len(weights)} weight(s) for {len(models)} models — give one per model")

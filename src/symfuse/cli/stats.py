@@ -23,7 +23,7 @@ def stats(
     split: Annotated[str, typer.Option("--split", help="Dataset split to read.")] = "train",
     max_length: Annotated[int, typer.Option("--max-length", help="Tokens per example at most.")] = 128,
     fisher_mode: Annotated[str, typer.Option("--fisher-mode", help="empirical or sampled.")] = "empirical",
-    device: Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
     gram_dtype: Annotated[
         str,
         typer.Option(
@@ -39,7 +39,7 @@ def stats(
     checks.at_least("--max-length", max_length, 2)
     checks.one_of("--fisher-mode", fisher_mode, ("empirical", "sampled"))
     checks.one_of("--gram-dtype", gram_dtype, ("float64", "float32"))
-    checks.device("--device", device)
+    device = checks.device("--device", device)
     checks.local_path("MODEL", model)
     from symfuse.stats import collect_stats
     from symfuse.stats.io import STAT_KINDS

@@ -29,7 +29,7 @@ def finetune(
     grad_accum: Annotated[int, typer.Option("--grad-accum", help="Gradient accumulation steps.")] = 1,
     max_length: Annotated[int, typer.Option("--max-length", help="Tokens per example at most.")] = 128,
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 13,
-    device: Annotated[str, typer.Option("--device", help="Torch device: cpu, cuda or cuda:N.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
     labels: Annotated[
         str,
@@ -71,7 +71,7 @@ def finetune(
     checks.at_least("--batch-size", batch_size, 1)
     checks.at_least("--grad-accum", grad_accum, 1)
     checks.at_least("--max-length", max_length, 8)
-    checks.device("--device", device)
+    device = checks.device("--device", device)
     checks.one_of("--labels", labels, ("per-dataset", "union"))
     if (labels == "union") != (union_of is not None):
         raise UsageError(

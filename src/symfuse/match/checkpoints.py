@@ -123,6 +123,7 @@ def match_module(
     anchor: str | Path,
     module_key: str,
     symmetries: Sequence[str] = DEFAULT_SYMMETRIES,
+    device: str | torch.device = "cpu",
 ) -> ModuleTransform:
     """The transform mapping SOURCE's module ``module_key`` onto ANCHOR's (reads only that module's tensors).
 
@@ -131,17 +132,20 @@ def match_module(
         anchor: Anchor checkpoint of the same family and shapes.
         module_key: ``ModuleRef.key``, e.g. ``L03.attn``.
         symmetries: Subset of :data:`symfuse.match.SYMMETRIES`.
+        device: Where the matching runs (the transform comes back on the CPU).
 
     Raises:
         CheckpointError: different families / shapes, missing or non-finite tensors.
     """
     check_symmetries(symmetries)
+    dev = resolve_device(device)
     ref = ModuleRef.parse(module_key)
     with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
         check_compatible(src, anc)
         s, a = src.read_module(ref), anc.read_module(ref)
         _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
-        return match_module_weights(ref, s, a, src.geometry, symmetries)
+        s, a = ({r: t.to(dev) for r, t in w.items()} for w in (s, a))
+        return match_module_weights(ref, s, a, src.geometry, symmetries).to("cpu")
 
 
 def _strip(name: str, prefix: str) -> str:

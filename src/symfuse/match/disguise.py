@@ -16,6 +16,7 @@ import torch
 
 from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
+from symfuse.device import resolve_device
 from symfuse.io import save_safetensors
 from symfuse.match.checkpoints import REPORT_FILE, RESIDUAL_FILE, TRANSFORMS_FILE
 from symfuse.outputs import atomic_output_dir, check_output
@@ -35,6 +36,7 @@ def disguise_checkpoint(
     noise: float = 0.0,
     kinds: Sequence[str] = ALL_KINDS,
     overwrite: bool = False,
+    device: str | torch.device = "cpu",
 ) -> Path:
     """Write SOURCE with random exact symmetry transforms of every module (plus optional relative noise).
 
@@ -50,6 +52,7 @@ def disguise_checkpoint(
             ``perm``, or ``perm.<stream>`` for each stream of a multi-stream family such as CLIP):
             it holds the whole model in memory, the other kinds stream module by module.
         overwrite: Replace an existing ``out`` (atomically, at the end).
+        device: Where the transforms are applied (random draws are made on the CPU: the same disguise anywhere).
 
     Returns:
         ``out``.
@@ -60,19 +63,21 @@ def disguise_checkpoint(
     """
     check_kinds(kinds, "draw", "disguise kinds")
     check_output(out, overwrite)
+    dev = resolve_device(device)
     g = torch.Generator().manual_seed(seed)
     gn = torch.Generator().manual_seed(seed + 1_000_003)
     with CheckpointReader(source) as src:
         ts = {ref.key: random_module_transform(ref, src.geometry, g, kinds) for ref in src.modules()}
 
         def fn(ref: ModuleRef, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            new = ts[ref.key].apply(w)
+            new = ts[ref.key].apply({r: t.to(dev) for r, t in w.items()})
             if noise > 0:
                 for r, t in new.items():
                     if t.is_floating_point() and t.numel() > 1:
                         tf = t.float()
-                        new[r] = (tf + noise * tf.std() * torch.randn(t.shape, generator=gn)).to(t.dtype)
-            return new
+                        draw = torch.randn(t.shape, generator=gn).to(dev)
+                        new[r] = (tf + noise * tf.std() * draw).to(t.dtype)
+            return {r: t.cpu() for r, t in new.items()}
 
         report = {"disguise_of": str(src.path), "seed": seed, "noise": noise, "kinds": list(kinds)}
         with atomic_output_dir(out, overwrite=overwrite) as tmp:

@@ -19,6 +19,7 @@ import torch
 
 from symfuse.arch import Geometry, ModuleRef
 from symfuse.checkpoint import CheckpointReader
+from symfuse.device import resolve_device
 from symfuse.match.checkpoints import check_compatible, check_finite
 from symfuse.match.weights import DEFAULT_SYMMETRIES, check_symmetries, match_module_weights, module_distance
 from symfuse.symmetry.transforms import ModuleTransform, QKScaling, VOScaling
@@ -133,6 +134,7 @@ def match_module_many(
     anchor: str | int = "barycenter",
     max_iter: int = 20,
     tol: float = 1e-7,
+    device: str | torch.device = "cpu",
 ) -> list[ModuleTransform]:
     """One module of K checkpoints aligned to their barycenter (or to model ``anchor``), reading only that module.
 
@@ -145,6 +147,7 @@ def match_module_many(
         anchor: ``"barycenter"`` or the index of the anchor model.
         max_iter: Barycenter iterations at most.
         tol: Barycenter tolerance (see :func:`align_module`).
+        device: Where the module's matching runs (the transforms come back on the CPU).
 
     Returns:
         One transform per model, in ``models`` order.
@@ -156,6 +159,7 @@ def match_module_many(
     if len(models) < 2:
         raise ValueError("match_module_many needs at least two models")
     symmetries = check_symmetries(symmetries)
+    dev = resolve_device(device)
     ref = ModuleRef.parse(module_key)
     readers = [CheckpointReader(m) for m in models]
     try:
@@ -164,7 +168,8 @@ def match_module_many(
         ws = [r.read_module(ref) for r in readers]
         for r, w in zip(readers, ws, strict=True):
             check_finite(w, f"{r.path}: {ref.key}")
-        return align_module(ref, ws, readers[0].geometry, symmetries, anchor, max_iter, tol)[0]
+        ws = [{r: t.to(dev) for r, t in w.items()} for w in ws]
+        return [t.to("cpu") for t in align_module(ref, ws, readers[0].geometry, symmetries, anchor, max_iter, tol)[0]]
     finally:
         for r in readers:
             r.close()
@@ -176,6 +181,7 @@ def match_many(
     symmetries: Sequence[str] = DEFAULT_SYMMETRIES,
     max_iter: int = 20,
     tol: float = 1e-7,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
     """Align several checkpoints of one family to a common anchor.
 
@@ -186,6 +192,7 @@ def match_many(
         symmetries: Subset of :data:`symfuse.match.SYMMETRIES`.
         max_iter: Barycenter iterations at most (per module).
         tol: Barycenter stops when the mean moves less than ``tol`` relative to its norm.
+        device: Where each module's matching runs (one module of the K models on it at a time).
 
     Returns:
         ``{"anchor": index of the anchor model or "barycenter", "transforms": [ {module key: ModuleTransform}
@@ -201,6 +208,7 @@ def match_many(
     ):
         raise ValueError(f"anchor must be 'closest', 'barycenter' or a model index < {len(models)}, not {anchor!r}")
     symmetries = check_symmetries(symmetries)
+    dev = resolve_device(device)
     readers = [CheckpointReader(m) for m in models]
     try:
         for r in readers[1:]:
@@ -214,12 +222,12 @@ def match_many(
         out: list[dict[str, ModuleTransform]] = [{} for _ in readers]
         iterations: dict[str, int] = {}
         for ref in readers[0].modules():
-            ws = [r.read_module(ref) for r in readers]
+            ws = [{k: t.to(dev) for k, t in r.read_module(ref).items()} for r in readers]
             ts, iterations[ref.key] = align_module(
                 ref, ws, geo, symmetries, "barycenter" if best is None else best, max_iter, tol
             )
             for i, t in enumerate(ts):
-                out[i][ref.key] = t
+                out[i][ref.key] = t.to("cpu")
         return {"anchor": "barycenter" if best is None else best, "transforms": out, "iterations": iterations}
     finally:
         for r in readers:

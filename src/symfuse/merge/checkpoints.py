@@ -216,6 +216,8 @@ def merge_checkpoints(
     if not models:
         raise ValueError("merge needs at least one model")
     check_output(out, overwrite)
+    if "device" in MERGERS[strategy].Params.model_fields:  # a merger that runs models (regmean++): the merge's device
+        params.setdefault("device", str(dev))
     merger = MERGERS[strategy](**params)
     refit = RefitOptions.model_validate(head_refit) if head_refit is not None else None
     readers = [StreamingReader(m) for m in models]
