@@ -172,6 +172,7 @@ def match_attention(
     # a per-head score bias shared by every layer (T5): a head permutation of one layer would change it
     if "head-permutation" in symmetries and geo.n_kv_heads > 1 and not geo.shared_head_bias:
         sb, ab = attention_blocks(src, geo), attention_blocks(anc, geo)
+        sb_device = sb["q"].device
         cost = torch.zeros(geo.n_kv_heads, geo.n_kv_heads, dtype=torch.float64)
         for name, a_role, b_role, use_rope in (("qk", "q", "k", rope), ("vo", "v", "o", False)):
             # the products on the weights' device, the small per-pair fits on the CPU
@@ -184,7 +185,7 @@ def match_attention(
         perm, _ = assign_max(-cost)
         hp = HeadPermutation(perm)
         parts.append(hp)
-        src = hp.apply(src)
+        src = hp.to(sb_device).apply(src)
         t0 = _tick(timings, "head_perm", t0)
     if rotate or scale:
         # cross products on the weights' device; the per-head rotations / scales (dh x dh) are solved on the CPU

@@ -220,6 +220,8 @@ def merge_checkpoints(
         params.setdefault("device", str(dev))
     merger = MERGERS[strategy](**params)
     refit = RefitOptions.model_validate(head_refit) if head_refit is not None else None
+    if refit is not None and "device" not in refit.model_fields_set:  # the refit's forward passes: the merge's device
+        refit = refit.model_copy(update={"device": str(dev)})
     readers = [StreamingReader(m) for m in models]
     k = len(readers)
     if merger.needs_base and base is None:

@@ -1,0 +1,211 @@
+"""Device parity: the same symfuse call on two devices, compared (used by bench/gpu_check.py and its CPU tests).
+
+Each check builds tiny inputs once (on the CPU), runs the library call with ``device=a`` and ``device=b`` and returns
+rows ``{"check", "what", "max_rel", "tol", "ok", ...}``: the largest relative difference between the two outputs
+(per tensor, ``||x_a - x_b|| / ||x_a||``, the worst tensor) against the stated tolerance. On the CPU against itself
+every difference must be 0 (the tests check the machinery that way); CUDA against the CPU differs by the order of
+floating-point sums (float32: ~1e-6 relative; TF32 is not enabled by symfuse).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (str(ROOT / "src"), str(ROOT)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from tests.tiny import save_tiny, tiny_config  # noqa: E402
+
+TOL_F32 = 1e-5  # float32 maths, another summation order
+TOL_F64 = 1e-9  # float64 closed forms (RegMean's solve, transforms)
+TOL_TRAIN = 5e-2  # a fine-tune under bf16 autocast against float32 (trajectories drift; weights stay close)
+MATCH_KINDS = ("rotation", "scaling", "ffn-permutation", "head-permutation")
+FAMILIES = ("bert", "gpt2", "llama")  # post-LN, Conv1D, RoPE + GQA
+MERGES = {  # strategy -> extra inputs
+    "simple": {},
+    "fisher": {"stats": True},
+    "regmean": {"stats": True},
+    "regmean++": {"data": True},
+    "task-arithmetic": {"base": True},
+    "ties": {"base": True},
+    "dare": {"base": True},
+}
+
+
+def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a save_pretrained folder (all shards), on the CPU."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest per-tensor relative Frobenius difference of two state dicts (same keys required)."""
+    if a.keys() != b.keys():
+        raise AssertionError(f"different tensors: {sorted(a.keys() ^ b.keys())[:5]}")
+    worst, where = 0.0, ""
+    for k in sorted(a):
+        x, y = a[k].double(), b[k].double()  # integer tensors too: any difference shows
+        rel = float((x - y).norm() / x.norm().clamp_min(1e-30))
+        if rel > worst:
+            worst, where = rel, k
+    return worst, where
+
+
+def _row(check: str, what: str, rel: float, tol: float, **extra) -> dict:
+    return {"check": check, "what": what, "max_rel": rel, "tol": tol, "ok": rel <= tol, **extra}
+
+
+def text_classifier(folder: Path, tokenizer: Path, seed: int, labels: Sequence[str], base: Path | None = None) -> Path:
+    """A tiny BERT classifier over ``labels`` with a real tokenizer (``base``'s weights plus a seeded 1 % delta)."""
+    import transformers as T
+
+    tok = T.AutoTokenizer.from_pretrained(str(tokenizer))
+    cfg = tiny_config("bert", vocab_size=tok.vocab_size, num_labels=len(labels))
+    cfg.id2label = dict(enumerate(labels))
+    cfg.label2id = {v: k for k, v in cfg.id2label.items()}
+    torch.manual_seed(seed)
+    model = T.BertForSequenceClassification(cfg)
+    if base is not None:
+        model.load_state_dict(T.BertForSequenceClassification.from_pretrained(str(base)).state_dict())
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def match_parity(work: Path, a: str, b: str, families: Sequence[str] = FAMILIES) -> list[dict]:
+    """``match_checkpoints`` of a model's disguise onto the model, each kind alone and all together, on a and b."""
+    from symfuse.match import disguise_checkpoint, match_checkpoints
+
+    rows = []
+    for fam in families:
+        anchor = save_tiny(work / f"{fam}-anchor", fam)
+        src = work / f"{fam}-disguised"
+        disguise_checkpoint(anchor, src, seed=3, kinds=MATCH_KINDS)
+        for kinds in [*([k] for k in MATCH_KINDS), list(MATCH_KINDS)]:
+            outs, reports = [], []
+            for side, dev in enumerate((a, b)):
+                out = work / f"{fam}-{'+'.join(kinds)}-{side}"
+                reports.append(match_checkpoints(src, anchor, out, kinds, device=dev, verify="full"))
+                outs.append(tensors_of(out))
+            rel, where = max_rel(*outs)
+            tol = TOL_F32 if set(kinds) & {"rotation", "scaling"} else 0.0
+            rows.append(
+                _row("match", f"{fam} {'+'.join(kinds)}", rel, tol, worst=where,
+                     distance_after=[r["distance_after"] for r in reports],
+                     logit_diff=[r["max_abs_logit_diff"] for r in reports])
+            )  # fmt: skip
+    return rows
+
+
+def stats_parity(work: Path, a: str, b: str, model: Path, data: str) -> tuple[list[dict], dict[str, Path]]:
+    """Gram and Fisher statistics of ``model`` on ``data`` on both devices; returns rows and device a's folders."""
+    from symfuse.stats import collect_stats
+
+    rows, folders = [], {}
+    outs = {}
+    for side, dev in enumerate((a, b)):
+        folder = work / f"stats-{model.name}-{side}"
+        collect_stats(model, data, ["gram", "fisher"], folder, max_examples=48, batch_size=16, device=dev)
+        outs[dev] = {k: tensors_of_file(folder / f"{k}.safetensors") for k in ("gram", "fisher")}
+        folders[dev] = folder
+    for kind in ("gram", "fisher"):
+        rel, where = max_rel(outs[a][kind], outs[b][kind])
+        rows.append(_row("stats", f"{kind} of {model.name}", rel, 1e-4, worst=where))
+    return rows, folders
+
+
+def tensors_of_file(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file."""
+    from safetensors.torch import load_file
+
+    return load_file(str(file))
+
+
+def merge_parity(work: Path, a: str, b: str, tokenizer: Path, data: str = "meld") -> list[dict]:
+    """Every registered strategy's merge of three tiny fine-tunes on both devices (statistics from device a)."""
+    from symfuse.data import load_task_dataset
+    from symfuse.merge import merge_checkpoints
+
+    labels = load_task_dataset(data).labels
+    base = text_classifier(work / "base", tokenizer, 0, labels)
+    models = [text_classifier(work / f"ft{i}", tokenizer, 10 + i, labels, base) for i in range(3)]
+    rows, stats = [], []
+    for m in models:
+        r, folders = stats_parity(work, a, b, m, data)
+        rows += r
+        stats.append(folders[a])
+    for strategy, needs in MERGES.items():
+        outs = []
+        for side, dev in enumerate((a, b)):
+            out = work / f"merge-{strategy}-{side}"
+            kw = {"stats": stats} if needs.get("stats") else {}
+            kw |= {"base": base} if needs.get("base") else {}
+            kw |= {"data": [data] * 3, "max_examples": 32} if needs.get("data") else {}
+            merge_checkpoints(strategy, models, out, device=dev, **kw)
+            outs.append(tensors_of(out))
+        rel, where = max_rel(*outs)
+        tol = TOL_F32 if strategy != "regmean++" else 1e-4  # regmean++ runs forward passes between its solves
+        rows.append(_row("merge", strategy, rel, tol, worst=where))
+    return rows
+
+
+def train_eval_parity(work: Path, a: str, b: str, tokenizer: Path, data: str = "meld") -> list[dict]:
+    """A short fine-tune on both devices (b: bf16 autocast, fused AdamW when CUDA), then ``evaluate`` on both."""
+    from symfuse.data import load_task_dataset
+    from symfuse.evaluate import evaluate_model
+    from symfuse.train import FinetuneConfig, finetune
+
+    labels = load_task_dataset(data).labels
+    base = text_classifier(work / "train-base", tokenizer, 0, labels)
+    cfg = FinetuneConfig(epochs=1, lr=1e-3, batch_size=16, max_train_examples=96, max_eval_examples=32, progress=False)
+    trained = {}
+    for side, dev in enumerate((a, b)):
+        out = work / f"trained-{side}"
+        finetune(base, data, out, cfg, device=dev)
+        trained[dev] = out
+    rel, where = max_rel(tensors_of(trained[a]), tensors_of(trained[b]))
+    reports = [json.loads((trained[d] / "symfuse_train.json").read_text()) for d in (a, b)]
+    last = [{k: r["epochs"][-1][k] for k in ("train_loss", "val_loss")} | {"device": r["device"]} for r in reports]
+    rows = [_row("finetune", f"1 epoch of 96 {data} examples", rel, TOL_TRAIN, worst=where, last=last)]
+    scores = [evaluate_model(trained[a], data, split="test", max_examples=128, device=dev) for dev in (a, b)]
+    keys = [k for k, v in scores[0].items() if isinstance(v, float) and k != "seconds"]
+    diff = max((abs(scores[0][k] - scores[1][k]) for k in keys), default=0.0)
+    rows.append(_row("evaluate", f"{data} test, 128 examples ({', '.join(keys)})", diff, 1e-3))
+    return rows
+
+
+def all_parity(work: Path, a: str, b: str, tokenizer: Path) -> list[dict]:
+    """Every parity check; a check that raises becomes a failed row with its error (the others still run)."""
+    rows: list[dict] = []
+    for name, fn in (
+        ("match", lambda w: match_parity(w, a, b)),
+        ("merge+stats", lambda w: merge_parity(w, a, b, tokenizer)),
+        ("finetune+evaluate", lambda w: train_eval_parity(w, a, b, tokenizer)),
+    ):
+        w = work / name
+        shutil.rmtree(w, ignore_errors=True)
+        w.mkdir(parents=True)
+        try:
+            rows += fn(w)
+        except Exception as exc:  # reported, not hidden: the row says what failed
+            import traceback
+
+            rows.append({"check": name, "what": "raised", "ok": False, "error": repr(exc)[:500],
+                         "trace": traceback.format_exc()[-2000:]})  # fmt: skip
+    return rows
