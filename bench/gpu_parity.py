@@ -50,14 +50,20 @@ def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest per-tensor relative Frobenius difference of two state dicts (same keys required)."""
+def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], floor: float = 1e-6) -> tuple[float, str]:
+    """The largest per-tensor relative difference of two state dicts (same keys required).
+
+    Per tensor ``||x_a - x_b|| / max(||x_a||, floor * ||state_a||)``: a tensor that is zero up to rounding (the Fisher
+    of an attention key bias, whose gradient vanishes identically: softmax ignores a shift shared by every key) is
+    compared with the state's scale, not with its own rounding noise.
+    """
     if a.keys() != b.keys():
         raise AssertionError(f"different tensors: {sorted(a.keys() ^ b.keys())[:5]}")
+    state = sum(float(t.double().norm()) ** 2 for t in a.values()) ** 0.5
     worst, where = 0.0, ""
     for k in sorted(a):
         x, y = a[k].double(), b[k].double()  # integer tensors too: any difference shows
-        rel = float((x - y).norm() / x.norm().clamp_min(1e-30))
+        rel = float((x - y).norm()) / max(float(x.norm()), floor * state, 1e-30)
         if rel > worst:
             worst, where = rel, k
     return worst, where

@@ -34,6 +34,9 @@ def test_max_rel_finds_the_worst_tensor():
     b = {"x": torch.ones(4), "y": torch.tensor([1.0, 1.0, 1.0, 3.0])}
     rel, where = gpu_parity.max_rel(a, b)
     assert where == "y" and rel == pytest.approx(1.0)
+    zero = {"w": torch.full((4,), 100.0), "kb": torch.zeros(4)}  # rounding noise on a tensor that is 0 by maths
+    noisy = {"w": torch.full((4,), 100.0), "kb": torch.full((4,), 1e-9)}
+    assert gpu_parity.max_rel(zero, noisy)[0] == pytest.approx(1e-5)  # 2e-9 against 1e-6 of the state (200)
 
 
 def test_report_is_one_table_per_section_with_errors_shown():
