@@ -47,6 +47,7 @@ def _parse(path: Path) -> ArchSpec:
         "output",
         "config_variants",
         "forward",
+        "residual_group",
     }
     unknown = set(raw) - known
     if unknown:  # a spec field nobody reads is a bug, not a comment
@@ -160,6 +161,7 @@ def _build(raw: dict[str, Any]) -> ArchSpec:
         inputs=(inputs,) if isinstance(inputs, str) else tuple(inputs),
         n_layers_key=first.n_layers_key if first else raw.get("n_layers_key", "num_hidden_layers"),
         require=raw.get("require", {}),
+        residual_group=raw.get("residual_group", "permutation"),
     )
 
 

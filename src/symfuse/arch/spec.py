@@ -105,6 +105,12 @@ class ArchSpec:
         forward: How :mod:`symfuse.match.forward` runs the base model without transformers' modelling code
             (``forward`` in the YAML: ``embeddings`` roles, ``position_ids``, ``causal``, ``eps``); ``None``: the
             output check builds the transformers model.
+        residual_group: The largest group of maps of the residual stream that is exact in the family's own
+            architecture once its norms' gains (and LayerNorm biases) are folded into the layers that read them:
+            ``orthogonal`` (pre-RMSNorm: any orthogonal map), ``orthogonal-fixing-ones`` (pre-LayerNorm: orthogonal
+            maps with ``O 1 = 1``, so that mean-centring commutes), ``permutation`` (post-LN families, and those whose
+            norms cannot be folded: Gemma's ``1 + w`` gains, Gemma-2's extra sublayer norms, multi-stack families
+            for now). See :mod:`symfuse.symmetry.residual_orthogonal`.
         config_variants: ``(when, spec)`` pairs: the family as stored when the config has the values ``when``
             (``config_variants`` in the YAML; T5 v1.1 / mT5 gated FFN); :func:`symfuse.arch.get_spec` picks it.
     """
@@ -135,6 +141,7 @@ class ArchSpec:
     config_keys: Mapping[str, str] = field(default_factory=dict)
     output: str | None = None
     forward: Mapping[str, Any] | None = None
+    residual_group: str = "permutation"
 
     def all_stacks(self) -> tuple[StackSpec, ...]:
         """:attr:`stacks`, or the one unnamed stack of a single-stack family (its top-level fields)."""
