@@ -83,7 +83,14 @@ def match(
         checks.dataset("--data", data)
     device = checks.device("--device", device)
     with claim_output(out, overwrite):
-        if ot_kind is not None:  # OT fusion (symfuse.match.ot): the report's `exact` says if it stayed exact
+        if "residual-orthogonal" in names:  # the whole stream: from the weights, or started from --data's activations
+            from symfuse.match.residual_orthogonal import match_residual_orthogonal_checkpoints
+
+            inner = [n for n in names if n != "residual-orthogonal"]
+            report = match_residual_orthogonal_checkpoints(
+                source, anchor, out, inner, data, max_examples, device=device, overwrite=overwrite
+            )
+        elif ot_kind is not None:  # OT fusion (symfuse.match.ot): the report's `exact` says if it stayed exact
             from symfuse.match.ot_checkpoints import match_ot_checkpoints
 
             extra = [n for n in names if n != ot_kind]

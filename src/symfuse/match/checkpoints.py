@@ -377,6 +377,11 @@ def match_checkpoints(
     symmetries = check_symmetries(symmetries)
     verify = _verify_mode(verify, logit_check)
     dev = resolve_device(device)
+    if "residual-orthogonal" in symmetries:  # one map of the whole stream: the model is aligned as a whole
+        from symfuse.match.residual_orthogonal import match_residual_orthogonal_checkpoints
+
+        inner = [k for k in symmetries if k != "residual-orthogonal"]
+        return match_residual_orthogonal_checkpoints(source, anchor, out, inner, device=dev, overwrite=overwrite)
     check_output(out, overwrite)
     out = Path(out)
     timings: dict[str, float] = {}

@@ -82,7 +82,9 @@ def disguise_checkpoint(
         report = {"disguise_of": str(src.path), "seed": seed, "noise": noise, "kinds": list(kinds)}
         with atomic_output_dir(out, overwrite=overwrite) as tmp:
             stream = kinds_for(kinds, "residual")
-            if stream:  # drawn after every module's transform (the generator's order), one per residual stream
+            if stream and stream[0].name == "residual-orthogonal":
+                _orthogonal_disguise(src, fn, g, tmp)
+            elif stream:  # drawn after every module's transform (the generator's order), one per residual stream
                 draw = stream[0].fn("draw")
                 perms = {}
                 for s, d in src.spec.streams(src.config).items():
@@ -96,6 +98,22 @@ def disguise_checkpoint(
             save_transforms(ts, tmp / TRANSFORMS_FILE)
             (tmp / REPORT_FILE).write_text(json.dumps(report))
     return Path(out)
+
+
+def _orthogonal_disguise(src: CheckpointReader, fn: Callable, g: torch.Generator, tmp: Path) -> None:
+    """Modules transformed by ``fn``, norms folded, then a random map of the family's group on the whole stream."""
+    from symfuse.match.residual_orthogonal import RESIDUAL_ORTHOGONAL_FILE, write_state
+    from symfuse.symmetry.residual_orthogonal import check_supported, fold_norms, random_in_group, rotate_residual
+
+    group = check_supported(src.spec)
+    state = {n: src.get(n).clone() for n in src.names()}
+    for ref in src.modules():
+        w = src.spec.read_module(state.__getitem__, state.__contains__, ref, src.config, src.prefix)
+        state.update(src.spec.write_module(fn(ref, w), ref, src.config, src.prefix))
+    folded, untied = fold_norms(state, src.spec, src.config, src.prefix)
+    rot = random_in_group(src.geometry.d_model, group, g)
+    write_state(src, rotate_residual(folded, src.spec, src.config, rot, src.prefix), tmp, untied)
+    save_safetensors({"rot": rot}, tmp / RESIDUAL_ORTHOGONAL_FILE, {"group": group})
 
 
 def _residual_disguised(

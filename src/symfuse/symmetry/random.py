@@ -116,6 +116,15 @@ def draw_residual_permutation(
     return (ResidualPermutation(torch.randperm(geo.d_model, generator=g)),)
 
 
+def draw_residual_orthogonal(
+    ref: ModuleRef | None, geo: Geometry, g: torch.Generator, log_scale: float
+) -> tuple[Transform, ...]:
+    """A Haar-random orthogonal map of the stream (``disguise`` restricts it to the family's group)."""
+    from symfuse.symmetry.residual_orthogonal import ResidualOrthogonal, random_in_group
+
+    return (ResidualOrthogonal(random_in_group(geo.d_model, "orthogonal", g)),)
+
+
 def random_module_transform(
     ref: ModuleRef,
     geo: Geometry,

@@ -267,6 +267,17 @@ register_kind(
         gram=False,
     )
 )
+register_kind(
+    SymmetryKind(  # one orthogonal map of the whole stream (exact group per family: ArchSpec.residual_group)
+        "residual-orthogonal",
+        "residual",
+        ("resid_orth",),
+        draw=f"{_R}:draw_residual_orthogonal",
+        weights="symfuse.match.residual_orthogonal:align_residual_orthogonal",
+        gram=False,
+        excludes=("residual-permutation",),
+    )
+)
 
 # OT fusion (symfuse.match.ot): soft alignment of heads and FFN neurons by optimal transport, in place of the
 # permutations; exact parts (head_perm / ffn_perm) where the plan is a permutation ("ot" with equal widths), soft

@@ -1,0 +1,312 @@
+"""``residual-orthogonal`` from weights or activations: one orthogonal map of the stream, alternated with module maps.
+
+The per-module maps are those of the heads and FFN units, found by closed forms.
+
+Both models' norms are folded first (:func:`symfuse.symmetry.residual_orthogonal.fold_norms`). Then, from an initial
+``O`` (the identity, or the Procrustes solution on paired hidden states when activations are given):
+
+1. the source rotated by ``O`` is matched module by module onto the anchor with the asked per-module kinds
+   (:func:`symfuse.match.weights.match_module_weights`: head permutation, rotation / scaling or head-linear, FFN
+   permutation); these maps act on the modules' inner axes, so they commute with ``O``;
+2. ``O`` is re-solved with the module maps fixed: the element of the family's group maximising ``tr(O^T M)``, where
+   ``M`` sums the cross products of every tensor touching the stream (readers ``W^T A``, writers ``W A^T``, their
+   biases, embeddings, heads): the Procrustes problem of ``sum ||T_O(source) - anchor||^2``;
+3. repeat until the distance stops falling (``tol``) or ``iters`` rounds.
+
+Each step minimises the same squared distance over one block of variables, so the distance never rises (the
+history is returned). Everything runs on ``device``; the assignment solvers on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from symfuse.arch.spec import ArchSpec
+from symfuse.match.weights import match_module_weights
+from symfuse.symmetry.residual import residual_plan
+from symfuse.symmetry.residual_orthogonal import (
+    READERS,
+    WRITERS,
+    check_supported,
+    fold_norms,
+    procrustes_in_group,
+    rotate_residual,
+)
+from symfuse.symmetry.transforms import ModuleTransform
+
+log = logging.getLogger(__name__)
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class ResidualAlignment:
+    """The result of :func:`align_residual_orthogonal`.
+
+    Attributes:
+        rot: The stream map ``O`` (d, d), float64, on the CPU.
+        modules: The per-module transforms (found on the rotated source), by module key, on the CPU.
+        aligned: The folded source with ``O`` and the module maps applied (same function as the source).
+        anchor: The folded anchor.
+        untied: Whether an LM head had to be untied (source or anchor).
+        history: Squared distance to the folded anchor after each round.
+    """
+
+    rot: torch.Tensor
+    modules: dict[str, ModuleTransform]
+    aligned: State
+    anchor: State
+    untied: bool
+    history: list[float] = field(default_factory=list)
+
+
+def sq_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """``sum ||a - b||^2`` over the floating tensors both hold (float64)."""
+    return sum(
+        float((a[n].double() - b[n].double()).square().sum()) for n in a.keys() & b.keys() if a[n].is_floating_point()
+    )
+
+
+def stream_cross(src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tensor], spec: ArchSpec, config: Any,
+                 prefix: str) -> torch.Tensor:  # fmt: skip
+    """``M`` with ``sum ||T_O(src) - anc||^2 = const - 2 tr(O^T M)`` over every tensor touching the stream (float64)."""
+    d = spec.geometry(config).d_model
+    dev = next(iter(src.values())).device
+    m = torch.zeros(d, d, dtype=torch.float64, device=dev)
+    for ref in spec.modules(config):
+        ws = spec.read_module(src.__getitem__, src.__contains__, ref, config, prefix)
+        wa = spec.read_module(anc.__getitem__, anc.__contains__, ref, config, prefix)
+        for r in READERS[ref.kind]:
+            if r in ws:
+                m += ws[r].double().T @ wa[r].double()  # W O ~ A
+        for r in WRITERS:
+            for rr in (r, r + "_bias"):
+                if rr in ws:
+                    s, a = ws[rr].double(), wa[rr].double()
+                    m += torch.outer(s, a) if s.dim() == 1 else s @ a.T  # O^T W ~ A
+    for name, action in residual_plan(spec, list(src), config, prefix).items():
+        s, a = src[name].double(), anc[name].double()
+        if s.dim() == 1 and name.endswith(".weight") and bool((s == 1).all()):
+            continue  # a folded norm's gain
+        if action == "first" or (action == "emb" and s.dim() == 4):  # rows written into the stream
+            m += s.reshape(s.shape[0], -1) @ a.reshape(a.shape[0], -1).T
+        elif action == "both":
+            continue  # a d -> d map on top (pooler): quadratic in O, left out of the linear step
+        else:  # x O ~ y: embeddings, readers on top, biases
+            m += s.reshape(-1, d).T @ a.reshape(-1, d)
+    return m
+
+
+def _apply_modules(state: State, transforms: Mapping[str, ModuleTransform], spec: ArchSpec, config: Any,
+                   prefix: str) -> State:  # fmt: skip
+    out = dict(state)
+    for ref in spec.modules(config):
+        t = transforms.get(ref.key)
+        if t is not None and t.parts:
+            w = spec.read_module(state.__getitem__, state.__contains__, ref, config, prefix)
+            out.update(spec.write_module(t.apply(w), ref, config, prefix))
+    return out
+
+
+def _match_modules(src: State, anc: State, spec: ArchSpec, config: Any, prefix: str,
+                   kinds: Sequence[str]) -> dict[str, ModuleTransform]:  # fmt: skip
+    geo = spec.geometry(config)
+    out = {}
+    for ref in spec.modules(config):
+        ws = spec.read_module(src.__getitem__, src.__contains__, ref, config, prefix)
+        wa = spec.read_module(anc.__getitem__, anc.__contains__, ref, config, prefix)
+        out[ref.key] = match_module_weights(ref, ws, wa, geo, kinds) if kinds else ModuleTransform(ref.key, ())
+    return out
+
+
+def activation_init(hidden_src: Sequence[torch.Tensor], hidden_anc: Sequence[torch.Tensor], group: str) -> torch.Tensor:
+    """``O`` from paired residual-stream activations: Procrustes of ``sum_l H_src,l^T H_anc,l`` (every layer, token)."""
+    d = hidden_src[0].shape[-1]
+    m = torch.zeros(d, d, dtype=torch.float64)
+    for hs, ha in zip(hidden_src, hidden_anc, strict=True):
+        m += hs.reshape(-1, d).double().cpu().T @ ha.reshape(-1, d).double().cpu()
+    return procrustes_in_group(m, group)
+
+
+def align_residual_orthogonal(
+    source: Mapping[str, torch.Tensor],
+    anchor: Mapping[str, torch.Tensor],
+    spec: ArchSpec,
+    config: Any,
+    kinds: Sequence[str] = ("ffn-permutation", "head-permutation", "rotation", "scaling"),
+    iters: int = 10,
+    tol: float = 1e-6,
+    init: torch.Tensor | None = None,
+    device: str | torch.device = "cpu",
+) -> ResidualAlignment:
+    """Align a whole model onto another: ONE stream map ``O`` and per-module maps, alternated (see the module doc).
+
+    Args:
+        source: The source model's tensors (stored names).
+        anchor: The anchor's (same family and shapes).
+        spec: The family spec (its ``residual_group`` must be orthogonal).
+        config: HF config (both models').
+        kinds: Per-module kinds found at each round (registered kinds with a weight finder; none: ``O`` alone).
+        iters: Rounds at most.
+        tol: Stop when a round lowers the distance by less than ``tol`` relative.
+        init: Initial ``O`` (e.g. :func:`activation_init`); None: the identity.
+        device: Where the tensors live during the search.
+
+    Returns:
+        The :class:`ResidualAlignment` (``aligned`` computes the source's function).
+
+    Raises:
+        UnsupportedArchitecture: a family whose residual group is not orthogonal.
+    """
+    group = check_supported(spec)
+    prefix = spec.detect_prefix(source)
+    dev = torch.device(device)
+    src, untied_s = fold_norms({n: t.to(dev) for n, t in source.items()}, spec, config, prefix)
+    anc, untied_a = fold_norms({n: t.to(dev) for n, t in anchor.items()}, spec, config, prefix)
+    d = spec.geometry(config).d_model
+    rot = (init if init is not None else torch.eye(d, dtype=torch.float64)).to(dev, torch.float64)
+    history: list[float] = []
+    modules = _match_modules(rotate_residual(src, spec, config, rot, prefix), anc, spec, config, prefix, kinds)
+    for it in range(iters):
+        inner = _apply_modules(src, modules, spec, config, prefix)
+        rot = procrustes_in_group(stream_cross(inner, anc, spec, config, prefix), group)
+        modules = _match_modules(rotate_residual(src, spec, config, rot, prefix), anc, spec, config, prefix, kinds)
+        history.append(sq_distance(rotate_residual(_apply_modules(src, modules, spec, config, prefix), spec, config,
+                                                   rot, prefix), anc))  # fmt: skip
+        log.debug("residual-orthogonal round %d: squared distance %.6g", it + 1, history[-1])
+        if len(history) > 1 and history[-2] - history[-1] <= tol * history[-2]:
+            break
+    aligned = rotate_residual(_apply_modules(src, modules, spec, config, prefix), spec, config, rot, prefix)
+    return ResidualAlignment(rot.cpu(), {k: t.to("cpu") for k, t in modules.items()}, aligned, anc,
+                             untied_s or untied_a, history)  # fmt: skip
+
+
+RESIDUAL_ORTHOGONAL_FILE = "residual_orthogonal.safetensors"
+
+
+def write_state(reader: Any, state: Mapping[str, torch.Tensor], folder: Path, untied: bool) -> None:
+    """A whole model's tensors into ``folder`` (one safetensors file), with ``reader``'s config and side files.
+
+    ``untied``: the LM head is its own tensor now (``config.tie_word_embeddings = False``; the same class loads it).
+    """
+    import json
+
+    from symfuse.checkpoint import copy_side_files
+    from symfuse.io import save_safetensors
+
+    save_safetensors(dict(state), folder / "model.safetensors", {"format": "pt"})
+    copy_side_files(reader, folder)
+    if untied:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["tie_word_embeddings"] = False
+        (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _hidden_states(folder, batches, device) -> list[torch.Tensor]:
+    """A checkpoint's residual-stream states (embedding output and every block's but the last normed one)."""
+    from symfuse.checkpoint import load_hf_model
+
+    model = load_hf_model(folder, dtype=torch.float32, validate=False).to(device).eval()
+    per_layer: list[list[torch.Tensor]] = []
+    with torch.no_grad():
+        for b in batches:
+            out = model(**{k: v.to(device) for k, v in b.items()}, output_hidden_states=True)
+            per_layer.append([h.cpu() for h in out.hidden_states[:-1]])
+    return [torch.cat([p[i] for p in per_layer]) for i in range(len(per_layer[0]))]
+
+
+def match_residual_orthogonal_checkpoints(
+    source: str | Path,
+    anchor: str | Path,
+    out: str | Path,
+    kinds: Sequence[str] = ("ffn-permutation", "head-permutation", "rotation", "scaling"),
+    data: str | None = None,
+    max_examples: int = 64,
+    iters: int = 10,
+    device: str | torch.device = "cpu",
+    overwrite: bool = False,
+) -> dict:
+    """``symfuse match --symmetries residual-orthogonal[,...]``: align a whole checkpoint and write it.
+
+    The aligned source is written in the anchor's norms (:func:`symfuse.symmetry.residual_orthogonal.unfold_into`),
+    so the two share every norm tensor and merge directly; its LM head is untied when the stream map requires it
+    (``config.tie_word_embeddings = False``, the same class). The written folder is reloaded and its outputs
+    compared with SOURCE's before it is published.
+
+    Args:
+        source: Source checkpoint.
+        anchor: Anchor checkpoint (same family and shapes).
+        out: Output folder (written atomically): the checkpoint, ``residual_orthogonal.safetensors`` (``rot``),
+            ``transforms.safetensors`` (per-module parts) and ``symfuse_report.json``.
+        kinds: Per-module kinds alternated with the stream map.
+        data: A dataset whose training texts start the search from paired hidden states; None: from the weights.
+        max_examples: Examples for the hidden states.
+        iters: Rounds at most.
+        device: Where the search runs.
+        overwrite: Replace an existing ``out``.
+
+    Returns:
+        The report (``exact``, ``max_abs_logit_diff``, ``distance_before``, ``distance_after``, ``history``).
+
+    Raises:
+        UnsupportedArchitecture: a family whose residual group is not orthogonal.
+        VerificationError: the written model does not compute SOURCE's function (nothing published).
+    """
+    import json
+    import time
+
+    from symfuse.checkpoint import CheckpointReader
+    from symfuse.device import resolve_device
+    from symfuse.io import save_safetensors
+    from symfuse.match.checkpoints import REPORT_FILE, TRANSFORMS_FILE, check_compatible
+    from symfuse.match.verify import logit_tolerance, verify_outputs
+    from symfuse.outputs import atomic_output_dir, check_output
+    from symfuse.symmetry.residual_orthogonal import unfold_into
+    from symfuse.symmetry.transforms import save_transforms
+
+    t0 = time.perf_counter()
+    check_output(out, overwrite)
+    dev = resolve_device(device)
+    with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
+        check_compatible(src, anc)
+        spec, config = src.spec, src.config
+        group = check_supported(spec)
+        s_state = {n: src.get(n).clone() for n in src.names()}
+        a_state = {n: anc.get(n).clone() for n in anc.names()}
+        dtype = next(t.dtype for t in s_state.values() if t.is_floating_point())
+        init = None
+        if data is not None:
+            from symfuse.data import make_batches
+
+            batches = make_batches(data, src.path, "train", 16, 128, max_examples)
+            batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
+            init = activation_init(_hidden_states(src.path, batches, dev), _hidden_states(anc.path, batches, dev),
+                                   group)  # fmt: skip
+        r = align_residual_orthogonal(s_state, a_state, spec, config, kinds, iters, init=init, device=dev)
+        final, untied = unfold_into({n: t.cpu() for n, t in r.aligned.items()}, a_state, spec, config)
+        final = {n: t.to(s_state[n].dtype if n in s_state else dtype).contiguous() for n, t in final.items()}
+        report = {
+            "source": str(src.path), "anchor": str(anc.path), "family": spec.family, "group": group,
+            "symmetries": ["residual-orthogonal", *kinds], "init": "activations" if data else "identity",
+            "data": data, "distance_before": sq_distance(s_state, a_state) ** 0.5,
+            "distance_after": sq_distance(final, a_state) ** 0.5, "history": r.history,
+            "untied_lm_head": r.untied or untied, "device": str(dev),
+        }  # fmt: skip
+        with atomic_output_dir(Path(out), overwrite=overwrite) as tmp:
+            write_state(src, final, tmp, report["untied_lm_head"])
+            save_safetensors({"rot": r.rot.contiguous()}, tmp / RESIDUAL_ORTHOGONAL_FILE, {"group": group})
+            save_transforms(r.modules, tmp / TRANSFORMS_FILE)
+            report["max_abs_logit_diff"] = verify_outputs(tmp, src.path, "full", dtype)  # raises when not exact
+            report["exact"] = True
+            report["tolerance"] = f"{logit_tolerance(dtype):.0e} x max |output| ({str(dtype).removeprefix('torch.')})"
+            report["seconds"] = time.perf_counter() - t0
+            (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    log.info("residual-orthogonal %s -> %s: distance %.4g -> %.4g", source, anchor, report["distance_before"],
+             report["distance_after"])  # fmt: skip
+    return report
