@@ -19,6 +19,7 @@ from symfuse.symmetry.registry import SYMMETRY_KINDS, kind_names  # no torch: na
 OT_ACTS = ("ot-acts", "ot-acts-soft")
 OT_CLI_KINDS = ("ot", "ot-soft", *OT_ACTS)
 VERIFY_MODES = ("stream", "full", "none")  # symfuse.match.verify.VERIFY_MODES (checked before torch is imported)
+RANDOM_PIXELS = "random-pixels"  # symfuse.match.activation.RANDOM_PIXELS (named before torch is imported)
 
 
 @app.command()
@@ -79,7 +80,7 @@ def match(
             raise UsageError(f"--symmetries: {', '.join(from_data)} is found from activations — give --data DATASET")
     checks.checkpoint(source)
     checks.checkpoint(anchor)
-    if data is not None:
+    if data is not None and data != RANDOM_PIXELS:  # pixel families' seeded random images are no dataset
         checks.dataset("--data", data)
     device = checks.device("--device", device)
     with claim_output(out, overwrite):

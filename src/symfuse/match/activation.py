@@ -36,7 +36,7 @@ from symfuse.checkpoint import load_hf_model
 from symfuse.match.closed_form import assign_max
 from symfuse.match.weights import match_module_weights, module_distance
 from symfuse.stats.activations import ActivationStats, collect_activation_stats, module_site
-from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, kind_names, kinds_for
+from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, compatible, kind_names, kinds_for
 from symfuse.symmetry.residual import ResidualPermutation, permute_residual
 from symfuse.symmetry.transforms import FFNPermutation, HeadPermutation, ModuleTransform, Transform
 
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # the EXACT kinds `match --data` takes that were registered at import, all compatible (the registry is read again at
 # every call; the inexact ones, e.g. OT's soft alignment, are in kind_names("activations") too)
-ACTIVATION_SYMMETRIES = tuple(n for n in kind_names("activations") if SYMMETRY_KINDS[n].exact)
+ACTIVATION_SYMMETRIES = compatible(n for n in kind_names("activations") if SYMMETRY_KINDS[n].exact)
 ResidualStrategy = Literal["first", "last", "all"]
 RANDOM_PIXELS = "random-pixels"  # --data for pixel families: statistics from seeded random pixel inputs
 
@@ -301,10 +301,11 @@ def match_activation_checkpoints(
     import json
     import time
 
-    from symfuse.checkpoint import CheckpointReader, resolve_checkpoint, write_checkpoint
+    from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
     from symfuse.data import make_batches
     from symfuse.io import check_tokenizer
     from symfuse.match.checkpoints import REPORT_FILE, TRANSFORMS_FILE, check_compatible
+    from symfuse.match.written import check_written, write_model
     from symfuse.outputs import atomic_output_dir, check_output
     from symfuse.symmetry.transforms import save_transforms
 
@@ -349,14 +350,13 @@ def match_activation_checkpoints(
         "distance_after": _state_distance(result.state, anc_state),
         "per_module": result.per_module,
     }
-    report["max_abs_logit_diff"] = _logit_diff_in_memory(src_model, matched_model(src_model, result))
-    report["seconds"] = time.perf_counter() - t0
-    with CheckpointReader(src_path) as reader, TemporaryDirectory() as tmp:
+    with TemporaryDirectory() as tmp:
         tfile = save_transforms(transforms, Path(tmp) / TRANSFORMS_FILE)
-        replace = {n: result.state[n] for n in reader.names() if n in result.state}
-        extra = {TRANSFORMS_FILE: tfile.read_bytes(), REPORT_FILE: json.dumps(report, indent=2).encode()}
         with atomic_output_dir(out, overwrite=overwrite) as dest:
-            write_checkpoint(reader, dest, replace=replace, extra_files=extra, overwrite=True)
+            write_model(matched_model(src_model, result), src_path, dest, {TRANSFORMS_FILE: tfile.read_bytes()})
+            report |= check_written(dest, src_path, True)  # reloaded: what was written is checked
+            report["seconds"] = time.perf_counter() - t0
+            (dest / REPORT_FILE).write_text(json.dumps(report, indent=2))
     log.info(
         "activation matching %s -> %s: distance %.4g -> %.4g",
         source,

@@ -53,18 +53,16 @@ def match_ot_checkpoints(
     Raises:
         CheckpointError: different families / shapes; ValueError: an acts kind without ``data``.
     """
-    import torch
-
-    from symfuse.checkpoint import CheckpointReader, resolve_checkpoint, write_checkpoint
+    from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
     from symfuse.match.activation import (
         RANDOM_PIXELS,
         _load_model,
-        _logit_diff_in_memory,
         _state_distance,
         pixel_batches,
     )
     from symfuse.match.checkpoints import REPORT_FILE, TRANSFORMS_FILE, check_compatible
     from symfuse.match.ot import kind_settings, ot_align
+    from symfuse.match.written import check_written, write_model
     from symfuse.outputs import atomic_output_dir, check_output
     from symfuse.symmetry.transforms import save_transforms
 
@@ -112,15 +110,13 @@ def match_ot_checkpoints(
         "distance_after": _state_distance(result.state, anc_state),
         "per_module": result.per_module,
     }
-    with torch.no_grad():
-        report["max_abs_logit_diff"] = _logit_diff_in_memory(src_model, matched.eval())
-    report["seconds"] = time.perf_counter() - t0
-    with CheckpointReader(src_path) as reader, TemporaryDirectory() as tmp:
+    with TemporaryDirectory() as tmp:
         tfile = save_transforms(result.module_transforms(), Path(tmp) / TRANSFORMS_FILE)
-        replace = {n: result.state[n] for n in reader.names() if n in result.state}
-        extra = {TRANSFORMS_FILE: tfile.read_bytes(), REPORT_FILE: json.dumps(report, indent=2).encode()}
         with atomic_output_dir(out, overwrite=overwrite) as dest:
-            write_checkpoint(reader, dest, replace=replace, extra_files=extra, overwrite=True)
+            write_model(matched.eval(), src_path, dest, {TRANSFORMS_FILE: tfile.read_bytes()})
+            report |= check_written(dest, src_path, result.exact)  # reloaded: what was written is checked
+            report["seconds"] = time.perf_counter() - t0
+            (dest / REPORT_FILE).write_text(json.dumps(report, indent=2))
     log.info(
         "OT alignment (%s) %s -> %s: distance %.4g -> %.4g, exact %s",
         kind,

@@ -23,7 +23,7 @@ from symfuse.arch import Geometry, ModuleRef
 from symfuse.match.closed_form import assign_max, fit_rotation_scale
 from symfuse.match.reading import empty_hugepages
 from symfuse.match.sketch import certified_nearest
-from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, kind_names, kinds_for
+from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, kinds_for, module_kind_names
 from symfuse.symmetry.transforms import (
     FFNPermutation,
     HeadPermutation,
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 # the EXACT kinds found from weights that were registered at import, all compatible (every call reads
 # symfuse.symmetry.registry; the inexact ones, e.g. OT's soft alignment, replace some of these: kind_names("weights"))
-SYMMETRIES = tuple(n for n in kind_names("weights") if SYMMETRY_KINDS[n].exact)
+SYMMETRIES = tuple(n for n in module_kind_names("weights") if SYMMETRY_KINDS[n].exact)
 DEFAULT_SYMMETRIES = ("rotation", "scaling", "ffn-permutation")
 Timings = MutableMapping[str, float]
 

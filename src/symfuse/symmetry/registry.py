@@ -184,6 +184,24 @@ def check_kinds(
     return names
 
 
+def module_kind_names(capability: Capability | None = None) -> tuple[str, ...]:
+    """:func:`kind_names` without the kinds acting on the whole residual stream.
+
+    Those are one map per model, not per module: the pipeline's per-module matching tasks cannot find them.
+    """
+    return tuple(n for n in kind_names(capability) if SYMMETRY_KINDS[n].acts_on != ("residual",))
+
+
+def compatible(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` in order, dropping each one that excludes (or is excluded by) one kept before it."""
+    kept: list[str] = []
+    for n in names:
+        k = SYMMETRY_KINDS[n]
+        if not any(n in SYMMETRY_KINDS[m].excludes or m in k.excludes for m in kept):
+            kept.append(n)
+    return tuple(kept)
+
+
 def kinds_for(names: Sequence[str], acts_on: str, capability: Capability | None = None) -> list[SymmetryKind]:
     """The kinds among ``names`` acting on ``acts_on`` (attn, ffn, residual) offering ``capability``, by ``stage``."""
     kinds = [SYMMETRY_KINDS[n] for n in SYMMETRY_KINDS if n in names]

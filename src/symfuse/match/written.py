@@ -1,0 +1,51 @@
+"""Writing an aligned model held in memory, and checking what was WRITTEN (reloaded from disk), not the copy in memory.
+
+transformers may name a family's modules differently in memory and on disk (5.x renames ViT's): a writer that
+replaced the stored tensors it found by their in-memory names once left every ViT layer untransformed while the
+in-memory check said exact. Saving through ``save_pretrained`` lets transformers write its own names, and the
+check reloads the folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from symfuse.checkpoint import SIDE_FILES, CheckpointReader
+from symfuse.match.verify import logit_tolerance, verify_outputs
+
+
+def stored_dtype(folder: str | Path) -> torch.dtype:
+    """The dtype of a checkpoint's first floating tensor."""
+    with CheckpointReader(folder) as r:
+        return next((r.dtype(n) for n in r.names() if r.dtype(n).is_floating_point), torch.float32)
+
+
+def write_model(model: torch.nn.Module, source: str | Path, dest: Path, extra: Mapping[str, bytes] = ()) -> None:
+    """``model`` (a copy of SOURCE's class) into ``dest`` in SOURCE's stored dtype, with SOURCE's side files."""
+    dtype = stored_dtype(source)
+    model.to(dtype).save_pretrained(str(dest))
+    for side in SIDE_FILES:
+        if (Path(source) / side).exists():
+            shutil.copy2(Path(source) / side, dest / side)
+    for name, data in dict(extra).items():
+        (dest / name).write_bytes(data)
+
+
+def check_written(dest: Path, source: str | Path, exact: bool) -> dict:
+    """The written model's outputs against SOURCE's (models reloaded from disk): the report's check fields.
+
+    Raises:
+        VerificationError: an exact alignment whose written model does not compute SOURCE's function.
+    """
+    dtype = stored_dtype(source)
+    diff = verify_outputs(dest, Path(source), "full", dtype, exact=exact)
+    return {
+        "exact": bool(exact),
+        "max_abs_logit_diff": diff,
+        "tolerance": f"{logit_tolerance(dtype):.0e} x max |output| ({str(dtype).removeprefix('torch.')} rounding)",
+        "checked": "the written folder, reloaded",
+    }
