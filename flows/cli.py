@@ -190,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args)
     except Exception as exc:  # a bad --config: one line naming the file, exit 2
         where = args.config or "the demo config"
-        text = one_line(exc).removeprefix("error: ")
-        return report(UsageError(f"{where}: {text} — fix the file (RunConfig fields: README)"), args.verbose)
+        text = one_line(exc).removeprefix("error: ").removeprefix(f"{where}: ")  # the file named once
+        fix = "" if " — " in text else " — fix the file (RunConfig fields: README)"
+        return report(UsageError(f"{where}: {text}{fix}"), args.verbose)
     if not args.verbose:
         hide_tracebacks_on_console()
     start = time.perf_counter()

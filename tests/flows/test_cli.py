@@ -30,6 +30,11 @@ def test_a_bad_config_is_one_line_naming_the_file(tmp_path, capfd):
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.yaml" in err[0]
+    cfg.write_text("run_id: x\ndatasets: [{name: meld}\nstrategies: [simple]\n")  # a YAML syntax error
+    assert main(["--config", str(cfg)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"error: {cfg}: not valid YAML at line 3, column 1 (expected ',' or ']', but got '<scalar>') — "
+                   "fix the syntax there"], err  # fmt: skip
 
 
 def test_a_failed_run_is_one_error_line_and_no_traceback(tiny_base, memory_root, tmp_path, capfd, console_formatters):
