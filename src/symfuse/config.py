@@ -276,6 +276,11 @@ class RunConfig(_Strict):
         "(e.g. an out-of-domain set); default: the mean over the training datasets' validation splits.",
     )
     head_refit: HeadRefitSettings = Field(default_factory=HeadRefitSettings)
+    allow_label_mismatch: bool = Field(
+        default=False,
+        description="Accept a brought checkpoint whose head shares no class with its dataset although head refit or "
+        "regmean++ read that dataset's texts with it (refused otherwise, before any task starts).",
+    )
     evaluation: EvalSettings = Field(default_factory=EvalSettings)
     store_root: str | None = Field(
         default=None, description="Artifact store URL (local folder, s3://bucket/prefix). Default: $SYMFUSE_STORE."

@@ -45,6 +45,20 @@ def tiny_base(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def nan_base(tiny_base, tmp_path_factory) -> Path:
+    """The tiny base with one NaN weight: a bad input only reading the weights finds (the fine-tune does)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("nan-base") / "bert"
+    shutil.copytree(tiny_base, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("attention.self.query.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     """Downloads of remote artifacts go to a per-test cache; no fault injected unless a test sets it."""
