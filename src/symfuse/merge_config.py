@@ -42,6 +42,11 @@ class MergeFile(_Strict):
         "256, device: cpu, ...} (symfuse.merge.head_refit.RefitOptions).",
     )
 
+    allow_label_mismatch: bool = Field(
+        default=False,
+        description="Accept data (head_refit.data, params.data of regmean++) sharing no class with its model's head.",
+    )
+
     @field_validator("strategy")
     @classmethod
     def _strategy(cls, value: str) -> str:

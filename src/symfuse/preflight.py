@@ -20,17 +20,22 @@ whole). It returns ALL the problems it finds, one line each:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from symfuse.config import RunConfig
-from symfuse.data.labels import shared_label_names, union_label_names
+from symfuse.data.labels import (
+    data_mismatch,
+    foreign_classes,
+    head_labels,
+    shared_label_names,
+    short_names,
+    union_label_names,
+    unnamed,
+)
 from symfuse.data.probe import DatasetProbe, probe_dataset
 from symfuse.errors import DataError, SymfuseError
-
-_UNNAMED = re.compile(r"LABEL_\d+")  # transformers' names for a head saved without class names
 
 
 class RunInputError(DataError):
@@ -145,22 +150,31 @@ def _heads(config: RunConfig, probes: dict[str, DatasetProbe], problems: list[st
         if "://" in d.checkpoint:  # a store URI: read when the run brings it
             continue
         try:
-            raw = _family(resolve_checkpoint(d.checkpoint))
+            folder = resolve_checkpoint(d.checkpoint)
+            heads[d.name] = _head_of(_family(folder), folder)
         except SymfuseError as exc:
             problems.append(f"checkpoint of {d.name} {d.checkpoint}: {_one_line(exc)}")
-            continue
-        heads[d.name] = _head_of(raw)
     return heads
 
 
-def _head_of(raw: dict) -> _Head:
-    """A checkpoint's head from its ``config.json``: class names (``id2label``), token or sequence, or regression."""
-    archs = " ".join(raw.get("architectures") or [])
-    id2label = raw.get("id2label") or {}
-    names = tuple(str(id2label[k]) for k in sorted(id2label, key=int)) if id2label else ("LABEL_0", "LABEL_1")
+def _head_of(raw: dict, folder: Path) -> _Head:
+    """A checkpoint's head from its ``config.json``: class names (``id2label``), token or sequence, or regression.
+
+    Raises:
+        CheckpointError: no classification head (a bare body or a language model).
+    """
+    from symfuse.errors import CheckpointError
+
+    names = head_labels(raw)
+    if names is None:
+        archs = ", ".join(raw.get("architectures") or []) or "none"
+        raise CheckpointError(
+            f"{folder}/config.json: no classification head (architectures: {archs}) — bring a fine-tuned task model"
+        )
     if raw.get("problem_type") == "regression" or len(names) == 1:
         return _Head("regression", ())
-    return _Head("token" if "TokenClassification" in archs else "sequence", names)
+    token = any("TokenClassification" in a for a in raw.get("architectures") or [])
+    return _Head("token" if token else "sequence", tuple(names))
 
 
 # ------------------------------------------------------------------------------------------------- datasets
@@ -168,15 +182,12 @@ def _head_of(raw: dict) -> _Head:
 
 def _training_splits(config: RunConfig, name: str) -> dict[str, str]:
     """Split -> why the run reads it, for the training dataset ``name``."""
-    from symfuse.merge.registry import MERGERS
-
     d = config.dataset(name)
     need: dict[str, str] = {}
     if d.checkpoint is None:
         need["train"] = "the fine-tune trains on it"
         need["validation|test"] = "the fine-tune validates on validation (else test)"
-    kinds = set().union(*(MERGERS[s].required_stats for s in config.strategies)) & set(config.stats.kinds)
-    if kinds or config.head_refit.enabled or any(getattr(MERGERS[s], "needs_data", False) for s in config.strategies):
+    if _stats_kinds(config) or config.head_refit.enabled or _reads_data(config.strategies):
         need.setdefault("train", "statistics (and head refit) are collected on it")
     if config.evaluation.in_domain:
         need[config.evaluation.split] = f"in-domain evaluation reads it (evaluation.split: {config.evaluation.split})"
@@ -242,13 +253,13 @@ def _label_problems(
     reported: set[frozenset[str]] = set()
     for model, head in heads.items():
         brought = config.dataset(model).checkpoint is not None
-        if head.labels and all(_UNNAMED.fullmatch(n) for n in head.labels):  # once for the model, not once per set
+        if head.labels and unnamed(head.labels):  # once for the model, not once per set
             sets_ = [n for n, p in scored.items() if p.read and p.complete and _kind(p.task or "") == head.kind]
             if sets_:
                 out.append(
                     f"checkpoint of {model} {config.dataset(model).checkpoint}: its head has no class names "
-                    f"({_names(head.labels)}), and every evaluation set ({', '.join(sets_)}) scores it by class name "
-                    f"— bring a checkpoint of {model} whose config.json id2label names {model}'s classes"
+                    f"({short_names(head.labels)}), and every evaluation set ({', '.join(sets_)}) scores it by class "
+                    f"name — bring a checkpoint of {model} whose config.json id2label names {model}'s classes"
                 )
             continue
         for name, p in scored.items():
@@ -259,17 +270,26 @@ def _label_problems(
             if problem:
                 reported.add(pair)
                 out.append(f"evaluation set {name}: {problem} — {_scoring_fix(config, model, name, brought)}")
+    if _fisher(config):  # the empirical Fisher reads a brought model's own data's classes as its head's targets
+        for model, head in heads.items():
+            p, checkpoint = probes.get(model), config.dataset(model).checkpoint
+            problem = foreign_classes(head.labels or (), p.labels) if checkpoint and p and p.complete else None
+            if problem:
+                out.append(
+                    f"checkpoint of {model} {checkpoint}: its Fisher statistics take {model}'s classes as targets: "
+                    f"{problem} — bring the checkpoint fine-tuned on {model}, or drop the fisher strategy"
+                )
     if config.allow_label_mismatch or not (config.head_refit.enabled or _reads_data(config.strategies)):
         return out
     for model, head in heads.items():  # a brought model's head refit / RegMean++ read its dataset's texts
         p, checkpoint = probes.get(model), config.dataset(model).checkpoint
-        if checkpoint is None or p is None or (model in scored):  # scored there: reported above
+        if checkpoint is None or p is None or not p.complete or model in scored:  # scored there: reported above
             continue
-        problem = _scoring_problem(model, head, model, p)
+        problem = data_mismatch(head.labels or (), p.labels)
         if problem:
             out.append(
-                f"checkpoint of {model} {checkpoint}: {problem}, and its head refit / RegMean++ statistics read "
-                f"{model} — bring the checkpoint fine-tuned on {model}, or set allow_label_mismatch: true"
+                f"checkpoint of {model} {checkpoint}: its head refit / RegMean++ statistics read {model}, which "
+                f"{problem} — bring the checkpoint fine-tuned on {model}, or set allow_label_mismatch: true"
             )
     return out
 
@@ -288,9 +308,9 @@ def _scoring_problem(model: str, head: _Head, name: str, data: DatasetProbe) -> 
         return None
     if shared_label_names(data.labels, head.labels, restrict=None):
         return None
-    if all(_UNNAMED.fullmatch(n) for n in head.labels):
-        return f"the head of {model} has no class names ({_names(head.labels)}) to match {name}'s"
-    return f"the head of {model} ({_names(head.labels)}) shares no class with {name} ({_names(data.labels)})"
+    if unnamed(head.labels):
+        return f"the head of {model} has no class names ({short_names(head.labels)}) to match {name}'s"
+    return f"the head of {model} ({short_names(head.labels)}) shares no class with {name} ({short_names(data.labels)})"
 
 
 def _scoring_fix(config: RunConfig, model: str, name: str, brought: bool) -> str:
@@ -303,15 +323,21 @@ def _scoring_fix(config: RunConfig, model: str, name: str, brought: bool) -> str
     return f"every model is scored on it: drop {name} from evaluation.out_of_domain (or select_on)"
 
 
+def _stats_kinds(config: RunConfig) -> set[str]:
+    """The statistics kinds the run collects (those its strategies read, of ``stats.kinds``)."""
+    from symfuse.merge.registry import MERGERS
+
+    return set().union(*(MERGERS[s].required_stats for s in config.strategies)) & set(config.stats.kinds)
+
+
+def _fisher(config: RunConfig) -> bool:
+    return "fisher" in _stats_kinds(config)
+
+
 def _reads_data(strategies: Iterable[str]) -> bool:
     from symfuse.merge.registry import MERGERS
 
     return any(getattr(MERGERS[s], "needs_data", False) for s in strategies)
-
-
-def _names(labels: Iterable[str] | None, n: int = 6) -> str:
-    labels = list(labels or [])
-    return ", ".join(labels[:n]) + (f", ... {len(labels)} in all" if len(labels) > n else "")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -166,11 +166,22 @@ def test_brought_checkpoints_are_read_and_their_heads_matched(tmp_path):
     quiet = {"evaluation": {"in_domain": False, "out_of_domain": []}, "head_refit": {"enabled": True}}
     problems = check_run(config(datasets=ds, **quiet))
     assert problems == [
-        f"checkpoint of meld {unnamed}: the head of meld has no class names (LABEL_0, LABEL_1, LABEL_2) to match "
-        "meld's, and its head refit / RegMean++ statistics read meld — bring the checkpoint fine-tuned on meld, or "
-        "set allow_label_mismatch: true"
+        f"checkpoint of meld {unnamed}: its head refit / RegMean++ statistics read meld, which has 7 classes for a "
+        "head of 3 unnamed outputs — bring the checkpoint fine-tuned on meld, or set allow_label_mismatch: true"
     ]
     assert check_run(config(datasets=ds, allow_label_mismatch=True, **quiet)) == []
+    # the empirical Fisher takes meld's classes as the head's targets: refused whatever allow_label_mismatch says
+    fisher = {"strategies": ["fisher"], "allow_label_mismatch": True, "evaluation": quiet["evaluation"]}
+    assert check_run(config(datasets=ds, **fisher)) == [
+        f"checkpoint of meld {unnamed}: its Fisher statistics take meld's classes as targets: 7 classes for the 3 "
+        "unnamed outputs of the head — bring the checkpoint fine-tuned on meld, or drop the fisher strategy"
+    ]
+    body = tiny(tmp_path / "body", "bert")  # no classification head at all
+    problems = check_run(config(datasets=[{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(body)}]))
+    assert problems == [
+        f"checkpoint of meld {body}: {body}/config.json: no classification head (architectures: BertModel) — bring "
+        "a fine-tuned task model"
+    ]
     missing = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(tmp_path / "nowhere")}]
     problems = check_run(config(datasets=missing))
     assert len(problems) == 1 and problems[0].startswith(f"checkpoint of meld {tmp_path / 'nowhere'}: "), problems

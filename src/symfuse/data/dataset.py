@@ -258,6 +258,7 @@ def subsample_indices(n: int, k: int | None, seed: int) -> list[int]:
 
 
 _LOCAL_CACHE: dict[tuple, TaskDataset] = {}
+_ANNOUNCED: set[tuple[str, str]] = set()  # (source, fingerprint) of the datasets logged at INFO
 _LOCAL_LOCK = threading.Lock()
 _LOCAL_CACHE_SIZE = 16
 
@@ -421,7 +422,10 @@ def load_task_dataset(
     if max_train_examples is not None or max_eval_examples is not None:
         extra = f"{ds.fingerprint}:{max_train_examples}:{max_eval_examples}:{seed}"
         ds.fingerprint = hashlib.sha256(extra.encode()).hexdigest()[:16]
-    log.info(
+    announced = (ds.source, ds.fingerprint) in _ANNOUNCED  # a set read again (checks, evaluations): said once
+    _ANNOUNCED.add((ds.source, ds.fingerprint))
+    log.log(
+        logging.DEBUG if announced else logging.INFO,
         "loaded %s (%s, %d labels): %s",
         ds.name,
         ds.problem_type,
