@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from symfuse.stats.io import save_stats
 from tests.cli.helpers import listing, run_cli, toy_dataset
-from tests.tiny import save_tiny, save_tiny_text_classifier
+from tests.tiny import nan_copy, save_tiny, save_tiny_text_classifier
 
 
 @dataclass(frozen=True)
@@ -214,15 +214,6 @@ CASES = [
 ]
 
 
-def _nan_copy(src: Path, out: Path) -> Path:
-    shutil.copytree(src, out)
-    sd = load_file(str(src / "model.safetensors"))
-    name = next(k for k in sd if k.endswith("attention.self.query.weight"))
-    sd[name][0, 0] = float("nan")
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
 def build_inputs(d: Path) -> dict[str, Path]:
     """Good and bad input artifacts in ``d``, shared by every case (never written by the commands)."""
     p = {
@@ -235,7 +226,7 @@ def build_inputs(d: Path) -> dict[str, Path]:
         "EMPTY": d / "empty",
         "FILE": d / "notes.txt",
     }
-    p["NAN"] = _nan_copy(p["A"], d / "nan")
+    p["NAN"] = nan_copy(p["A"], d / "nan")
     p["EMPTY"].mkdir()
     p["FILE"].write_text("not a model\n")
     weights = (p["A"] / "model.safetensors").read_bytes()

@@ -20,7 +20,7 @@ import tasks.merge
 import tasks.report
 from symfuse.checkpoint import default_base_model
 from symfuse.config import RunConfig
-from tests.tiny import save_tiny
+from tests.tiny import nan_copy, save_tiny
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -48,15 +48,7 @@ def tiny_base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def nan_base(tiny_base, tmp_path_factory) -> Path:
     """The tiny base with one NaN weight: a bad input only reading the weights finds (the fine-tune does)."""
-    from safetensors.torch import load_file, save_file
-
-    folder = tmp_path_factory.mktemp("nan-base") / "bert"
-    shutil.copytree(tiny_base, folder)
-    weights = load_file(str(folder / "model.safetensors"))
-    name = next(k for k in weights if k.endswith("attention.self.query.weight"))
-    weights[name][0, 0] = float("nan")
-    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    return nan_copy(tiny_base, tmp_path_factory.mktemp("nan-base") / "bert")
 
 
 @pytest.fixture(autouse=True)

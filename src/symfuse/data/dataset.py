@@ -223,20 +223,31 @@ def _check_file(file: Path, task: str, multi_label: bool, labels: list[str] | No
     if key in _CHECKED:
         return _CHECKED[key]
     known = set(labels) if labels else None
-    seen: set[str] = set()
     records = read_records(file)
     if not records:
         raise DatasetError(f"{file}: no records")
+    _CHECKED[key] = sorted(check_records(file, records, task, multi_label, known))
+    return _CHECKED[key]
+
+
+def check_records(
+    file: Path, records: list[tuple[int, dict[str, Any]]], task: str, multi_label: bool, known: set[str] | None
+) -> set[str]:
+    """Check ``(line number, record)`` pairs of ``file``; return the label values seen (tags for NER).
+
+    Raises:
+        DatasetError: the first bad record, naming the file and line.
+    """
+    seen: set[str] = set()
     for lineno, rec in records:
         problem = _check_record(rec, task, multi_label, known)
         if problem:
-            raise DatasetError(f"{file}:{lineno}: bad {task} record: {problem}")
+            raise DatasetError(f"{file}:{lineno}: bad {task} record: {problem} — fix or remove that line")
         if task == "ner":
             seen.update(rec["tags"])
         elif task != "regression":
             seen.update(rec["label"] if multi_label else [str(rec["label"])])
-    _CHECKED[key] = sorted(seen)
-    return _CHECKED[key]
+    return seen
 
 
 # ----------------------------------------------------------------------------------------------- loading

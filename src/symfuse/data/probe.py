@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from symfuse.data.dataset import TASKS, _check_record, _infer_task, _resolve_local
+from symfuse.data.dataset import TASKS, _infer_task, _resolve_local, check_records
 from symfuse.data.files import DatasetError, head_records
 from symfuse.data.locate import not_found_message
 
@@ -83,14 +83,7 @@ def probe_dataset(source: str, records: int = PROBE_RECORDS) -> DatasetProbe:
     known = set(declared) if declared else None
     seen: set[str] = set()
     for file, recs in heads.items():
-        for lineno, rec in recs:
-            problem = _check_record(rec, task, multi, known)
-            if problem:
-                raise DatasetError(f"{file}:{lineno}: bad {task} record: {problem} — fix or remove that line")
-            if task == "ner":
-                seen.update(rec["tags"])
-            elif task != "regression":
-                seen.update(rec["label"] if multi else [str(rec["label"])])
+        seen |= check_records(file, recs, task, multi, known)
     labels = tuple(declared) if declared else () if task == "regression" else tuple(sorted(seen))
     where = str(first.parent if len(set(files.values())) > 1 or meta is not None else Path(first))
     return DatasetProbe(source, where, task, labels, bool(declared) or task == "regression", tuple(files))
