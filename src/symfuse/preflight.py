@@ -10,9 +10,10 @@ whole). It returns ALL the problems it finds, one line each:
 * a split the run reads that the dataset lacks (the fine-tune's train and validation-or-test splits, the
   statistics' train split, the evaluation split, greedy selection's and ``ood_heads: reliable``'s validation);
 * label sets the run cannot use: ``labels: union`` over datasets that are not classification, a model scored on an
-  evaluation set with which its head shares no class (every model is scored on every evaluation set), and a brought
-  checkpoint whose head shares no class with the dataset its head refit / RegMean++ statistics read (unless
-  ``allow_label_mismatch``).
+  evaluation set with which its head shares no class (every model is scored on every evaluation set; a head without
+  class names on none), a brought checkpoint whose head lacks classes of its dataset that its Fisher statistics take
+  as targets, or whose head cannot be that dataset's (see :func:`symfuse.data.labels.data_mismatch`) while its head
+  refit / RegMean++ statistics read it (unless ``allow_label_mismatch``).
 
 ``fusion_pipeline`` raises :class:`RunInputError` (:func:`require_runnable`) before it submits any task, and
 ``python -m flows.pipeline`` prints the lines before it starts Prefect.
@@ -308,8 +309,6 @@ def _scoring_problem(model: str, head: _Head, name: str, data: DatasetProbe) -> 
         return None
     if shared_label_names(data.labels, head.labels, restrict=None):
         return None
-    if unnamed(head.labels):
-        return f"the head of {model} has no class names ({short_names(head.labels)}) to match {name}'s"
     return f"the head of {model} ({short_names(head.labels)}) shares no class with {name} ({short_names(data.labels)})"
 
 
