@@ -3,7 +3,9 @@
 Runs :func:`flows.pipeline.fusion_pipeline` (ephemeral Prefect unless ``PREFECT_API_URL`` points at a server) on the
 embedded demo config or a YAML file, then prints the metrics table from the stored report. A bad ``--config`` or a
 failed run ends with ONE ``error:`` line and a non-zero exit (2: the config, 1: the run; the run's logs say which
-task failed); tracebacks, also those Prefect logs for a failed task or flow, only with ``-v``.
+task failed); tracebacks, also those Prefect logs for a failed task or flow, only with ``-v``. Before Prefect
+starts, every input the config names is checked (:func:`symfuse.preflight.check_run`): each problem is one
+``error:`` line (all of them at once), exit 1, nothing run.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from uuid import UUID
 
 import pandas as pd
 
-from symfuse.cli.boundary import one_line, report
+from symfuse.cli.boundary import DATA, one_line, report
 from symfuse.config import DATASET_RESOLUTION, DEMO_DATASETS, DEMO_OUT_OF_DOMAIN, RunConfig
 from symfuse.errors import UsageError
 from symfuse.logs import quiet_third_party
+from symfuse.preflight import check_run
 from symfuse.report import metrics_table, primary_metric
 from symfuse.store import ArtifactStore
 
@@ -190,8 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args)
     except Exception as exc:  # a bad --config: one line naming the file, exit 2
         where = args.config or "the demo config"
-        text = one_line(exc).removeprefix("error: ")
-        return report(UsageError(f"{where}: {text} — fix the file (RunConfig fields: README)"), args.verbose)
+        text = one_line(exc).removeprefix("error: ").removeprefix(f"{where}: ")  # the file named once
+        fix = "" if " — " in text else " — fix the file (RunConfig fields: README)"
+        return report(UsageError(f"{where}: {text}{fix}"), args.verbose)
+    problems = check_run(config)  # every bad input at once, in seconds, before Prefect starts or anything trains
+    if problems:
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        return DATA
     if not args.verbose:
         hide_tracebacks_on_console()
     start = time.perf_counter()

@@ -22,8 +22,9 @@ from flows.select import greedy_merges
 from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party
 from symfuse.merge import MERGERS
+from symfuse.preflight import require_runnable
 from tasks.common import warm_imports
-from tasks.evaluate import check_head_rule, evaluate
+from tasks.evaluate import evaluate
 from tasks.fanout import collect_stats_remote, finetune_remote
 from tasks.finetune import bring_checkpoint, finetune
 from tasks.housekeeping import clean_store
@@ -85,6 +86,7 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
         ``{"report": URI, "merged": {name: URI}, "evaluations": [URI, ...]}``.
     """
     forward_library_logs()  # symfuse.* INFO lines (losses, metrics, retries) into the run's logs
+    require_runnable(config)  # before any task: every bad input (model, dataset, split, labels), one line each
     with run_lock(config.run_id):  # one flow run per run_id: a second one waits, then reuses what this one stored
         return run_stages(config)
 
@@ -99,7 +101,6 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     unknown = [s for s in config.strategies if s not in MERGERS]
     if unknown:
         raise ValueError(f"unknown merge strategies {unknown}; choose from {sorted(MERGERS)}")
-    check_head_rule(config)  # before any fine-tune: the OOD head rule's validation splits exist
 
     # 1. One model per dataset: fine-tuned from the base, or the checkpoint the user brings.
     trained = [n for n in names if config.dataset(n).checkpoint is None]

@@ -10,7 +10,7 @@ from symfuse.data import load_task_dataset
 from symfuse.data.labels import shared_label_names
 from symfuse.evaluate import evaluate_model
 from symfuse.evaluate.ensemble import evaluate_heads
-from symfuse.evaluate.reliable import most_reliable, rate_heads, require_rating_split
+from symfuse.evaluate.reliable import most_reliable, rate_heads
 from tasks.common import (
     Progress,
     content_key,
@@ -75,18 +75,6 @@ def ood_classes(config: RunConfig, data: str) -> list[str] | None:
     none of those (then each head is scored over the classes it shares with the set).
     """
     return shared_label_names(load_task_dataset(data).labels, training_classes(config)) or None
-
-
-def check_head_rule(config: RunConfig) -> None:
-    """Before any heavy work: ``ood_heads: reliable`` needs every training dataset's validation split.
-
-    Raises:
-        DatasetError: naming the dataset without one, and the fix.
-    """
-    ev = config.evaluation
-    if ev.ood_heads == "reliable" and ev.out_of_domain and len(config.dataset_names) > 1:
-        for n in config.dataset_names:
-            require_rating_split(load_task_dataset(config.dataset(n).data))
 
 
 @symfuse_task("evaluate", "eval-{model}-{dataset}", gpu=True)

@@ -185,3 +185,17 @@ def save_tiny_text_classifier(folder: Path, seed: int = 0, num_labels: int = 2) 
     ).save_pretrained(folder)
     tok.save_pretrained(folder)
     return Path(folder)
+
+
+def nan_copy(src: Path, out: Path) -> Path:
+    """A copy of the tiny BERT folder ``src`` with one NaN in a query weight (a bad input found by reading weights)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    weights = load_file(str(src / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("attention.self.query.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

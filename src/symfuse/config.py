@@ -47,6 +47,27 @@ DATASET_RESOLUTION = (
 )
 
 
+def read_yaml(path: str | os.PathLike) -> Any:
+    """The YAML document in ``path`` (a run config, a merge file).
+
+    Raises:
+        FileNotFoundError: the file is absent.
+        ValueError: ``<path>: not valid YAML at line L, column C (<problem>) — fix the syntax there`` (bytes that are
+            not UTF-8 likewise name their line).
+    """
+    data = Path(path).read_bytes()
+    try:
+        return yaml.safe_load(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}: not UTF-8 at line {line} — re-save it as UTF-8 text") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{path}: not valid YAML{where} ({problem}) — fix the syntax there") from exc
+
+
 def _check_name(value: str, what: str) -> str:
     if not _NAME.match(value):
         raise ValueError(f"{what} {value!r}: use letters, digits and ._@+=- (it becomes part of artifact keys)")
@@ -255,6 +276,11 @@ class RunConfig(_Strict):
         "(e.g. an out-of-domain set); default: the mean over the training datasets' validation splits.",
     )
     head_refit: HeadRefitSettings = Field(default_factory=HeadRefitSettings)
+    allow_label_mismatch: bool = Field(
+        default=False,
+        description="Accept a brought checkpoint whose head shares no class with its dataset although head refit or "
+        "regmean++ read that dataset's texts with it (refused otherwise, before any task starts).",
+    )
     evaluation: EvalSettings = Field(default_factory=EvalSettings)
     store_root: str | None = Field(
         default=None, description="Artifact store URL (local folder, s3://bucket/prefix). Default: $SYMFUSE_STORE."
@@ -401,10 +427,10 @@ class RunConfig(_Strict):
 
         Raises:
             FileNotFoundError: if the file is absent.
+            ValueError: not YAML (the message names the file, line and column) or not a mapping.
             pydantic.ValidationError: if a field is unknown or invalid (the message names it).
         """
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
+        data = read_yaml(path) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of RunConfig fields, got {type(data).__name__}")
         return cls.model_validate(data)

@@ -20,10 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import Field, ValidationError, field_validator
 
-from symfuse.config import _Strict
+from symfuse.config import _Strict, read_yaml
 from symfuse.errors import UsageError
 from symfuse.merge.registry import MERGERS
 
@@ -48,6 +47,11 @@ class MergeFile(_Strict):
         "256, device: cpu, ...} (symfuse.merge.head_refit.RefitOptions).",
     )
 
+    allow_label_mismatch: bool = Field(
+        default=False,
+        description="Accept data (head_refit.data, params.data of regmean++) sharing no class with its model's head.",
+    )
+
     @field_validator("strategy")
     @classmethod
     def _strategy(cls, value: str) -> str:
@@ -66,11 +70,9 @@ def load_merge_file(path: str | Path) -> MergeFile:
         what = "is a folder" if path.is_dir() else "does not exist"
         raise UsageError(f"--config: {path} {what} — give a merge YAML file")
     try:
-        data: Any = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"{path}: not valid YAML{where} — fix the syntax") from exc
+        data: Any = read_yaml(path)
+    except ValueError as exc:  # names the file, line and column
+        raise UsageError(str(exc)) from exc
     if not isinstance(data, dict):
         raise UsageError(
             f"{path}: expected a mapping (strategy:, models:, ...), got {type(data).__name__} — see README"

@@ -34,13 +34,14 @@ def run_cli(*args: object, cwd: Path | None = None, timeout: float = 600) -> sub
     )
 
 
-def toy_dataset(folder: Path) -> Path:
-    """A tiny two-label classification dataset (JSONL splits + meta.json)."""
+def toy_dataset(folder: Path, labels: tuple[str, ...] = ("anger", "joy")) -> Path:
+    """A tiny classification dataset over ``labels`` (JSONL splits of 8 rows + meta.json)."""
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [{"text": f"i feel so {w} today", "label": lab} for w, lab in [("happy", "joy"), ("angry", "anger")] * 4]
+    words = ["happy", "angry", "calm", "sad"]
+    rows = [{"text": f"i feel so {words[i % 4]} today", "label": labels[i % len(labels)]} for i in range(8)]
     for split in ("train", "validation", "test"):
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "meta.json").write_text(json.dumps({"task": "classification", "labels": ["anger", "joy"]}))
+    (folder / "meta.json").write_text(json.dumps({"task": "classification", "labels": sorted(labels)}))
     return folder
 
 

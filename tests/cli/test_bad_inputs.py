@@ -8,6 +8,7 @@ again with ``-v`` (at the end of the command line), which must add the traceback
 
 from __future__ import annotations
 
+import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from symfuse.stats.io import save_stats
 from tests.cli.helpers import listing, run_cli, toy_dataset
-from tests.tiny import save_tiny
+from tests.tiny import nan_copy, save_tiny, save_tiny_text_classifier
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,44 @@ CASES = [
         1,
         "gram.safetensors",
     ),
+    C(
+        "merge-stats-wrong-kind-files",
+        f"{MERGE} fisher --models {{A}} {{B}} --stats {{GRAMS}}/gram.safetensors {{GRAMS}}/gram.safetensors {OUT}",
+        2,
+        "grams/gram.safetensors (gram): not fisher statistics",
+    ),
+    C(
+        "merge-stats-wrong-kind-folder",
+        f"{MERGE} fisher --models {{A}} {{B}} --stats {{GRAMS}} {{GRAMS}} {OUT}",
+        2,
+        "grams holds gram statistics, not fisher",
+    ),
+    C(
+        "merge-refit-data-of-other-classes",
+        f"{MERGE} simple --models {{CA}} {{CB}} --refit-heads --data {{DATA}} {{BIG}} {OUT}",
+        2,
+        "big (for {CB}) has 4 classes for a head of 2 unnamed outputs — give each model the data its head was",
+        verbose=True,
+    ),
+    C(
+        "merge-regmean++-data-sharing-no-class",
+        f"{MERGE} regmean++ --models {{CN}} {{CB}} --data {{DATA}} {{DATA}} {OUT}",
+        2,
+        "toy (for {CN}) shares no class with the head (red, blue); its classes: anger, joy — give each model",
+    ),
+    C(
+        "merge-misspelt-model-type",
+        f"{MERGE} simple --models {{A}} {{MISSPELT}} {OUT}",
+        1,
+        "misspelt/config.json: model_type 'bret' is not an architecture symfuse knows — did you mean 'bert'? fix "
+        "model_type, or use a model of a known family (albert, bert, ",
+    ),
+    C(
+        "merge-config-yaml-syntax",
+        f"merge --config {{SYNTAX}} {OUT}",
+        2,
+        "syntax.yaml: not valid YAML at line 3, column 7 (expected ',' or ']', but got ':') — fix the syntax",
+    ),
     C("merge-base-not-used", f"{MERGE} simple --base {{A}} --models {{A}} {{B}} {OUT}", 2, "--base"),
     C("merge-base-missing", f"{MERGE} ties --models {{A}} {{B}} {OUT}", 2, "--base"),
     C("merge-option-not-used", f"{MERGE} simple --alpha 0.5 --models {{A}} {{B}} {OUT}", 2, "--alpha"),
@@ -94,7 +134,13 @@ CASES = [
     C("match-many-no-models", f"match-many {OUT}", 2, "M1 M2"),
     C("match-many-one-model", f"match-many {{A}} {OUT}", 2, "M1 M2", verbose=True),
     C("match-many-unknown-anchor", f"match-many {{A}} {{B}} {OUT} --anchor nosuch", 2, "nosuch"),
-    C("match-many-unknown-symmetry", f"match-many {{A}} {{B}} {OUT} --symmetries residual-permutation", 2, "residual"),
+    C(
+        "match-many-activations-only-symmetry",
+        f"match-many {{A}} {{B}} {OUT} --symmetries rotation,residual-permutation",
+        2,
+        "--symmetries: residual-permutation is not available for match-many: it is found from activations",
+    ),
+    C("match-many-unknown-symmetry", f"match-many {{A}} {{B}} {OUT} --symmetries rotation,bogus", 2, "bogus"),
     C("match-many-max-iter-zero", f"match-many {{A}} {{B}} {OUT} --anchor barycenter --max-iter 0", 2, "--max-iter"),
     C("match-many-missing-model", f"match-many {{A}} {{B}} {{MISSING}} {OUT}", 2, "missing"),
     C("match-many-family-mismatch", f"match-many {{A}} {{B}} {{GPT}} {OUT}", 1, "gpt"),
@@ -119,6 +165,18 @@ CASES = [
     C("stats-unknown-dataset", f"stats {{A}} --data nosuch_dataset {OUT}", 1, "nosuch_dataset", verbose=True),
     C("stats-missing-model", f"stats {{MISSING}} --data {{DATA}} {OUT}", 2, "missing"),
     C("stats-garbage-model", f"stats {{GARBAGE}} --data {{DATA}} {OUT}", 1, "garbage"),
+    C(
+        "stats-fisher-classes-not-in-the-head",
+        f"stats {{CN}} --data {{DATA}} {OUT} --kind gram,fisher",
+        1,
+        "toy on {CN}: classes the head lacks: anger, joy (its classes: red, blue) — give the data the model was",
+    ),
+    C(
+        "stats-fisher-more-classes",
+        f"stats {{CA}} --data {{BIG}} {OUT} --kind fisher",
+        1,
+        "big on {CA}: 4 classes for the 2 unnamed outputs of the head — give the data the model was trained on",
+    ),
     C("stats-out-exists", f"stats {{A}} --data {{DATA}} {OUT}", 2, "{OUT}", pre="dir"),
     # --- finetune ---
     C("finetune-epochs-zero", f"finetune {{A}} --data {{DATA}} {OUT} --epochs 0", 2, "--epochs"),
@@ -139,18 +197,21 @@ CASES = [
     C("evaluate-max-examples-negative", "evaluate {A} --data {DATA} --max-examples -3", 2, "--max-examples"),
     C("evaluate-unknown-dataset", "evaluate {A} --data nosuch_dataset", 1, "nosuch_dataset"),
     C("evaluate-missing-model", "evaluate {MISSING} --data {DATA}", 2, "missing"),
+    C(
+        "evaluate-invalid-meta-json",
+        "evaluate {CA} --data {BADMETA}",
+        1,
+        "badmeta/meta.json:1:28: not valid JSON (Expecting property name enclosed in double quotes) — fix the file",
+    ),
+    C(
+        "evaluate-data-not-utf8",
+        "evaluate {CA} --data {LATIN}",
+        1,
+        "latin/train.jsonl:9: not UTF-8 (byte 0xe9 at column 14) — re-save it as UTF-8 text",
+    ),
     # --- the app ---
     C("unknown-command", "nosuchcommand {A}", 2, "nosuchcommand"),
 ]
-
-
-def _nan_copy(src: Path, out: Path) -> Path:
-    shutil.copytree(src, out)
-    sd = load_file(str(src / "model.safetensors"))
-    name = next(k for k in sd if k.endswith("attention.self.query.weight"))
-    sd[name][0, 0] = float("nan")
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 def build_inputs(d: Path) -> dict[str, Path]:
@@ -165,7 +226,7 @@ def build_inputs(d: Path) -> dict[str, Path]:
         "EMPTY": d / "empty",
         "FILE": d / "notes.txt",
     }
-    p["NAN"] = _nan_copy(p["A"], d / "nan")
+    p["NAN"] = nan_copy(p["A"], d / "nan")
     p["EMPTY"].mkdir()
     p["FILE"].write_text("not a model\n")
     weights = (p["A"] / "model.safetensors").read_bytes()
@@ -179,6 +240,25 @@ def build_inputs(d: Path) -> dict[str, Path]:
         (folder / "config.json").write_bytes(config or (p["A"] / "config.json").read_bytes())
         (folder / "model.safetensors").write_bytes(data)
         p[name] = folder
+    p["CA"] = save_tiny_text_classifier(d / "ca", seed=1)  # heads of 2 unnamed classes, with a tokenizer
+    p["CB"] = save_tiny_text_classifier(d / "cb", seed=2)
+    p["CN"] = shutil.copytree(p["CA"], d / "cn")  # a head named red, blue
+    config = json.loads((p["CN"] / "config.json").read_text())
+    config |= {"id2label": {"0": "red", "1": "blue"}, "label2id": {"red": 0, "blue": 1}}
+    (p["CN"] / "config.json").write_text(json.dumps(config))
+    p["MISSPELT"] = shutil.copytree(p["A"], d / "misspelt")
+    config = json.loads((p["A"] / "config.json").read_text())
+    (p["MISSPELT"] / "config.json").write_text(json.dumps(config | {"model_type": "bret"}))
+    p["BIG"] = toy_dataset(d / "big", labels=("w", "x", "y", "z"))
+    p["BADMETA"] = toy_dataset(d / "badmeta")
+    (p["BADMETA"] / "meta.json").write_text('{"task": "classification", labels: ["anger", "joy"]}')
+    p["LATIN"] = toy_dataset(d / "latin")
+    with (p["LATIN"] / "train.jsonl").open("ab") as fh:
+        fh.write('{"text": "café", "label": "joy"}\n'.encode("latin-1"))
+    p["GRAMS"] = d / "grams"  # a readable folder of gram statistics only
+    save_stats({"x": torch.eye(2)}, p["GRAMS"] / "gram.safetensors", {"kind": "gram"})
+    p["SYNTAX"] = d / "syntax.yaml"
+    p["SYNTAX"].write_text(f"strategy: simple\nmodels: [{p['A']}, {p['B']}\nparams: {{}}\n")
     p["BADYAML"] = d / "merge.yaml"
     p["BADYAML"].write_text(f"strategy: simple\nmodles: [{p['A']}, {p['B']}]\n")
     p["GS"] = d / "stats"
@@ -236,7 +316,7 @@ def test_matrix_is_large_and_covers_every_command():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input_fails_cleanly(case, results):
+def test_bad_input_fails_cleanly(case, results, inputs):
     r = results[case.id]
     res, out = r["res"], r["out"]
     report = f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
@@ -246,7 +326,9 @@ def test_bad_input_fails_cleanly(case, results):
     assert 1 <= len(lines) <= 3, report
     error = lines[-1]
     assert error.startswith("error: ") and "internal error" not in error, report
-    assert case.expect.format(OUT=out) in error, report
+    assert case.expect.format(OUT=out, **{k: v for k, v in inputs.items() if f"{{{k}}}" in case.expect}) in error, (
+        report
+    )
     # nothing created, nothing removed: the case folder is byte for byte as before (no output, temp or lock)
     assert r["after"] == r["before"], report
     if case.pre == "dir":

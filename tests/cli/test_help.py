@@ -29,3 +29,12 @@ def test_help_lists_every_option(name):
         long = [o for o in p.opts if o.startswith("--")]
         assert long and all(o in r.output for o in long), (name, p.opts, r.output)
         assert p.help, (name, p.opts)  # every option says what it does
+
+
+def test_merge_help_shows_every_strategy_on_an_80_column_terminal():
+    from symfuse.merge.registry import MERGERS
+
+    out = CliRunner().invoke(app, ["merge", "--help"], terminal_width=80).output
+    assert "…" not in out, out  # nothing cut
+    words = set(out.replace(",", " ").replace(".", " ").split())
+    assert set(MERGERS.names()) <= words, out

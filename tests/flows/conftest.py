@@ -20,7 +20,7 @@ import tasks.merge
 import tasks.report
 from symfuse.checkpoint import default_base_model
 from symfuse.config import RunConfig
-from tests.tiny import save_tiny
+from tests.tiny import nan_copy, save_tiny
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -43,6 +43,12 @@ def tiny_base(tmp_path_factory) -> Path:
     for name in TOKENIZER_FILES:
         shutil.copy2(minilm / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def nan_base(tiny_base, tmp_path_factory) -> Path:
+    """The tiny base with one NaN weight: a bad input only reading the weights finds (the fine-tune does)."""
+    return nan_copy(tiny_base, tmp_path_factory.mktemp("nan-base") / "bert")
 
 
 @pytest.fixture(autouse=True)

@@ -30,19 +30,24 @@ def test_a_bad_config_is_one_line_naming_the_file(tmp_path, capfd):
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.yaml" in err[0]
+    cfg.write_text("run_id: x\ndatasets: [{name: meld}\nstrategies: [simple]\n")  # a YAML syntax error
+    assert main(["--config", str(cfg)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"error: {cfg}: not valid YAML at line 3, column 1 (expected ',' or ']', but got '<scalar>') — "
+                   "fix the syntax there"], err  # fmt: skip
 
 
-def test_a_failed_run_is_one_error_line_and_no_traceback(tiny_base, memory_root, tmp_path, capfd, console_formatters):
-    config = tiny_config(tiny_base, memory_root, run_id="cli-fails", strategies=["simple"], anchor="closest",
-                         datasets=[{"name": "nosuch", "source": "/nonexistent/no_such_dataset.jsonl"}])  # fmt: skip
+def test_a_failed_run_is_one_error_line_and_no_traceback(nan_base, memory_root, tmp_path, capfd, console_formatters):
+    config = tiny_config(nan_base, memory_root, run_id="cli-fails", strategies=["simple"], anchor="closest",
+                         datasets=[{"name": "meld", "max_train_examples": 8}])  # fmt: skip
     cfg = tmp_path / "run.yaml"
     config.to_yaml(cfg)
-    assert main(["--config", str(cfg)]) == 1
+    assert main(["--config", str(cfg)]) == 1  # the inputs pass the checks; the fine-tune finds the NaN
     out = capfd.readouterr()
     text = out.out + out.err
     assert "Traceback" not in text
     last = out.err.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "no_such_dataset" in last, last
+    assert last.startswith("error: ") and "NaN" in last and str(nan_base) in last, last
     # the console handlers now drop tracebacks; a record's traceback still reaches other handlers
     try:
         raise ValueError("boom")

@@ -29,3 +29,25 @@ def test_load_uses_the_class_named_in_the_config(tmp_path):
     assert type(load_hf_model(folder)).__name__ == "GPT2LMHeadModel"
     model, info = load_hf_model(folder, transformers.AutoModel, output_loading_info=True)
     assert type(model).__name__ == "GPT2Model" and not model.training and "missing_keys" in info
+
+
+def test_a_misspelt_or_unsupported_model_type_is_one_line_naming_config_json(tmp_path):
+    import json
+
+    import pytest
+
+    from symfuse.checkpoint import CheckpointReader
+    from symfuse.errors import UnsupportedArchitecture
+
+    folder = save_tiny(tmp_path / "m", "bert")
+    config = json.loads((folder / "config.json").read_text())
+    for model_type, hint in [("bret", "did you mean 'bert'? "), ("bart", "")]:  # unknown anywhere / to symfuse only
+        (folder / "config.json").write_text(json.dumps(config | {"model_type": model_type}))
+        with pytest.raises(UnsupportedArchitecture) as info:
+            CheckpointReader(folder)
+        msg = str(info.value)
+        assert "\n" not in msg and msg.startswith(f"{folder}/config.json: model_type {model_type!r} is not an "), msg
+        assert f"— {hint}fix model_type, or use a model of a known family (albert, bert, " in msg, msg
+    (folder / "config.json").write_text('{"model_type": "bert",\n "hidden_size": }')
+    with pytest.raises(ValueError, match=r"config\.json:2:17: not valid JSON \(Expecting value\)"):
+        CheckpointReader(folder)

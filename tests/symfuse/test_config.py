@@ -102,6 +102,19 @@ def test_yaml_must_be_a_mapping(tmp_path):
         RunConfig.from_yaml(path)
 
 
+def test_yaml_syntax_errors_name_the_file_line_and_column(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run_id: x\ndatasets:\n  - name: meld\n    max_train_examples: [1, 2\nstrategies: [simple]\n")
+    with pytest.raises(ValueError) as info:
+        RunConfig.from_yaml(path)
+    assert str(info.value) == (
+        f"{path}: not valid YAML at line 5, column 11 (expected ',' or ']', but got ':') — fix the syntax there"
+    )
+    path.write_bytes(b"run_id: x\ndatasets: [{name: caf\xe9}]\n")
+    with pytest.raises(ValueError, match=r"run\.yaml: not UTF-8 at line 2 — re-save it as UTF-8"):
+        RunConfig.from_yaml(path)
+
+
 def test_json_schema_is_a_typed_form():
     schema = RunConfig.model_json_schema()
     props = schema["properties"]

@@ -225,20 +225,3 @@ def test_out_of_domain_the_most_reliable_head_answers_alone(base, tmp_path):
     # isear's own model lacks surprise: scored over the six all the same, surprise at F1 0
     own = store.get_json(evaluate.fn(voting, "isear", models["isear"], "goemotions_ekman"))
     assert own["metrics"]["classes"] == six and own["metrics"]["per_class_f1"]["surprise"] == 0.0
-
-
-def test_the_reliable_head_rule_is_refused_up_front_without_validation_splits(base, tmp_path):
-    """Checked before any fine-tune: a training dataset without a validation split cannot rate its head."""
-    from symfuse.data import load_task_dataset
-    from symfuse.data.dataset import DatasetError
-    from tasks.evaluate import check_head_rule
-
-    folder = tmp_path / "isear_nv"
-    shutil.copytree(load_task_dataset("isear").files["train"].parent, folder,
-                    ignore=shutil.ignore_patterns("validation.jsonl"))  # fmt: skip
-    datasets = [{"name": "isear", "source": str(folder)}, {"name": "meld"}]
-    cfg = config(base, str(tmp_path / "store"), datasets=datasets, evaluation={"ood_heads": "reliable"})
-    with pytest.raises(DatasetError, match=r"^isear_nv: no validation split to rate its head on — add validation"):
-        check_head_rule(cfg)
-    check_head_rule(config(base, str(tmp_path / "store"), datasets=datasets))  # vote: nothing to rate
-    check_head_rule(cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"out_of_domain": []})}))

@@ -188,16 +188,35 @@ def checkpoint(value: str | Path, arch: bool = True) -> None:
 
 
 def stats_files(values: Sequence[str | Path], kinds: Iterable[str]) -> None:
-    """Open the header of each statistics file a merge will read (one folder or file per model)."""
-    from symfuse.stats.io import StatsFile
+    """Open the header of each statistics file a merge will read (one folder or file per model).
 
+    Raises:
+        UsageError: a folder without a needed kind, or files of another kind (the files and their kinds named).
+        DataError: an unreadable file.
+    """
+    from symfuse.stats.io import STAT_KINDS, StatsFile
+
+    kinds = sorted(kinds)
+    fix = f"collect them with `symfuse stats MODEL --data DATA --kind {','.join(kinds)} --out DIR` and give DIR"
+    held: dict[str, str] = {}
     for value in values:
         path = Path(value)
-        files = [path / f"{k}.safetensors" for k in kinds] if path.is_dir() else [path]
-        for file in files:
+        if path.is_dir():
+            have = [k for k in STAT_KINDS if (path / f"{k}.safetensors").is_file()]
+            lacking = [k for k in kinds if k not in have]
+            if lacking:
+                holds = f"holds {', '.join(have)} statistics" if have else "holds no statistics file"
+                raise UsageError(f"--stats: {path} {holds}, not {', '.join(lacking)} — {fix}")
+        for file in [path / f"{k}.safetensors" for k in kinds] if path.is_dir() else [path]:
             try:
-                StatsFile(file)
+                sf = StatsFile(file)
             except SymfuseError:
                 raise
             except Exception as exc:
                 raise _unreadable("statistics file", file, exc, "collect it again with `symfuse stats`") from exc
+            if not path.is_dir():
+                held[str(file)] = sf.kind or "unknown"
+    wrong = {f: k for f, k in held.items() if k not in kinds}
+    if wrong and len(kinds) == 1:  # several kinds come as one file per kind and model (the merge pairs them)
+        given = ", ".join(f"{f} ({k})" for f, k in wrong.items())
+        raise UsageError(f"--stats: {given}: not {kinds[0]} statistics — {fix}")

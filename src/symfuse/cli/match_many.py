@@ -74,6 +74,13 @@ def match_many_cmd(
     checks.positive("--tol", tol)
     names = output_names(models)
     index = anchor_index(anchor, models, names)
+    from_data = [n for n in symmetries.split(",") if n.strip() in set(kind_names()) - set(kind_names("weights"))]
+    if from_data:  # registered, but found from activations only
+        raise UsageError(
+            f"--symmetries: {', '.join(from_data)} is not available for match-many: it is found from activations "
+            "(symfuse match --data) and match-many aligns from weights — drop it, or align each model with `symfuse "
+            f"match MODEL ANCHOR --symmetries {from_data[0].strip()} --data DATASET`"
+        )
     sym = checks.kinds("--symmetries", symmetries, "weights")
     for m in models:
         checks.local_path("M1 M2", m)

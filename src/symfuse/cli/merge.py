@@ -23,7 +23,7 @@ def merge(
         typer.Option("--config", help="Merge YAML (strategy, models, stats, base, weights, params); see README."),
     ] = None,
     strategy: Annotated[
-        str | None, typer.Option("--strategy", help=f"A registered strategy: {'|'.join(MERGERS.names())}.")
+        str | None, typer.Option("--strategy", help=f"A registered strategy: {', '.join(MERGERS.names())}.")
     ] = None,
     out: Annotated[
         Path | None, typer.Option("--out", help="Output save_pretrained folder (new unless --overwrite).")
@@ -68,6 +68,12 @@ def merge(
     refit_ridge: Annotated[
         float | None, typer.Option("--refit-ridge", help="Head refit: pull towards the merged head (0.1).")
     ] = None,
+    allow_label_mismatch: Annotated[
+        bool,
+        typer.Option(
+            "--allow-label-mismatch", help="Accept --data sharing no class with its model's head (refit, regmean++)."
+        ),
+    ] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
     """Merge models: --models A B [C ...] [--stats SA SB ...] [--weights wA wB ...] --out OUT.
@@ -87,6 +93,7 @@ def merge(
     if config is not None:
         flags = {"--strategy": strategy, "--models": models, "--stats": stats, "--weights": weights, "--base": base}
         flags |= {"--param": param} | {f"--{k}": v for k, v in shortcuts.items()}
+        flags |= {"--allow-label-mismatch": allow_label_mismatch or None}
         clash = [k for k, v in flags.items() if v is not None and v != []]
         if clash:
             raise UsageError(
@@ -102,7 +109,7 @@ def merge(
         refit_given = {k: (v, f"head_refit.{k}") for k, v in (mf.head_refit or {}).items()}
         if refit_heads or refit_ridge is not None:
             raise UsageError(f"--refit-heads / --refit-ridge: given with --config — put head_refit: in {config}")
-        refit_on = mf.head_refit is not None
+        refit_on, allow_label_mismatch = mf.head_refit is not None, mf.allow_label_mismatch
     else:
         given = {k: (v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None} | _param_options(
             param or [], shortcuts
@@ -137,6 +144,9 @@ def merge(
         # the shared checks name the flag; in a file it is the key of the same name
         raise UsageError(f"{config}: {exc}") from exc
     refit = _refit_options(refit_given, len(models), config) if refit_on else None
+    if not allow_label_mismatch:  # each model's own data: a head sharing no class with it means the wrong data
+        label = refit_given.get("data", given.get("data", (None, "--data")))[1]
+        _check_data_labels(models, (refit or params).get("data") or [], label, config)
     from symfuse.merge import merge_checkpoints
 
     with claim_output(out, overwrite):
@@ -182,6 +192,31 @@ def _refit_options(given: dict[str, tuple[Any, str]], n_models: int, config: Pat
     for d in options.data:
         checks.dataset(label, d)
     return options.model_dump()
+
+
+def _check_data_labels(models: list[str], data: list[str], label: str, config: Path | None) -> None:
+    """Refuse ``data`` (one per model) whose classes cannot be its model's head's (see ``data_mismatch``).
+
+    Raises:
+        UsageError: naming the dataset, its model and the fix (``--allow-label-mismatch`` or the file's key).
+    """
+    from symfuse.checkpoint import read_config_json, resolve_checkpoint
+    from symfuse.data import load_task_dataset
+    from symfuse.data.labels import data_mismatch, head_labels
+
+    for model, d in zip(models, data, strict=False):
+        head = head_labels(read_config_json(resolve_checkpoint(model)))
+        problem = data_mismatch(head, load_task_dataset(d).labels) if head else None
+        if problem:
+            where, allow = (
+                (f"{config}: ", f"put allow_label_mismatch: true in {config}")
+                if config
+                else ("", "add --allow-label-mismatch")
+            )
+            raise UsageError(
+                f"{where}{label}: {d} (for {model}) {problem} — give each model the data its head was trained on, in "
+                f"model order, or {allow}"
+            )
 
 
 def _param_options(values: list[str], shortcuts: dict[str, Any]) -> dict[str, tuple[Any, str]]:

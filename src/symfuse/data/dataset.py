@@ -21,7 +21,6 @@ multi-label), ``{"text", "text_pair", "label"}`` (pairs; float label = regressio
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import logging
@@ -31,13 +30,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from symfuse.data.files import DatasetError, read_meta, read_records
 from symfuse.data.locate import (  # shared_datasets_dir: re-exported, it used to live here
     dataset_search_path,
     find_named_dataset,
     not_found_message,
     shared_datasets_dir,  # noqa: F401
 )
-from symfuse.errors import SymfuseError
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +44,6 @@ SPLITS = ("train", "validation", "test")
 TASKS = ("classification", "pair_classification", "regression", "ner")
 _EXTS = (".jsonl", ".json", ".csv")
 _SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "val", "dev"), "test": ("test",)}
-
-
-class DatasetError(SymfuseError, ValueError):
-    """A dataset source is missing or holds a bad record (the message names the file and line)."""
 
 
 @dataclass
@@ -154,7 +149,7 @@ def _resolve_local(source: str) -> tuple[str, dict[str, Path], dict[str, Any] | 
         if not files:
             raise DatasetError(f"{path}: no train/validation/test .jsonl/.json/.csv files in this folder")
         meta_file = path / "meta.json"
-        meta = json.loads(meta_file.read_text()) if meta_file.exists() else None
+        meta = read_meta(meta_file) if meta_file.exists() else None
         return path.name, files, meta
     if path.is_file():
         if path.suffix not in _EXTS:
@@ -166,38 +161,6 @@ def _resolve_local(source: str) -> tuple[str, dict[str, Path], dict[str, Any] | 
 
 
 # ----------------------------------------------------------------------------------------------- record checking
-
-
-def _read_records(file: Path) -> list[tuple[int, dict[str, Any]]]:
-    """``(line number, record)`` for each record of a JSON Lines / JSON array / CSV file.
-
-    Raises:
-        DatasetError: on a line that is not a JSON object.
-    """
-    out: list[tuple[int, dict[str, Any]]] = []
-    if file.suffix == ".csv":
-        with file.open(newline="", encoding="utf-8") as fh:
-            for i, row in enumerate(csv.DictReader(fh), start=2):
-                out.append((i, row))
-        return out
-    text = file.read_text(encoding="utf-8")
-    if file.suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{file}:{exc.lineno}: not valid JSON ({exc.msg})") from exc
-        return [(i + 1, r) for i, r in enumerate(rows)]
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{file}:{lineno}: not valid JSON ({exc.msg}); fix or remove that line") from exc
-        if not isinstance(rec, dict):
-            raise DatasetError(f"{file}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-        out.append((lineno, rec))
-    return out
 
 
 def _infer_task(rec: dict[str, Any]) -> tuple[str, bool]:
@@ -260,20 +223,31 @@ def _check_file(file: Path, task: str, multi_label: bool, labels: list[str] | No
     if key in _CHECKED:
         return _CHECKED[key]
     known = set(labels) if labels else None
-    seen: set[str] = set()
-    records = _read_records(file)
+    records = read_records(file)
     if not records:
         raise DatasetError(f"{file}: no records")
+    _CHECKED[key] = sorted(check_records(file, records, task, multi_label, known))
+    return _CHECKED[key]
+
+
+def check_records(
+    file: Path, records: list[tuple[int, dict[str, Any]]], task: str, multi_label: bool, known: set[str] | None
+) -> set[str]:
+    """Check ``(line number, record)`` pairs of ``file``; return the label values seen (tags for NER).
+
+    Raises:
+        DatasetError: the first bad record, naming the file and line.
+    """
+    seen: set[str] = set()
     for lineno, rec in records:
         problem = _check_record(rec, task, multi_label, known)
         if problem:
-            raise DatasetError(f"{file}:{lineno}: bad {task} record: {problem}")
+            raise DatasetError(f"{file}:{lineno}: bad {task} record: {problem} — fix or remove that line")
         if task == "ner":
             seen.update(rec["tags"])
         elif task != "regression":
             seen.update(rec["label"] if multi_label else [str(rec["label"])])
-    _CHECKED[key] = sorted(seen)
-    return _CHECKED[key]
+    return seen
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -295,6 +269,7 @@ def subsample_indices(n: int, k: int | None, seed: int) -> list[int]:
 
 
 _LOCAL_CACHE: dict[tuple, TaskDataset] = {}
+_ANNOUNCED: set[tuple[str, str]] = set()  # (source, fingerprint) of the datasets logged at INFO
 _LOCAL_LOCK = threading.Lock()
 _LOCAL_CACHE_SIZE = 16
 
@@ -333,7 +308,7 @@ def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, 
     from datasets import load_dataset
 
     if meta is None:
-        first = _read_records(next(iter(files.values())))
+        first = read_records(next(iter(files.values())))
         if not first:
             raise DatasetError(f"{next(iter(files.values()))}: no records")
         task, multi = _infer_task(first[0][1])
@@ -458,7 +433,10 @@ def load_task_dataset(
     if max_train_examples is not None or max_eval_examples is not None:
         extra = f"{ds.fingerprint}:{max_train_examples}:{max_eval_examples}:{seed}"
         ds.fingerprint = hashlib.sha256(extra.encode()).hexdigest()[:16]
-    log.info(
+    announced = (ds.source, ds.fingerprint) in _ANNOUNCED  # a set read again (checks, evaluations): said once
+    _ANNOUNCED.add((ds.source, ds.fingerprint))
+    log.log(
+        logging.DEBUG if announced else logging.INFO,
         "loaded %s (%s, %d labels): %s",
         ds.name,
         ds.problem_type,

@@ -6,6 +6,7 @@ spelling of the side they are taken from.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,67 @@ def union_label_names(spaces: Iterable[Sequence[str]]) -> list[str]:
         for n in names:
             seen.setdefault(_key(n), str(n))
     return list(seen.values())
+
+
+UNNAMED = re.compile(r"LABEL_\d+")  # transformers' names for the classes of a head saved without names
+
+
+def head_labels(config: Any) -> list[str] | None:
+    """A checkpoint's classification head's class names, in output order (``id2label``); None: no such head.
+
+    Args:
+        config: The checkpoint's config (``PretrainedConfig``) or its ``config.json`` dict (which omits the
+            default two unnamed classes).
+    """
+    get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+    if not any("Classification" in a for a in get("architectures") or []):
+        return None
+    id2label = get("id2label") or {}
+    if not id2label:
+        return [f"LABEL_{i}" for i in range(int(get("num_labels") or 2))]
+    return [str(id2label[k]) for k in sorted(id2label, key=int)]
+
+
+def unnamed(names: Iterable[str]) -> bool:
+    """Whether every class name is transformers' placeholder ``LABEL_<i>`` (a head saved without names)."""
+    return all(UNNAMED.fullmatch(str(n)) for n in names)
+
+
+def data_mismatch(head: Sequence[str], data: Sequence[str]) -> str | None:
+    """Why data with classes ``data`` is not a head's own data, or None (it may be; regression: always None).
+
+    A named head shares at least one class with its data (case-insensitively); a head without names (``LABEL_i``)
+    has as many outputs as its data has classes.
+    """
+    if not head or not data:
+        return None
+    if unnamed(head):
+        if len(head) == len(data):
+            return None
+        return f"has {len(data)} classes for a head of {len(head)} unnamed outputs"
+    if shared_label_names(data, head, restrict=None):
+        return None
+    return f"shares no class with the head ({short_names(head)}); its classes: {short_names(data)}"
+
+
+def foreign_classes(head: Sequence[str], data: Sequence[str]) -> str | None:
+    """Why a head cannot take data's classes as its targets (empirical Fisher), else None.
+
+    Classes are matched by exact name (a head without names, ``LABEL_i``: by count, class ``i`` as output ``i``).
+    """
+    if not head or not data:
+        return None
+    if unnamed(head):
+        return (
+            None if len(data) <= len(head) else f"{len(data)} classes for the {len(head)} unnamed outputs of the head"
+        )
+    missing = [c for c in data if c not in head]
+    return f"classes the head lacks: {short_names(missing)} (its classes: {short_names(head)})" if missing else None
+
+
+def short_names(names: Sequence[str], n: int = 6) -> str:
+    """The first ``n`` names, comma-separated, and how many there are in all (for messages)."""
+    return ", ".join(names[:n]) + (f", ... {len(names)} in all" if len(names) > n else "")
 
 
 def columns_of(labels: Sequence[str], space: Sequence[str]) -> list[int]:

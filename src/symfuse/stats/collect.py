@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
-from symfuse.data.labels import union_columns
+from symfuse.data.labels import foreign_classes, head_labels, union_columns
+from symfuse.errors import DataError
 from symfuse.io import fsync_dir
 from symfuse.stats.fisher import collect_fisher
 from symfuse.stats.gram import collect_gram
@@ -62,6 +63,26 @@ def _label_map(model: nn.Module, labels: Sequence[str]) -> dict[int, int] | None
         return None
     mapping = {i: l2i[name] for i, name in enumerate(labels)}
     return None if all(i == j for i, j in mapping.items()) else mapping
+
+
+def check_fisher_targets(config: Any, ds: Any, where: object) -> None:
+    """Refuse data whose classes the head does not have: the empirical Fisher takes each example's class as target.
+
+    Args:
+        config: The model's config (its head's ``id2label``).
+        ds: The :class:`~symfuse.data.TaskDataset` (``source``, ``task``, ``labels``).
+        where: The model, for the message.
+
+    Raises:
+        DataError: a class of the data missing from a named head, or more classes than an unnamed head has outputs.
+    """
+    head = head_labels(config)
+    problem = None if head is None or ds.task == "regression" else foreign_classes(head, ds.labels)
+    if problem:
+        raise DataError(
+            f"{ds.source} on {where}: {problem} — give the data the model was trained on, or use --fisher-mode sampled "
+            "(targets drawn from the model)"
+        )
 
 
 def collect_stats(
@@ -122,8 +143,9 @@ def collect_stats(
     folder = validate_checkpoint(model, finite=True, tokenizer=True)
     net = load_hf_model(folder, validate=False)
     ds = load_task_dataset(data)
-    if "fisher" in kinds:
-        union_columns(net.config, ds, folder)  # a union head without this dataset's classes: refused before any pass
+    # refused before any pass: a union head without the data's classes, or classes the head does not have
+    if "fisher" in kinds and union_columns(net.config, ds, folder) is None and fisher_mode == "empirical":
+        check_fisher_targets(net.config, ds, folder)
     batches = make_batches(ds, folder, split, batch_size, max_length, max_examples, seed)
     common: dict[str, Any] = {
         "model": str(folder),

@@ -43,6 +43,27 @@ def test_bad_record_names_file_and_line(tmp_path):
         load_task_dataset(str(tmp_path / "n"))
 
 
+def test_bad_meta_and_bytes_name_the_file_line_and_fix(tmp_path):
+    meta = {"task": "classification", "labels": ["joy", "anger"]}
+    good = {"text": "ok", "label": "joy"}
+    _write(tmp_path / "d", "train", [good, good], meta)
+    (tmp_path / "d" / "meta.json").write_text('{\n  "task": "classification",\n  labels: ["joy"]\n}\n')
+    with pytest.raises(DatasetError, match=r"meta\.json:3:3: not valid JSON \(Expecting property.* — fix the file"):
+        load_task_dataset(str(tmp_path / "d"))
+    (tmp_path / "d" / "meta.json").write_text(json.dumps({"task": "classification", "labels": "joy"}))
+    with pytest.raises(DatasetError, match=r"meta\.json: labels must be a list of class names"):
+        load_task_dataset(str(tmp_path / "d"))
+    (tmp_path / "d" / "meta.json").write_text(json.dumps(meta))
+    train = tmp_path / "d" / "train.jsonl"
+    train.write_bytes(train.read_bytes() + '{"text": "café", "label": "joy"}\n'.encode("latin-1"))
+    with pytest.raises(DatasetError, match=r"train\.jsonl:3: not UTF-8 \(byte 0xe9 at column 14\) — re-save it"):
+        load_task_dataset(str(tmp_path / "d"))
+    csv = tmp_path / "small.csv"
+    csv.write_bytes("text,label\nhello,pos\ncaf\xe9,neg\n".encode("latin-1"))
+    with pytest.raises(DatasetError, match=r"small\.csv:3: not UTF-8"):
+        load_task_dataset(str(csv))
+
+
 def test_local_csv_inferred(tmp_path):
     f = tmp_path / "small.csv"
     f.write_text("text,label\nhello,pos\nbad day,neg\nfine,pos\n")

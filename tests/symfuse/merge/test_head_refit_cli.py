@@ -45,6 +45,30 @@ def test_refit_heads_rewrites_only_the_heads_and_reports_them(tiny):  # noqa: F8
         assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_data_of_another_label_set_is_refused_unless_allowed(tiny):  # noqa: F811
+    d, folders, data = tiny  # joyful: 2 classes, fearful: 3; heads of as many unnamed outputs
+    swapped = ["merge", "--strategy", "simple", "--models", *folders, "--data", data[1], data[0], "--refit-heads"]
+    res = runner.invoke(app, [*map(str, swapped), "--out", str(d / "swapped")])
+    assert res.exit_code == 2 and not (d / "swapped").exists()
+    assert (
+        f"--data: {data[1]} (for {folders[0]}) has 3 classes for a head of 2 unnamed outputs — give each " in res.output
+    )
+    assert "in model order, or add --allow-label-mismatch" in res.output
+    _ok([*swapped, "--max-examples", "6", "--allow-label-mismatch", "--out", d / "swapped"])  # the user knows
+    assert (d / "swapped" / "symfuse_report.json").is_file()
+    cfg = d / "swapped.yaml"
+    cfg.write_text(f"strategy: simple\nmodels: [{folders[0]}, {folders[1]}]\n"
+                   f"head_refit: {{data: [{data[1]}, {data[0]}], max_examples: 6}}\n")  # fmt: skip
+    res = runner.invoke(app, ["merge", "--config", str(cfg), str(d / "swapped-yaml")])
+    assert (
+        res.exit_code == 2
+        and "put allow_label_mismatch: true in" in res.output
+        and f"{cfg}: head_refit.data" in res.output
+    )
+    cfg.write_text(cfg.read_text() + "allow_label_mismatch: true\n")
+    _ok(["merge", "--config", cfg, d / "swapped-yaml"])
+
+
 @pytest.mark.parametrize(
     ("args", "code", "expect"),
     [

@@ -1,0 +1,89 @@
+"""A cheap look at a dataset before any heavy work: its source resolved, its split files, first records and labels.
+
+:func:`probe_dataset` resolves a dataset argument as :func:`~symfuse.data.load_task_dataset` does (an explicit path,
+then a bare name in ``$SYMFUSE_DATASETS``, ``../shared/datasets`` and the bundled demo data; see
+:mod:`symfuse.data.locate`), then reads ``meta.json`` and only the first :data:`PROBE_RECORDS` records of each split
+file, checked like the loader checks every record. Nothing is converted to Arrow and no file is read to its end, so
+a run checks all the datasets it names in a fraction of a second each. Hub datasets (``owner/name``, ``hf:<id>``)
+are not looked at: they are read when the run loads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from symfuse.data.dataset import TASKS, _infer_task, _resolve_local, check_records
+from symfuse.data.files import DatasetError, head_records
+from symfuse.data.locate import not_found_message
+
+PROBE_RECORDS = 16
+
+
+@dataclass(frozen=True)
+class DatasetProbe:
+    """What the first records and ``meta.json`` of a dataset say.
+
+    Attributes:
+        source: The dataset argument as given.
+        where: The folder (or file) it resolved to; the hub id for a hub dataset.
+        task: ``classification`` | ``pair_classification`` | ``regression`` | ``ner``; None: a hub dataset, not read.
+        labels: Class names (tags for NER): declared in ``meta.json``, else those of the first records.
+        complete: Whether ``labels`` is the whole label set (declared in ``meta.json``).
+        splits: The splits that have a file.
+    """
+
+    source: str
+    where: str
+    task: str | None = None
+    labels: tuple[str, ...] = ()
+    complete: bool = False
+    splits: tuple[str, ...] = ()
+
+    @property
+    def read(self) -> bool:
+        """Whether the files were read (False for a hub dataset)."""
+        return self.task is not None
+
+
+def probe_dataset(source: str, records: int = PROBE_RECORDS) -> DatasetProbe:
+    """Resolve ``source`` and read its ``meta.json`` and the first ``records`` records of each split file.
+
+    Args:
+        source: A dataset argument (see :func:`symfuse.data.load_task_dataset`).
+        records: Records read per split file.
+
+    Returns:
+        The :class:`DatasetProbe`.
+
+    Raises:
+        DatasetError: the source is found nowhere, a file is empty, not UTF-8, or a record read is malformed
+            (file and line named), or ``meta.json`` is invalid.
+    """
+    source = str(source)
+    local = None if source.startswith("hf:") else _resolve_local(source)
+    if local is None:
+        if "/" not in source and not source.startswith("hf:"):
+            raise DatasetError(not_found_message(source))
+        return DatasetProbe(source, source.removeprefix("hf:"))
+    _name, files, meta = local
+    heads = {file: head_records(file, records) for file in dict.fromkeys(files.values())}
+    for file, recs in heads.items():
+        if not recs:
+            raise DatasetError(f"{file}: no records — add records to it, or remove the file")
+    first = next(iter(files.values()))
+    if meta is None:
+        task, multi = _infer_task(heads[first][0][1])
+        declared = None
+    else:
+        task, multi = meta.get("task"), bool(meta.get("multi_label", False))
+        declared = meta.get("tags") if task == "ner" else meta.get("labels")
+    if task not in TASKS:
+        raise DatasetError(f"{first.parent / 'meta.json'}: unknown task {task!r} — give one of {', '.join(TASKS)}")
+    known = set(declared) if declared else None
+    seen: set[str] = set()
+    for file, recs in heads.items():
+        seen |= check_records(file, recs, task, multi, known)
+    labels = tuple(declared) if declared else () if task == "regression" else tuple(sorted(seen))
+    where = str(first.parent if len(set(files.values())) > 1 or meta is not None else Path(first))
+    return DatasetProbe(source, where, task, labels, bool(declared) or task == "regression", tuple(files))

@@ -1,0 +1,343 @@
+"""A run's inputs checked before any task starts: every problem as one line naming the artifact and the fix.
+
+:func:`check_run` looks at everything a :class:`~symfuse.config.RunConfig` names, cheaply: the base model and each
+brought checkpoint (resolved, ``config.json`` read, a known family, the tokenizer files a fine-tune needs) and every
+training, out-of-domain and selection dataset (resolved by the project's dataset lookup, ``meta.json`` and the first
+records of each split read by :func:`symfuse.data.probe.probe_dataset`: no tensor is loaded and no dataset read
+whole). It returns ALL the problems it finds, one line each:
+
+* a model or dataset that is not there, unreadable, or malformed (the file and line named);
+* a split the run reads that the dataset lacks (the fine-tune's train and validation-or-test splits, the
+  statistics' train split, the evaluation split, greedy selection's and ``ood_heads: reliable``'s validation);
+* label sets the run cannot use: ``labels: union`` over datasets that are not classification, a model scored on an
+  evaluation set with which its head shares no class (every model is scored on every evaluation set; a head without
+  class names on none), a brought checkpoint whose head lacks classes of its dataset that its Fisher statistics take
+  as targets, or whose head cannot be that dataset's (see :func:`symfuse.data.labels.data_mismatch`) while its head
+  refit / RegMean++ statistics read it (unless ``allow_label_mismatch``).
+
+``fusion_pipeline`` raises :class:`RunInputError` (:func:`require_runnable`) before it submits any task, and
+``python -m flows.pipeline`` prints the lines before it starts Prefect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from symfuse.config import RunConfig
+from symfuse.data.labels import (
+    data_mismatch,
+    foreign_classes,
+    head_labels,
+    shared_label_names,
+    short_names,
+    union_label_names,
+    unnamed,
+)
+from symfuse.data.probe import DatasetProbe, probe_dataset
+from symfuse.errors import DataError, SymfuseError
+
+
+class RunInputError(DataError):
+    """A run's inputs have problems; ``problems`` holds one line each (the message: all of them, one per line)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def require_runnable(config: RunConfig) -> None:
+    """Raise if :func:`check_run` finds any problem.
+
+    Raises:
+        RunInputError: every problem, one line each.
+    """
+    problems = check_run(config)
+    if problems:
+        raise RunInputError(problems)
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The classes a model of the run predicts, and whether they are known (None: they could not be read)."""
+
+    kind: str  # "token", "sequence" or "regression"
+    labels: tuple[str, ...] | None
+
+
+def _kind(task: str) -> str:
+    return {"ner": "token", "regression": "regression"}.get(task, "sequence")
+
+
+def check_run(config: RunConfig) -> list[str]:
+    """Every problem with the inputs of ``config``, one line each (``<artifact>: <what is wrong> — <fix>``).
+
+    Args:
+        config: The run.
+
+    Returns:
+        The problems, in the order: base model, training datasets, brought checkpoints, evaluation and selection
+        sets, label compatibility; empty when the run may start.
+    """
+    problems: list[str] = []
+    trained = [d.name for d in config.datasets if d.checkpoint is None]
+    problems += _check_base(config.base_model, tokenizer=bool(trained))
+    probes: dict[str, DatasetProbe] = {}
+    for d in config.datasets:
+        probe = _probe(f"training dataset {d.name}", d.data, _training_splits(config, d.name), problems)
+        if probe is not None:
+            probes[d.name] = probe
+    heads = _heads(config, probes, problems)
+    others = _evaluation_sets(config)
+    sets: dict[str, DatasetProbe] = {n: p for n, p in probes.items() if n in others}
+    for name, (splits, role) in others.items():
+        if name in config.dataset_names:
+            continue
+        probe = _probe(f"{role} {name}", name, splits, problems)
+        if probe is not None:
+            sets[name] = probe
+    problems += _label_problems(config, probes, heads, sets)
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------- models
+
+
+def _check_base(base: str, tokenizer: bool) -> list[str]:
+    """Problems of the base model: resolvable, config.json readable with a known model_type, tokenizer files."""
+    from symfuse.checkpoint import resolve_checkpoint
+    from symfuse.io import check_tokenizer
+
+    try:
+        folder = resolve_checkpoint(base)
+        _family(folder)
+        if tokenizer:
+            check_tokenizer(folder)
+    except SymfuseError as exc:
+        return [f"base model {base}: {_one_line(exc)}"]
+    return []
+
+
+def _family(folder: Path) -> dict:
+    """``config.json`` of a checkpoint folder, whose model_type a family covers (else the error naming the file)."""
+    from symfuse.arch import get_spec
+    from symfuse.checkpoint import read_config_json, unknown_model_type
+    from symfuse.errors import UnsupportedArchitecture
+
+    raw = read_config_json(folder)
+    try:
+        get_spec(raw)
+    except UnsupportedArchitecture as exc:
+        raise unknown_model_type(folder, raw.get("model_type")) from exc
+    return raw
+
+
+def _heads(config: RunConfig, probes: dict[str, DatasetProbe], problems: list[str]) -> dict[str, _Head]:
+    """The head of each model of the run: a fine-tune's follows its dataset (or the union), a brought one's config."""
+    from symfuse.checkpoint import resolve_checkpoint
+
+    union = None
+    if config.labels == "union" and all(p.complete for p in probes.values()):
+        union = tuple(union_label_names(p.labels for p in probes.values()))
+    heads: dict[str, _Head] = {}
+    for d in config.datasets:
+        probe = probes.get(d.name)
+        if d.checkpoint is None:
+            if probe is not None and probe.read:
+                labels = union if config.labels == "union" else probe.labels if probe.complete else None
+                heads[d.name] = _Head(_kind(probe.task or ""), labels)
+            continue
+        if "://" in d.checkpoint:  # a store URI: read when the run brings it
+            continue
+        try:
+            folder = resolve_checkpoint(d.checkpoint)
+            heads[d.name] = _head_of(_family(folder), folder)
+        except SymfuseError as exc:
+            problems.append(f"checkpoint of {d.name} {d.checkpoint}: {_one_line(exc)}")
+    return heads
+
+
+def _head_of(raw: dict, folder: Path) -> _Head:
+    """A checkpoint's head from its ``config.json``: class names (``id2label``), token or sequence, or regression.
+
+    Raises:
+        CheckpointError: no classification head (a bare body or a language model).
+    """
+    from symfuse.errors import CheckpointError
+
+    names = head_labels(raw)
+    if names is None:
+        archs = ", ".join(raw.get("architectures") or []) or "none"
+        raise CheckpointError(
+            f"{folder}/config.json: no classification head (architectures: {archs}) — bring a fine-tuned task model"
+        )
+    if raw.get("problem_type") == "regression" or len(names) == 1:
+        return _Head("regression", ())
+    token = any("TokenClassification" in a for a in raw.get("architectures") or [])
+    return _Head("token" if token else "sequence", tuple(names))
+
+
+# ------------------------------------------------------------------------------------------------- datasets
+
+
+def _training_splits(config: RunConfig, name: str) -> dict[str, str]:
+    """Split -> why the run reads it, for the training dataset ``name``."""
+    d = config.dataset(name)
+    need: dict[str, str] = {}
+    if d.checkpoint is None:
+        need["train"] = "the fine-tune trains on it"
+        need["validation|test"] = "the fine-tune validates on validation (else test)"
+    if _stats_kinds(config) or config.head_refit.enabled or _reads_data(config.strategies):
+        need.setdefault("train", "statistics (and head refit) are collected on it")
+    if config.evaluation.in_domain:
+        need[config.evaluation.split] = f"in-domain evaluation reads it (evaluation.split: {config.evaluation.split})"
+    if config.select == "greedy" and config.select_on is None:
+        need["validation"] = "greedy selection scores the models on it (select: greedy)"
+    if config.evaluation.ood_heads == "reliable" and config.evaluation.out_of_domain and len(config.datasets) > 1:
+        need["validation"] = "evaluation.ood_heads: reliable rates each head on it"
+    return need
+
+
+def _evaluation_sets(config: RunConfig) -> dict[str, tuple[dict[str, str], str]]:
+    """Every set models are scored on besides their training sets' test splits: name -> (splits needed, role)."""
+    split = config.evaluation.split
+    sets: dict[str, tuple[dict[str, str], str]] = {}
+    for name in config.evaluation.out_of_domain:
+        sets[name] = ({split: f"out-of-domain evaluation reads it (evaluation.split: {split})"}, "out-of-domain set")
+    if config.select == "greedy":
+        for name in [config.select_on] if config.select_on else config.dataset_names:
+            why = {"validation": "greedy selection scores the models on it (select_on)"}
+            splits, role = sets.get(name, ({}, "selection set (select_on)"))
+            sets[name] = (splits | why, role)
+    return sets
+
+
+def _probe(what: str, source: str, splits: dict[str, str], problems: list[str]) -> DatasetProbe | None:
+    """Probe one dataset; append its problems (unreadable, or a split missing) and return it (None: unreadable)."""
+    try:
+        probe = probe_dataset(source)
+    except SymfuseError as exc:
+        text = _one_line(exc)  # names the source, or a file in it, first; else it is named here
+        label = what if text.startswith(source) or source == what.rsplit(" ", 1)[-1] else f"{what} ({source})"
+        problems.append(f"{label}: {text.removeprefix(f'{source}: ')}")
+        return None
+    if not probe.read:
+        return probe
+    for split, why in splits.items():
+        if not any(s in probe.splits for s in split.split("|")):
+            first = split.split("|")[0]
+            problems.append(
+                f"{what}: no {split.replace('|', ' or ')} split in {probe.where} (it has {', '.join(probe.splits)}); "
+                f"{why} — add {first}.jsonl there, or change the run config"
+            )
+    return probe
+
+
+# ------------------------------------------------------------------------------------------------- labels
+
+
+def _label_problems(
+    config: RunConfig, probes: dict[str, DatasetProbe], heads: dict[str, _Head], sets: dict[str, DatasetProbe]
+) -> list[str]:
+    """Label policy and evaluation compatibility (checked where the label sets are known in full)."""
+    out: list[str] = []
+    if config.labels == "union":
+        for name, p in probes.items():
+            if p.read and p.task not in ("classification", "pair_classification"):
+                out.append(
+                    f"training dataset {name}: labels: union needs classification datasets, {name} is {p.task} — "
+                    "use labels: per-dataset, or drop the dataset"
+                )
+    scored = dict(sets) | (dict(probes) if config.evaluation.in_domain else {})
+    fine_tuned = {d.name for d in config.datasets if d.checkpoint is None and config.labels == "per-dataset"}
+    reported: set[frozenset[str]] = set()
+    for model, head in heads.items():
+        brought = config.dataset(model).checkpoint is not None
+        if head.labels and unnamed(head.labels):  # once for the model, not once per set
+            sets_ = [n for n, p in scored.items() if p.read and p.complete and _kind(p.task or "") == head.kind]
+            if sets_:
+                out.append(
+                    f"checkpoint of {model} {config.dataset(model).checkpoint}: its head has no class names "
+                    f"({short_names(head.labels)}), and every evaluation set ({', '.join(sets_)}) scores it by class "
+                    f"name — bring a checkpoint of {model} whose config.json id2label names {model}'s classes"
+                )
+            continue
+        for name, p in scored.items():
+            pair = frozenset((model, name))
+            if (name == model and not brought) or (pair <= fine_tuned and pair in reported):  # a pair of sets: once
+                continue
+            problem = _scoring_problem(model, head, name, p)
+            if problem:
+                reported.add(pair)
+                out.append(f"evaluation set {name}: {problem} — {_scoring_fix(config, model, name, brought)}")
+    if _fisher(config):  # the empirical Fisher reads a brought model's own data's classes as its head's targets
+        for model, head in heads.items():
+            p, checkpoint = probes.get(model), config.dataset(model).checkpoint
+            problem = foreign_classes(head.labels or (), p.labels) if checkpoint and p and p.complete else None
+            if problem:
+                out.append(
+                    f"checkpoint of {model} {checkpoint}: its Fisher statistics take {model}'s classes as targets: "
+                    f"{problem} — bring the checkpoint fine-tuned on {model}, or drop the fisher strategy"
+                )
+    if config.allow_label_mismatch or not (config.head_refit.enabled or _reads_data(config.strategies)):
+        return out
+    for model, head in heads.items():  # a brought model's head refit / RegMean++ read its dataset's texts
+        p, checkpoint = probes.get(model), config.dataset(model).checkpoint
+        if checkpoint is None or p is None or not p.complete or model in scored:  # scored there: reported above
+            continue
+        problem = data_mismatch(head.labels or (), p.labels)
+        if problem:
+            out.append(
+                f"checkpoint of {model} {checkpoint}: its head refit / RegMean++ statistics read {model}, which "
+                f"{problem} — bring the checkpoint fine-tuned on {model}, or set allow_label_mismatch: true"
+            )
+    return out
+
+
+def _scoring_problem(model: str, head: _Head, name: str, data: DatasetProbe) -> str | None:
+    """Why the model of ``model`` (its ``head``) cannot be scored on the set ``name`` (``data``), else None.
+
+    None too where the labels are not known in full (a hub set, labels not declared in meta.json).
+    """
+    if not data.read:
+        return None
+    kind = _kind(data.task or "")
+    if head.kind != kind:
+        return f"the model of {model} has a {head.kind} head, {name} is a {data.task} task"
+    if kind == "regression" or head.labels is None or not data.complete:
+        return None
+    if shared_label_names(data.labels, head.labels, restrict=None):
+        return None
+    return f"the head of {model} ({short_names(head.labels)}) shares no class with {name} ({short_names(data.labels)})"
+
+
+def _scoring_fix(config: RunConfig, model: str, name: str, brought: bool) -> str:
+    if brought:
+        return f"bring a checkpoint of {model} whose config.json id2label names {model}'s classes"
+    if name in config.dataset_names:
+        return (
+            "every model is scored on every training set: set evaluation.in_domain: false, or use sets sharing classes"
+        )
+    return f"every model is scored on it: drop {name} from evaluation.out_of_domain (or select_on)"
+
+
+def _stats_kinds(config: RunConfig) -> set[str]:
+    """The statistics kinds the run collects (those its strategies read, of ``stats.kinds``)."""
+    from symfuse.merge.registry import MERGERS
+
+    return set().union(*(MERGERS[s].required_stats for s in config.strategies)) & set(config.stats.kinds)
+
+
+def _fisher(config: RunConfig) -> bool:
+    return "fisher" in _stats_kinds(config)
+
+
+def _reads_data(strategies: Iterable[str]) -> bool:
+    from symfuse.merge.registry import MERGERS
+
+    return any(getattr(MERGERS[s], "needs_data", False) for s in strategies)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split("\n", 1)[0].split()) or type(exc).__name__

@@ -1,0 +1,65 @@
+"""The pipeline checks every input before any task starts: bad inputs are one line each, found in seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.pipeline import fusion_pipeline
+from symfuse.preflight import RunInputError
+from symfuse.store import ArtifactStore, layout
+from tests.flows.conftest import Calls, tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_flow_reports_every_bad_input_before_any_task(tiny_base, memory_root, monkeypatch):
+    calls = Calls(monkeypatch)
+    datasets = [{"name": n, "max_train_examples": 8} for n in ("isear", "meldd", "dair_emotion")]
+    config = tiny_config(tiny_base, memory_root, datasets=datasets, anchor="closest",
+                         evaluation={"out_of_domain": ["goemotions_ekman", "nosuch_ood"]})  # fmt: skip
+    start = time.perf_counter()
+    state = fusion_pipeline(config, return_state=True)
+    seconds = time.perf_counter() - start
+    assert state.is_failed()
+    with pytest.raises(RunInputError) as info:
+        state.result()
+    problems = info.value.problems
+    assert [p.split(":")[0] for p in problems] == ["training dataset meldd", "out-of-domain set nosuch_ood"], problems
+    assert "did you mean meld?" in problems[0] and all("\n" not in p for p in problems)
+    # nothing ran: no fine-tune (nor any other library call), nothing stored, within seconds
+    assert calls.total() == 0 and not ArtifactStore(memory_root).list(layout.run_prefix("t"))
+    assert seconds < 30, seconds
+
+
+def test_python_m_flows_pipeline_refuses_a_missing_dataset_in_seconds_before_prefect_starts(tmp_path):
+    config = {
+        "run_id": "missing",
+        "base_model": "minilm",
+        "datasets": [{"name": n, "max_train_examples": 300} for n in ("crowdflower", "nosuch_set", "meld")],
+        "finetune": {"epochs": 1},
+        "strategies": ["simple", "regmean"],
+        "evaluation": {"out_of_domain": ["goemotions_ekman"]},
+        "device": "cpu",
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env |= {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "PREFECT_HOME": str(tmp_path / "prefect"),
+            "SYMFUSE_SHARED_DATASETS": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
+    start = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "flows.pipeline", "--config", "run.yaml", "--store", "store"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    seconds = time.perf_counter() - start
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 1, res.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: training dataset nosuch_set: no dataset of that name"), lines
+    assert "Traceback" not in res.stderr + res.stdout
+    assert seconds < 30, seconds  # the run this replaces fine-tuned the other sets first (126.7 s)
+    # nothing trained or stored, and Prefect never started (no database in PREFECT_HOME)
+    assert not (tmp_path / "store").exists() and not list((tmp_path / "prefect").glob("*.db"))

@@ -1,0 +1,206 @@
+"""A run's inputs checked before any task (symfuse.preflight): each problem one line naming the artifact and fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from symfuse.config import RunConfig
+from symfuse.data import DatasetError
+from symfuse.data.locate import BUNDLED_DIR
+from symfuse.data.probe import probe_dataset
+from symfuse.preflight import RunInputError, check_run, require_runnable
+from tests.tiny import save_tiny
+
+
+@pytest.fixture(autouse=True)
+def _bundled_only(monkeypatch):
+    """Bare names resolve to the bundled demo data only (as on a clone without ../shared)."""
+    monkeypatch.setenv("SYMFUSE_SHARED_DATASETS", "")
+    monkeypatch.delenv("SYMFUSE_DATASETS", raising=False)
+
+
+def dataset(folder: Path, labels=("anger", "joy"), splits=("train", "validation", "test"), task="classification"):
+    """A small dataset folder: every split with a few records over ``labels``."""
+    folder.mkdir(parents=True)
+    rows = [{"text": f"text {i}", "label": labels[i % len(labels)]} for i in range(6)]
+    if task == "ner":
+        rows = [{"tokens": ["a", "b"], "tags": [labels[0], labels[-1]]} for _ in range(6)]
+    for split in splits:
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    key = "tags" if task == "ner" else "labels"
+    (folder / "meta.json").write_text(json.dumps({"task": task, key: list(labels)}))
+    return str(folder)
+
+
+def config(**overrides) -> RunConfig:
+    data = {
+        "run_id": "t",
+        "base_model": "minilm",
+        "datasets": [{"name": "crowdflower"}, {"name": "meld"}],
+        "strategies": ["simple", "regmean"],
+        "evaluation": {"out_of_domain": ["goemotions_ekman"]},
+        "device": "cpu",
+    }
+    return RunConfig.model_validate(data | overrides)
+
+
+def test_the_demos_have_no_problem_and_are_checked_in_well_under_a_second():
+    for quick in (True, False):
+        start = time.perf_counter()
+        assert check_run(RunConfig.demo(quick=quick)) == []
+        assert time.perf_counter() - start < 3  # a handful of records per split, never a whole dataset
+    require_runnable(RunConfig.demo(quick=True))  # nothing raised
+
+
+def test_every_problem_is_reported_at_once_one_line_each(tmp_path):
+    base = save_tiny(tmp_path / "base", "bert")
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps(cfg | {"model_type": "bret"}))
+    bad_meta = Path(dataset(tmp_path / "badmeta"))
+    (bad_meta / "meta.json").write_text('{"task": "classification", labels: []}')
+    latin = Path(dataset(tmp_path / "latin"))
+    (latin / "test.jsonl").write_bytes(b'{"text": "caf\xe9", "label": "joy"}\n')
+    malformed = Path(dataset(tmp_path / "malformed"))
+    (malformed / "train.jsonl").write_text('{"text": "ok", "label": "joy"}\n{"text": "x", "label": "love"}\n')
+    no_train = dataset(tmp_path / "notrain", splits=("validation", "test"))
+    datasets = [{"name": "crowdflower"}, {"name": "meldd"}, {"name": "bm", "source": str(bad_meta)},
+                {"name": "latin", "source": str(latin)}, {"name": "malformed", "source": str(malformed)},
+                {"name": "notrain", "source": no_train}]  # fmt: skip
+    c = config(base_model=str(base), datasets=datasets, evaluation={"out_of_domain": ["goemotions_ekman", "nosuch"]})
+    start = time.perf_counter()
+    problems = check_run(c)
+    assert time.perf_counter() - start < 5
+    expected = [
+        (f"base model {base}: {base}/config.json: model_type 'bret' is not an architecture", "did you mean 'bert'?"),
+        ("training dataset meldd: no dataset of that name (did you mean meld?)", "Give a dataset folder"),
+        (f"training dataset bm: {bad_meta}/meta.json:1:28: not valid JSON", "— fix the file"),
+        (f"training dataset latin: {latin}/test.jsonl:1: not UTF-8 (byte 0xe9", "— re-save it as UTF-8"),
+        (
+            f"training dataset malformed: {malformed}/train.jsonl:2: bad classification record: unknown label 'love'",
+            "— fix or remove that line",
+        ),
+        (
+            f"training dataset notrain: no train split in {no_train} (it has validation, test); the fine-tune trains",
+            "— add train.jsonl there, or change the run config",
+        ),
+        ("out-of-domain set nosuch: no dataset of that name", "Give a dataset folder"),
+    ]
+    assert len(problems) == len(expected), "\n".join(problems)
+    for line, (start_, fix) in zip(problems, expected, strict=True):
+        assert "\n" not in line and line.startswith(start_) and fix in line, line
+    with pytest.raises(RunInputError) as info:
+        require_runnable(c)
+    assert info.value.problems == problems and str(info.value).splitlines() == problems
+
+
+def test_the_splits_a_run_reads_are_required(tmp_path):
+    only_train_test = dataset(tmp_path / "tt", splits=("train", "test"))
+    ds = [{"name": "crowdflower"}, {"name": "tt", "source": only_train_test}]
+    assert check_run(config(datasets=ds)) == []  # the fine-tune validates on test when there is no validation
+    for change, why in [
+        ({"select": "greedy"}, "greedy selection scores the models on it"),
+        ({"evaluation": {"ood_heads": "reliable"}}, "evaluation.ood_heads: reliable rates each head on it"),
+        ({"evaluation": {"split": "validation", "out_of_domain": []}}, "in-domain evaluation reads it"),
+    ]:
+        problems = check_run(config(datasets=ds, **change))
+        assert len(problems) == 1 and problems[0].startswith(
+            f"training dataset tt: no validation split in {only_train_test} (it has train, test); {why}"
+        ), problems
+    reliable = {"ood_heads": "reliable"}  # rates heads only for out-of-domain sets
+    assert check_run(config(datasets=ds, evaluation=reliable | {"out_of_domain": []})) == []
+    only_test = dataset(tmp_path / "t", splits=("test",))
+    problems = check_run(config(datasets=[{"name": "crowdflower"}, {"name": "t", "source": only_test}]))
+    assert problems == [
+        f"training dataset t: no train split in {only_test} (it has test); the fine-tune trains on it — add "
+        "train.jsonl there, or change the run config"
+    ]
+    only_train = dataset(tmp_path / "tr", splits=("train",))
+    ds = [{"name": "crowdflower"}, {"name": "tr", "source": only_train}]
+    problems = check_run(config(datasets=ds, evaluation={"in_domain": False, "out_of_domain": []}))
+    assert problems == [
+        f"training dataset tr: no validation or test split in {only_train} (it has train); the fine-tune validates on "
+        "validation (else test) — add validation.jsonl there, or change the run config"
+    ]
+
+
+def test_label_sets_the_run_cannot_score_are_refused(tmp_path):
+    other = dataset(tmp_path / "colours", labels=("red", "blue"))
+    ds = [{"name": "crowdflower"}, {"name": "colours", "source": other}]
+    problems = check_run(config(datasets=ds))
+    assert len(problems) == 2, problems  # one line per pair of training sets, one for the out-of-domain set
+    assert problems[0].startswith("evaluation set colours: the head of crowdflower (anger, boredom, ") or problems[
+        0
+    ].startswith("evaluation set crowdflower: the head of colours (red, blue) shares no class with crowdflower")
+    assert "— every model is scored on every training set: set evaluation.in_domain: false" in problems[0]
+    assert problems[1].startswith(
+        "evaluation set goemotions_ekman: the head of colours (red, blue) shares no class with goemotions_ekman"
+    )
+    assert problems[1].endswith("— every model is scored on it: drop goemotions_ekman from evaluation.out_of_domain "
+                                "(or select_on)")  # fmt: skip
+    assert check_run(config(datasets=ds, evaluation={"in_domain": False, "out_of_domain": []})) == []
+    ner = dataset(tmp_path / "ner", labels=("B-x", "I-x", "O"), task="ner")
+    problems = check_run(config(datasets=[{"name": "meld"}, {"name": "ner", "source": ner}], labels="union"))
+    assert problems[0] == (
+        "training dataset ner: labels: union needs classification datasets, ner is ner — use labels: per-dataset, "
+        "or drop the dataset"
+    ), problems
+
+
+def test_brought_checkpoints_are_read_and_their_heads_matched(tmp_path):
+    from tests.tiny import save_tiny as tiny
+
+    unnamed = tiny(tmp_path / "unnamed", "bert", head="seq")  # LABEL_0..2
+    ds = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(unnamed)}]
+    problems = check_run(config(datasets=ds))
+    assert problems == [  # one line for the model, not one per evaluation set
+        f"checkpoint of meld {unnamed}: its head has no class names (LABEL_0, LABEL_1, LABEL_2), and every evaluation "
+        "set (goemotions_ekman, crowdflower, meld) scores it by class name — bring a checkpoint of meld whose "
+        "config.json id2label names meld's classes"
+    ]
+    # not scored in domain, but its head refit reads meld's texts: refused unless allow_label_mismatch
+    quiet = {"evaluation": {"in_domain": False, "out_of_domain": []}, "head_refit": {"enabled": True}}
+    problems = check_run(config(datasets=ds, **quiet))
+    assert problems == [
+        f"checkpoint of meld {unnamed}: its head refit / RegMean++ statistics read meld, which has 7 classes for a "
+        "head of 3 unnamed outputs — bring the checkpoint fine-tuned on meld, or set allow_label_mismatch: true"
+    ]
+    assert check_run(config(datasets=ds, allow_label_mismatch=True, **quiet)) == []
+    # the empirical Fisher takes meld's classes as the head's targets: refused whatever allow_label_mismatch says
+    fisher = {"strategies": ["fisher"], "allow_label_mismatch": True, "evaluation": quiet["evaluation"]}
+    assert check_run(config(datasets=ds, **fisher)) == [
+        f"checkpoint of meld {unnamed}: its Fisher statistics take meld's classes as targets: 7 classes for the 3 "
+        "unnamed outputs of the head — bring the checkpoint fine-tuned on meld, or drop the fisher strategy"
+    ]
+    body = tiny(tmp_path / "body", "bert")  # no classification head at all
+    problems = check_run(config(datasets=[{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(body)}]))
+    assert problems == [
+        f"checkpoint of meld {body}: {body}/config.json: no classification head (architectures: BertModel) — bring "
+        "a fine-tuned task model"
+    ]
+    missing = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(tmp_path / "nowhere")}]
+    problems = check_run(config(datasets=missing))
+    assert len(problems) == 1 and problems[0].startswith(f"checkpoint of meld {tmp_path / 'nowhere'}: "), problems
+    uri = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": "s3://bucket/meld"}]
+    assert check_run(config(datasets=uri)) == []  # a store URI is read when the run brings it
+
+
+def test_probe_reads_only_the_first_records(tmp_path):
+    folder = Path(dataset(tmp_path / "d"))
+    with (folder / "train.jsonl").open("a") as fh:  # a bad line far down is the loader's to find, not the probe's
+        fh.write("".join(json.dumps({"text": "t", "label": "joy"}) + "\n" for _ in range(100)) + "{not json\n")
+    probe = probe_dataset(str(folder))
+    assert probe.labels == ("anger", "joy") and probe.complete and probe.splits == ("train", "validation", "test")
+    with pytest.raises(DatasetError, match=r"train\.jsonl:107: not valid JSON"):
+        from symfuse.data import load_task_dataset
+
+        load_task_dataset(str(folder))
+    shutil.rmtree(folder)
+    with pytest.raises(DatasetError, match="no dataset of that name"):
+        probe_dataset("d_missing")
+    assert probe_dataset("owner/hub-set").read is False  # hub datasets are read by the run
+    assert probe_dataset("meld").where == str(BUNDLED_DIR / "meld")
