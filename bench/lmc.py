@@ -39,9 +39,10 @@ import lmc_train  # noqa: E402
 
 from symfuse.arch import get_spec  # noqa: E402
 from symfuse.match.activation import match_activations  # noqa: E402
+from symfuse.match.refine import refine_stream_map  # noqa: E402
 from symfuse.match.residual_orthogonal import activation_init, align_residual_orthogonal  # noqa: E402
 from symfuse.match.weights import match_module_weights  # noqa: E402
-from symfuse.symmetry.residual_orthogonal import fold_norms  # noqa: E402
+from symfuse.symmetry.residual_orthogonal import fold_norms, rotate_residual  # noqa: E402
 
 PERMS = ("ffn-permutation", "head-permutation")
 ROT = (*PERMS, "rotation", "scaling")
@@ -129,7 +130,7 @@ def hidden(model, state: State, untied: bool, batches) -> list[torch.Tensor]:
     return [torch.cat([p[i] for p in per_layer]) for i in range(len(per_layer[0]))]
 
 
-def alignments(a_model, b_model, batches) -> dict[str, Callable[[], tuple[State, State, bool]]]:
+def alignments(a_model, b_model, batches, refine_batches=(), steps: int = 200) -> dict[str, Callable[[], tuple]]:
     """Each row's ``(A's state, B's aligned state, untied)``, computed on demand."""
     spec, cfg = get_spec(a_model.config), a_model.config
     sa, sb = state_of(a_model), state_of(b_model)
@@ -142,7 +143,7 @@ def alignments(a_model, b_model, batches) -> dict[str, Callable[[], tuple[State,
     def acts(kinds):
         return lambda: (sa, match_activations(b_model, a_model, batches, kinds).state, False)
 
-    def ortho(init: str, kinds=ROT):
+    def ortho(init: str, kinds=ROT, refine: bool = False):
         def run():
             start = None
             if init == "activations":
@@ -150,7 +151,13 @@ def alignments(a_model, b_model, batches) -> dict[str, Callable[[], tuple[State,
                 start = activation_init(hidden(b_model, fb, untied, batches), hidden(a_model, fa, untied, batches),
                                         spec.residual_group)  # fmt: skip
             r = align_residual_orthogonal(sb, sa, spec, cfg, kinds=kinds, iters=30, init=start)
-            return r.anchor, r.aligned, r.untied
+            if not refine:
+                return r.anchor, r.aligned, r.untied
+            template = with_state(a_model, r.anchor, r.untied)
+            rot, losses = refine_stream_map(r.aligned, r.anchor, template, spec, spec.residual_group, refine_batches,
+                                            steps=steps)  # fmt: skip
+            print(f"  refinement loss {losses[0]:.4f} -> {sum(losses[-20:]) / 20:.4f} (last 20)", flush=True)
+            return r.anchor, rotate_residual(r.aligned, spec, cfg, rot), r.untied
 
         return run
 
@@ -163,6 +170,9 @@ def alignments(a_model, b_model, batches) -> dict[str, Callable[[], tuple[State,
         "activations: + rotation + scaling (today)": acts(("residual-permutation", *ROT)),
         "residual-orthogonal + permutations + rotation/scaling, weights": ortho("identity"),
         "residual-orthogonal + permutations + rotation/scaling, activations init": ortho("activations"),
+        "residual-orthogonal + permutations + rotation/scaling, activations init, learned refinement": ortho(
+            "activations", refine=True
+        ),
     }
 
 
@@ -173,14 +183,20 @@ def main() -> None:
     ap.add_argument("--third", type=int, default=2, help="the K = 3 case's third seed (-1: skip)")
     ap.add_argument("--points", type=int, default=21)
     ap.add_argument("--out", type=Path, default=BENCH / "results")
+    ap.add_argument("--only", default=None, help="run only the rows whose name contains this (merged into lmc.json)")
+    ap.add_argument("--steps", type=int, default=200, help="learned refinement: optimiser steps")
     args = ap.parse_args()
     torch.manual_seed(0)
     tok = lmc_train.Tokenizer.from_file(str(lmc_train.TOKENIZER))
     test = lmc_train.token_stream(tok, lmc_train.DATA, "test")
-    batches = train_batches(lmc_train.token_stream(tok, lmc_train.DATA, "train"))
+    train = lmc_train.token_stream(tok, lmc_train.DATA, "train")
+    batches = train_batches(train)
+    refine_batches = train_batches(train[32 * 256 :], 256)  # other train windows than the matching statistics
     a, b = (load(args.runs / f"seed{s}") for s in args.pair)
     rows, t0 = [], time.perf_counter()
-    for name, make in alignments(a, b, batches).items():
+    for name, make in alignments(a, b, batches, refine_batches, args.steps).items():
+        if args.only is not None and args.only not in name:
+            continue
         t1 = time.perf_counter()
         sa, sb, untied = make()
         seconds = time.perf_counter() - t1
@@ -190,7 +206,7 @@ def main() -> None:
                      "losses": losses})  # fmt: skip
         print(f"{name:70s} barrier {rows[-1]['barrier']:.4f}  mid {rows[-1]['mid']:.4f}  "
               f"dlogit {rows[-1]['max_dlogit']:.1e}  ({seconds:.1f} s)", flush=True)  # fmt: skip
-    k3 = three_way(args, a, test, batches) if args.third >= 0 else None
+    k3 = three_way(args, a, test, batches) if args.third >= 0 and args.only is None else None
     write(args, rows, k3, time.perf_counter() - t0)
 
 
@@ -218,14 +234,20 @@ def three_way(args, a, test, batches) -> dict:
 
 
 def write(args, rows: list[dict], k3: dict | None, seconds: float) -> None:
-    """bench/results/lmc.json and lmc.md."""
+    """bench/results/lmc.json and lmc_table.md (rows of an earlier run kept unless measured again)."""
+    old = args.out / "lmc.json"
+    if args.only is not None and old.exists():
+        before = json.loads(old.read_text())
+        new_names = {r["row"] for r in rows}
+        rows = [r for r in before["rows"] if r["row"] not in new_names] + rows
+        k3 = k3 or before.get("k3")
     today = [r["barrier"] for r in rows if r["row"].startswith(("weights", "activations"))]
-    new = [r["barrier"] for r in rows if r["row"].startswith("residual-orthogonal")]
+    new = [r["barrier"] for r in rows if r["row"].startswith("residual-orthogonal") and "learned" not in r["row"]]
     summary = {
         "barrier_plain": rows[0]["barrier"],
         "barrier_permutation_rotation": min(today),
         "barrier_residual_orthogonal": min(new),
-        "barrier_learned": None,
+        "barrier_learned": min((r["barrier"] for r in rows if "learned" in r["row"]), default=None),
         "pair": args.pair,
         "points": args.points,
         "command": " ".join(["python", *sys.argv]),
