@@ -59,6 +59,14 @@ def match(
         ),
     ] = "stream",
     device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
+    refine: Annotated[
+        int,
+        typer.Option(
+            "--refine",
+            help="residual-orthogonal: steps of learned refinement of the stream map on --data (the merged "
+            "model's loss; the aligned model stays exact).",
+        ),
+    ] = 0,
 ) -> None:
     """Align SOURCE to ANCHOR by exact symmetries; write OUT (checkpoint, transforms, report) and print the report.
 
@@ -67,6 +75,7 @@ def match(
     """
     checks.at_least("--workers", workers, 1)
     checks.at_least("--max-examples", max_examples, 1)
+    checks.at_least("--refine", refine, 0)
     checks.local_path("SOURCE", source)
     checks.local_path("ANCHOR", anchor)
     if verify not in VERIFY_MODES:
@@ -80,6 +89,8 @@ def match(
             raise UsageError(f"--symmetries: {', '.join(from_data)} is found from activations — give --data DATASET")
     checks.checkpoint(source)
     checks.checkpoint(anchor)
+    if refine and ("residual-orthogonal" not in names or data is None):
+        raise UsageError("--refine: refines residual-orthogonal's map on data — add residual-orthogonal and --data")
     if data is not None and data != RANDOM_PIXELS:  # pixel families' seeded random images are no dataset
         checks.dataset("--data", data)
     device = checks.device("--device", device)
@@ -89,7 +100,7 @@ def match(
 
             inner = [n for n in names if n != "residual-orthogonal"]
             report = match_residual_orthogonal_checkpoints(
-                source, anchor, out, inner, data, max_examples, device=device, overwrite=overwrite
+                source, anchor, out, inner, data, max_examples, device=device, overwrite=overwrite, refine=refine
             )
         elif ot_kind is not None:  # OT fusion (symfuse.match.ot): the report's `exact` says if it stayed exact
             from symfuse.match.ot_checkpoints import match_ot_checkpoints

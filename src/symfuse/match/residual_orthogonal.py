@@ -209,7 +209,10 @@ def write_state(reader: Any, state: Mapping[str, torch.Tensor], folder: Path, un
 
 
 def _hidden_states(folder, batches, device) -> list[torch.Tensor]:
-    """A checkpoint's residual-stream states (embedding output and every block's but the last normed one)."""
+    """A checkpoint's residual-stream states on the batches' real tokens, (tokens, d) per layer.
+
+    The embedding output and every block's output but the last (which transformers returns normed).
+    """
     from symfuse.checkpoint import load_hf_model
 
     model = load_hf_model(folder, dtype=torch.float32, validate=False).to(device).eval()
@@ -217,8 +220,39 @@ def _hidden_states(folder, batches, device) -> list[torch.Tensor]:
     with torch.no_grad():
         for b in batches:
             out = model(**{k: v.to(device) for k, v in b.items()}, output_hidden_states=True)
-            per_layer.append([h.cpu() for h in out.hidden_states[:-1]])
+            keep = b["attention_mask"].bool() if "attention_mask" in b else None  # real tokens only
+            per_layer.append(
+                [(h.cpu()[keep] if keep is not None else h.cpu().flatten(0, -2)) for h in out.hidden_states[:-1]]
+            )
     return [torch.cat([p[i] for p in per_layer]) for i in range(len(per_layer[0]))]
+
+
+def _refine(r: ResidualAlignment, source: Path, spec: ArchSpec, group: str, batches: list, steps: int,
+            device: torch.device) -> list[float]:  # fmt: skip
+    """Refine ``r``'s stream map in place (``r.aligned``, ``r.rot``) on labelled batches; the losses."""
+    from symfuse.checkpoint import load_hf_model
+    from symfuse.errors import UsageError
+    from symfuse.match.refine import refine_stream_map
+
+    if not batches:
+        raise UsageError("--refine: the refinement trains on data — give --data DATASET")
+    model = load_hf_model(source, dtype=torch.float32, validate=False)
+    if r.untied and getattr(model.config, "tie_word_embeddings", False):
+        model.config.tie_word_embeddings = False
+        model = type(model)(model.config)
+    model = model.to(device).double()
+    missing = [n for n, _ in model.named_parameters() if n not in r.aligned]
+    if missing:
+        raise UsageError(f"--refine: {spec.family}'s stored names differ from its modules' ({missing[:2]}); not yet")
+    causal = any("LM" in a and "Masked" not in a for a in getattr(model.config, "architectures", None) or ())
+    keep = ("input_ids", "attention_mask") if causal else ("input_ids", "attention_mask", "labels")
+    batches = [{k: v.to(device) for k, v in b.items() if k in keep} for b in batches]
+    aligned = {n: t.double() for n, t in r.aligned.items()}
+    anchor = {n: t.double() for n, t in r.anchor.items()}
+    rot, losses = refine_stream_map(aligned, anchor, model, spec, group, batches, steps=steps)
+    r.aligned = rotate_residual(r.aligned, spec, model.config, rot.to(device))
+    r.rot = r.rot @ rot.cpu()
+    return losses
 
 
 def match_residual_orthogonal_checkpoints(
@@ -231,6 +265,7 @@ def match_residual_orthogonal_checkpoints(
     iters: int = 10,
     device: str | torch.device = "cpu",
     overwrite: bool = False,
+    refine: int = 0,
 ) -> dict:
     """``symfuse match --symmetries residual-orthogonal[,...]``: align a whole checkpoint and write it.
 
@@ -250,6 +285,7 @@ def match_residual_orthogonal_checkpoints(
         iters: Rounds at most.
         device: Where the search runs.
         overwrite: Replace an existing ``out``.
+        refine: Steps of learned refinement of the stream map on ``data`` (:mod:`symfuse.match.refine`; 0: none).
 
     Returns:
         The report (``exact``, ``max_abs_logit_diff``, ``distance_before``, ``distance_after``, ``history``).
@@ -280,15 +316,16 @@ def match_residual_orthogonal_checkpoints(
         s_state = {n: src.get(n).clone() for n in src.names()}
         a_state = {n: anc.get(n).clone() for n in anc.names()}
         dtype = next(t.dtype for t in s_state.values() if t.is_floating_point())
-        init = None
+        init, labelled = None, []
         if data is not None:
             from symfuse.data import make_batches
 
-            batches = make_batches(data, src.path, "train", 16, 128, max_examples)
-            batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
+            labelled = make_batches(data, src.path, "train", 16, 128, max_examples)
+            batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in labelled]
             init = activation_init(_hidden_states(src.path, batches, dev), _hidden_states(anc.path, batches, dev),
                                    group)  # fmt: skip
         r = align_residual_orthogonal(s_state, a_state, spec, config, kinds, iters, init=init, device=dev)
+        refined = _refine(r, src.path, spec, group, labelled, refine, dev) if refine else None
         final, untied = unfold_into({n: t.cpu() for n, t in r.aligned.items()}, a_state, spec, config)
         final = {n: t.to(s_state[n].dtype if n in s_state else dtype).contiguous() for n, t in final.items()}
         report = {
@@ -297,6 +334,7 @@ def match_residual_orthogonal_checkpoints(
             "data": data, "distance_before": sq_distance(s_state, a_state) ** 0.5,
             "distance_after": sq_distance(final, a_state) ** 0.5, "history": r.history,
             "untied_lm_head": r.untied or untied, "device": str(dev),
+            "refine": {"steps": refine, "first_loss": refined[0], "last_loss": refined[-1]} if refined else None,
         }  # fmt: skip
         with atomic_output_dir(Path(out), overwrite=overwrite) as tmp:
             write_state(src, final, tmp, report["untied_lm_head"])

@@ -43,3 +43,28 @@ def test_cli_and_post_ln_refusal(tmp_path):
     proc = run_cli("match", bert, bert, "--out", tmp_path / "x", "--symmetries", "residual-orthogonal")
     assert proc.returncode == 1 and not (tmp_path / "x").exists()
     assert proc.stderr.strip().splitlines()[-1].startswith("error: bert: an orthogonal map of the residual stream")
+
+
+def _gpt2_classifier(folder, seed):
+    import transformers as T
+
+    from symfuse.checkpoint import resolve_checkpoint
+    from tests.tiny import tiny_config
+
+    tok = T.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
+    cfg = tiny_config("gpt2", vocab_size=tok.vocab_size, num_labels=7, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    T.GPT2ForSequenceClassification(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_cli_refinement_on_data_stays_exact(tmp_path):
+    a, b = _gpt2_classifier(tmp_path / "a", 1), _gpt2_classifier(tmp_path / "b", 2)
+    args = ("--symmetries", "residual-orthogonal,ffn-permutation", "--data", "meld", "--max-examples", "32")
+    proc = run_cli("match", b, a, "--out", tmp_path / "m", *args, "--refine", "5", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "m" / "symfuse_report.json").read_text())
+    assert report["exact"] is True and report["refine"]["steps"] == 5 and report["init"] == "activations"
+    proc = run_cli("match", b, a, "--out", tmp_path / "n", "--symmetries", "ffn-permutation", "--refine", "5")
+    assert proc.returncode == 2 and "--refine: refines residual-orthogonal's map on data" in proc.stderr
