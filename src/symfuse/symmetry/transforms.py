@@ -100,6 +100,15 @@ class Transform:
         """``T G T^T`` for the input of linear layer ``role`` (unchanged input: ``gram`` itself)."""
         return gram
 
+    def condition(self) -> float:
+        """How much the part may amplify rounding relative to the weights (1: permutations, rotations).
+
+        An invertible map ``M`` applied to stored weights keeps the module's function only up to
+        ``cond(M)`` times their rounding; :func:`symfuse.match.verify.check_module_transform` scales its
+        tolerance by it.
+        """
+        return 1.0
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """State as named tensors (for safetensors)."""
         raise NotImplementedError
@@ -273,15 +282,20 @@ class VORotation(_GroupMap):
 
     @override
     def apply_to_gram(self, role: str, gram: torch.Tensor) -> torch.Tensor:
-        if role != "o":
-            return gram
-        t = self._block_diag(gram.shape[-1]).to(gram.dtype if gram.dtype == torch.float64 else torch.float64)
-        return (t @ gram.to(t.dtype) @ t.T).to(gram.dtype)
+        return head_block_gram(self.rot, gram) if role == "o" else gram
 
-    def _block_diag(self, n: int) -> torch.Tensor:
-        n_kv, dh = self.rot.shape[0], self.rot.shape[1]
-        g = n // (n_kv * dh)
-        return torch.block_diag(*self.rot.repeat_interleave(g, dim=0))  # (n, n)
+
+def head_block_gram(mat: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """``T G T^T`` for the Gram ``G`` of o_proj's input, ``T`` = each query head's block mapped by its group's ``mat``.
+
+    Args:
+        mat: (n_kv, dh, dh) per-group map of the head outputs (``x_h' = M_g x_h``).
+        gram: (n_heads*dh, n_heads*dh) Gram of the concatenated head outputs.
+    """
+    n_kv, dh = mat.shape[0], mat.shape[1]
+    g = gram.shape[-1] // (n_kv * dh)
+    t = torch.block_diag(*mat.to(torch.float64).repeat_interleave(g, dim=0))  # (n, n)
+    return (t @ gram.to(torch.float64) @ t.T).to(gram.dtype)
 
 
 @dataclass(frozen=True, eq=False)

@@ -35,7 +35,7 @@ def _transform_model(model, transforms):
     for ref in spec.modules(model.config):
         w = spec.read_module(sd.__getitem__, sd.__contains__, ref, model.config, prefix)
         new.update(spec.write_module(transforms[ref.key].apply(w), ref, model.config, prefix))
-    other = type(model)(model.config).eval()
+    other = type(model)(model.config).to(next(model.parameters()).dtype).eval()  # a float64 model stays float64
     other.load_state_dict(new)
     return other
 
