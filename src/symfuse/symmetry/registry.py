@@ -184,6 +184,19 @@ def check_kinds(
     return names
 
 
+def compatible_kinds(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` less each one that excludes (or is excluded by) a name kept before it (the "every kind" defaults).
+
+    E.g. every exact kind with a weight finder, in registration order, keeps ``rotation`` and ``scaling`` and drops
+    ``head-linear``, which replaces them.
+    """
+    kept: list[str] = []
+    for n in names:
+        if not any(n in SYMMETRY_KINDS[k].excludes or k in SYMMETRY_KINDS[n].excludes for k in kept):
+            kept.append(n)
+    return tuple(kept)
+
+
 def kinds_for(names: Sequence[str], acts_on: str, capability: Capability | None = None) -> list[SymmetryKind]:
     """The kinds among ``names`` acting on ``acts_on`` (attn, ffn, residual) offering ``capability``, by ``stage``."""
     kinds = [SYMMETRY_KINDS[n] for n in SYMMETRY_KINDS if n in names]
@@ -198,7 +211,7 @@ def kind_of_part(part: str) -> SymmetryKind | None:
 
 # What a Geometry flag in ``restricted_by`` leaves out, for the log of a match.
 RESTRICTIONS = {
-    "qk_norm": "per-head q/k norms make QK rotations and scalings inexact; only V/O rotations and scalings (and "
+    "qk_norm": "per-head q/k norms make QK maps (rotations, scalings, invertible maps) inexact; only V/O maps (and "
     "permutations) are matched",
 }
 
@@ -265,6 +278,22 @@ register_kind(
         draw=f"{_R}:draw_residual_permutation",
         activations=f"{_A}:residual_permutation",
         gram=False,
+    )
+)
+# head-linear (symfuse.symmetry.head_linear): an invertible map per KV group on each of the QK and OV circuits, the
+# whole per-head group GL(dh) that rotation and scaling are subgroups of (which it replaces); RoPE restricts the QK map
+# to a scaled rotation per frequency pair, per-head q/k norms forbid it. Found jointly with the head permutation (the
+# heads are paired on their QK / OV circuits). A dense map does not carry a diagonal Fisher: recollected.
+register_kind(
+    SymmetryKind(
+        "head-linear",
+        "attn",
+        ("qk_linear", "vo_linear"),
+        stage=1,
+        draw="symfuse.symmetry.head_linear:draw_head_linear",
+        weights=f"{_W}:match_attention",
+        restricted_by=("qk_norm",),
+        excludes=("rotation", "scaling"),
     )
 )
 
