@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
@@ -73,17 +73,19 @@ def match_head_linear(
     src: Mapping[str, torch.Tensor],
     anc: Mapping[str, torch.Tensor],
     geo: Geometry,
-    symmetries: Sequence[str],
+    permute: bool,
     key: str = "",
     timings: Timings | None = None,
 ) -> ModuleTransform:
-    """Transform mapping the source attention module onto the anchor's (see the module docstring).
+    """The ``head-linear`` fit of one attention module, after pairing its heads when ``permute`` (module docstring).
+
+    Called by :func:`~symfuse.match.weights.match_attention`, the weight finder shared with ``head-permutation``.
 
     Args:
-        src: Source canonical weights.
-        anc: Anchor canonical weights (same shapes).
-        geo: Geometry (heads, head size, RoPE, q/k norms, shared head bias).
-        symmetries: The asked kinds; reads ``head-linear`` and ``head-permutation``.
+        src: The source module's canonical weights (moved onto the anchor).
+        anc: The anchor module's, of the same shapes.
+        geo: Heads, head size, RoPE, q/k norms, shared head bias.
+        permute: Pair the KV groups on their circuits first (``head-permutation`` asked too).
         key: Module key recorded in the result.
         timings: Accumulates seconds under ``head_perm`` and ``head_linear``.
 
@@ -94,18 +96,17 @@ def match_head_linear(
     parts: list[Transform] = []
     device = src["o"].device
     # a per-head score bias shared by every layer (T5): a head permutation of one layer would change it
-    if "head-permutation" in symmetries and geo.n_kv_heads > 1 and not geo.shared_head_bias:
+    if permute and geo.n_kv_heads > 1 and not geo.shared_head_bias:
         perm, _ = assign_max(circuit_similarity(src, anc, geo))
         parts.append(HeadPermutation(perm))
         src = parts[-1].to(device).apply(src)
         t0 = _tick(timings, "head_perm", t0)
-    if "head-linear" in symmetries:
-        if geo.qk_norm:
-            log.debug("%s: per-head q/k norms: no QK map (not exact); V/O map kept", key)
-        for name, a_side, b_side in _CIRCUITS:
-            if name == "qk" and geo.qk_norm:
-                continue
-            mat = fit_circuit(circuit_grams(src, anc, geo, a_side, b_side), geo.rope and name == "qk")
-            parts.append((QKLinear if name == "qk" else VOLinear)(mat.contiguous()))
-        _tick(timings, "head_linear", t0)
+    if geo.qk_norm:
+        log.debug("%s: per-head q/k norms: no QK map (not exact); V/O map kept", key)
+    for name, a_side, b_side in _CIRCUITS:
+        if name == "qk" and geo.qk_norm:
+            continue
+        mat = fit_circuit(circuit_grams(src, anc, geo, a_side, b_side), geo.rope and name == "qk")
+        parts.append((QKLinear if name == "qk" else VOLinear)(mat.contiguous()))
+    _tick(timings, "head_linear", t0)
     return ModuleTransform(key, tuple(parts))

@@ -199,7 +199,7 @@ def match_attention(
     if "head-linear" in symmetries:  # the larger group replacing rotation and scaling, with its own head pairing
         from symfuse.match.head_linear import match_head_linear  # it builds on this module's products
 
-        return match_head_linear(src, anc, geo, symmetries, key, timings)
+        return match_head_linear(src, anc, geo, "head-permutation" in symmetries, key, timings)
     rotate, scale = "rotation" in symmetries, "scaling" in symmetries
     # per-head q/k RMSNorm with learned weights (Qwen3): a QK rotation or scaling would change the function
     qk_ok = not geo.qk_norm

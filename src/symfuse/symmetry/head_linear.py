@@ -35,13 +35,9 @@ from typing_extensions import override
 
 from symfuse.arch import Geometry, ModuleRef
 from symfuse.symmetry.random import random_orthogonal, rope_rotation
-from symfuse.symmetry.transforms import Transform, Weights, _rotate_rows, head_block_gram, register_transform
+from symfuse.symmetry.transforms import Transform, Weights, head_block_gram, map_qk, map_vo, register_transform
 
 MAX_LOG_SINGULAR = math.log(3.0)  # drawn singular values lie in [1/3, 3]
-
-
-def _rows(weights: Mapping[str, torch.Tensor], roles: tuple[str, ...]) -> list[str]:
-    return [r for r in roles if r in weights]
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,9 +60,8 @@ class _GroupLinear(Transform):
 
     @override
     def merge(self, earlier: Transform) -> Transform | None:
-        if type(earlier) is type(self):
-            return type(self)(self.mat @ earlier.mat)  # type: ignore[attr-defined]
-        return None
+        same = type(earlier) is type(self)
+        return type(self)(self.mat @ earlier.mat) if same else None  # type: ignore[attr-defined]
 
     @override
     def condition(self) -> float:
@@ -82,13 +77,7 @@ class QKLinear(_GroupLinear):
 
     @override
     def apply(self, weights: Mapping[str, torch.Tensor]) -> Weights:
-        out = dict(weights)
-        for r in _rows(weights, ("q", "q_bias", "pos_q", "pos_q_bias")):
-            out[r] = _rotate_rows(weights[r], self.mat, per_head=True)
-        inv_t = self._inv_t()
-        for r in _rows(weights, ("k", "k_bias", "pos_k", "pos_k_bias")):
-            out[r] = _rotate_rows(weights[r], inv_t, per_head=False)
-        return out
+        return map_qk(weights, self.mat, self._inv_t())
 
 
 @register_transform
@@ -100,12 +89,7 @@ class VOLinear(_GroupLinear):
 
     @override
     def apply(self, weights: Mapping[str, torch.Tensor]) -> Weights:
-        out = dict(weights)
-        for r in _rows(weights, ("v", "v_bias")):
-            out[r] = _rotate_rows(weights[r], self.mat, per_head=False)
-        # o_h' = o_h M^{-1}  <=>  (o_h')^T = M^{-T} o_h^T: the head's rows of o^T
-        out["o"] = _rotate_rows(weights["o"].t(), self._inv_t(), per_head=True).t().contiguous()
-        return out
+        return map_vo(weights, self.mat, self._inv_t())  # o_h' = o_h M^{-1}: (o_h')^T = M^{-T} o_h^T
 
     @override
     def apply_to_gram(self, role: str, gram: torch.Tensor) -> torch.Tensor:

@@ -170,6 +170,37 @@ def _rows_of(weights: Mapping[str, torch.Tensor], roles: Sequence[str]) -> list[
     return [r for r in roles if r in weights]
 
 
+def map_qk(weights: Mapping[str, torch.Tensor], q_map: torch.Tensor, k_map: torch.Tensor) -> Weights:
+    """New weights: each query head's rows (bias, ``pos_q``) by its group's ``q_map``, the keys' by ``k_map``.
+
+    Args:
+        weights: Canonical attention weights.
+        q_map: (n_kv, dh, dh) per-group map of the query side.
+        k_map: (n_kv, dh, dh) per-group map of the key side (``k``, its bias, ``pos_k``).
+    """
+    out = dict(weights)
+    for r in _rows_of(weights, ("q", "q_bias", "pos_q", "pos_q_bias")):
+        out[r] = _rotate_rows(weights[r], q_map, per_head=True)
+    for r in _rows_of(weights, ("k", "k_bias", "pos_k", "pos_k_bias")):
+        out[r] = _rotate_rows(weights[r], k_map, per_head=False)
+    return out
+
+
+def map_vo(weights: Mapping[str, torch.Tensor], v_map: torch.Tensor, o_map: torch.Tensor) -> Weights:
+    """New weights: the values' rows (and bias) by ``v_map``, each query head's rows of ``o^T`` by ``o_map``.
+
+    Args:
+        weights: Canonical attention weights.
+        v_map: (n_kv, dh, dh) per-group map of the values.
+        o_map: (n_kv, dh, dh) per-group map of ``o_h^T`` (``o_h' = o_h o_map^T``).
+    """
+    out = dict(weights)
+    for r in _rows_of(weights, ("v", "v_bias")):
+        out[r] = _rotate_rows(weights[r], v_map, per_head=False)
+    out["o"] = _rotate_rows(weights["o"].t(), o_map, per_head=True).t().contiguous()
+    return out
+
+
 # ------------------------------------------------------------------------------------ attention parts
 @register_transform
 @dataclass(frozen=True, eq=False)
@@ -256,12 +287,7 @@ class QKRotation(_GroupMap):
 
     @override
     def apply(self, weights: Mapping[str, torch.Tensor]) -> Weights:
-        out = dict(weights)
-        for r in _rows_of(weights, ("q", "q_bias", "pos_q", "pos_q_bias")):
-            out[r] = _rotate_rows(weights[r], self.rot, per_head=True)
-        for r in _rows_of(weights, ("k", "k_bias", "pos_k", "pos_k_bias")):
-            out[r] = _rotate_rows(weights[r], self.rot, per_head=False)
-        return out
+        return map_qk(weights, self.rot, self.rot)
 
 
 @register_transform
@@ -273,12 +299,7 @@ class VORotation(_GroupMap):
 
     @override
     def apply(self, weights: Mapping[str, torch.Tensor]) -> Weights:
-        out = dict(weights)
-        for r in _rows_of(weights, ("v", "v_bias")):
-            out[r] = _rotate_rows(weights[r], self.rot, per_head=False)
-        o = weights["o"]
-        out["o"] = _rotate_rows(o.t(), self.rot, per_head=True).t().contiguous()
-        return out
+        return map_vo(weights, self.rot, self.rot)
 
     @override
     def apply_to_gram(self, role: str, gram: torch.Tensor) -> torch.Tensor:
