@@ -12,6 +12,7 @@ import symfuse.cli.commands  # noqa: F401  (registers the commands)
 from symfuse.cli import app
 from symfuse.config import RunConfig
 from symfuse.match import match_module_weights
+from symfuse.match.activation import match_activations, matched_model
 from symfuse.match.head_linear import circuit_grams, circuit_similarity
 from symfuse.match.linear_fit import MAX_COND, CircuitGrams, closest_linear, condition, half_gradient, objective
 from symfuse.match.verify import check_module_transform
@@ -19,7 +20,8 @@ from symfuse.match.weights import attention_blocks, module_distance
 from symfuse.symmetry import HeadPermutation, QKLinear, VOLinear, random_module_transform
 from symfuse.symmetry.head_linear import random_linear
 from tests.symfuse.match.test_weights import _module_weights, _norm
-from tests.tiny import FAMILIES, save_tiny, tiny_model
+from tests.symfuse.symmetry.test_transforms import _modules, _outputs, _transform_model
+from tests.tiny import FAMILIES, random_inputs, save_tiny, tiny_model
 
 KINDS = ("head-linear", "head-permutation", "ffn-permutation")
 
@@ -178,3 +180,17 @@ def test_match_many_with_head_linear_undoes_the_disguise(tmp_path):
     assert all(m["max_abs_logit_diff"] <= 1e-4 for m in report["models"]), report
     by = {m["out"]: m for m in report["models"]}
     assert by["b"]["distance_after"] < 1e-4 and by["c"]["distance_after"] < by["c"]["distance_before"]
+
+
+def test_activation_matching_fits_head_linear_on_the_weights_after_the_permutations():
+    """``match --data``: heads and neurons from activations, then the invertible maps from the weights."""
+    anchor = tiny_model("llama", seed=1, head="lm")
+    _, spec, geo, _ = _modules(anchor)
+    g = torch.Generator().manual_seed(0)
+    ts = {ref.key: random_module_transform(ref, geo, g, KINDS) for ref in spec.modules(anchor.config)}
+    source = _transform_model(anchor, ts)
+    batches = [random_inputs(anchor, seed=s) for s in range(3)]
+    res = match_activations(source, anchor, batches, symmetries=KINDS)
+    assert all(m["before"] > 1 and m["after"] < 1e-6 for m in res.per_module), res.per_module
+    out = _outputs(matched_model(source, res), batches[0]) - _outputs(source, batches[0])
+    assert float(out.abs().max()) <= 1e-5
