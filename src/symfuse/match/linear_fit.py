@@ -5,7 +5,7 @@ group's query heads), ``B`` (dh, nb) the side mapped by ``M^{-T}`` (keys / the r
 anchor's. Only dh x dh products enter (:class:`CircuitGrams`); everything is batched over groups, float64, on the
 Grams' device.
 
-The problem is not convex (``M^{-T}``), and the minimiser is not unique only on sets of measure zero. Method:
+The problem is not convex (``M^{-T}``): the method finds a local minimum from good starting points.
 
 1. Starting points, per group: the given one (the joint rotation + scale solution of the ``rotation`` and
    ``scaling`` kinds), and two linear least-squares solutions of the relaxed problems

@@ -8,6 +8,8 @@ JOINTLY (:func:`symfuse.match.joint.joint_rotation_scale`), so the result depend
 an exactly equivalent source (rotated / scaled heads) matches to the same weights.
 With per-head q/k norms (``Geometry.qk_norm``, Qwen3) QK maps are not exact: only the head permutation and V/O
 maps are fitted.
+With ``head-linear`` (any invertible map per group, in place of rotation and scaling) the heads are paired on their
+QK / OV circuits and the maps fitted by :func:`symfuse.match.head_linear.match_head_linear`.
 FFN: Hungarian on ``W_in W_in*^T + b b*^T (+ W_gate W_gate*^T) + W_out^T W_out*`` in float32.
 """
 

@@ -101,12 +101,7 @@ class Transform:
         return gram
 
     def condition(self) -> float:
-        """How much the part may amplify rounding relative to the weights (1: permutations, rotations).
-
-        An invertible map ``M`` applied to stored weights keeps the module's function only up to
-        ``cond(M)`` times their rounding; :func:`symfuse.match.verify.check_module_transform` scales its
-        tolerance by it.
-        """
+        """``cond(M)`` of a map ``M`` (1: permutations, rotations): how much it may amplify the weights' rounding."""
         return 1.0
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -141,12 +136,6 @@ def _group_rows(w: torch.Tensor, n_groups: int) -> torch.Tensor:
     return w.reshape(n_groups, w.shape[0] // n_groups, *w.shape[1:])
 
 
-def _head_groups(n_heads_rows: int, rot: torch.Tensor) -> tuple[int, int, int]:
-    n_kv, dh = rot.shape[0], rot.shape[1]
-    n_heads = n_heads_rows // dh
-    return n_kv, dh, n_heads // n_kv
-
-
 def _rotate_rows(w: torch.Tensor, mat: torch.Tensor, per_head: bool) -> torch.Tensor:
     """Left-multiply each head's rows by its group's ``mat`` (n_kv, dh, dh); ``w`` (heads*dh, ...)."""
     n_kv, dh = mat.shape[0], mat.shape[1]
@@ -171,13 +160,7 @@ def _rows_of(weights: Mapping[str, torch.Tensor], roles: Sequence[str]) -> list[
 
 
 def map_qk(weights: Mapping[str, torch.Tensor], q_map: torch.Tensor, k_map: torch.Tensor) -> Weights:
-    """New weights: each query head's rows (bias, ``pos_q``) by its group's ``q_map``, the keys' by ``k_map``.
-
-    Args:
-        weights: Canonical attention weights.
-        q_map: (n_kv, dh, dh) per-group map of the query side.
-        k_map: (n_kv, dh, dh) per-group map of the key side (``k``, its bias, ``pos_k``).
-    """
+    """Query heads' rows (bias, ``pos_q``) times their group's ``q_map``, the keys' times ``k_map`` (n_kv, dh, dh)."""
     out = dict(weights)
     for r in _rows_of(weights, ("q", "q_bias", "pos_q", "pos_q_bias")):
         out[r] = _rotate_rows(weights[r], q_map, per_head=True)
@@ -187,13 +170,7 @@ def map_qk(weights: Mapping[str, torch.Tensor], q_map: torch.Tensor, k_map: torc
 
 
 def map_vo(weights: Mapping[str, torch.Tensor], v_map: torch.Tensor, o_map: torch.Tensor) -> Weights:
-    """New weights: the values' rows (and bias) by ``v_map``, each query head's rows of ``o^T`` by ``o_map``.
-
-    Args:
-        weights: Canonical attention weights.
-        v_map: (n_kv, dh, dh) per-group map of the values.
-        o_map: (n_kv, dh, dh) per-group map of ``o_h^T`` (``o_h' = o_h o_map^T``).
-    """
+    """The values' rows (bias) times ``v_map``, each query head's rows of ``o^T`` times ``o_map`` (n_kv, dh, dh)."""
     out = dict(weights)
     for r in _rows_of(weights, ("v", "v_bias")):
         out[r] = _rotate_rows(weights[r], v_map, per_head=False)
