@@ -269,7 +269,7 @@ def test_unknown_kinds_are_refused_in_one_line_listing_the_choices(ffn_shift, se
         disguise_checkpoint(seq_model, tmp_path / "d", kinds=["rotation", "nosuch"])
     assert str(err.value) == (
         "unknown disguise kinds 'nosuch' — choose from rotation, scaling, ffn-permutation, head-permutation, "
-        "residual-permutation, residual-orthogonal, ffn-shift"
+        "residual-permutation, residual-orthogonal, head-linear, ffn-shift"
     )
     with pytest.raises(
         UnknownChoiceError, match=r"unknown symmetries 'residual-permutation' — choose from .*ffn-shift"

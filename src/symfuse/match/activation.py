@@ -36,15 +36,15 @@ from symfuse.checkpoint import load_hf_model
 from symfuse.match.closed_form import assign_max
 from symfuse.match.weights import match_module_weights, module_distance
 from symfuse.stats.activations import ActivationStats, collect_activation_stats, module_site
-from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, compatible, kind_names, kinds_for
+from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, compatible_kinds, kind_names, kinds_for
 from symfuse.symmetry.residual import ResidualPermutation, permute_residual
 from symfuse.symmetry.transforms import FFNPermutation, HeadPermutation, ModuleTransform, Transform
 
 log = logging.getLogger(__name__)
 
-# the EXACT kinds `match --data` takes that were registered at import, all compatible (the registry is read again at
-# every call; the inexact ones, e.g. OT's soft alignment, are in kind_names("activations") too)
-ACTIVATION_SYMMETRIES = compatible(n for n in kind_names("activations") if SYMMETRY_KINDS[n].exact)
+# the EXACT kinds `match --data` takes that were registered at import and go together (the registry is read again at
+# every call; the inexact ones, e.g. OT's soft alignment, and head-linear are in kind_names("activations") too)
+ACTIVATION_SYMMETRIES = compatible_kinds(n for n in kind_names("activations") if SYMMETRY_KINDS[n].exact)
 ResidualStrategy = Literal["first", "last", "all"]
 RANDOM_PIXELS = "random-pixels"  # --data for pixel families: statistics from seeded random pixel inputs
 

@@ -2,11 +2,12 @@
 
 * :func:`check_module_transform`: while a module's transform is applied, the invariants it must keep are
   compared on a few random probe inputs (float64 for float32 / float64 weights): per query head the scores
-  ``(Q_h x + b) . (K_g y + b)`` (and the DeBERTa ``pos_q`` / ``pos_k`` cross terms), per head the output
+  ``(Q_h x + b) . (K_g y + b)`` (and the DeBERTa ``pos_q`` / ``pos_k`` cross terms; under RoPE also with the
+  keys turned by a fixed pair rotation, which only RoPE-commuting QK maps keep), per head the output
   contribution ``O_h (V_g x + b)``, and for the FFN ``down act(up x + b)`` (gated: ``act(gate x) * up x``).
-  Attention permutations must keep them to float64 rounding, rotations and scalings to a few units of the
-  stored dtype's rounding; the FFN (permutations; computed in float32 without copies) to 1e-4. A failure is a
-  :class:`~symfuse.errors.VerificationError` naming the module and the head.
+  Attention permutations must keep them to float64 rounding, rotations, scalings and invertible maps to a few units
+  of the stored dtype's rounding (times the maps' condition number); the FFN (permutations; computed in float32
+  without copies) to 1e-4. A failure is a :class:`~symfuse.errors.VerificationError` naming the module and head.
 * :func:`streaming_logit_diff`: the outputs of two checkpoints on a few short random inputs, with each model
   built empty (parameters on the meta device) and its layers read from disk just before they run and dropped
   right after: memory is one layer plus the embeddings and heads, never a whole model (let alone two).
@@ -49,7 +50,8 @@ def _tol(mt: ModuleTransform | None, weights: Mapping[str, torch.Tensor]) -> flo
     if mt is None or all(isinstance(p, (FFNPermutation, HeadPermutation)) for p in mt.parts):
         return EXACT_TOL
     eps = max(torch.finfo(t.dtype).eps for t in weights.values() if t.is_floating_point())
-    return ROUNDING_TOL * eps
+    # an invertible map M rounds the stored weights relative to |M x|, which may exceed |x| by cond(M)
+    return ROUNDING_TOL * eps * max(p.condition() for p in mt.parts)
 
 
 def _work(weights: Mapping[str, torch.Tensor]) -> torch.dtype:
@@ -81,10 +83,25 @@ def _attn_invariants(w: Mapping[str, torch.Tensor], geo: Geometry, x: torch.Tens
                 q = _proj(w, qr, x).reshape(nh, dh, p)
                 k = _proj(w, kr, y).reshape(nkv, dh, p)[group]
                 out[f"{qr}.{kr} scores"] = torch.einsum("hdp,hdr->hpr", q, k)
+                if geo.rope and qr == "q" and kr == "k":  # the keys at another position: RoPE between q and k
+                    out["q.k scores across positions"] = torch.einsum("hdp,hdr->hpr", q, _rope_turn(k))
     v = _proj(w, "v", x).reshape(nkv, dh, p)[group]  # (nh, dh, p)
     o = w["o"].to(x.dtype).reshape(w["o"].shape[0], nh, dh)
     out["V.O output"] = torch.einsum("ehd,hdp->hep", o, v)
     return out
+
+
+def _rope_turn(k: torch.Tensor) -> torch.Tensor:
+    """``k`` (heads, dh, probes) turned by a fixed RoPE-like rotation: angle ``0.7 (i + 1)`` on pair ``(i, i + dh/2)``.
+
+    A QK map keeps ``q^T R k`` for every such rotation ``R`` only if it commutes with them (a scaled rotation per
+    pair): the check then sees a map that RoPE does not allow, which the plain scores do not.
+    """
+    h = k.shape[1] // 2
+    angle = 0.7 * torch.arange(1, h + 1, dtype=k.dtype, device=k.device)[None, :, None]
+    c, s = torch.cos(angle), torch.sin(angle)
+    a, b = k[:, :h], k[:, h:]
+    return torch.cat([c * a - s * b, s * a + c * b], dim=1)
 
 
 def _ffn_invariant(w: Mapping[str, torch.Tensor], x: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -8,6 +8,8 @@ JOINTLY (:func:`symfuse.match.joint.joint_rotation_scale`), so the result depend
 an exactly equivalent source (rotated / scaled heads) matches to the same weights.
 With per-head q/k norms (``Geometry.qk_norm``, Qwen3) QK maps are not exact: only the head permutation and V/O
 maps are fitted.
+With ``head-linear`` (any invertible map per group, in place of rotation and scaling) the heads are paired on their
+QK / OV circuits and the maps fitted by :func:`symfuse.match.head_linear.match_head_linear`.
 FFN: Hungarian on ``W_in W_in*^T + b b*^T (+ W_gate W_gate*^T) + W_out^T W_out*`` in float32.
 """
 
@@ -23,7 +25,7 @@ from symfuse.arch import Geometry, ModuleRef
 from symfuse.match.closed_form import assign_max, fit_rotation_scale
 from symfuse.match.reading import empty_hugepages
 from symfuse.match.sketch import certified_nearest
-from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, kinds_for, module_kind_names
+from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, compatible_kinds, kinds_for, module_kind_names
 from symfuse.symmetry.transforms import (
     FFNPermutation,
     HeadPermutation,
@@ -37,9 +39,10 @@ from symfuse.symmetry.transforms import (
 
 log = logging.getLogger(__name__)
 
-# the EXACT kinds found from weights that were registered at import, all compatible (every call reads
-# symfuse.symmetry.registry; the inexact ones, e.g. OT's soft alignment, replace some of these: kind_names("weights"))
-SYMMETRIES = tuple(n for n in module_kind_names("weights") if SYMMETRY_KINDS[n].exact)
+# the EXACT kinds found from weights that were registered at import and go together (every call reads
+# symfuse.symmetry.registry; the inexact ones, e.g. OT's soft alignment, and head-linear replace some of these:
+# kind_names("weights"))
+SYMMETRIES = compatible_kinds(n for n in module_kind_names("weights") if SYMMETRY_KINDS[n].exact)
 DEFAULT_SYMMETRIES = ("rotation", "scaling", "ffn-permutation")
 Timings = MutableMapping[str, float]
 
@@ -116,7 +119,7 @@ def side_stats(
     """Cross matrix ``A* A^T`` (n_kv, dh, dh) and source row norms ``|A_r|²`` (n_kv, dh) of one side, float64.
 
     Equal to ``_cross`` / ``**2`` of :func:`attention_blocks` (same float64 products), but streamed role by role
-    and over chunks of groups: no float64 copy of a whole weight, no concatenation (memory O(``chunk``)).
+    and over chunks of groups (:func:`side_products`).
 
     Args:
         src: Source canonical weights.
@@ -125,11 +128,42 @@ def side_stats(
         geo: Geometry.
         chunk: Float64 elements converted at once (per model).
     """
+    p = side_products(src, anc, side, geo, grams=False, chunk=chunk)
+    return p["cross"], p["norms"]
+
+
+def side_products(
+    src: Mapping[str, torch.Tensor],
+    anc: Mapping[str, torch.Tensor],
+    side: str,
+    geo: Geometry,
+    grams: bool,
+    chunk: int = 1 << 21,
+) -> dict[str, torch.Tensor]:
+    """Products of one side's per-group blocks ``A`` (source) and ``A*`` (anchor) over d_model, float64.
+
+    Streamed role by role and over chunks of groups: no float64 copy of a whole weight, no concatenation (memory
+    O(``chunk``)); computed on the weights' device.
+
+    Args:
+        src: Source canonical weights.
+        anc: Anchor canonical weights.
+        side: ``q``, ``k``, ``v`` or ``o`` (roles in :data:`_SIDES`).
+        geo: Geometry.
+        grams: Also the full Grams (else the source's row norms only).
+        chunk: Float64 elements converted at once (per model).
+
+    Returns:
+        ``cross`` = ``A* A^T`` (n_kv, dh, dh) and ``norms`` = ``|A_r|²`` (n_kv, dh); with ``grams`` also
+        ``src`` = ``A A^T`` and ``anc`` = ``A* A*^T`` (n_kv, dh, dh).
+    """
     n, dh = geo.n_kv_heads, geo.head_dim
     f64 = torch.float64
     device = src[_SIDES[side][0]].device
-    cross = torch.zeros(n, dh, dh, dtype=f64, device=device)
-    norms = torch.zeros(n, dh, dtype=f64, device=device)
+    out = {"cross": torch.zeros(n, dh, dh, dtype=f64, device=device)}
+    out["norms"] = torch.zeros(n, dh, dtype=f64, device=device)
+    if grams:
+        out["src"], out["anc"] = (torch.zeros(n, dh, dh, dtype=f64, device=device) for _ in range(2))
     for role in _SIDES[side]:
         if role not in src:
             continue
@@ -137,9 +171,12 @@ def side_stats(
         step = max(1, chunk // max(1, s[0].numel()))
         for i in range(0, n, step):
             sd, ad = s[i : i + step].to(f64), a[i : i + step].to(f64)  # (c, G, dh, cols)
-            cross[i : i + step] += (ad @ sd.transpose(-1, -2)).sum(1)
-            norms[i : i + step] += sd.square().sum(-1).sum(1)
-    return cross, norms
+            out["cross"][i : i + step] += (ad @ sd.transpose(-1, -2)).sum(1)
+            out["norms"][i : i + step] += sd.square().sum(-1).sum(1)
+            if grams:
+                out["src"][i : i + step] += (sd @ sd.transpose(-1, -2)).sum(1)
+                out["anc"][i : i + step] += (ad @ ad.transpose(-1, -2)).sum(1)
+    return out
 
 
 def match_attention(
@@ -156,10 +193,15 @@ def match_attention(
         src: Source canonical weights.
         anc: Anchor canonical weights (same shapes).
         geo: Geometry (heads, head size, RoPE).
-        symmetries: The asked kinds; this finder reads ``rotation``, ``scaling`` and ``head-permutation``.
+        symmetries: The asked kinds; this finder reads ``rotation``, ``scaling`` and ``head-permutation``, and
+            hands ``head-linear`` (with ``head-permutation``) to :func:`symfuse.match.head_linear.match_head_linear`.
         key: Module key recorded in the result.
         timings: Accumulates seconds under ``svd``, ``scaling``, ``head_perm``.
     """
+    if "head-linear" in symmetries:  # the larger group replacing rotation and scaling, with its own head pairing
+        from symfuse.match.head_linear import match_head_linear  # it builds on this module's products
+
+        return match_head_linear(src, anc, geo, "head-permutation" in symmetries, key, timings)
     rotate, scale = "rotation" in symmetries, "scaling" in symmetries
     # per-head q/k RMSNorm with learned weights (Qwen3): a QK rotation or scaling would change the function
     qk_ok = not geo.qk_norm

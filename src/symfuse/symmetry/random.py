@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from symfuse.arch import Geometry, ModuleRef
-from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, kinds_for
+from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, compatible_kinds, kinds_for
 from symfuse.symmetry.residual import ResidualPermutation
 from symfuse.symmetry.transforms import (
     FFNPermutation,
@@ -25,8 +25,9 @@ from symfuse.symmetry.transforms import (
     VOScaling,
 )
 
-# the per-module kinds registered at import (defaults; the registry is read again at every call)
-ALL_KINDS = tuple(n for n, k in SYMMETRY_KINDS.items() if k.draw is not None and "residual" not in k.acts_on)
+# the per-module kinds registered at import that go together (defaults; the registry is read again at every call);
+# a kind replacing earlier ones (head-linear for rotation and scaling) is asked for by name
+ALL_KINDS = compatible_kinds(n for n, k in SYMMETRY_KINDS.items() if k.draw is not None and "residual" not in k.acts_on)
 
 
 def random_orthogonal(n: int, batch: int, generator: torch.Generator) -> torch.Tensor:

@@ -192,12 +192,15 @@ def module_kind_names(capability: Capability | None = None) -> tuple[str, ...]:
     return tuple(n for n in kind_names(capability) if SYMMETRY_KINDS[n].acts_on != ("residual",))
 
 
-def compatible(names: Iterable[str]) -> tuple[str, ...]:
-    """``names`` in order, dropping each one that excludes (or is excluded by) one kept before it."""
+def compatible_kinds(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` less each one that excludes (or is excluded by) a name kept before it (the "every kind" defaults).
+
+    E.g. every exact kind with a weight finder, in registration order, keeps ``rotation`` and ``scaling`` and drops
+    ``head-linear``, which replaces them.
+    """
     kept: list[str] = []
     for n in names:
-        k = SYMMETRY_KINDS[n]
-        if not any(n in SYMMETRY_KINDS[m].excludes or m in k.excludes for m in kept):
+        if not any(n in SYMMETRY_KINDS[k].excludes or k in SYMMETRY_KINDS[n].excludes for k in kept):
             kept.append(n)
     return tuple(kept)
 
@@ -216,7 +219,7 @@ def kind_of_part(part: str) -> SymmetryKind | None:
 
 # What a Geometry flag in ``restricted_by`` leaves out, for the log of a match.
 RESTRICTIONS = {
-    "qk_norm": "per-head q/k norms make QK rotations and scalings inexact; only V/O rotations and scalings (and "
+    "qk_norm": "per-head q/k norms make QK maps (rotations, scalings, invertible maps) inexact; only V/O maps (and "
     "permutations) are matched",
 }
 
@@ -294,6 +297,22 @@ register_kind(
         weights="symfuse.match.residual_orthogonal:align_residual_orthogonal",
         gram=False,
         excludes=("residual-permutation",),
+    )
+)
+# head-linear (symfuse.symmetry.head_linear): an invertible map per KV group on each of the QK and OV circuits, the
+# whole per-head group GL(dh) that rotation and scaling are subgroups of (which it replaces); RoPE restricts the QK map
+# to a scaled rotation per frequency pair, per-head q/k norms forbid it. Found jointly with the head permutation (the
+# heads are paired on their QK / OV circuits). A dense map does not carry a diagonal Fisher: recollected.
+register_kind(
+    SymmetryKind(
+        "head-linear",
+        "attn",
+        ("qk_linear", "vo_linear"),
+        stage=1,
+        draw="symfuse.symmetry.head_linear:draw_head_linear",
+        weights=f"{_W}:match_attention",
+        restricted_by=("qk_norm",),
+        excludes=("rotation", "scaling"),
     )
 )
 

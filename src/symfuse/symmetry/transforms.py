@@ -100,6 +100,10 @@ class Transform:
         """``T G T^T`` for the input of linear layer ``role`` (unchanged input: ``gram`` itself)."""
         return gram
 
+    def condition(self) -> float:
+        """``cond(M)`` of a map ``M`` (1: permutations, rotations): how much it may amplify the weights' rounding."""
+        return 1.0
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """State as named tensors (for safetensors)."""
         raise NotImplementedError
@@ -132,12 +136,6 @@ def _group_rows(w: torch.Tensor, n_groups: int) -> torch.Tensor:
     return w.reshape(n_groups, w.shape[0] // n_groups, *w.shape[1:])
 
 
-def _head_groups(n_heads_rows: int, rot: torch.Tensor) -> tuple[int, int, int]:
-    n_kv, dh = rot.shape[0], rot.shape[1]
-    n_heads = n_heads_rows // dh
-    return n_kv, dh, n_heads // n_kv
-
-
 def _rotate_rows(w: torch.Tensor, mat: torch.Tensor, per_head: bool) -> torch.Tensor:
     """Left-multiply each head's rows by its group's ``mat`` (n_kv, dh, dh); ``w`` (heads*dh, ...)."""
     n_kv, dh = mat.shape[0], mat.shape[1]
@@ -159,6 +157,25 @@ def _scale_rows(w: torch.Tensor, scale: torch.Tensor, per_head: bool) -> torch.T
 
 def _rows_of(weights: Mapping[str, torch.Tensor], roles: Sequence[str]) -> list[str]:
     return [r for r in roles if r in weights]
+
+
+def map_qk(weights: Mapping[str, torch.Tensor], q_map: torch.Tensor, k_map: torch.Tensor) -> Weights:
+    """Query heads' rows (bias, ``pos_q``) times their group's ``q_map``, the keys' times ``k_map`` (n_kv, dh, dh)."""
+    out = dict(weights)
+    for r in _rows_of(weights, ("q", "q_bias", "pos_q", "pos_q_bias")):
+        out[r] = _rotate_rows(weights[r], q_map, per_head=True)
+    for r in _rows_of(weights, ("k", "k_bias", "pos_k", "pos_k_bias")):
+        out[r] = _rotate_rows(weights[r], k_map, per_head=False)
+    return out
+
+
+def map_vo(weights: Mapping[str, torch.Tensor], v_map: torch.Tensor, o_map: torch.Tensor) -> Weights:
+    """The values' rows (bias) times ``v_map``, each query head's rows of ``o^T`` times ``o_map`` (n_kv, dh, dh)."""
+    out = dict(weights)
+    for r in _rows_of(weights, ("v", "v_bias")):
+        out[r] = _rotate_rows(weights[r], v_map, per_head=False)
+    out["o"] = _rotate_rows(weights["o"].t(), o_map, per_head=True).t().contiguous()
+    return out
 
 
 # ------------------------------------------------------------------------------------ attention parts
@@ -247,12 +264,7 @@ class QKRotation(_GroupMap):
 
     @override
     def apply(self, weights: Mapping[str, torch.Tensor]) -> Weights:
-        out = dict(weights)
-        for r in _rows_of(weights, ("q", "q_bias", "pos_q", "pos_q_bias")):
-            out[r] = _rotate_rows(weights[r], self.rot, per_head=True)
-        for r in _rows_of(weights, ("k", "k_bias", "pos_k", "pos_k_bias")):
-            out[r] = _rotate_rows(weights[r], self.rot, per_head=False)
-        return out
+        return map_qk(weights, self.rot, self.rot)
 
 
 @register_transform
@@ -264,24 +276,24 @@ class VORotation(_GroupMap):
 
     @override
     def apply(self, weights: Mapping[str, torch.Tensor]) -> Weights:
-        out = dict(weights)
-        for r in _rows_of(weights, ("v", "v_bias")):
-            out[r] = _rotate_rows(weights[r], self.rot, per_head=False)
-        o = weights["o"]
-        out["o"] = _rotate_rows(o.t(), self.rot, per_head=True).t().contiguous()
-        return out
+        return map_vo(weights, self.rot, self.rot)
 
     @override
     def apply_to_gram(self, role: str, gram: torch.Tensor) -> torch.Tensor:
-        if role != "o":
-            return gram
-        t = self._block_diag(gram.shape[-1]).to(gram.dtype if gram.dtype == torch.float64 else torch.float64)
-        return (t @ gram.to(t.dtype) @ t.T).to(gram.dtype)
+        return head_block_gram(self.rot, gram) if role == "o" else gram
 
-    def _block_diag(self, n: int) -> torch.Tensor:
-        n_kv, dh = self.rot.shape[0], self.rot.shape[1]
-        g = n // (n_kv * dh)
-        return torch.block_diag(*self.rot.repeat_interleave(g, dim=0))  # (n, n)
+
+def head_block_gram(mat: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """``T G T^T`` for the Gram ``G`` of o_proj's input, ``T`` = each query head's block mapped by its group's ``mat``.
+
+    Args:
+        mat: (n_kv, dh, dh) per-group map of the head outputs (``x_h' = M_g x_h``).
+        gram: (n_heads*dh, n_heads*dh) Gram of the concatenated head outputs.
+    """
+    n_kv, dh = mat.shape[0], mat.shape[1]
+    g = gram.shape[-1] // (n_kv * dh)
+    t = torch.block_diag(*mat.to(torch.float64).repeat_interleave(g, dim=0))  # (n, n)
+    return (t @ gram.to(torch.float64) @ t.T).to(gram.dtype)
 
 
 @dataclass(frozen=True, eq=False)

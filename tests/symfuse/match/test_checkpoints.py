@@ -111,7 +111,7 @@ def test_qwen3_match_logs_that_qk_maps_are_skipped(tmp_path, caplog):
     disguise_checkpoint(src, tmp_path / "d", seed=2)
     with caplog.at_level("INFO", logger="symfuse.match.checkpoints"):
         report = match_checkpoints(tmp_path / "d", src, tmp_path / "m", symmetries=SYMMETRIES)
-    assert "qwen3: per-head q/k norms make QK rotations and scalings inexact" in caplog.text
+    assert "qwen3: per-head q/k norms make QK maps (rotations, scalings, invertible maps) inexact" in caplog.text
     assert report["distance_after"] <= 1e-6 * _norm(src) and report["max_abs_logit_diff"] <= 1e-4
 
 

@@ -54,19 +54,22 @@ def test_disguise_recovery_every_kind(family):
             assert torch.equal(disguise.parts[0].perm[fp], torch.arange(geo.d_ffn))
 
 
+@pytest.mark.parametrize("symmetries", [SYMMETRIES, ("head-linear", "head-permutation", "ffn-permutation")])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_self_match_is_identity(family):
+def test_self_match_is_identity(family, symmetries):
     model = tiny_model(family, seed=2)
     for ref, geo, w in _module_weights(model):
-        t = match_module_weights(ref, w, w, geo, SYMMETRIES)
+        t = match_module_weights(ref, w, w, geo, symmetries)
         for p in t.parts:
             if isinstance(p, (HeadPermutation, FFNPermutation)):
                 assert torch.equal(p.perm, torch.arange(p.perm.numel()))
             elif isinstance(p, QKScaling) or hasattr(p, "scale"):
                 torch.testing.assert_close(p.scale, torch.ones_like(p.scale), atol=1e-9, rtol=0)
-            else:
-                eye = torch.eye(geo.head_dim, dtype=torch.float64).expand_as(p.rot)
-                torch.testing.assert_close(p.rot, eye, atol=1e-9, rtol=0)
+            else:  # rotations, invertible maps (head-linear)
+                mat = p.mat if hasattr(p, "mat") else p.rot
+                torch.testing.assert_close(
+                    mat, torch.eye(geo.head_dim, dtype=torch.float64).expand_as(mat), atol=1e-9, rtol=0
+                )
         assert module_distance(t.apply(w), w) <= 1e-6 * _norm(w)
 
 

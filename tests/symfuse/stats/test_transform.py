@@ -37,10 +37,11 @@ def _batches(model):
     return out
 
 
+@pytest.mark.parametrize("kinds", [ALL_KINDS, ("head-linear", "head-permutation", "ffn-permutation")])
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
-def test_transformed_gram_equals_gram_recollected_on_matched_model(tmp_path, family):
+def test_transformed_gram_equals_gram_recollected_on_matched_model(tmp_path, family, kinds):
     src = save_tiny(tmp_path / "src", family, seed=0, head="seq", pad_token_id=0)
-    matched, tfile = _transformed_checkpoint(src, tmp_path / "matched", ALL_KINDS)
+    matched, tfile = _transformed_checkpoint(src, tmp_path / "matched", kinds)
     m_src, m_new = _load(src), _load(matched)
     batches = _batches(m_src)
     g_src = collect_gram(m_src, batches, progress=False)
@@ -73,9 +74,10 @@ def test_fisher_follows_permutations_and_scalings(tmp_path):
     assert not torch.allclose(f_src[key], recollected[key], rtol=1e-3)
 
 
-def test_fisher_under_rotation_is_not_transformed_but_recollected(tmp_path):
+@pytest.mark.parametrize("kind", ["rotation", "head-linear"])
+def test_fisher_under_rotation_is_not_transformed_but_recollected(tmp_path, kind):
     src = save_tiny(tmp_path / "src", "bert", seed=0, head="seq")
-    _, tfile = _transformed_checkpoint(src, tmp_path / "matched", ("rotation",), seed=2)
+    _, tfile = _transformed_checkpoint(src, tmp_path / "matched", (kind,), seed=2)
     f = collect_fisher(_load(src), _batches(_load(src))[:1], progress=False).fisher
     save_stats(f, tmp_path / "fisher.safetensors", {"kind": "fisher"})
     assert transform_stats(tmp_path / "fisher.safetensors", tfile, src, tmp_path / "f_t.safetensors") is None
