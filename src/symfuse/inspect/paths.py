@@ -155,7 +155,7 @@ def path_figures(
         split: The split read.
         max_examples: Seeded random subset of the split.
         batch_size: Batch size.
-        max_length: Truncation length in tokens.
+        max_length: Truncation length in tokens (at most the model's positions).
         seed: Subset seed.
         device: Where the models run.
 
@@ -167,7 +167,9 @@ def path_figures(
     model_a, tok, problem = load_probe_model(anchor, dev)
     model_b, _, _ = load_probe_model(source, dev)
     model_c, _, _ = load_probe_model(aligned, dev)
-    probe = make_probe(data, tok, problem, split, max_examples, batch_size, max_length, seed, dev)
+    limit = getattr(model_a.config, "max_position_embeddings", None)  # a model of fewer positions than max_length
+    length = min(max_length, limit) if isinstance(limit, int) and limit > 0 else max_length
+    probe = make_probe(data, tok, problem, split, max_examples, batch_size, length, seed, dev)
     lambdas = [float(x) for x in lambdas]
     return {
         "lambdas": lambdas,
