@@ -53,15 +53,10 @@ def shape_problems(src: CheckpointReader, anc: CheckpointReader) -> tuple[str | 
     return None, heads
 
 
-def _data_figures(src: CheckpointReader, anc: CheckpointReader, best, data: str, heads: list[str], **opts) -> dict:
+def _data_figures(src: CheckpointReader, anc: CheckpointReader, best, data: str, **opts) -> dict:
     """:func:`path_figures` with the best alignment written to a temporary checkpoint folder."""
     from symfuse.match.residual_orthogonal import write_state
 
-    if heads:
-        raise UsageError(
-            f"--data: the heads differ ({heads[0]}: {src.shape(heads[0])} vs {anc.shape(heads[0])}) — the loss along "
-            "the path needs one head; inspect these models without --data"
-        )
     with tempfile.TemporaryDirectory(prefix="symfuse-inspect-") as tmp:
         folder = Path(tmp) / "aligned"
         folder.mkdir()
@@ -84,9 +79,14 @@ def inspect_pair(
     problem, heads = shape_problems(src, anc)
     if problem is not None:
         return {**out, "compatible": False, "verdict": INCOMPATIBLE, "reason": f"{problem}: they cannot be merged"}
+    if data and heads:  # refused before any work
+        raise UsageError(
+            f"--data: the heads differ ({heads[0]}: {src.shape(heads[0])} vs {anc.shape(heads[0])}) — the loss along "
+            "the path needs one head; inspect these models without --data"
+        )
     figs, best = weight_figures(src, anc, kinds, residual_iters, device, skip=heads, keep_state=data is not None)
     weights = figs.as_dict()
-    paths = _data_figures(src, anc, best, data, heads, device=device, **data_opts) if data else None
+    paths = _data_figures(src, anc, best, data, device=device, **data_opts) if data else None
     verdict, reason = pair_verdict(weights, paths)
     out.update(compatible=True, left_out=heads, **weights, alignment=best.kind, data=paths)
     out.update(verdict=verdict, reason=reason, seconds=time.perf_counter() - t0)
