@@ -100,6 +100,8 @@ def match_many_cmd(
                     {"model": m, "out": name}
                     | {k: rep.get(k) for k in ("distance_before", "distance_after", "max_abs_logit_diff")}
                 )
+            if anchor_model is None:  # barycenter: each model's distance to the mean, before and after alignment
+                _barycenter_distances(models, [tmp / n for n in names], per_model)
             report = {
                 "anchor": result["anchor"] if anchor_model is None else anchor_model,
                 "anchor_mode": anchor,
@@ -111,3 +113,18 @@ def match_many_cmd(
             (tmp / REPORT).write_text(json.dumps(report, indent=2))
     typer.echo(json.dumps(report, indent=2))
     typer.echo(f"aligned checkpoints in {out}")
+
+
+def _barycenter_distances(models: list[str], aligned: list[Path], per_model: list[dict]) -> None:
+    """Fill ``distance_before`` / ``distance_after``: each model's distance to the K models' mean (module weights)."""
+    from symfuse.checkpoint import CheckpointReader
+    from symfuse.match.many import squared_distances_to_mean
+
+    for key, folders in (("distance_before", models), ("distance_after", aligned)):
+        readers = [CheckpointReader(f) for f in folders]
+        try:
+            for row, sq in zip(per_model, squared_distances_to_mean(readers), strict=True):
+                row[key] = sq**0.5
+        finally:
+            for r in readers:
+                r.close()

@@ -94,7 +94,7 @@ def refine_stream_map(
         opt.zero_grad()
         value.backward()
         opt.step()
-        losses.append(float(value))
+        losses.append(float(value.detach()))
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"refinement diverged at step {step} (loss {losses[-1]}); lower lr")
     log.info("refined the stream map: loss %.4f -> %.4f over %d steps", losses[0], losses[-1], steps)

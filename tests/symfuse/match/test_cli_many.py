@@ -58,6 +58,8 @@ def test_closest_and_barycenter_keep_functions(three, tmp_path, anchor):
     assert r.exit_code == 0, r.output
     report = json.loads((out / "symfuse_many_report.json").read_text())
     assert all(m["max_abs_logit_diff"] <= 1e-4 for m in report["models"]), report
+    moved = [(m["distance_before"], m["distance_after"]) for m in report["models"]]  # to the anchor / barycenter
+    assert all(after <= before + 1e-6 for before, after in moved) and any(a < b for b, a in moved), moved
     wa = load_file(out / "a" / "model.safetensors")
     wb = load_file(out / "b" / "model.safetensors")
     # a and its disguised copy end up in the same basis whatever the anchor
