@@ -209,6 +209,16 @@ CASES = [
         1,
         "latin/train.jsonl:9: not UTF-8 (byte 0xe9 at column 14) — re-save it as UTF-8 text",
     ),
+    # --- inspect ---
+    C("inspect-one-model", "inspect {A}", 2, "at least two"),
+    C("inspect-missing-model", "inspect {A} {MISSING}", 2, "missing"),
+    C("inspect-family-mismatch", "inspect {A} {GPT}", 1, "gpt", verbose=True),
+    C("inspect-garbage-model", "inspect {A} {GARBAGE}", 1, "garbage"),
+    C("inspect-nan-model", "inspect {A} {NAN}", 1, "NaN"),
+    C("inspect-unknown-dataset", "inspect {A} {B} --data nosuch_dataset", 1, "nosuch_dataset"),
+    C("inspect-residual-iters-negative", "inspect {A} {B} --residual-iters -1", 2, "--residual-iters"),
+    C("inspect-out-exists", f"inspect {{A}} {{B}} {OUT}", 2, "{OUT}", pre="file"),
+    C("inspect-out-is-a-folder", f"inspect {{A}} {{B}} {OUT}", 2, "{OUT}", pre="dir"),
     # --- the app ---
     C("unknown-command", "nosuchcommand {A}", 2, "nosuchcommand"),
 ]

@@ -28,6 +28,7 @@ COMMANDS = {
     "finetune": "finetune {a} --data {data} --out {o} --epochs 1",
     "evaluate": "evaluate {a} --data {data}",
     "barrier": "barrier {a} {b} --data {data} --out {o}",
+    "inspect": "inspect {a} {b} --data {data} --out {o}.png",
 }
 
 

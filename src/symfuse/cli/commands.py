@@ -2,6 +2,7 @@
 
 from symfuse.cli import (  # noqa: F401
     evaluate,
+    inspect,
     match,
     match_many,
     merge,

@@ -28,6 +28,11 @@ def head_problem_type(config: Any) -> str:
     return "regression" if config.num_labels == 1 else "single_label_classification"
 
 
+def is_causal_lm(config: Any) -> bool:
+    """Whether a checkpoint's class is a causal language model (``GPT2LMHeadModel``, ``LlamaForCausalLM`` ...)."""
+    return any("LM" in a and "Masked" not in a for a in getattr(config, "architectures", None) or ())
+
+
 def head_label_names(config: Any) -> list[str]:
     """The head's class names in output order (``config.id2label``)."""
     return [str(config.id2label[i]) for i in range(config.num_labels)]

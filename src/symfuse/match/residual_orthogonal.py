@@ -232,6 +232,7 @@ def _refine(r: ResidualAlignment, source: Path, spec: ArchSpec, group: str, batc
     """Refine ``r``'s stream map in place (``r.aligned``, ``r.rot``) on labelled batches; the losses."""
     from symfuse.checkpoint import load_hf_model
     from symfuse.errors import UsageError
+    from symfuse.evaluate.predict import is_causal_lm
     from symfuse.match.refine import refine_stream_map
 
     if not batches:
@@ -244,8 +245,7 @@ def _refine(r: ResidualAlignment, source: Path, spec: ArchSpec, group: str, batc
     missing = [n for n, _ in model.named_parameters() if n not in r.aligned]
     if missing:
         raise UsageError(f"--refine: {spec.family}'s stored names differ from its modules' ({missing[:2]}); not yet")
-    causal = any("LM" in a and "Masked" not in a for a in getattr(model.config, "architectures", None) or ())
-    keep = ("input_ids", "attention_mask") if causal else ("input_ids", "attention_mask", "labels")
+    keep = ("input_ids", "attention_mask") if is_causal_lm(model.config) else ("input_ids", "attention_mask", "labels")
     batches = [{k: v.to(device) for k, v in b.items() if k in keep} for b in batches]
     aligned = {n: t.double() for n, t in r.aligned.items()}
     anchor = {n: t.double() for n, t in r.anchor.items()}

@@ -1,0 +1,99 @@
+"""``symfuse inspect``: will alignment help, will this merge work? One table (or JSON, or a PNG) before any merge."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from symfuse.cli import app, checks
+from symfuse.config import DATASET_RESOLUTION
+from symfuse.errors import DataError, OutputExistsError, UsageError
+from symfuse.inspect.verdict import THRESHOLDS_HELP  # no torch: --help reads it
+
+
+@app.command("inspect")
+def inspect_command(
+    models: Annotated[
+        list[str], typer.Argument(help="Two or more checkpoint folders of one family; the first is the anchor.")
+    ],
+    data: Annotated[
+        str | None,
+        typer.Option(
+            "--data",
+            help="Dataset for the loss along the path (λ = 0, 0.25, 0.5, 0.75, 1) before and after alignment and "
+            "the merge-vs-ensemble gap (task heads: their loss; causal LMs: next-token loss). " + DATASET_RESOLUTION,
+        ),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the report as one JSON mapping (verdict, reason, figures).")
+    ] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Also draw the report as a PNG file.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out.")] = False,
+    residual_iters: Annotated[
+        int,
+        typer.Option(
+            "--residual-iters",
+            help="Rounds of the whole-model residual-orthogonal search (pre-norm families: gpt2, llama, qwen3, phi3, "
+            "vit; post-LN families have none); 0 skips it.",
+        ),
+    ] = 2,
+    max_examples: Annotated[int, typer.Option("--max-examples", help="Examples read with --data.")] = 64,
+    split: Annotated[str, typer.Option("--split", help="Split read with --data.")] = "test",
+    device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
+) -> None:
+    """Will alignment help, will this merge work? Every model against the first, then a verdict.
+
+    Family and shapes, the weight distance before and after each symmetry kind, with --data the loss barrier and
+    the merge-vs-ensemble gap. Verdicts:
+    """
+    checks.at_least("--residual-iters", residual_iters, 0)
+    checks.at_least("--max-examples", max_examples, 1)
+    if len(models) < 2:
+        raise UsageError("MODELS: inspect compares models with the first — give at least two checkpoint folders")
+    for m in models:
+        checks.local_path("MODEL", m)
+        checks.checkpoint(m)
+    _check_families(models)
+    if out is not None:
+        _check_png(out, overwrite)
+    if data is not None:
+        checks.dataset("--data", data)
+    device = checks.device("--device", device)
+    from symfuse.inspect import inspect_models
+    from symfuse.inspect.render import format_report, plot_report
+
+    report = inspect_models(models, data, residual_iters=residual_iters, device=device, max_examples=max_examples,
+                            split=split)  # fmt: skip
+    if out is not None:
+        report["figure"] = str(plot_report(report, out))
+    typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+
+
+inspect_command.__doc__ = (inspect_command.__doc__ or "").rstrip() + " " + THRESHOLDS_HELP
+
+
+def _check_families(models: list[str]) -> None:
+    """Models of another family than the anchor's are a bad input: one line, exit 1."""
+    from symfuse.checkpoint import CheckpointReader
+
+    with CheckpointReader(models[0]) as anchor:
+        family = anchor.spec.family
+    for m in models[1:]:
+        with CheckpointReader(m) as reader:
+            if reader.spec.family != family:
+                raise DataError(
+                    f"{m}: a {reader.spec.family} model, the anchor {models[0]} a {family} model — incompatible: "
+                    "models of different families cannot be aligned or merged; inspect models of one family"
+                )
+
+
+def _check_png(out: Path, overwrite: bool) -> None:
+    if out.is_dir():
+        raise UsageError(f"--out: {out} is a folder — give the PNG file to write")
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"{out}: already exists — pass --overwrite to replace it, or choose another --out")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out: {out.parent} is not a folder — create it or choose another --out")
