@@ -275,8 +275,6 @@ def merge_checkpoints(
                 f"{out}: merged tensor {name!r} came out NaN / inf with {strategy} (inputs were finite) — nothing "
                 "was written; try --dtype float64, a larger --epsilon / smaller --alpha, or another strategy"
             )
-        if merger.fresh_outputs and merged is not first and pool.holds(merged):  # handed over: never a pool's
-            return merged.clone()
         return merged
 
     def _merge_one(name: str, first: torch.Tensor, rows: bool, deferred: bool) -> torch.Tensor:
@@ -331,8 +329,7 @@ def merge_checkpoints(
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         try:
             with parallel_reads():  # the merge's reads run between its BLAS calls: the cores are free
-                write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True,
-                                 hand_over=merger.fresh_outputs)  # fmt: skip
+                write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True)
         finally:
             merger.close()
         if union is not None:  # the merged head learned every class some model learned

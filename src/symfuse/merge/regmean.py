@@ -353,7 +353,6 @@ class RegMeanMerger(Merger):
     name = "regmean"
     required_stats = frozenset({"gram"})
     propagates_nonfinite = True  # the weighted mean of all K weights is the output's first term
-    fresh_outputs = True  # regmean_apply's and weighted_mean's outputs are new tensors
     Params = RegMeanParams
 
     def __init__(self, **params):
