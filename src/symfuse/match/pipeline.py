@@ -26,7 +26,7 @@ from symfuse.errors import CheckpointError
 from symfuse.io import rows_per_block
 from symfuse.io.planned import PlannedCheckpoint
 from symfuse.match.closed_form import torch_threads
-from symfuse.match.reading import PreadSource, trim_heap
+from symfuse.match.reading import PreadSource
 from symfuse.match.verify import check_module_transform, is_exact, module_invariants
 from symfuse.match.weights import match_module_weights
 from symfuse.symmetry.transforms import ModuleTransform
@@ -162,7 +162,6 @@ def match_and_write(
         t0 = time.perf_counter()
         before = module_sq_distance(s, a)
         del a  # at most two copies of the module per worker, as while matching: the anchor is read again below
-        trim_heap()
         t0 = tick("distance", t0)
         # a soft (OT) map changes the module's function by design; otherwise the invariants are taken now, so
         # the source module is freed before the transformed one is checked (one module copy while checking)
@@ -170,7 +169,6 @@ def match_and_write(
         t0 = tick("check", t0)
         new = mt.apply(s)
         del s
-        trim_heap()
         t0 = tick("apply", t0)
         if before_inv is not None:
             check_module_transform(ref, before_inv, new, src.geometry, mt, where)
@@ -184,7 +182,6 @@ def match_and_write(
                 plan.write(name, t)
         del new
         tick("write", t0)
-        trim_heap()
         results[ref.key] = (mt, before, after)
 
     def job(item: ModuleRef | None) -> None:

@@ -140,7 +140,7 @@ def test_pread_rows_and_distance_in_row_blocks(tmp_path):
 
     from symfuse.checkpoint import CheckpointReader
     from symfuse.match.checkpoints import _sq_distance_to
-    from symfuse.match.reading import PreadSource, trim_heap
+    from symfuse.match.reading import PreadSource
 
     folder = tmp_path / "m"
     tiny_model("bert", seed=5).save_pretrained(folder)
@@ -156,7 +156,6 @@ def test_pread_rows_and_distance_in_row_blocks(tmp_path):
         for chunk in (1, 50, 1 << 22):
             assert abs(_sq_distance_to(other, source, name, chunk=chunk) - want) <= 1e-9 * want
         assert _sq_distance_to(other[:-1], source, name) is None  # shape mismatch
-    trim_heap()  # callable anywhere (no-op without glibc)
 
 
 @pytest.mark.parametrize("shape", [(64, 3072), (7, 19), (5, 2), (3, 9)])
