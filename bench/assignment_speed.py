@@ -18,8 +18,6 @@ certified solve off.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import shutil
 import statistics
@@ -29,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from match_speed import prepare  # a sibling: bench scripts run from bench/
+from match_speed import prepare, run_cli  # a sibling: bench scripts run from bench/
 
 
 def _kernels():
@@ -113,7 +111,6 @@ def one_command(work: Path, case: str, method: str) -> dict:
 
     import symfuse.cli.commands
     import symfuse.cli.match  # noqa: F401
-    from symfuse.cli import main
     from symfuse.match import closed_form
 
     source, anchor = prepare(case, work)
@@ -123,14 +120,8 @@ def one_command(work: Path, case: str, method: str) -> dict:
         _kernels().LIB = None  # the torch kernels (the sketch's too)
     out = work / f"{case}-{method}-cmd"
     shutil.rmtree(out, ignore_errors=True)
-    sys.argv = ["symfuse", "match", str(source), str(anchor), "--out", str(out)]
     t0 = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
-        try:
-            main()
-        except SystemExit as exc:
-            if exc.code:
-                raise
+    run_cli(["match", str(source), str(anchor), "--out", str(out)])
     seconds = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     return {"seconds": seconds}

@@ -191,6 +191,19 @@ def _vm_hwm_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def run_cli(argv: list[str]) -> None:
+    """``symfuse ARGV`` in this process through the console entry point (its report swallowed); raises on failure."""
+    from symfuse.cli import main
+
+    sys.argv = ["symfuse", *argv]
+    with contextlib.redirect_stdout(io.StringIO()):  # the report (the RESULT line is ours)
+        try:
+            main()
+        except SystemExit as exc:
+            if exc.code:
+                raise
+
+
 def run_command(case: str, work: Path, what: str, verify: str) -> dict:
     """One measurement in this (fresh) process: ``match`` = matching alone, ``command`` = the whole command
     through the console entry point (``symfuse match ...``: :func:`symfuse.cli.main`)."""
@@ -200,7 +213,6 @@ def run_command(case: str, work: Path, what: str, verify: str) -> dict:
     import symfuse.cli.commands
     import symfuse.cli.match  # noqa: F401
     from symfuse.checkpoint import CheckpointReader
-    from symfuse.cli import main
     from symfuse.match.checkpoints import match_all_modules
 
     source, anchor = prepare(case, work)
@@ -211,13 +223,7 @@ def run_command(case: str, work: Path, what: str, verify: str) -> dict:
         with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
             match_all_modules(src, anc, DEFAULT)
     else:
-        sys.argv = ["symfuse", "match", str(source), str(anchor), "--out", str(out), "--verify", verify]
-        with contextlib.redirect_stdout(io.StringIO()):  # the report (the RESULT line is ours)
-            try:
-                main()
-            except SystemExit as exc:
-                if exc.code:
-                    raise
+        run_cli(["match", str(source), str(anchor), "--out", str(out), "--verify", verify])
     seconds = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     return {"seconds": seconds, "rss_mib": _vm_hwm_mib()}
