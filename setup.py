@@ -1,7 +1,7 @@
 """Build hook for the one compiled piece: the assignment kernels (plain C, loaded with ctypes).
 
 Everything else is declared in pyproject.toml. The extension is optional: without a C compiler the install
-still succeeds and :mod:`symfuse.match.assignment` uses its pure-torch kernels (same results, slower).
+still succeeds and :mod:`symfuse.native` runs the torch version of each kernel (same results, slower).
 """
 
 from setuptools import Extension, setup

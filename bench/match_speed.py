@@ -15,14 +15,13 @@ just before. "write s" = streaming the matched checkpoint (with per-module dista
 cores). Breakdown columns are wall seconds summed over modules (threads overlap, so they can exceed "match s").
 "rss gib" = the process's peak RSS over matching AND writing (ru_maxrss, GiB).
 
-Whole command (``--job command``, issue 17): for a case, five rounds of three fresh subprocesses each, (a) the
-matching alone (as above), (a') the same after the allocator setting the ``symfuse match`` process makes
-(:func:`symfuse.runtime.map_large_allocations`: glibc's mmap threshold fixed at 1 MiB), and (b) the whole command
-run in-process through the console entry point (:func:`symfuse.cli.main`, as ``symfuse match ...`` runs), after the
-imports (interpreter start and ``import torch, transformers, symfuse`` excluded, as in the issue): reading,
-matching, applying, the per-module checks, writing, the default streamed output check and publishing. Peak RSS of
-each = the subprocess's VmHWM (/proc/self/status) at its end, imports included in all. Prints the median and range
-of: match s, command s, command - match s, and the three peak RSS.
+Whole command (``--job command``, issue 17): for a case, five rounds of two fresh subprocesses each, (a) the
+matching alone (as above) and (b) the whole command run in-process through the console entry point
+(:func:`symfuse.cli.main`, as ``symfuse match ...`` runs), after the imports (interpreter start and ``import torch,
+transformers, symfuse`` excluded, as in the issue): reading, matching, applying, the per-module checks, writing,
+the default streamed output check and publishing. Peak RSS of each = the subprocess's VmHWM (/proc/self/status) at
+its end, imports included in both. Prints the median and range of: match s, command s, command - match s, and
+both peak RSS.
 
 Usage: python bench/match_speed.py [--cases minilm,roberta-planted,...] [--workdir DIR] [--workers N]
        python bench/match_speed.py --job command [--cases roberta-planted] [--rounds 5] [--verify stream]
@@ -192,9 +191,21 @@ def _vm_hwm_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def run_cli(argv: list[str]) -> None:
+    """``symfuse ARGV`` in this process through the console entry point (its report swallowed); raises on failure."""
+    from symfuse.cli import main
+
+    sys.argv = ["symfuse", *argv]
+    with contextlib.redirect_stdout(io.StringIO()):  # the report (the RESULT line is ours)
+        try:
+            main()
+        except SystemExit as exc:
+            if exc.code:
+                raise
+
+
 def run_command(case: str, work: Path, what: str, verify: str) -> dict:
-    """One measurement in this (fresh) process: ``match`` = matching alone, ``match-mapped`` = the same under the
-    command's allocator setting (:func:`symfuse.runtime.map_large_allocations`), ``command`` = the whole command
+    """One measurement in this (fresh) process: ``match`` = matching alone, ``command`` = the whole command
     through the console entry point (``symfuse match ...``: :func:`symfuse.cli.main`)."""
     import torch  # noqa: F401  (imports are not timed)
     import transformers  # noqa: F401
@@ -202,27 +213,17 @@ def run_command(case: str, work: Path, what: str, verify: str) -> dict:
     import symfuse.cli.commands
     import symfuse.cli.match  # noqa: F401
     from symfuse.checkpoint import CheckpointReader
-    from symfuse.cli import main
     from symfuse.match.checkpoints import match_all_modules
-    from symfuse.runtime import map_large_allocations
 
     source, anchor = prepare(case, work)
     out = work / f"{case}-cmd"
     shutil.rmtree(out, ignore_errors=True)
-    if what == "match-mapped":
-        map_large_allocations()
     t0 = time.perf_counter()
-    if what in ("match", "match-mapped"):
+    if what == "match":
         with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
             match_all_modules(src, anc, DEFAULT)
     else:
-        sys.argv = ["symfuse", "match", str(source), str(anchor), "--out", str(out), "--verify", verify]
-        with contextlib.redirect_stdout(io.StringIO()):  # the report (the RESULT line is ours)
-            try:
-                main()
-            except SystemExit as exc:
-                if exc.code:
-                    raise
+        run_cli(["match", str(source), str(anchor), "--out", str(out), "--verify", verify])
     seconds = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     return {"seconds": seconds, "rss_mib": _vm_hwm_mib()}
@@ -235,12 +236,9 @@ def command_table(cases: list[str], work: Path, rounds: int, verify: str) -> Non
     def med(xs: list[float]) -> str:
         return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
-    print(
-        "| case | match s | command s | command - match s | match peak RSS MiB | match peak RSS MiB, the command's "
-        "allocator setting | command peak RSS MiB |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    whats = ("match", "match-mapped", "command")
+    print("| case | match s | command s | command - match s | match peak RSS MiB | command peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
+    whats = ("match", "command")
     for case in cases:
         subprocess.run([sys.executable, __file__, "--prepare", case, "--workdir", str(work)], check=True)
         rows: dict[str, list[dict]] = {w: [] for w in whats}
@@ -255,8 +253,7 @@ def command_table(cases: list[str], work: Path, rounds: int, verify: str) -> Non
         extra = [ci - mi for ci, mi in zip(c, m, strict=True)]
         rss = {w: [r["rss_mib"] for r in rows[w]] for w in whats}
         print(
-            f"| {case} | {med(m)} | {med(c)} | {med(extra)} | {med(rss['match'])} | {med(rss['match-mapped'])} | "
-            f"{med(rss['command'])} |",
+            f"| {case} | {med(m)} | {med(c)} | {med(extra)} | {med(rss['match'])} | {med(rss['command'])} |",
             flush=True,
         )
 

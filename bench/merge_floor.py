@@ -1,14 +1,13 @@
 """The floors bench/merge_speed.py measures RegMean against (``--job floor``, ``--job iofloor``).
 
-:func:`arithmetic_floor`: the timed primitives of the exact delta form at roberta-base's shapes, the faster of
-torch's and scipy's implementation each. :func:`io_floor`: moving the merge's bytes once (read what it reads, write
+:func:`arithmetic_floor`: the timed primitives of the exact delta form at roberta-base's shapes (torch's BLAS /
+LAPACK). :func:`io_floor`: moving the merge's bytes once (read what it reads, write
 what it writes), no arithmetic.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -35,10 +34,9 @@ def arithmetic_floor(k: int) -> dict:
 
     The delta form needs, per linear layer (n inputs, m outputs): K - 1 products (n, n) @ (n, m) and one
     Cholesky solve (2 n^2 m); per distinct input one Cholesky factorisation (n^3 / 3). Each primitive is timed
-    here at the model's real shapes (best of 3, all cores), with torch's BLAS / LAPACK and with scipy's (the two
-    ``linalg`` backends of the merge), and the faster is multiplied by its count: the compute floor of the
-    algorithm at this machine's fastest BLAS speed. ``gemm_bound`` charges every flop at the measured GEMM rate (the
-    fastest primitive): no exact method with classical matrix products can beat it.
+    here at the model's real shapes (best of 3, all cores) with torch's BLAS / LAPACK, as the merge calls it, and
+    multiplied by its count: the compute floor of the algorithm on this machine. ``gemm_bound`` charges every flop
+    at the measured GEMM rate (the fastest primitive): no exact method with classical matrix products can beat it.
     """
     import torch
     import transformers as T
@@ -64,54 +62,32 @@ def arithmetic_floor(k: int) -> dict:
             times.append(time.perf_counter() - t)
         return min(times)
 
-    from symfuse.merge import linalg
     from symfuse.merge.base import chunked
 
-    linalg.sync_threads()
     cache: dict[tuple, float] = {}
-    fastest: dict[str, set[str]] = {"gemm": set(), "chol": set(), "solve": set()}
-    by_backend = {"torch": 0.0, "scipy": 0.0}  # the floor with one backend's primitives throughout
-    both: dict[tuple, dict[str, float]] = {}
 
     def timed(kind: str, n: int, m: int = 0) -> float:
-        """The fastest of torch's and scipy's implementation (the merge's ``linalg`` choices) of one primitive."""
+        """One primitive as the merge runs it (torch's BLAS / LAPACK)."""
         if (kind, n, m) not in cache:
             g = torch.randn(n, n, dtype=torch.float64)
             spd = (g @ g.T / n + torch.eye(n, dtype=torch.float64)).float()
             rhs = torch.randn(m, n)  # held transposed, as RegMean holds B^T
-            work = spd.clone()
-            factors = {b: linalg.cholesky_(spd.clone(), b) for b in ("torch", "scipy")}
+            work, info = spd.clone(), torch.empty((), dtype=torch.int32)
+            factor = torch.linalg.cholesky(spd)
             out = torch.empty(m, n)
-            fns = {
-                ("gemm", "torch"): lambda: torch.mm(rhs, spd, out=out),
-                ("gemm", "scipy"): lambda: linalg.addmm_(out, rhs, spd, 0.0, 1.0, "scipy"),
-                # the factorisation in place (as the merge does): each run on a fresh copy, the copy not timed
-                ("chol", "torch"): lambda: torch.linalg.cholesky(spd),
-                ("chol", "scipy"): lambda: linalg.cholesky_(work, "scipy"),
-                ("solve", "torch"): lambda: torch.cholesky_solve(rhs.T, factors["torch"].data),
-                ("solve", "scipy"): lambda: linalg.cholesky_solve_t_(out, factors["scipy"]),
-            }
-            times = {}
-            # an in-place primitive's input is restored by single-threaded chunk copies: a torch copy_ on all
-            # cores leaves torch's threads spinning into the timed call (a (3072, 3072) solve: 70 ms, not 62)
-            for backend in ("torch", "scipy"):
-                if kind == "chol" and backend == "scipy":
-                    times[backend] = best_fresh(lambda: chunked(torch.Tensor.copy_, work, spd), fns[kind, backend])
-                elif kind == "solve" and backend == "scipy":
-                    times[backend] = best_fresh(lambda: chunked(torch.Tensor.copy_, out, rhs), fns[kind, backend])
-                else:
-                    times[backend] = best(fns[kind, backend])
-            winner = min(times, key=times.__getitem__)
-            fastest[kind].add(winner)
-            cache[kind, n, m] = times[winner]
-            both[kind, n, m] = times
+            if kind == "gemm":
+                cache[kind, n, m] = best(lambda: out.addmm_(rhs, spd, beta=0.0))
+            elif kind == "chol":  # in place, as the merge factors: each run on a fresh copy, the copy not timed
+                # (restored by single-threaded chunk copies: a torch copy_ on all cores leaves torch's threads
+                # spinning into the timed call)
+                reset = lambda: chunked(torch.Tensor.copy_, work, spd)  # noqa: E731
+                cache[kind, n, m] = best_fresh(reset, lambda: torch.linalg.cholesky_ex(work, out=(work, info)))
+            else:
+                cache[kind, n, m] = best(lambda: torch.cholesky_solve(rhs.T, factor))
         return cache[kind, n, m]
 
     def count(kind: str, n: int, m: int, times: int) -> float:
-        seconds = timed(kind, n, m) * times
-        for backend in by_backend:
-            by_backend[backend] += both[kind, n, m][backend] * times
-        return seconds
+        return timed(kind, n, m) * times
 
     flops = {"products": 0.0, "solves": 0.0, "cholesky": 0.0}
     seconds = dict.fromkeys(flops, 0.0)
@@ -126,8 +102,7 @@ def arithmetic_floor(k: int) -> dict:
     gemm_rate = 2 * 3072 * 3072 * 768 / timed("gemm", 3072, 768)
     total = sum(flops.values())
     return {"flops": flops, "seconds": seconds, "floor_s": sum(seconds.values()), "gemm_gflops": gemm_rate / 1e9,
-            "gemm_bound_s": total / gemm_rate, "tflop": total / 1e12,
-            "fastest": {k: sorted(v) for k, v in fastest.items()}, "by_backend": by_backend}  # fmt: skip
+            "gemm_bound_s": total / gemm_rate, "tflop": total / 1e12}  # fmt: skip
 
 
 def _merge_reads(root: Path, k: int, suffix: str = ""):
@@ -162,12 +137,9 @@ def io_floor(root: Path, k: int, suffix: str = "") -> dict:
     Every Gram the merge reads (from ``s{i}{suffix}``, as stored: float64, or float32 for ``-f32``; k / v Grams
     that are recorded as q's ``same_input`` are not read) and every tensor of the K models, each read into one
     reused buffer with the library's own reader (``preadv``, split across threads); then the output's bytes
-    written once and fsynced, the faster of buffered ``pwrite`` and ``O_DIRECT`` (the merge writes its large
-    tensors directly: :mod:`symfuse.io.direct`). No conversion, no arithmetic: what any implementation reading
-    these files and writing the result must pay.
+    written once with buffered ``pwrite`` and fsynced, as the merge writes. No conversion, no arithmetic: what any
+    implementation reading these files and writing the result must pay.
     """
-    import os
-
     from symfuse.io import BufferPool, TensorFile, parallel_reads
 
     pool = BufferPool()
@@ -180,43 +152,24 @@ def io_floor(root: Path, k: int, suffix: str = "") -> dict:
     mmap_s = time.perf_counter() - t
     with TensorFile(root / "m0" / "model.safetensors") as tf:
         out = sum(t.nbytes for t in tf.header.tensors.values())
-    buffered_s = _write_floor(root, out, direct=False)
-    direct_s = _write_floor(root, out, direct=True) if hasattr(os, "O_DIRECT") else math.inf
     return {"read_s": min(read_s, mmap_s), "preadv_s": read_s, "mmap_s": mmap_s, "read_gb": nbytes / 1e9,
-            "mmap_gb": mapped / 1e9, "write_s": min(buffered_s, direct_s), "buffered_write_s": buffered_s,
-            "direct_write_s": direct_s, "write_gb": out / 1e9}  # fmt: skip
+            "mmap_gb": mapped / 1e9, "write_s": _write_floor(root, out), "write_gb": out / 1e9}  # fmt: skip
 
 
-def _write_floor(root: Path, nbytes: int, direct: bool) -> float:
-    """Seconds to write ``nbytes`` to a new file under ``root`` and fsync it: buffered ``pwrite``, or ``O_DIRECT``
-    from one page-aligned 64 MiB buffer (the file is cut to size after; inf where the file system refuses)."""
-    import mmap
+def _write_floor(root: Path, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` to a new file under ``root`` with buffered ``pwrite`` from one 64 MiB buffer
+    and fsync it."""
     import os
     import tempfile
 
-    buf = mmap.mmap(-1, 1 << 26)  # page-aligned
-    view = memoryview(buf)
-    try:
-        with tempfile.NamedTemporaryFile(dir=root, suffix=".io") as fh:
-            fd = os.open(fh.name, os.O_WRONLY | os.O_DIRECT) if direct else fh.fileno()
-            try:
-                t = time.perf_counter()
-                done = 0
-                while done < nbytes:
-                    n = min(len(buf), nbytes - done)
-                    done += os.pwrite(fd, view[: -(-n // 4096) * 4096 if direct else n], done)
-                if direct:
-                    os.ftruncate(fd, nbytes)
-                os.fsync(fd)
-                return time.perf_counter() - t
-            except OSError:
-                return math.inf
-            finally:
-                if direct:
-                    os.close(fd)
-    finally:
-        view.release()
-        buf.close()
+    view = memoryview(bytearray(1 << 26))
+    with tempfile.NamedTemporaryFile(dir=root, suffix=".io") as fh:
+        t = time.perf_counter()
+        done = 0
+        while done < nbytes:
+            done += os.pwrite(fh.fileno(), view[: min(len(view), nbytes - done)], done)
+        os.fsync(fh.fileno())
+        return time.perf_counter() - t
 
 
 def _touch_inputs(root: Path, k: int, suffix: str = "") -> int:

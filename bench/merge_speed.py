@@ -106,7 +106,6 @@ def setup(root: Path, k: int) -> None:
 VARIANTS = {  # name -> (stats folder suffix, merge params)
     "regmean float64": ("", {"dtype": "float64"}),
     "regmean float32": ("", {"dtype": "float32"}),
-    "regmean float32, torch linalg": ("", {"dtype": "float32", "linalg": "torch"}),
     "regmean float32 bf16": ("", {"dtype": "float32", "delta_dtype": "bfloat16"}),
     "regmean float32 auto": ("", {"dtype": "float32", "delta_dtype": "auto"}),
     "regmean float32, f32 Grams": ("-f32", {"dtype": "float32"}),
@@ -136,10 +135,8 @@ def one(root: Path, variant: str, k: int) -> dict:
         stats = [s / "gram.safetensors" for s in stats]
     shutil.rmtree(out, ignore_errors=True)  # the merge into a fresh folder: deleting an old result is not timed
     # transformers' config machinery (1-3 s here) is imported once per process, as the interpreter is started
-    # once: a worker that merges again pays it once. So are scipy's LAPACK / BLAS wrappers (0.1-0.2 s; the merge's
-    # linalg backend, imported on first use). Imported before the clock starts and reported beside it.
+    # once: a worker that merges again pays it once. Imported before the clock starts and reported beside it.
     t = time.perf_counter()
-    import scipy.linalg  # noqa: F401
     from transformers import AutoConfig
 
     AutoConfig.from_pretrained(str(root / "m0"))
@@ -243,11 +240,10 @@ def ratio_table(args: argparse.Namespace, child) -> None:
     variants = args.variants if args.variants != list(VARIANTS) else ["regmean float32"]
     k = max(args.ks)
     for variant in variants:
-        ratios, rss, secs, floors, ios, full, imports, torch_floors = [], [], [], [], [], [], [], []
+        ratios, rss, secs, floors, ios, full, imports = [], [], [], [], [], [], []
         for i in range(args.rounds):
             f = json.loads(child("--job", "floor"))[str(k)]
             floor = f["floor_s"]
-            torch_floors.append(f["by_backend"]["torch"])
             io = json.loads(child("--job", "iofloor", f"--suffix={VARIANTS[variant][0]}"))[str(k)]  # its own Grams
             r = json.loads(child("--one", variant, str(k)))
             ratios.append(r["seconds"] / floor)
@@ -258,11 +254,9 @@ def ratio_table(args: argparse.Namespace, child) -> None:
             full.append(r["seconds"] / (floor + ios[-1]))
             imports.append(r["imports_s"])
             print(f"round {i + 1}: {variant} K={k}: merge {r['seconds']:.1f} s (CPU {r['cpu']:.1f} s), floor "
-                  f"{floor:.1f} s ({f['fastest']} fastest; with torch's primitives only {torch_floors[-1]:.1f} s), "
-                  f"ratio {ratios[-1]:.2f}; I/O {ios[-1]:.1f} s (read {io['read_gb']:.1f} GB in {io['read_s']:.1f} s: "
-                  f"preadv {io['preadv_s']:.1f} s, mapped {io['mmap_s']:.1f} s; write {io['write_gb']:.2f} GB in "
-                  f"{io['write_s']:.2f} s: buffered {io['buffered_write_s']:.2f} s, direct "
-                  f"{io['direct_write_s']:.2f} s), "
+                  f"{floor:.1f} s, ratio {ratios[-1]:.2f}; I/O {ios[-1]:.1f} s (read {io['read_gb']:.1f} GB in "
+                  f"{io['read_s']:.1f} s: preadv {io['preadv_s']:.1f} s, mapped {io['mmap_s']:.1f} s; write "
+                  f"{io['write_gb']:.2f} GB in {io['write_s']:.2f} s), "
                   f"merge / (floor + I/O) {full[-1]:.2f}; (floor + I/O) / floor "
                   f"{(floor + ios[-1]) / floor:.2f}; peak RSS {rss[-1]:.0f} MiB; imports before the clock "
                   f"{imports[-1]:.1f} s", flush=True)  # fmt: skip
@@ -273,11 +267,11 @@ def ratio_table(args: argparse.Namespace, child) -> None:
         floor_io = [(f_ + io_) / f_ for f_, io_ in zip(floors, ios, strict=True)]
         print(
             "\n| merge | K | merge s | floor s | merge / floor | I/O s | merge / (floor + I/O) | (floor + I/O) / floor "
-            "| floor with torch's primitives s | peak RSS MiB | imports s (not timed) | fastest merge / fastest floor |"
+            "| peak RSS MiB | imports s (not timed) | fastest merge / fastest floor |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         print(f"| {variant} | {k} | {med(secs, '.1f')} | {med(floors, '.1f')} | {med(ratios, '.2f')} | "
-              f"{med(ios, '.1f')} | {med(full, '.2f')} | {med(floor_io, '.2f')} | {med(torch_floors, '.1f')} | "
+              f"{med(ios, '.1f')} | {med(full, '.2f')} | {med(floor_io, '.2f')} | "
               f"{med(rss, '.0f')} | {med(imports, '.1f')} | {min(secs) / min(floors):.2f} |")  # fmt: skip
 
 

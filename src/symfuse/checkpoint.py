@@ -391,7 +391,6 @@ def write_checkpoint(
     extra_files: Mapping[str, bytes] | None = None,
     shard_bytes: int = 2 * 1024**3,
     overwrite: bool = False,
-    hand_over: bool = False,
 ) -> Path:
     """Write a copy of ``reader``'s checkpoint with some tensors replaced, streaming and atomically.
 
@@ -404,9 +403,6 @@ def write_checkpoint(
         extra_files: More files to write into the folder (name -> bytes).
         shard_bytes: Largest shard size; more than one shard writes an index file.
         overwrite: Replace an existing ``out``.
-        hand_over: Neither ``replace`` nor anyone else changes a tensor once it is returned (and read ones are
-            never changed): large tensors are copied to the disk by the writer's thread while the next is made
-            (:meth:`symfuse.io.planned.PlannedFile.write`).
 
     Returns:
         The written folder.
@@ -439,7 +435,7 @@ def write_checkpoint(
                         "and bool tensors are never transformed — store it as a float tensor or leave it out of "
                         "the transform"
                     )
-                plan.write(name, new, hand_over=hand_over)
+                plan.write(name, new)
             plan.finish()
         finally:
             plan.close()

@@ -131,7 +131,7 @@ def test_image_installs_what_bootstrap_installs(name):
     assert ("WORKDIR", "/opt/symfuse") in ops
     # the assignment kernels are C, built by pip (optional there): the image needs a compiler and checks the build
     assert any("apt-get install" in args and " gcc" in args for op, args in ops if op == "RUN")
-    assert any("lapcore.LIB" in args for op, args in ops if op == "RUN")
+    assert any("native.LIB" in args for op, args in ops if op == "RUN")
     env = " ".join(args for op, args in ops if op == "ENV")
     assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120" in env
     assert "SYMFUSE_DATASETS=" in env

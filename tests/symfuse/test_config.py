@@ -79,6 +79,7 @@ def test_minimal_yaml_gets_defaults(tmp_path):
         ({"regmean_alpha": 1.5}, "regmean_alpha: Input should be less than or equal to 1"),
         ({"merge_params": {"regmean": {"alpha": 1.5}}}, r"merge_params\.regmean\.alpha: Input should be less than"),
         ({"merge_params": {"regmean": {"alhpa": 0.5}}}, "alhpa: not a parameter of strategy regmean — choose from"),
+        ({"merge_params": {"regmean": {"linalg": "scipy"}}}, r"regmean\.linalg: no longer a parameter .* remove it"),
         (
             {"merge_params": {"dare": {"density": 0.5}}},
             r"dare is not in strategies \['simple', 'fisher', 'regmean', 'ties'\]",

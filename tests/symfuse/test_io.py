@@ -419,43 +419,29 @@ def test_a_file_settles_after_its_file_systems_clock_granularity(monkeypatch):
     assert at(coarse, coarse + 1_000_000_000) is None and at(coarse, coarse + 2_000_000_000) is not None
 
 
-def test_planned_file_hands_large_tensors_to_the_disk_as_they_are_written(tmp_path, monkeypatch):
-    """Each tensor of WRITEBACK_BYTES or more starts its writeback at once, over exactly its bytes; the file is
-    still byte-identical to save_file's; small tensors wait for the fsync."""
-    from symfuse.io import planned
+def test_planned_file_row_blocks_from_several_threads_give_the_bytes_save_file_writes(tmp_path):
+    """Blocks of rows of one tensor written concurrently (as the match pipeline's workers do): identical file."""
+    import threading
 
-    calls = []
-    real = planned.start_writeback
+    from symfuse.io.planned import PlannedFile
 
-    def record(fd, offset, nbytes):
-        ok = real(fd, offset, nbytes)
-        calls.append((offset, nbytes, ok))
-        return ok
-
-    monkeypatch.setattr(planned, "WRITEBACK_BYTES", 4096)
-    monkeypatch.setattr(planned, "start_writeback", record)
-    tensors = {"big": torch.randn(64, 32), "small": torch.randn(3)}  # 8192 and 12 bytes
+    g = torch.Generator().manual_seed(0)
+    tensors = {  # odd sizes and several dtypes: tensors start and end off any alignment
+        "a": torch.randn(1001, 7, generator=g),
+        "b": torch.randn(3, generator=g),
+        "c": torch.randn(2049, 5, generator=g).to(torch.bfloat16),
+        "d": torch.randn(4096 * 3 + 5, generator=g, dtype=torch.float64),
+    }
     layout = {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
-    pf = planned.PlannedFile(tmp_path / "x.safetensors", layout, {"format": "pt"})
-    pf.write("small", tensors["small"])
-    assert calls == []
-    pf.write("big", tensors["big"])
+    pf = PlannedFile(tmp_path / "x.safetensors", layout, {"format": "pt"})
+    jobs = [("a", r, tensors["a"][r : r + 300]) for r in range(0, 1001, 300)]
+    jobs += [("c", r, tensors["c"][r : r + 700]) for r in range(0, 2049, 700)]
+    jobs += [("b", 0, tensors["b"]), ("d", 0, tensors["d"])]
+    threads = [threading.Thread(target=pf.write, args=(n, t, r)) for n, r, t in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     pf.finish()
     save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
-    raw = (tmp_path / "x.safetensors").read_bytes()
-    assert raw == (tmp_path / "ref.safetensors").read_bytes()
-    header = read_header(tmp_path / "x.safetensors")
-    begin, end = header.tensors["big"].begin, header.tensors["big"].end
-    assert [(o, n) for o, n, _ in calls] == [(begin, end - begin)]
-    assert calls[0][2] is sys.platform.startswith("linux")  # the kernel took the request where it exists
-
-
-def test_start_writeback_never_raises(tmp_path):
-    """A closed descriptor is simply not written back (durability is the fsync's job, which reports errors)."""
-    from symfuse.io.planned import start_writeback
-
-    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
-    os.write(fd, b"x" * 10)
-    assert start_writeback(fd, 0, 10) is sys.platform.startswith("linux")
-    os.close(fd)
-    assert start_writeback(fd, 0, 10) is False
+    assert (tmp_path / "x.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()

@@ -6,7 +6,6 @@ command line) adds the traceback and debug logging.
 """
 
 import logging
-import sys
 
 import typer
 
@@ -36,8 +35,4 @@ def main() -> None:
     # Command modules register themselves on `app` when imported.
     from symfuse.cli import commands  # noqa: F401
 
-    if next((a for a in sys.argv[1:] if not a.startswith("-")), None) == "match":
-        from symfuse.runtime import map_large_allocations
-
-        map_large_allocations()  # a process that only matches: freed module copies leave RSS at once
     app(prog_name="symfuse")

@@ -8,22 +8,14 @@ it is ready: nothing waits in memory for its shard to fill. The bytes are exactl
 The files are written where the caller says (a temporary folder that is renamed into place when everything
 succeeded, see :func:`symfuse.outputs.atomic_output_dir`); a file is fsynced by the thread that writes its last
 tensor, and :meth:`PlannedFile.finish` refuses a file with a tensor missing. Write errors name the file.
-
-On local disk file systems the aligned middle of every large tensor is written around the page cache
-(:mod:`symfuse.io.direct`, from a background thread; ``direct=False`` turns it off). Any other tensor of
-:data:`WRITEBACK_BYTES` or more is handed to the disk as soon as it is written (:func:`start_writeback`), so the disk
-writes while the caller computes the next tensors and the final ``fsync`` waits only for the last ones (stop 18's
-profile of a roberta-base-sized merge: 0.7 s in that ``fsync``; see bench/results/merge_speed.md).
+Writes are plain buffered ``pwrite`` calls in the calling thread.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import os
 import struct
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,10 +24,8 @@ from typing import Any
 import torch
 
 from symfuse.errors import CheckpointError
-from symfuse.io.direct import DirectWriter
 from symfuse.io.folder import WEIGHTS, WEIGHTS_INDEX
 from symfuse.io.safetensors import DTYPES, write_error
-from symfuse.runtime import libc_function
 
 _NAMES = {v: k for k, v in DTYPES.items()}
 # safetensors writes tensors by dtype (this order: its Rust enum, largest first), then by name
@@ -43,30 +33,6 @@ _RANK = {
     n: i
     for i, n in enumerate(("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL"))
 }
-
-
-WRITEBACK_BYTES = 1 << 20  # tensors this large start their writeback at once (smaller ones wait for the fsync)
-_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, do not wait for it
-
-
-@functools.cache
-def _sync_file_range() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    return libc_function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint))
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
-    """Ask the kernel to start writing bytes ``[offset, offset + nbytes)`` of ``fd`` to disk now, without waiting.
-
-    Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere (or if it fails) nothing happens. It guarantees
-    nothing: durability still comes from ``fsync``, which also reports any write error.
-
-    Returns:
-        Whether the kernel accepted the request.
-    """
-    fn = _sync_file_range()
-    return fn is not None and fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
@@ -83,8 +49,6 @@ class PlannedFile:
         file: Destination (created or truncated; its size is set at once).
         layout: ``{name: (dtype, shape)}`` of every tensor the file will hold.
         metadata: String metadata (``__metadata__``).
-        direct: Write large tensors around the page cache where the file system allows it
-            (:mod:`symfuse.io.direct`; its bounce buffers add 4 MiB to the writer's memory).
     """
 
     def __init__(
@@ -92,7 +56,6 @@ class PlannedFile:
         file: str | os.PathLike,
         layout: Mapping[str, tuple[torch.dtype, Sequence[int]]],
         metadata: Mapping[str, str] | None = None,
-        direct: bool = True,
     ):
         self.path = Path(file)
         order = sorted(layout, key=lambda n: (_RANK[_NAMES[layout[n][0]]], n.encode()))
@@ -115,7 +78,6 @@ class PlannedFile:
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self._fd, self.size)
-        self._direct = DirectWriter(self.path, self._pwrite, direct)  # large tensors' aligned middles
         self._pwrite(struct.pack("<Q", len(text)) + text, 0)
 
     def _pwrite(self, data: memoryview | bytes, offset: int) -> None:
@@ -127,26 +89,8 @@ class PlannedFile:
         except OSError as exc:  # pwrite's errors name no file
             raise write_error(self.path, exc.errno, exc.strerror) from exc
 
-    def _store(self, view: memoryview, offset: int, owner: object = None) -> None:
-        """Bytes ``view`` at ``offset``: the aligned middle of a large range directly, the rest buffered.
-
-        ``owner``: the memory is handed over to the direct writer (see :meth:`DirectWriter.write`).
-        """
-        a, b = self._direct.middle(offset, len(view))
-        if b > a:
-            self._direct.write(view[a - offset : b - offset], a, owner)  # queued for the disk
-            self._pwrite(view[: a - offset], offset)  # the unaligned ends
-            self._pwrite(view[b - offset :], b)
-            return
-        self._pwrite(view, offset)
-        if len(view) >= WRITEBACK_BYTES:
-            start_writeback(self._fd, offset, len(view))
-
-    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0, *, hand_over: bool = False) -> None:
+    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
         """Store ``tensor`` (all of ``name``, or its rows from ``first_row`` on) at its place in the file.
-
-        ``hand_over``: the caller will not change ``tensor`` until the file is finished, so its large middle is
-        copied out by the writer thread while the caller goes on (it is kept alive until then).
 
         Raises:
             CheckpointError: an unknown name, a dtype / shape other than planned, or rows past the end.
@@ -168,9 +112,7 @@ class PlannedFile:
         nbytes = t.numel() * t.element_size()
         if nbytes:
             offset = begin + (first_row * (size // shape[0]) if shape else 0)
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            copied = t.data_ptr() != tensor.data_ptr()  # contiguous() made our own copy
-            self._store(view, self._data + offset, t if hand_over or copied else None)
+            self._pwrite(memoryview(t.reshape(-1).view(torch.uint8).numpy()), self._data + offset)
         with self._lock:
             self._written[name] = self._written.get(name, 0) + nbytes
             if self._written[name] >= size:
@@ -179,10 +121,8 @@ class PlannedFile:
             self._synced = self._synced or complete
         if complete:  # the last tensor: flush now, in the writing thread, not in finish()
             self._fsync()
-            self._direct.close()  # its thread and buffers: a checkpoint's shards are written one after another
 
     def _fsync(self) -> None:
-        self._direct.flush()  # the queued direct writes first (raises their error, naming the file)
         try:
             os.fsync(self._fd)
         except OSError as exc:  # fsync's errors name no file either
@@ -205,8 +145,6 @@ class PlannedFile:
         """Close the descriptor (idempotent; the file stays as written so far)."""
         if not hasattr(self, "_fd"):  # the constructor failed before opening it
             return
-        if hasattr(self, "_direct"):
-            self._direct.close()
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)
@@ -243,10 +181,9 @@ class PlannedCheckpoint:
         reader: The checkpoint copied (a :class:`symfuse.checkpoint.CheckpointReader`).
         out: Folder to write into (a temporary folder the caller publishes).
         shard_bytes: Largest shard size.
-        direct: Large tensors around the page cache (see :class:`PlannedFile`).
     """
 
-    def __init__(self, reader: Any, out: Path, shard_bytes: int, direct: bool = True):
+    def __init__(self, reader: Any, out: Path, shard_bytes: int):
         self.out = out
         self.shards = plan_shards(reader, shard_bytes)
         single = len(self.shards) == 1
@@ -261,17 +198,16 @@ class PlannedCheckpoint:
                     layout[n] = (info.dtype, info.shape)
                     self.dtype[n] = info.dtype
                 name = WEIGHTS if single else f"model-{i:05d}.safetensors"
-                pf = PlannedFile(out / name, layout, {"format": "pt"}, direct)
+                pf = PlannedFile(out / name, layout, {"format": "pt"})
                 self.files.append(pf)
                 self.file_of.update(dict.fromkeys(names, pf))
         except BaseException:
             self.close()
             raise
 
-    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0, *, hand_over: bool = False) -> None:
-        """Store (rows of) one tensor, converted to its stored dtype (``hand_over``: see :meth:`PlannedFile.write`)."""
-        stored = tensor.to(self.dtype[name])
-        self.file_of[name].write(name, stored, first_row, hand_over=hand_over or stored is not tensor)
+    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
+        """Store (rows of) one tensor, converted to its stored dtype."""
+        self.file_of[name].write(name, tensor.to(self.dtype[name]), first_row)
 
     def finish(self) -> None:
         """Check and flush every shard to disk; write the index (several shards)."""

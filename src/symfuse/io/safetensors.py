@@ -24,7 +24,7 @@ import os
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,9 +239,6 @@ class BufferPool:
         self._bufs.clear()
 
 
-Allocator = Callable[[Sequence[int], torch.dtype], torch.Tensor]
-
-
 class TensorFile:
     """Tensors of one safetensors file read with ``os.preadv`` into private memory (see the module docstring).
 
@@ -337,25 +334,23 @@ class TensorFile:
             raise ValueError(f"{self.path}: {name!r} has no {out.dtype} elements {first}:{first + out.numel()}")
         return self.read_into(out, info.begin + first * out.element_size(), name)
 
-    def get(
-        self, name: str, pool: BufferPool | None = None, slot: str = "", alloc: Allocator | None = None
-    ) -> torch.Tensor:
-        """One tensor in new memory (``alloc(shape, dtype)``, default ``torch.empty``) or ``pool``'s ``slot``."""
+    def get(self, name: str, pool: BufferPool | None = None, slot: str = "") -> torch.Tensor:
+        """One tensor in new memory or ``pool``'s ``slot``."""
         info = self.info(name)
         if pool is not None:
             out = pool.take(slot or "read", info.shape, info.dtype)
         else:
-            out = (alloc or _empty)(info.shape, info.dtype)
+            out = torch.empty(info.shape, dtype=info.dtype)
         return self.read_into(out, info.begin, name)
 
-    def get_rows(self, name: str, lo: int, hi: int, alloc: Allocator | None = None) -> torch.Tensor:
+    def get_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo:hi`` (first axis) of a stored tensor, reading only their bytes."""
         info = self.info(name)
         if not info.shape:
-            return self.get(name, alloc=alloc)
+            return self.get(name)
         lo, hi = max(0, lo), min(info.shape[0], hi)
         row = math.prod(info.shape[1:]) * info.dtype.itemsize
-        out = (alloc or _empty)((max(0, hi - lo), *info.shape[1:]), info.dtype)
+        out = torch.empty((max(0, hi - lo), *info.shape[1:]), dtype=info.dtype)
         return self.read_into(out, info.begin + lo * row, name)
 
     def close(self) -> None:
@@ -376,10 +371,6 @@ class TensorFile:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def _empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(tuple(shape), dtype=dtype)
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

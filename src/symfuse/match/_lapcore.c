@@ -1,7 +1,8 @@
 /* Kernels of the certified sparse assignment (see symfuse/match/assignment.py for the maths).
  *
- * Plain C99, no Python API: loaded with ctypes (which releases the GIL during the call, so matching threads run
- * these in parallel). The cost matrix is float32, row-major, n x n; every index is int64.
+ * Plain C99, no Python API: loaded with ctypes by symfuse/native.py, which holds a torch version of each kernel
+ * (ctypes releases the GIL during the call, so matching threads run these in parallel). The cost matrix is
+ * float32, row-major, n x n; every index is int64.
  */
 #include <math.h>
 #include <stdint.h>

@@ -24,7 +24,7 @@ from symfuse.errors import CheckpointError
 from symfuse.io import rows_per_block
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.forward import plain_forward_supported
-from symfuse.match.reading import PreadSource, trim_heap
+from symfuse.match.reading import PreadSource
 from symfuse.match.verify import (
     VERIFY_MODES,
     StreamedReference,
@@ -259,7 +259,6 @@ def assemble_matched(
         cache.update(src.spec.write_module(new, ref, src.config, src.prefix))
         del new
         src.close()  # unmap what the writer read so far
-        trim_heap()
         return cache.pop(name)
 
     report: dict[str, Any] = {
@@ -315,7 +314,6 @@ def match_all_modules(
         _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
         out = match_module_weights(ref, s, a, src.geometry, symmetries, timings)
         del s, a
-        trim_heap()  # keeps peak RSS flat in depth (see trim_heap)
         return out
 
     def one_single_threaded(ref: ModuleRef) -> ModuleTransform:

@@ -27,7 +27,7 @@ from symfuse.errors import CheckpointError
 from symfuse.io import rows_per_block
 from symfuse.io.planned import PlannedCheckpoint
 from symfuse.match.closed_form import torch_threads
-from symfuse.match.reading import PreadSource, trim_heap
+from symfuse.match.reading import PreadSource
 from symfuse.match.verify import check_module_transform, is_exact, module_invariants
 from symfuse.match.weights import match_module_weights
 from symfuse.symmetry.transforms import ModuleTransform
@@ -154,9 +154,7 @@ def match_and_write(
     rest = [n for n in src.names() if n not in owner]
     anc_names = {_strip(n, anc.prefix): n for n in anc.names()}
     anc_of = {n: anc_names[_strip(n, src.prefix)] for n in rest if _strip(n, src.prefix) in anc_names}
-    # buffered writes: the workers write while matching, and direct writes' bounce buffers measured +20 MiB of peak
-    # RSS here (roberta-base, 488 vs 464 MiB) for no time (command - match 0.73 vs 0.72 s; stop 23)
-    plan = PlannedCheckpoint(src, out, shard_bytes, direct=False)
+    plan = PlannedCheckpoint(src, out, shard_bytes)
     src_io, anc_io = PreadSource(src), PreadSource(anc)
     results: dict[str, tuple[ModuleTransform, float, float]] = {}
     rest_sq: dict[str, float] = {}
@@ -172,7 +170,6 @@ def match_and_write(
         t0 = time.perf_counter()
         before = module_sq_distance(s, a)
         del a  # at most two copies of the module per worker, as while matching: the anchor is read again below
-        trim_heap()
         t0 = tick("distance", t0)
         # a soft (OT) map changes the module's function by design; otherwise the invariants are taken now, so
         # the source module is freed before the transformed one is checked (one module copy while checking)
@@ -180,7 +177,6 @@ def match_and_write(
         t0 = tick("check", t0)
         new = mt.apply(s)
         del s
-        trim_heap()
         t0 = tick("apply", t0)
         if before_inv is not None:
             check_module_transform(ref, before_inv, new, src.geometry, mt, where)
@@ -195,7 +191,6 @@ def match_and_write(
                 plan.write(name, t)
         del new
         tick("write", t0)
-        trim_heap()
         results[ref.key] = (mt.to("cpu"), before, after)
 
     def job(item: ModuleRef | None) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
-from symfuse.match import lapcore
+from symfuse import native
 
 _ROLES = (("up", False), ("up_bias", False), ("gate", False), ("gate_bias", False), ("down", True))
 
@@ -64,13 +64,8 @@ def _row_sqdist(
         s, a = src[role], anc[role]
         if s.dim() == 1:
             total += (s.to(f32) - a[cols].to(f32)).square().double()
-        elif transposed and lapcore.LIB is not None and s.dtype == a.dtype == f32 and s.stride(1) == a.stride(1) == 1:
-            lapcore.sqdist_columns(s, a, cols, total)  # row by row: no strided column gather
         elif transposed:  # (d, n): neurons are columns
-            step = max(1, chunk // n)
-            for r in range(0, d, step):
-                diff = s[r : r + step].to(f32) - a[r : r + step][:, cols].to(f32)
-                total += diff.square().sum(0).double()
+            native.sqdist_columns(s, a, cols, total, chunk)
         else:
             step = max(1, chunk // d)
             for i in range(0, n, step):
@@ -164,11 +159,7 @@ def certified_nearest(
             j = min(i + chunk, hi)
             # (rows, n) |a_j|² - 2 <s_i, a_j>: the sketch dist² less the row constant |s_i|² (same row order)
             d2 = torch.addmm(na[None, :], ps[i:j], pat, alpha=-2)
-            if lapcore.LIB is not None and n >= 2:
-                best[i:j], second[i:j] = lapcore.row_two_smallest(d2)
-            else:
-                vals, idx = torch.topk(d2, 2, dim=1, largest=False)
-                best[i:j], second[i:j] = idx[:, 0], vals[:, 1]
+            best[i:j], second[i:j] = native.row_two_smallest(d2)
             second[i:j] += ns[i:j]
 
     def certified(lo: int, hi: int) -> torch.Tensor:

@@ -23,7 +23,6 @@ import torch
 
 from symfuse.arch import Geometry, ModuleRef
 from symfuse.match.closed_form import assign_max, fit_rotation_scale
-from symfuse.match.reading import empty_hugepages
 from symfuse.match.sketch import certified_nearest
 from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, compatible_kinds, kinds_for, module_kind_names
 from symfuse.symmetry.transforms import (
@@ -255,9 +254,7 @@ def ffn_similarity(src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tens
     column, so they do not change the optimum).
     """
     f32 = torch.float32
-    n, device = src["up"].shape[0], src["up"].device
-    buf = empty_hugepages((n, n)) if device.type == "cpu" else torch.empty(n, n, dtype=f32, device=device)
-    sim = torch.matmul(src["up"].to(f32), anc["up"].to(f32).T, out=buf)  # (d_ffn, d_ffn)
+    sim = torch.matmul(src["up"].to(f32), anc["up"].to(f32).T)  # (d_ffn, d_ffn)
     if "gate" in src:
         sim.addmm_(src["gate"].to(f32), anc["gate"].to(f32).T)
     for b in ("up_bias", "gate_bias"):

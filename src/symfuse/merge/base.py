@@ -164,10 +164,6 @@ class Merger:
     # sum with its weight, 0 included): merge_checkpoints then reads the inputs unchecked and checks them only
     # when the output is not finite, to name the file. Mergers that select or drop entries (TIES, DARE) keep False.
     propagates_nonfinite: ClassVar[bool] = False
-    # True when merge_tensor returns tensors in new memory that it never touches again (nor a view of an input):
-    # merge_checkpoints then hands them to the checkpoint writer, whose thread copies them to the disk while the
-    # next tensor is merged. False keeps the copy in the merging thread (a merger reusing output buffers is safe).
-    fresh_outputs: ClassVar[bool] = False
     Params: ClassVar[type[MergeParams]] = MergeParams
 
     def __init__(self, **params: Any):

@@ -303,8 +303,6 @@ def merge_checkpoints(
             )
         if not on_cpu:
             return merged.cpu()
-        if merger.fresh_outputs and merged is not first and pool.holds(merged):  # handed over: never a pool's
-            return merged.clone()
         return merged
 
     def _merge_one(name: str, first: torch.Tensor, rows: bool, deferred: bool) -> torch.Tensor:
@@ -359,8 +357,7 @@ def merge_checkpoints(
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         try:
             with parallel_reads():  # the merge's reads run between its BLAS calls: the cores are free
-                write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True,
-                                 hand_over=merger.fresh_outputs)  # fmt: skip
+                write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True)
         finally:
             merger.close()
         if union is not None:  # the merged head learned every class some model learned

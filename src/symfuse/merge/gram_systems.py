@@ -26,7 +26,6 @@ import torch
 from symfuse.errors import NonFiniteError
 from symfuse.io import BufferPool
 from symfuse.merge.base import Chunks, LazyTensors, chunk_buffer, chunked_sum, spans
-from symfuse.merge.linalg import Backend, resolve
 from symfuse.merge.regmean import GramSystem, factor_system, scale_gram, system_weights
 
 log = logging.getLogger(__name__)
@@ -52,13 +51,11 @@ def build_system(
     dtype: torch.dtype = torch.float64,
     pool: BufferPool | None = None,
     raw_pool: BufferPool | None = None,
-    linalg: Backend = "auto",
 ) -> GramSystem:
     """The factored system of K Grams (see :func:`symfuse.merge.regmean.gram_system`; same arguments, result).
 
     ``raw_pool`` (default ``pool``) holds Grams that cannot be read in spans (whole, one buffer per model; see
-    :class:`~symfuse.merge.base.Chunks`), ``pool`` the system itself. ``linalg``: the factor's backend
-    (:mod:`symfuse.merge.linalg`).
+    :class:`~symfuse.merge.base.Chunks`), ``pool`` the system itself.
 
     Raises:
         ValueError: a bad alpha, non-square Grams or Grams of different sizes.
@@ -146,4 +143,4 @@ def build_system(
         g_ref = _load(grams, ref, raw_pool, "gram.raw").to(dtype, copy=True)
         out.copy_(scale_gram(g_ref, alpha)).mul_(sum(mw))
 
-    return factor_system(summed, diffs, mw, ref, pool, reference_part, resolve(linalg))
+    return factor_system(summed, diffs, mw, ref, pool, reference_part)

@@ -80,6 +80,10 @@ def unregister_merger(name: str) -> None:
     MERGERS.unregister(name)
 
 
+# Parameters that were removed, with why: an older run config or merge file still carrying one is refused by name.
+RETIRED_PARAMS = {"linalg": "RegMean's BLAS / LAPACK vendor switch was removed; it always uses torch's"}
+
+
 def merger_params(strategy: str, values: Mapping[str, Any], label: Callable[[str], str] = str) -> BaseModel:
     """``values`` validated as ``strategy``'s typed parameters.
 
@@ -96,6 +100,9 @@ def merger_params(strategy: str, values: Mapping[str, Any], label: Callable[[str
         ValueError: one line naming the first bad parameter, what is wrong and the fix.
     """
     params = MERGERS[strategy].Params
+    for key in values:
+        if key in RETIRED_PARAMS and key not in params.model_fields:
+            raise ValueError(f"{label(key)}: no longer a parameter ({RETIRED_PARAMS[key]}) — remove it")
     try:
         return params.model_validate(dict(values))
     except ValidationError as exc:

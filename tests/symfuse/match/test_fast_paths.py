@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from symfuse import native
 from symfuse.arch import get_spec
 from symfuse.errors import CheckpointError
-from symfuse.match import lapcore
 from symfuse.match.checkpoints import check_finite
 from symfuse.match.closed_form import procrustes, torch_threads
 from symfuse.match.sketch import _row_sqdist
@@ -58,11 +58,11 @@ def test_torch_threads_restores_the_count():
     assert torch.get_num_threads() == before
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_row_sqdist_equals_the_direct_sum(dtype, native, monkeypatch):
-    if not native:  # float32 down columns go to the compiled kernel when it is built: check the torch path too
-        monkeypatch.setattr(lapcore, "LIB", None)
+def test_chunked_row_sqdist_equals_the_direct_sum(dtype, compiled, monkeypatch):
+    if not compiled:  # float32 down columns go to the compiled kernel when it is built: check the torch path too
+        monkeypatch.setattr(native, "LIB", None)
     g = torch.Generator().manual_seed(2)
     n, d = 50, 7
     src = {
@@ -140,7 +140,7 @@ def test_pread_rows_and_distance_in_row_blocks(tmp_path):
 
     from symfuse.checkpoint import CheckpointReader
     from symfuse.match.checkpoints import _sq_distance_to
-    from symfuse.match.reading import PreadSource, trim_heap
+    from symfuse.match.reading import PreadSource
 
     folder = tmp_path / "m"
     tiny_model("bert", seed=5).save_pretrained(folder)
@@ -156,15 +156,3 @@ def test_pread_rows_and_distance_in_row_blocks(tmp_path):
         for chunk in (1, 50, 1 << 22):
             assert abs(_sq_distance_to(other, source, name, chunk=chunk) - want) <= 1e-9 * want
         assert _sq_distance_to(other[:-1], source, name) is None  # shape mismatch
-    trim_heap()  # callable anywhere (no-op without glibc)
-
-
-@pytest.mark.parametrize("shape", [(64, 3072), (7, 19), (5, 2), (3, 9)])
-def test_compiled_row_two_smallest_equals_topk(shape):
-    g = torch.Generator().manual_seed(3)
-    for m in (torch.randn(shape, generator=g), torch.randint(0, 3, shape, generator=g).float()):  # ties too
-        best, second = lapcore.row_two_smallest(m)
-        assert torch.equal(best, m.argmin(1))  # first column on ties, as argmin
-        assert torch.equal(second, m.sort(1).values[:, 1])
-    with pytest.raises(ValueError, match="2 columns"):
-        lapcore.row_two_smallest(torch.zeros(3, 1))

@@ -76,6 +76,23 @@ def test_regmean_checkpoint_matches_closed_form_and_averages_the_rest(tmp_path):
         torch.testing.assert_close(got[plain], (ws[0][plain] + ws[1][plain]) / 2)
 
 
+def test_an_output_in_a_reused_buffer_is_written_before_the_buffer_is_reused(copies, tmp_path, monkeypatch):
+    """A merger returning the merge pool's memory (overwritten by the next tensor) still gives the right files."""
+    from symfuse.merge.regmean import RegMeanMerger
+
+    folders, stats, _ = copies
+    want = merge_checkpoints("regmean", folders, tmp_path / "want", stats=stats, dtype="float32")
+    plain = RegMeanMerger.merge_tensor
+
+    def reused(self, t):
+        out = plain(self, t)
+        return self.pool.take("the-same-slot", out.shape, out.dtype).copy_(out)
+
+    monkeypatch.setattr(RegMeanMerger, "merge_tensor", reused)
+    got = merge_checkpoints("regmean", folders, tmp_path / "got", stats=stats, dtype="float32")
+    assert (got / "model.safetensors").read_bytes() == (want / "model.safetensors").read_bytes()
+
+
 def _labelled(folder, labels, seed):
     cfg = tiny_config("bert", num_labels=len(labels))
     cfg.id2label = dict(enumerate(labels))

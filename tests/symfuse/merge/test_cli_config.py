@@ -52,6 +52,7 @@ def test_yaml_merge_equals_the_flag_merge_bitwise(models, tmp_path, out_flag):
 BAD = [
     ("unknown-key", "strategy: simple\nmodels: [{a}, {b}]\nmodles: [x]\n", "modles"),
     ("unknown-param", "strategy: simple\nmodels: [{a}, {b}]\nparams: {{alhpa: 0.5}}\n", "params.alhpa"),
+    ("retired-param", "strategy: regmean\nmodels: [{a}, {b}]\nparams: {{linalg: scipy}}\n", "params.linalg: no longer"),
     ("wrong-type", "strategy: simple\nmodels: [{a}, {b}]\nweights: [1, heavy]\n", "weights.1"),
     ("bad-strategy", "strategy: nosuch\nmodels: [{a}, {b}]\n", "strategy"),
     ("one-model", "strategy: simple\nmodels: [{a}]\n", "models"),

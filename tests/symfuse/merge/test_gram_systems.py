@@ -38,7 +38,7 @@ def test_one_pass_system_is_the_closed_form(alpha, weights, dtype):
     ref = max(range(3), key=weights.__getitem__)
     s = sum(c * _scaled(g, alpha) for c, g in zip(weights, grams, strict=True))
     tol = 1e-12 if dtype == torch.float64 else 2e-6
-    factor = got.factor.lower.double()
+    factor = got.factor.tril().double()
     torch.testing.assert_close(factor @ factor.T, s, rtol=tol, atol=tol)
     assert got.ref == ref
     for i, (d, c) in enumerate(zip(got.diffs, weights, strict=True)):
@@ -233,7 +233,7 @@ def test_differences_of_close_grams_are_taken_before_rounding(stored, dtype):
         err = float((got.diffs[i].double() - want).abs().max() / want.abs().max())
         assert got.diffs[i].dtype == dtype and err < (1e-6 if dtype == torch.float32 else 1e-12), err
     s = sum(c * _scaled(g, alpha) for c, g in zip(weights, exact, strict=True))
-    factor = got.factor.lower.double()
+    factor = got.factor.tril().double()
     tol = 1e-12 if dtype == torch.float64 else 2e-6
     torch.testing.assert_close(factor @ factor.T, s, rtol=tol, atol=tol * float(s.abs().max()))
 
@@ -248,9 +248,9 @@ def test_large_finite_grams_whose_chunk_sums_overflow_float32_still_build(stored
     summed = sum(g.float() for g in grams)
     assert bool(torch.isfinite(summed).all()) and not torch.isfinite(summed.sum())  # S's float32 sum overflows
     got = gs.build_system(grams, None, 0.9, torch.float32)
-    assert got.factor is not None and bool(torch.isfinite(got.factor.lower).all())
+    assert got.factor is not None and bool(torch.isfinite(got.factor.tril()).all())
     s = sum(_scaled(g.double(), 0.9) for g in grams)
-    factor = got.factor.lower.double()
+    factor = got.factor.tril().double()
     torch.testing.assert_close(factor @ factor.T, s, rtol=1e-5, atol=1e-5 * float(s.abs().max()))
 
 
