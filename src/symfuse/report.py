@@ -15,7 +15,6 @@ Records:
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-from symfuse.report_findings import findings_markdown
+from symfuse.report_findings import findings_markdown, to_markdown
 
 log = logging.getLogger(__name__)
 
@@ -153,21 +152,6 @@ def timings_table(timings: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
         tasks=("name", "count"), total_s=("seconds", "sum"), max_s=("seconds", "max")
     )
     return out.sort_values("total_s", ascending=False, ignore_index=True)
-
-
-def to_markdown(df: pd.DataFrame, floatfmt: str = ".4f", index: bool = True) -> str:
-    """A GitHub markdown table of ``df`` (no extra dependency); NaN shows as ``—``."""
-    frame = df.reset_index() if index else df
-
-    def cell(v: Any) -> str:
-        if isinstance(v, float):
-            return "—" if math.isnan(v) else format(v, floatfmt)
-        return str(v)
-
-    header = [str(c) for c in frame.columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join(lines)
 
 
 def _plot_metrics(table: pd.DataFrame, metric: str, file: Path) -> Path:

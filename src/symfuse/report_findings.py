@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 
@@ -131,10 +132,23 @@ def versus_individuals(table: pd.DataFrame) -> VersusIndividuals | None:
     return VersusIndividuals(own=own, individual_mean=mean, best_ood=best, best_ood_model=best_model, merges=out)
 
 
+def to_markdown(df: pd.DataFrame, floatfmt: str = ".4f", index: bool = True) -> str:
+    """A GitHub markdown table of ``df`` (no extra dependency); NaN shows as ``—``."""
+    frame = df.reset_index() if index else df
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return "—" if math.isnan(v) else format(v, floatfmt)
+        return str(v)
+
+    header = [str(c) for c in frame.columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
 def findings_markdown(dist: pd.DataFrame, table: pd.DataFrame, metric: str) -> list[str]:
     """Report lines: the matching verdict, matched minus plain, merges against the individual models."""
-    from symfuse.report import to_markdown
-
     parts: list[str] = []
     effect = matching_effect(dist)
     if effect is not None:

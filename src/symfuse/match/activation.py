@@ -304,7 +304,7 @@ def match_activation_checkpoints(
     from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
     from symfuse.data import make_batches
     from symfuse.io import check_tokenizer
-    from symfuse.match.checkpoints import REPORT_FILE, TRANSFORMS_FILE, check_compatible
+    from symfuse.match.inputs import REPORT_FILE, TRANSFORMS_FILE, check_compatible
     from symfuse.match.written import check_written, write_model
     from symfuse.outputs import atomic_output_dir, check_output
     from symfuse.symmetry.transforms import save_transforms

@@ -24,6 +24,16 @@ from symfuse.errors import CheckpointError
 from symfuse.io import rows_per_block
 from symfuse.match.closed_form import torch_threads
 from symfuse.match.forward import plain_forward_supported
+from symfuse.match.inputs import (  # noqa: F401  (names of this module's interface)
+    REPORT_FILE,
+    RESIDUAL_FILE,
+    TRANSFORMS_FILE,
+    check_compatible,
+    check_finite,
+    check_shapes,
+    read_checked,
+    strip_prefix,
+)
 from symfuse.match.reading import PreadSource
 from symfuse.match.verify import (
     VERIFY_MODES,
@@ -46,31 +56,9 @@ from symfuse.symmetry.transforms import ModuleTransform, load_transforms, save_t
 
 log = logging.getLogger(__name__)
 
-TRANSFORMS_FILE = "transforms.safetensors"
-RESIDUAL_FILE = "residual_permutation.safetensors"
-REPORT_FILE = "symfuse_report.json"
-
 
 def _reader(x: str | os.PathLike | CheckpointReader) -> CheckpointReader:
     return x if isinstance(x, CheckpointReader) else CheckpointReader(x)
-
-
-def _read(source: PreadSource, ref: ModuleRef) -> dict[str, torch.Tensor]:
-    """One module's canonical weights in private memory (freed with the tensors), checked finite."""
-    w = source.read_module(ref)
-    check_finite(w, f"{source.reader.path}: {ref.key}")
-    return w
-
-
-def check_finite(weights: Mapping[str, torch.Tensor], where: str) -> None:
-    """Raise :class:`CheckpointError` naming ``where`` and the role if a tensor holds NaN or inf.
-
-    One reduction per tensor: a sum is finite only if every element is (NaN and inf propagate); only a
-    non-finite sum (NaN / inf, or a finite overflow) is checked element by element.
-    """
-    for role, t in weights.items():
-        if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
-            raise CheckpointError(f"{where} {role} holds NaN or inf values; fix or re-export the checkpoint")
 
 
 def _sq_distance_to(tensor: torch.Tensor, source: PreadSource, name: str, chunk: int = 1 << 22) -> float | None:
@@ -84,25 +72,6 @@ def _sq_distance_to(tensor: torch.Tensor, source: PreadSource, name: str, chunk:
     return sum(
         sq_distance(tensor[i : i + rows], source.get_rows(name, i, i + rows)) for i in range(0, tensor.shape[0], rows)
     )
-
-
-def check_compatible(src: CheckpointReader, anc: CheckpointReader) -> None:
-    """Raise :class:`CheckpointError` (naming both folders) unless the two models share family and shapes."""
-    if src.spec.family != anc.spec.family:
-        raise CheckpointError(
-            f"{src.path} is a {src.spec.family} model but {anc.path} is a {anc.spec.family} model; "
-            "matching needs two models of one family"
-        )
-    if src.geometry != anc.geometry:
-        raise CheckpointError(f"{src.path} and {anc.path} have different shapes: {src.geometry} vs {anc.geometry}")
-
-
-def _check_shapes(ref: ModuleRef, s: Mapping[str, torch.Tensor], a: Mapping[str, torch.Tensor], where: str) -> None:
-    for role in s.keys() | a.keys():
-        if role not in s or role not in a or s[role].shape != a[role].shape:
-            shape_s = tuple(s[role].shape) if role in s else None
-            shape_a = tuple(a[role].shape) if role in a else None
-            raise CheckpointError(f"{where}: module {ref.key} role {role!r}: shapes {shape_s} vs {shape_a}")
 
 
 def save_transform(t: ModuleTransform, file: Path) -> Path:
@@ -143,13 +112,9 @@ def match_module(
     with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
         check_compatible(src, anc)
         s, a = src.read_module(ref), anc.read_module(ref)
-        _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
+        check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
         s, a = ({r: t.to(dev) for r, t in w.items()} for w in (s, a))
         return match_module_weights(ref, s, a, src.geometry, symmetries).to("cpu")
-
-
-def _strip(name: str, prefix: str) -> str:
-    return name[len(prefix) :] if prefix and name.startswith(prefix) else name
 
 
 def _verify_mode(verify: str | None, logit_check: bool | None) -> str:
@@ -216,7 +181,7 @@ def assemble_matched(
     cache: dict[str, torch.Tensor] = {}
     per_module: list[dict[str, Any]] = []
     sq = {"before": 0.0, "after": 0.0}
-    anc_names = {_strip(n, anc.prefix): n for n in anc.names()} if anc is not None else {}
+    anc_names = {strip_prefix(n, anc.prefix): n for n in anc.names()} if anc is not None else {}
 
     src_io = PreadSource(src)
     anc_io = PreadSource(anc) if anc is not None else None
@@ -227,7 +192,7 @@ def assemble_matched(
         ref = owner.get(name)
         if ref is None:
             check_finite({name: tensor}, f"{src.path}: tensor")
-            other = anc_names.get(_strip(name, src.prefix))
+            other = anc_names.get(strip_prefix(name, src.prefix))
             if anc_io is not None and other is not None and tensor.is_floating_point():
                 d = _sq_distance_to(tensor, anc_io, other)
                 if d is not None:
@@ -236,12 +201,12 @@ def assemble_matched(
             return tensor
         # at most two modules' weights alive at once (7B widths: source + anchor, then source + new, then
         # new + anchor): the anchor is read twice rather than held while the transform runs
-        w = _read(src_io, ref)
+        w = read_checked(src_io, ref)
         mt = mts.get(ref.key)
         before = None
         if anc_io is not None:
             a = anc_io.read_module(ref)
-            _check_shapes(ref, w, a, f"{src.path} vs {anc_io.reader.path}")
+            check_shapes(ref, w, a, f"{src.path} vs {anc_io.reader.path}")
             before = module_distance(w, a)
             del a
         # a soft (OT) map changes the module's function by design; otherwise the check's invariants are taken
@@ -308,10 +273,10 @@ def match_all_modules(
 
     def one(ref: ModuleRef) -> ModuleTransform:
         t0 = time.perf_counter()
-        s, a = _read(src_io, ref), _read(anc_io, ref)
+        s, a = read_checked(src_io, ref), read_checked(anc_io, ref)
         if timings is not None:
             timings["io"] = timings.get("io", 0.0) + time.perf_counter() - t0
-        _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
+        check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
         out = match_module_weights(ref, s, a, src.geometry, symmetries, timings)
         del s, a
         return out

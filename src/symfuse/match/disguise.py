@@ -18,7 +18,7 @@ from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.device import resolve_device
 from symfuse.io import save_safetensors
-from symfuse.match.checkpoints import REPORT_FILE, RESIDUAL_FILE, TRANSFORMS_FILE
+from symfuse.match.inputs import REPORT_FILE, RESIDUAL_FILE, TRANSFORMS_FILE
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.symmetry.random import ALL_KINDS, random_module_transform
 from symfuse.symmetry.registry import check_kinds, kind_names, kinds_for

@@ -20,7 +20,7 @@ import torch
 from symfuse.arch import Geometry, ModuleRef
 from symfuse.checkpoint import CheckpointReader
 from symfuse.device import resolve_device
-from symfuse.match.checkpoints import check_compatible, check_finite
+from symfuse.match.inputs import check_compatible, check_finite
 from symfuse.match.weights import DEFAULT_SYMMETRIES, check_symmetries, match_module_weights, module_distance
 from symfuse.symmetry.transforms import ModuleTransform, QKScaling, VOScaling
 

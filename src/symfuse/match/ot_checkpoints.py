@@ -60,7 +60,7 @@ def match_ot_checkpoints(
         _state_distance,
         pixel_batches,
     )
-    from symfuse.match.checkpoints import REPORT_FILE, TRANSFORMS_FILE, check_compatible
+    from symfuse.match.inputs import REPORT_FILE, TRANSFORMS_FILE, check_compatible
     from symfuse.match.ot import kind_settings, ot_align
     from symfuse.match.written import check_written, write_model
     from symfuse.outputs import atomic_output_dir, check_output

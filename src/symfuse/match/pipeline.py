@@ -27,6 +27,7 @@ from symfuse.errors import CheckpointError
 from symfuse.io import rows_per_block
 from symfuse.io.planned import PlannedCheckpoint
 from symfuse.match.closed_form import torch_threads
+from symfuse.match.inputs import check_shapes, read_checked, strip_prefix
 from symfuse.match.reading import PreadSource
 from symfuse.match.verify import check_module_transform, is_exact, module_invariants
 from symfuse.match.weights import match_module_weights
@@ -134,8 +135,6 @@ def match_and_write(
         CheckpointError: shapes differ, NaN / inf in an input.
         VerificationError: a transform did not keep its module's function (the module is named).
     """
-    from symfuse.match.checkpoints import _check_shapes, _read, _strip
-
     timings = timings if timings is not None else {}
     lock = threading.Lock()
 
@@ -152,8 +151,8 @@ def match_and_write(
         workers = 1 if src.geometry.d_model * src.geometry.d_ffn > 16_000_000 else min(2, os.cpu_count() or 1)
     owner = src.tensor_owners()
     rest = [n for n in src.names() if n not in owner]
-    anc_names = {_strip(n, anc.prefix): n for n in anc.names()}
-    anc_of = {n: anc_names[_strip(n, src.prefix)] for n in rest if _strip(n, src.prefix) in anc_names}
+    anc_names = {strip_prefix(n, anc.prefix): n for n in anc.names()}
+    anc_of = {n: anc_names[strip_prefix(n, src.prefix)] for n in rest if strip_prefix(n, src.prefix) in anc_names}
     plan = PlannedCheckpoint(src, out, shard_bytes)
     src_io, anc_io = PreadSource(src), PreadSource(anc)
     results: dict[str, tuple[ModuleTransform, float, float]] = {}
@@ -162,9 +161,9 @@ def match_and_write(
 
     def one(ref: ModuleRef) -> None:
         t0 = time.perf_counter()
-        s, a = _read(src_io, ref), _read(anc_io, ref)
+        s, a = read_checked(src_io, ref), read_checked(anc_io, ref)
         t0 = tick("io", t0)
-        _check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
+        check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
         s, a = on_dev(s), on_dev(a)
         mt = match_module_weights(ref, s, a, src.geometry, symmetries, timings)
         t0 = time.perf_counter()

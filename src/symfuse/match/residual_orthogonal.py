@@ -300,7 +300,7 @@ def match_residual_orthogonal_checkpoints(
     from symfuse.checkpoint import CheckpointReader
     from symfuse.device import resolve_device
     from symfuse.io import save_safetensors
-    from symfuse.match.checkpoints import REPORT_FILE, TRANSFORMS_FILE, check_compatible
+    from symfuse.match.inputs import REPORT_FILE, TRANSFORMS_FILE, check_compatible
     from symfuse.match.verify import logit_tolerance, verify_outputs
     from symfuse.outputs import atomic_output_dir, check_output
     from symfuse.symmetry.residual_orthogonal import unfold_into

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,12 @@ import torch
 
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.device import resolve_device
-from symfuse.errors import CheckpointError, MissingStats, NonFiniteError
-from symfuse.io import BufferPool, check_finite_tensor, parallel_reads
-from symfuse.merge.base import LazyTensors, TensorInputs, chunked_sum, weighted_mean
+from symfuse.errors import CheckpointError, MissingStats
+from symfuse.io import BufferPool, parallel_reads
 from symfuse.merge.head_refit import RefitOptions, check_refittable, refit_batches, refit_heads
-from symfuse.merge.heads import merge_class_rows, union_heads, write_label_space
+from symfuse.merge.heads import head_names, union_heads, write_label_space
 from symfuse.merge.registry import MERGERS
+from symfuse.merge.tensor_merge import TensorMerge, _gram_inputs  # noqa: F401  (_gram_inputs: tests read spans)
 from symfuse.model_card import CARD, input_metrics, model_card
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.stats.io import STAT_KINDS, StatsFile
@@ -62,13 +62,6 @@ class StreamingReader(CheckpointReader):
     def get(self, name: str, pool: BufferPool | None = None, slot: str = "") -> torch.Tensor:
         """Load one tensor into new memory, or into ``pool``'s ``slot`` (see :class:`symfuse.io.TensorFile`)."""
         return self.tensor_file(name).get(name, pool, slot)
-
-
-def head_names(reader: CheckpointReader) -> set[str]:
-    """Tensors outside the base model (task heads); empty for a bare base model."""
-    if not reader.prefix:
-        return set()
-    return {n for n in reader.names() if not n.startswith(reader.prefix)}
 
 
 def _labels(reader: CheckpointReader) -> list[str]:
@@ -122,47 +115,186 @@ def _resolve_stats(
     return found
 
 
-def _all_finite(t: torch.Tensor) -> bool:
-    """Whether every element is finite (one reduction; element-wise only when the sum is not finite)."""
-    return math.isfinite(chunked_sum(t)) or bool(torch.isfinite(t).all())
+@dataclass
+class MergePlan:
+    """Everything a merge reads, checked before the first tensor is merged (:func:`plan_merge`).
 
-
-def _finite_loader(
-    load: Callable[[BufferPool | None, str], torch.Tensor], name: str, where: Path
-) -> Callable[[BufferPool | None, str], torch.Tensor]:
-    """``load`` whose result is checked for NaN / inf (naming ``where`` and ``name``) before any maths sees it."""
-    return lambda p, s: check_finite_tensor(load(p, s), name, where)
-
-
-def _gram_inputs(
-    grams: Sequence[StatsFile],
-    module: str,
-    pool: BufferPool | None,
-    to_dev: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-) -> LazyTensors:
-    """The K Grams of ``module`` (checked finite on access; RegMean checks them in its own pass instead).
-
-    On the CPU (``pool`` given) they can also be read in spans; elsewhere each is read whole and moved by ``to_dev``.
+    Attributes:
+        strategy: The strategy's name.
+        out: The output folder (for errors).
+        merger: The strategy's merger (its ``pool`` and ``device`` set).
+        readers: The K models.
+        base_reader: The base model (task-vector strategies), else None.
+        files: Statistics files by kind, one per model.
+        weights: The K normalised model weights.
+        heads: Model 0's tensors outside the base model.
+        union: The union label space, or None.
+        separate: Heads are kept per model (different label sets).
+        names: Head folder of each model by its name (``.`` for the first).
+        refit: Head refit options, or None; ``refit_data`` its batches.
+        same_input: Gram keys whose module reads another's input in every model (one factorisation).
+        device: Where the maths runs.
     """
-    return LazyTensors(
-        [lambda p, s, g=g: to_dev(g.get(module, p, s)) for g in grams],
-        pool,
-        "gram",
-        checks=[lambda t, g=g: check_finite_tensor(t, module, g.path) for g in grams],
-        spans=[(g.shape(module), g.dtype(module), lambda o, f, g=g: g.read_span(module, o, f)) for g in grams]
-        if pool is not None
-        else None,
+
+    strategy: str
+    out: Path
+    merger: Any
+    readers: list[StreamingReader]
+    base_reader: StreamingReader | None
+    files: dict[str, list[StatsFile]]
+    weights: list[float]
+    heads: set[str]
+    union: Any
+    separate: bool
+    names: dict[str, str]
+    refit: RefitOptions | None
+    refit_data: Any
+    same_input: dict[str, str]
+    device: torch.device
+
+    @property
+    def on_cpu(self) -> bool:
+        """The CPU reads into reused buffers and fuses passes over spans; a device does not."""
+        return self.device.type == "cpu"
+
+    @property
+    def learned(self) -> torch.Tensor | None:
+        """``(K, classes)``: which classes each model learned (union heads), else None."""
+        return self.union.learned if self.union is not None else None
+
+
+def _check_bodies(readers: Sequence[CheckpointReader], separate: bool) -> None:
+    """Refuse models whose body tensors (heads aside when kept per model) differ in names or shapes."""
+    r0 = readers[0]
+    body = [n for n in r0.names() if not (separate and n in head_names(r0))]
+    for r in readers[1:]:
+        rbody = {n for n in r.names() if not (separate and n in head_names(r))}
+        if rbody != set(body):
+            diff = sorted(rbody.symmetric_difference(body))[:5]
+            raise CheckpointError(f"{r.path}: tensors differ from {r0.path} (e.g. {diff}); models cannot be merged")
+        for n in body:
+            if r.shape(n) != r0.shape(n):
+                raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, model 0 has {r0.shape(n)}")
+
+
+def _head_folders(models: Sequence[str | Path], files: Mapping[str, list[StatsFile]]) -> dict[str, str]:
+    """Each model's name (its statistics' dataset, else its folder) -> its head folder (``.`` for the first)."""
+    names: dict[str, str] = {}
+    for i, m in enumerate(models):
+        ds = None
+        for kind_files in files.values():
+            ds = kind_files[i].meta.get("dataset")
+        name = str(ds or Path(m).name or f"model{i}")
+        while name in names:
+            name = f"{name}-{i}"
+        names[name] = "." if i == 0 else f"heads/{name}"
+    return names
+
+
+def plan_merge(
+    strategy: str,
+    models: Sequence[str | Path],
+    out: Path,
+    stats: Sequence[Path] | None,
+    base: str | Path | None,
+    head_refit: RefitOptions | Mapping[str, Any] | None,
+    device: str | torch.device,
+    params: dict[str, Any],
+) -> MergePlan:
+    """Check every input and set the merge up (see :func:`merge_checkpoints` for the arguments and errors)."""
+    dev = resolve_device(device)
+    if not models:
+        raise ValueError("merge needs at least one model")
+    if "device" in MERGERS[strategy].Params.model_fields:  # a merger that runs models (regmean++): the merge's device
+        params.setdefault("device", str(dev))
+    merger = MERGERS[strategy](**params)
+    refit = RefitOptions.model_validate(head_refit) if head_refit is not None else None
+    if refit is not None and "device" not in refit.model_fields_set:  # the refit's forward passes: the merge's device
+        refit = refit.model_copy(update={"device": str(dev)})
+    readers = [StreamingReader(m) for m in models]
+    if merger.needs_base and base is None:
+        raise MissingStats(f"strategy {strategy!r} works on task vectors: pass the base model (--base)")
+    base_reader = StreamingReader(base) if base is not None else None
+    files = _resolve_stats(merger.required_stats, stats, [r.path for r in readers])
+    r0 = readers[0]
+    heads = head_names(r0)
+    union = union_heads([r.config for r in readers], [r.path for r in readers])  # None: no union label space
+    separate = bool(heads) and not all(
+        head_names(r) == heads and _labels(r) == _labels(r0) and all(r.shape(n) == r0.shape(n) for n in heads)
+        for r in readers[1:]
     )
+    _check_bodies(readers, separate)
+    refit_data = None
+    if refit is not None:  # a model without a head, or bad data: refused now, not after the merge
+        for r in readers:
+            check_refittable(r.path, r.config, {n: r.shape(n) for n in head_names(r)})
+        refit_data = refit_batches([r.path for r in readers], refit)
+    merger.prepare([r.path for r in readers], frozenset(heads) if separate else frozenset())  # e.g. RegMean++
+    same_input: dict[str, str] = {}
+    if (grams := files.get("gram")) is not None:
+        pairs = [g.same_input for g in grams]
+        same_input = {k: v for k, v in pairs[0].items() if all(p.get(k) == v for p in pairs[1:])}
+    merger.pool = BufferPool() if dev.type == "cpu" else None  # reused read buffers: no page faults per tensor
+    merger.device = dev
+    weights = merger.model_weights(len(readers))
+    names = _head_folders(models, files)
+    return MergePlan(strategy, Path(out), merger, readers, base_reader, files, weights, heads, union, separate, names,
+                     refit, refit_data, same_input, dev)  # fmt: skip
 
 
-def _tensor_spans(name: str, first: torch.Tensor, others: Sequence[CheckpointReader]) -> list:
-    """Spans of K models' tensor ``name`` (see :class:`LazyTensors`), unchecked: model 0's from ``first``."""
-    flat = first.detach().contiguous().view(-1)
-    spans = [(tuple(first.shape), first.dtype, lambda o, f: o.copy_(flat[f : f + o.numel()]))]
-    for r in others:
-        tf = r.tensor_file(name)
-        spans.append((tf.shape(name), tf.dtype(name), lambda o, f, tf=tf: tf.read_span(name, o, f)))
-    return spans
+def _finish_heads(plan: MergePlan, tmp: Path) -> tuple[str, dict | None]:
+    """After the body: the union label space, the per-model head folders, the head refit; ``(policy, refit)``."""
+    if plan.union is not None:  # the merged head learned every class some model learned
+        write_label_space(tmp, plan.union.merged())
+    if plan.separate:
+        merged = StreamingReader(tmp)
+        for rel, r in zip(plan.names.values(), plan.readers, strict=True):
+            if rel != ".":
+                write_checkpoint(r, tmp / rel, replace=lambda n, t, r=r: t if n in head_names(r) else merged.get(n),
+                                 shard_bytes=SHARD_BYTES)  # fmt: skip
+    policy = "union" if plan.union is not None else ("per-dataset" if plan.separate else "merged")
+    refitted = None
+    if plan.refit is not None and plan.refit_data is not None:
+        folders = plan.names if plan.separate else dict.fromkeys(plan.names, ".")
+        refitted = refit_heads(tmp, folders, [r.path for r in plan.readers], plan.refit_data, plan.refit.ridge,
+                               plan.learned, plan.refit.device)  # fmt: skip
+    return policy, refitted
+
+
+def _write_report(
+    plan: MergePlan, tmp: Path, policy: str, refitted: dict | None, models, stats, base, card, start
+) -> dict:
+    """``symfuse_report.json`` and the ``README.md`` model card of the merged folder."""
+    report = {
+        "strategy": plan.strategy,
+        "params": plan.merger.params.model_dump(),
+        "models": [str(m) for m in models],
+        "stats": [str(s) for s in stats or []],
+        "base": str(base) if base is not None else None,
+        "device": str(plan.device),
+        "heads": {
+            "policy": policy,
+            "folders": plan.names if plan.separate else {},
+            **({"learners": plan.union.learners()} if plan.union is not None else {}),
+            **({"refit": refitted} if refitted is not None else {}),
+        },
+        "counters": plan.merger.counters,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    (tmp / REPORT).write_text(json.dumps(report, indent=2))
+    card = dict(card or {})
+    inputs = [
+        {"name": name, "dataset": name, "path": str(m), "metrics": input_metrics(m)}
+        for name, m in zip(plan.names, models, strict=True)
+    ]
+    text = model_card(
+        plan.strategy, report["params"], inputs, json.loads((tmp / "config.json").read_text()),
+        base=card.get("base_model") or (str(base) if base is not None else None),
+        symmetries=card.get("symmetries") or (), heads=policy, extra=card.get("extra"),
+        head_refit=plan.refit.ridge if plan.refit is not None else None,
+    )  # fmt: skip
+    (tmp / CARD).write_text(text)
+    return report
 
 
 def merge_checkpoints(
@@ -211,200 +343,17 @@ def merge_checkpoints(
     """
     start = time.perf_counter()
     MERGERS.require([strategy])  # one line naming the choices
-    dev = resolve_device(device)
-    on_cpu = dev.type == "cpu"  # the CPU reads into reused buffers and fuses passes over spans; a device does not
-    if not models:
-        raise ValueError("merge needs at least one model")
     check_output(out, overwrite)
-    if "device" in MERGERS[strategy].Params.model_fields:  # a merger that runs models (regmean++): the merge's device
-        params.setdefault("device", str(dev))
-    merger = MERGERS[strategy](**params)
-    refit = RefitOptions.model_validate(head_refit) if head_refit is not None else None
-    if refit is not None and "device" not in refit.model_fields_set:  # the refit's forward passes: the merge's device
-        refit = refit.model_copy(update={"device": str(dev)})
-    readers = [StreamingReader(m) for m in models]
-    k = len(readers)
-    if merger.needs_base and base is None:
-        raise MissingStats(f"strategy {strategy!r} works on task vectors: pass the base model (--base)")
-    base_reader = StreamingReader(base) if base is not None else None
-    files = _resolve_stats(merger.required_stats, stats, [r.path for r in readers])
-    weights = merger.model_weights(k)
-    r0 = readers[0]
-
-    heads = head_names(r0)
-    union = union_heads([r.config for r in readers], [r.path for r in readers])  # None: no union label space
-    learned = union.learned if union is not None else None
-    separate = bool(heads) and not all(
-        head_names(r) == heads and _labels(r) == _labels(r0) and all(r.shape(n) == r0.shape(n) for n in heads)
-        for r in readers[1:]
-    )
-    body = [n for n in r0.names() if not (separate and n in heads)]
-    for r in readers[1:]:
-        rbody = {n for n in r.names() if not (separate and n in head_names(r))}
-        if rbody != set(body):
-            diff = sorted(rbody.symmetric_difference(body))[:5]
-            raise CheckpointError(f"{r.path}: tensors differ from {r0.path} (e.g. {diff}); models cannot be merged")
-        for n in body:
-            if r.shape(n) != r0.shape(n):
-                raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, model 0 has {r0.shape(n)}")
-
-    refit_data = None
-    if refit is not None:  # a model without a head, or bad data: refused now, not after the merge
-        for r in readers:
-            check_refittable(r.path, r.config, {n: r.shape(n) for n in head_names(r)})
-        refit_data = refit_batches([r.path for r in readers], refit)
-    merger.prepare([r.path for r in readers], frozenset(heads) if separate else frozenset())  # e.g. RegMean++
-    grams, fishers = files.get("gram"), files.get("fisher")
-    # Gram keys whose module reads the same input as another in EVERY model (q / k / v): one factorisation.
-    same_input: dict[str, str] = {}
-    if grams is not None:
-        pairs = [g.same_input for g in grams]
-        same_input = {k: v for k, v in pairs[0].items() if all(p.get(k) == v for p in pairs[1:])}
-    pool = BufferPool() if on_cpu else None  # reused read buffers: no page faults for fresh memory on every tensor
-    merger.pool, merger.device = pool, dev
-    to_dev = (lambda t: t) if on_cpu else (lambda t: t.to(dev))
-
-    def base_tensor(name: str) -> torch.Tensor | None:
-        if base_reader is None:
-            return None
-        bname = base_reader.prefix + name[len(r0.prefix) :] if name.startswith(r0.prefix) else name
-        if not base_reader.has(bname):
-            return None
-        return to_dev(check_finite_tensor(base_reader.get(bname), bname, base_reader.file_of(bname)))
-
-    def merge_one(name: str, first: torch.Tensor) -> torch.Tensor:
-        rows = union is not None and union.per_class(name, first.shape, heads)  # merged per class, over its learners
-        # a merger whose every input enters a sum carries any NaN / inf into its output: its inputs are read
-        # unchecked, and checked (to name the file) only when the output is not finite
-        deferred = (
-            on_cpu
-            and merger.propagates_nonfinite
-            and first.is_floating_point()
-            and not rows
-            and not (separate and name in heads)
-        )
-        if not deferred:
-            check_finite_tensor(first, name, r0.file_of(name))
-        merged = _merge_one(name, first, rows, deferred)
-        if (
-            merged is not first
-            and merged.is_floating_point()
-            and not (merger.output_finite(merged) or _all_finite(merged))
-        ):
-            if deferred:  # name the input that carried it
-                check_finite_tensor(first, name, r0.file_of(name))
-                for r in readers[1:]:
-                    check_finite_tensor(r.get(name), name, r.file_of(name))
-                for f in fishers if fishers is not None and all(f.has(name) for f in fishers) else []:
-                    check_finite_tensor(f.get(name), name, f.path)
-            raise NonFiniteError(
-                f"{out}: merged tensor {name!r} came out NaN / inf with {strategy} (inputs were finite) — nothing "
-                "was written; try --dtype float64, a larger --epsilon / smaller --alpha, or another strategy"
-            )
-        if not on_cpu:
-            return merged.cpu()
-        return merged
-
-    def _merge_one(name: str, first: torch.Tensor, rows: bool, deferred: bool) -> torch.Tensor:
-        if separate and name in heads:
-            return first
-        if not first.is_floating_point():
-            return first  # integer / bool tensors pass through untouched
-        checked = (lambda load, where: load) if deferred else (lambda load, where: _finite_loader(load, name, where))
-        tensors = LazyTensors(
-            [lambda p, s: p.take(s, first.shape, first.dtype).copy_(first) if p is not None else to_dev(first.clone())]
-            + [checked(lambda p, s, r=r: to_dev(r.get(name, p, s)), r.file_of(name)) for r in readers[1:]],
-            pool,
-            "tensor",
-            spans=_tensor_spans(name, first, readers[1:]) if deferred else None,  # unchecked: only when deferred
-        )
-        b = base_tensor(name)
-        if merger.needs_base and b is None:  # e.g. a head absent from a bare base model
-            merger.count("no_base_averaged")
-            if rows:
-                mean = lambda t: weighted_mean(t.tensors, t.weights)  # noqa: E731
-                return merge_class_rows(mean, TensorInputs(name, tensors, weights), learned)
-            return weighted_mean(tensors, weights)
-        fisher = None
-        if fishers is not None and all(f.has(name) for f in fishers):
-            loads = [checked(lambda p, s, f=f: to_dev(f.get(name, p, s)), f.path) for f in fishers]
-            fisher = LazyTensors(loads, pool, "fisher")
-        gram, conv1d = None, False
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if grams is not None and module is not None and first.dim() == 2:
-            have = [g.has(module) for g in grams]
-            if all(have):
-                gram = _gram_inputs(grams, module, pool, to_dev)
-                conv1d = module in grams[0].conv1d
-            elif any(have):
-                raise MissingStats(f"Gram of {module} is missing from some models' statistics; recollect them")
-        if gram is None and module is not None and first.dim() == 2:
-            gram = merger.supplied_grams(module)  # Grams the merger collected itself (RegMean++'s tail)
-        key = same_input.get(module, module) if gram is not None else None
-        inputs = TensorInputs(name, tensors, weights, b, fisher, gram, conv1d, key)
-        return merge_class_rows(merger.merge_tensor, inputs, learned) if rows else merger.merge_tensor(inputs)
-
-    names: dict[str, str] = {}
-    for i, m in enumerate(models):
-        ds = None
-        for kind_files in files.values():
-            ds = kind_files[i].meta.get("dataset")
-        name = str(ds or Path(m).name or f"model{i}")
-        while name in names:
-            name = f"{name}-{i}"
-        names[name] = "." if i == 0 else f"heads/{name}"
+    plan = plan_merge(strategy, models, out, stats, base, head_refit, device, params)
     out = Path(out)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         try:
             with parallel_reads():  # the merge's reads run between its BLAS calls: the cores are free
-                write_checkpoint(r0, tmp, replace=merge_one, shard_bytes=SHARD_BYTES, overwrite=True)
+                write_checkpoint(plan.readers[0], tmp, replace=TensorMerge(plan), shard_bytes=SHARD_BYTES,
+                                 overwrite=True)  # fmt: skip
         finally:
-            merger.close()
-        if union is not None:  # the merged head learned every class some model learned
-            write_label_space(tmp, union.merged())
-        if separate:
-            merged = StreamingReader(tmp)
-            for rel, r in zip(names.values(), readers, strict=True):
-                if rel == ".":
-                    continue
-                write_checkpoint(
-                    r,
-                    tmp / rel,
-                    replace=lambda n, t, r=r: t if n in head_names(r) else merged.get(n),
-                    shard_bytes=SHARD_BYTES,
-                )
-        policy = "union" if union is not None else ("per-dataset" if separate else "merged")
-        refitted = None
-        if refit is not None and refit_data is not None:
-            refitted = refit_heads(tmp, names if separate else dict.fromkeys(names, "."), [r.path for r in readers],
-                                   refit_data, refit.ridge, learned, refit.device)  # fmt: skip
-        report = {
-            "strategy": strategy,
-            "params": merger.params.model_dump(),
-            "models": [str(m) for m in models],
-            "stats": [str(s) for s in stats or []],
-            "base": str(base) if base is not None else None,
-            "heads": {
-                "policy": policy,
-                "folders": names if separate else {},
-                **({"learners": union.learners()} if union is not None else {}),
-                **({"refit": refitted} if refitted is not None else {}),
-            },
-            "counters": merger.counters,
-            "seconds": round(time.perf_counter() - start, 3),
-        }
-        (tmp / REPORT).write_text(json.dumps(report, indent=2))
-        card = dict(card or {})
-        inputs = [
-            {"name": name, "dataset": name, "path": str(m), "metrics": input_metrics(m)}
-            for name, m in zip(names, models, strict=True)
-        ]
-        text = model_card(
-            strategy, report["params"], inputs, json.loads((tmp / "config.json").read_text()),
-            base=card.get("base_model") or (str(base) if base is not None else None),
-            symmetries=card.get("symmetries") or (), heads=policy, extra=card.get("extra"),
-            head_refit=refit.ridge if refit is not None else None,
-        )  # fmt: skip
-        (tmp / CARD).write_text(text)
-    log.info("merged %d models with %s into %s in %.1f s", k, strategy, out, report["seconds"])
+            plan.merger.close()
+        policy, refitted = _finish_heads(plan, tmp)
+        report = _write_report(plan, tmp, policy, refitted, models, stats, base, card, start)
+    log.info("merged %d models with %s into %s in %.1f s", len(plan.readers), strategy, out, report["seconds"])
     return out

@@ -224,7 +224,7 @@ def refit_heads(
         CheckpointError: a head without a classification output layer.
     """
     from symfuse.checkpoint import CheckpointReader, load_hf_model
-    from symfuse.merge.checkpoints import head_names
+    from symfuse.merge.heads import head_names
 
     names = list(folders)
     if len(names) != len(models) or len(batches) != len(models):

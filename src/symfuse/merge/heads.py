@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from symfuse.checkpoint import CheckpointReader
 from symfuse.data.labels import LABEL_SPACE_KEY, LabelSpace, read_label_space
 from symfuse.errors import CheckpointError
 from symfuse.merge.base import TensorInputs
@@ -91,6 +92,13 @@ def union_heads(configs: Sequence[object], where: Sequence[object]) -> UnionHead
                 "(another union or order); fine-tune every model with the same --union-of list"
             )
     return UnionHeads(tuple(spaces))  # type: ignore[arg-type]
+
+
+def head_names(reader: CheckpointReader) -> set[str]:
+    """Tensors outside the base model (task heads); empty for a bare base model."""
+    if not reader.prefix:
+        return set()
+    return {n for n in reader.names() if not n.startswith(reader.prefix)}
 
 
 def merge_class_rows(

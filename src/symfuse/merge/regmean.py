@@ -38,14 +38,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from pydantic import Field
 
-from symfuse.merge.base import Chunks, MergeParams, Merger, TensorInputs, chunked, load_all, spans, weighted_mean
+from symfuse.merge import gram_systems
+from symfuse.merge.base import Chunks, MergeParams, Merger, TensorInputs, spans, weighted_mean
+from symfuse.merge.gram_systems import GramSystem, gram_system
 from symfuse.merge.regmean_plain import PlainSystem
 from symfuse.stats.io import BufferPool
 
@@ -61,138 +62,6 @@ class RegMeanParams(MergeParams):
     dtype: Literal["float64", "float32"] = "float64"  # Gram sum, Cholesky factor and solve precision
     delta_dtype: Literal["same", "bfloat16", "auto"] = "same"  # precision of the correction products (see module)
     bf16_tol: float = 1e-6  # auto: largest predicted relative error accepted for bfloat16 products
-
-
-@dataclass
-class GramSystem:
-    """One layer input's K scaled Grams, as differences to a reference, and the Cholesky factor of their sum.
-
-    Attributes:
-        diffs: Per model, ``G_i' - G_r'`` (in, in) in the solve dtype; None for the reference model ``r`` and
-            for models of weight 0 (they add nothing to the correction).
-        weights: The K model weights ``c_i``.
-        summed: The memory of the Cholesky factor of ``S = sum_i c_i G_i'`` (factored in place), or ``S`` itself
-            when it is not positive definite.
-        factor: The lower Cholesky factor ``L`` (``summed`` itself), None after the lstsq fallback.
-        cond: ``(max diag L / min diag L)^2``, a lower bound on cond(S) (inf when not positive definite).
-        ref: Index of the reference model (largest weight).
-        pool: The buffers holding the tensors (None: own memory).
-    """
-
-    diffs: list[torch.Tensor | None]
-    weights: list[float]
-    summed: torch.Tensor
-    factor: torch.Tensor | None
-    cond: float
-    ref: int
-    pool: BufferPool | None = None
-    _bf16: torch.Tensor | None = None
-
-    def bf16_diffs(self) -> torch.Tensor:
-        """The non-None diffs stacked ((m in, in), bfloat16), computed once per system."""
-        if self._bf16 is None:
-            self._bf16 = torch.cat([d.to(torch.bfloat16) for d in self.diffs if d is not None], dim=0)
-        return self._bf16
-
-
-def scale_gram(g: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``alpha G + (1 - alpha) diag(G)`` IN PLACE (only off-diagonals are scaled); returns ``g``."""
-    if alpha != 1.0:
-        diag = g.diagonal().clone()
-        g.mul_(alpha)
-        g.diagonal().copy_(diag)
-    return g
-
-
-def system_weights(k: int, model_weights: Sequence[float] | None, alpha: float) -> list[float]:
-    """The K model weights of a Gram system (default 1 each), with ``alpha`` and the weights checked.
-
-    Raises:
-        ValueError: alpha outside [0, 1], or not K non-negative weights with a positive sum.
-    """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"regmean alpha must be in [0, 1], got {alpha}")
-    mw = [float(c) for c in model_weights] if model_weights is not None else [1.0] * k
-    if len(mw) != k or not mw or min(mw) < 0 or sum(mw) <= 0:
-        raise ValueError(f"regmean: {k} Grams need as many non-negative weights with a positive sum, got {mw}")
-    return mw
-
-
-def gram_system(
-    grams: Sequence[torch.Tensor],
-    model_weights: Sequence[float] | None = None,
-    alpha: float = 0.9,
-    dtype: torch.dtype = torch.float64,
-    pool: BufferPool | None = None,
-) -> GramSystem:
-    """Read K Grams, scale their off-diagonals, sum them and factor the sum.
-
-    Args:
-        grams: K input Grams (in, in) (a lazy sequence is read once, one access per model).
-        model_weights: K non-negative weights (default 1 each).
-        alpha: Off-diagonal scale in [0, 1].
-        dtype: Compute precision.
-        pool: Reuse these buffers for the Grams and the factor (valid until the next call with the same pool).
-
-    Returns:
-        The factored system; the caller's Gram tensors are never modified.
-
-    Raises:
-        ValueError: on a bad alpha, non-square Grams or Grams of different sizes.
-    """
-    mw = system_weights(len(grams), model_weights, alpha)
-    fused = alpha > 0.0  # scale while converting (one pass), then restore the diagonal
-    mine = load_all(grams, pool, "gram", dtype, scale=alpha if fused else 1.0)  # K (in, in), ours to modify
-    n = mine[0].shape[0]
-    summed = pool.take("summed", (n, n), dtype) if pool is not None else torch.empty((n, n), dtype=dtype)
-    for i, (g, c) in enumerate(zip(mine, mw, strict=True)):
-        if g.shape != (n, n):
-            raise ValueError(f"regmean: Grams must be square and of one size, got {tuple(g.shape)} and ({n}, {n})")
-        if fused and alpha != 1.0:
-            g.diagonal().div_(alpha)  # load_all scaled everything by alpha: restore the diagonal
-        elif not fused:
-            scale_gram(g, alpha)
-        if i == 0:
-            chunked(lambda s_, g_, c=c: torch.mul(g_, c, out=s_), summed, g)
-        else:
-            chunked(lambda s_, g_, c=c: s_.add_(g_, alpha=c), summed, g)
-    ref = max(range(len(mw)), key=mw.__getitem__)
-    diffs: list[torch.Tensor | None] = [None] * len(mw)
-    for i, g in enumerate(mine):
-        if i != ref and mw[i] != 0.0:
-            chunked(torch.Tensor.sub_, g, mine[ref])  # in place: the Grams themselves are not needed any more
-            diffs[i] = g
-    return factor_system(summed, diffs, mw, ref, pool, lambda out: torch.mul(mine[ref], sum(mw), out=out))
-
-
-def factor_system(
-    summed: torch.Tensor,
-    diffs: list[torch.Tensor | None],
-    mw: list[float],
-    ref: int,
-    pool: BufferPool | None,
-    reference_part: Callable[[torch.Tensor], object],
-) -> GramSystem:
-    """Cholesky-factor the summed Gram ``S`` in place into a :class:`GramSystem`.
-
-    When ``S`` is not positive definite it is rebuilt as ``(sum_i c_i) G_r' + sum_i c_i (G_i' - G_r')`` and the
-    system solves by lstsq: ``reference_part(out)`` writes the first term (``(sum_i c_i) G_r'``) into ``out``.
-    """
-    n = summed.shape[0]
-    info = torch.empty((), dtype=torch.int32)
-    # in place (S is not needed once factored), through the column-major view of the symmetric S: LAPACK's layout,
-    # so nothing is copied in or out; its upper factor U = L^T, read row-major, is L
-    torch.linalg.cholesky_ex(summed.mT, upper=True, out=(summed.mT, info))
-    if int(info) != 0:
-        log.warning("regmean: summed Gram (%d x %d) is not positive definite; solving by lstsq", n, n)
-        reference_part(summed)
-        for d, c in zip(diffs, mw, strict=True):
-            if d is not None:
-                summed.add_(d, alpha=c)
-        return GramSystem(diffs, mw, summed, None, math.inf, ref, pool)
-    dg = summed.diagonal()
-    cond = float((dg.max() / dg.min()) ** 2)
-    return GramSystem(diffs, mw, summed, summed, cond, ref, pool)
 
 
 def regmean_apply(
@@ -382,11 +251,9 @@ class RegMeanMerger(Merger):
             system = self._system
             self.count("factor_reused")
         else:
-            from symfuse.merge.gram_systems import build_system
-
             self._system = None
             dtype = getattr(torch, p.dtype)  # type: ignore[attr-defined]
-            system = build_system(t.gram, t.weights, p.alpha, dtype, self.pool, self._raw)
+            system = gram_systems.build_system(t.gram, t.weights, p.alpha, dtype, self.pool, self._raw)
             self._system, self._system_key = system, t.gram_key
             if system.factor is None:
                 self.count("lstsq_fallback")

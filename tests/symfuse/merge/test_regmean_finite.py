@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import symfuse.merge.checkpoints as mc
+import symfuse.merge.tensor_merge as tm
 from symfuse.checkpoint import load_hf_model
 from symfuse.merge import merge_checkpoints
 from symfuse.merge.gram_systems import build_system
@@ -73,13 +74,13 @@ def test_merge_spares_its_own_check_for_regmean_outputs(tmp_path, monkeypatch):
         grams = {name: _spd(mod.in_features, 10 * i + j) for j, (name, mod) in enumerate(linear_modules(net).items())}
         stats.append(save_stats(grams, tmp_path / f"s{i}" / "gram.safetensors", {"kind": "gram"}))
     checked: list[int] = []
-    real = mc._all_finite
+    real = tm._all_finite
 
     def counting(t):
         checked.append(t.numel())
         return real(t)
 
-    monkeypatch.setattr(mc, "_all_finite", counting)
+    monkeypatch.setattr(tm, "_all_finite", counting)
     monkeypatch.setattr(mc, "check_stats_belong", lambda *a: None)  # hand-made statistics carry no fingerprint
     out = merge_checkpoints("regmean", models, tmp_path / "out", stats=stats, dtype="float32")
     n_linear = len(linear_modules(load_hf_model(models[0])))
@@ -101,4 +102,4 @@ def test_finite_output_whose_float32_sum_overflows_is_never_refused():
     finite: list[bool] = []
     out, _ = regmean_apply(system, ws, finite=finite)
     assert bool(torch.isfinite(out).all()) and finite in ([], [True])
-    assert finite == [True] or mc._all_finite(out)
+    assert finite == [True] or tm._all_finite(out)
