@@ -7,7 +7,7 @@ inputs suit it (contiguous float32 CPU tensors: the C side trusts the checks mad
 version, which gives the same result for any float dtype and device (``tests/symfuse/test_native.py`` holds each
 pair to each other). On the roberta-base FFN problem (n = 3072, two independently initialised models) the kernels
 make the certified assignment about 3x faster than the torch versions run single-threaded, as matching workers run
-them, on a 2-core AMD EPYC and on a 16-core Xeon (``bench/results/retired.md``).
+them, on a 2-core AMD EPYC (``bench/results/retired.md``; 20x scipy's dense solver there).
 """
 
 from __future__ import annotations
