@@ -10,8 +10,9 @@ at ``--points`` values of l; the barrier is ``max_l [L(l) - ((1 - l) L(0) + l L(
 * today's kinds, from weights: FFN + head permutations; + per-head rotation and scaling;
 * today's kinds from activations (train windows): residual, FFN and head permutations (+ rotation and scaling);
 * ``residual-orthogonal``: one orthogonal map of the stream (the subgroup fixing the ones vector: GPT-2 is
-  pre-LayerNorm) alternated with FFN / head permutations and rotations + scalings, from the identity (weights
-  only) or from the Procrustes solution on paired hidden states (activations);
+  pre-LayerNorm) alternated with FFN / head permutations and rotations + scalings (in one row ``head-linear``'s
+  invertible head maps), from the identity (weights only) or from the Procrustes solution on paired hidden states
+  (activations);
 * K = 3: seeds 1 and 2 aligned onto seed 0, the three averaged: loss of the average minus the endpoints' mean.
 
 Each alignment's ``max |dlogit|``: the aligned B against B on test windows (float32; B is stored in float16).
@@ -46,6 +47,7 @@ from symfuse.symmetry.residual_orthogonal import fold_norms, rotate_residual  # 
 
 PERMS = ("ffn-permutation", "head-permutation")
 ROT = (*PERMS, "rotation", "scaling")
+HEAD_LINEAR = (*PERMS, "head-linear")  # invertible per-head maps in place of rotation / scaling
 State = dict[str, torch.Tensor]
 
 
@@ -170,6 +172,7 @@ def alignments(a_model, b_model, batches, refine_batches=(), steps: int = 200) -
         "activations: + rotation + scaling (today)": acts(("residual-permutation", *ROT)),
         "residual-orthogonal + permutations + rotation/scaling, weights": ortho("identity"),
         "residual-orthogonal + permutations + rotation/scaling, activations init": ortho("activations"),
+        "residual-orthogonal + permutations + head-linear, activations init": ortho("activations", HEAD_LINEAR),
         "residual-orthogonal + permutations + rotation/scaling, activations init, learned refinement": ortho(
             "activations", refine=True
         ),
