@@ -161,6 +161,23 @@ def _tied_heads(spec: ArchSpec, state: Mapping[str, torch.Tensor], config: Any, 
     return out
 
 
+def _scale_heads(out: State, spec: ArchSpec, config: Any, prefix: str, scale: torch.Tensor) -> bool:
+    """Heads reading the final norm take ``H diag(scale)`` in ``out``; whether a tied LM head had to be untied.
+
+    A tied head is untied (given its own tensor) unless ``scale`` is all ones: it and the input embedding differ then.
+    """
+    ties = _tied_heads(spec, out, config, prefix)
+    untied = bool(ties) and not bool((scale == 1).all())
+    for name, emb in ties.items():
+        if untied and name not in out:  # a safetensors checkpoint stores the tied head once, as the embedding
+            out[name] = out[emb].clone()
+    for h in spec.head_paths(prefix):
+        if h.kind == "in" and h.path + ".weight" in out and (h.path + ".weight" not in ties or untied):
+            t = out[h.path + ".weight"]
+            out[h.path + ".weight"] = (t.to(torch.float64) * scale[None, :]).to(t.dtype)
+    return untied
+
+
 def _module_norms(spec: ArchSpec, config: Any, prefix: str) -> list[tuple[Any, str]]:
     """Every module with the path of the norm its readers read."""
     out = []
@@ -216,21 +233,13 @@ def fold_norms(
         out[norm + ".weight"] = torch.ones_like(gain)
         if bias is not None:
             out[norm + ".bias"] = torch.zeros_like(bias)
-    ties = _tied_heads(spec, out, config, prefix)
     final = prefix + spec.final_norm if spec.final_norm else None
     if final is None or final + ".weight" not in out:
         return out, False
     gain, bias = out[final + ".weight"].to(torch.float64), out.get(final + ".bias")
     if bool((gain == 0).any()):
         raise UnsupportedArchitecture(f"{spec.family}: the final norm {final} has zero gains; cannot fold it")
-    untied = bool(ties) and not bool((gain == 1).all())
-    for name, emb in ties.items():
-        if untied and name not in out:  # a safetensors checkpoint stores the tied head once, as the embedding
-            out[name] = out[emb].clone()
-    for h in spec.head_paths(prefix):
-        if h.kind == "in" and h.path + ".weight" in out and (h.path + ".weight" not in ties or untied):
-            t = out[h.path + ".weight"]
-            out[h.path + ".weight"] = (t.to(torch.float64) * gain[None, :]).to(t.dtype)
+    untied = _scale_heads(out, spec, config, prefix, gain)
     out[final + ".weight"] = torch.ones_like(out[final + ".weight"])
     if bias is not None:
         out[final + ".bias"] = (bias.to(torch.float64) / gain).to(bias.dtype)
@@ -332,15 +341,7 @@ def unfold_into(
     if final is None or final + ".weight" not in out:
         return out, False
     gain = target[final + ".weight"].to(torch.float64)
-    ties = _tied_heads(spec, out, config, prefix)
-    untied = bool(ties) and not bool((gain == 1).all())
-    for name, emb in ties.items():
-        if untied and name not in out:  # a safetensors checkpoint stores the tied head once, as the embedding
-            out[name] = out[emb].clone()
-    for h in spec.head_paths(prefix):
-        if h.kind == "in" and h.path + ".weight" in out and (h.path + ".weight" not in ties or untied):
-            t = out[h.path + ".weight"]
-            out[h.path + ".weight"] = (t.to(torch.float64) / gain[None, :]).to(t.dtype)
+    untied = _scale_heads(out, spec, config, prefix, 1.0 / gain)
     if final + ".bias" in out:
         out[final + ".bias"] = (out[final + ".bias"].to(torch.float64) * gain).to(out[final + ".bias"].dtype)
     out[final + ".weight"] = target[final + ".weight"].clone()
