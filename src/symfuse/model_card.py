@@ -30,6 +30,15 @@ def input_metrics(folder: str | Path) -> dict[str, Any]:
     return {k: v for k, v in best.items() if k not in _NOT_METRICS and isinstance(v, int | float)}
 
 
+def trained_on(folder: str | Path) -> str | None:
+    """The dataset a fine-tuned folder was trained on (its ``symfuse_train.json``), else None."""
+    file = Path(folder) / TRAIN_REPORT
+    if not file.is_file():
+        return None
+    name = json.loads(file.read_text()).get("dataset")
+    return str(name) if name else None
+
+
 def _pipeline_tag(config: Mapping[str, Any]) -> str:
     archs = config.get("architectures") or []
     return "token-classification" if any("TokenClassification" in a for a in archs) else "text-classification"

@@ -40,6 +40,7 @@ def evaluate(
     if out is not None and out.is_dir():
         raise UsageError(f"--out: {out} is a folder — give the metrics JSON file to write")
     checks.dataset("--data", data)
+    model = _head_for(model, data)
     from symfuse.evaluate import evaluate_model
 
     metrics = evaluate_model(
@@ -54,6 +55,19 @@ def evaluate(
         out_file=out,
     )
     typer.echo(json.dumps(metrics, indent=2))
+
+
+def _head_for(model: str, data: str) -> str:
+    """A merged folder's head trained on ``data`` (``heads/<dataset>/``, or the folder itself), said on stderr."""
+    from symfuse.data import load_task_dataset
+
+    name = load_task_dataset(data).name
+    merged = Path(model) / "symfuse_report.json"
+    folder = Path(model) / "heads" / name
+    if merged.is_file() and folder.is_dir():
+        typer.echo(f"{model}: scoring with the head trained on {name} ({folder})", err=True)
+        return str(folder)
+    return model
 
 
 @app.command()

@@ -45,7 +45,7 @@ from symfuse.merge.head_refit import RefitOptions, check_refittable, refit_batch
 from symfuse.merge.heads import head_names, union_heads, write_label_space
 from symfuse.merge.registry import MERGERS
 from symfuse.merge.tensor_merge import TensorMerge, _gram_inputs  # noqa: F401  (_gram_inputs: tests read spans)
-from symfuse.model_card import CARD, input_metrics, model_card
+from symfuse.model_card import CARD, input_metrics, model_card, trained_on
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.stats.io import STAT_KINDS, StatsFile
 from symfuse.stats.ownership import check_stats_belong
@@ -178,12 +178,16 @@ def _check_bodies(readers: Sequence[CheckpointReader], separate: bool) -> None:
 
 
 def _head_folders(models: Sequence[str | Path], files: Mapping[str, list[StatsFile]]) -> dict[str, str]:
-    """Each model's name (its statistics' dataset, else its folder) -> its head folder (``.`` for the first)."""
+    """Each model's name -> its head folder (``.`` for the first).
+
+    One rule: the dataset the model was trained on (its statistics' dataset, else its ``symfuse_train.json``), else
+    its folder name.
+    """
     names: dict[str, str] = {}
     for i, m in enumerate(models):
-        ds = None
+        ds = trained_on(m)
         for kind_files in files.values():
-            ds = kind_files[i].meta.get("dataset")
+            ds = kind_files[i].meta.get("dataset") or ds
         name = str(ds or Path(m).name or f"model{i}")
         while name in names:
             name = f"{name}-{i}"

@@ -108,12 +108,12 @@ class TensorMerge:
         for f in fishers if fishers is not None and all(f.has(name) for f in fishers) else []:
             check_finite_tensor(f.get(name), name, f.path)
 
-    def _base(self, name: str) -> torch.Tensor | None:
+    def _base(self, name: str, first_shape: torch.Size) -> torch.Tensor | None:
         b = self.plan.base_reader
         if b is None:
             return None
         bname = b.prefix + name[len(self.r0.prefix) :] if name.startswith(self.r0.prefix) else name
-        if not b.has(bname):
+        if not b.has(bname) or b.shape(bname) != tuple(first_shape):  # e.g. a base with another task head
             return None
         return self.to_dev(check_finite_tensor(b.get(bname), bname, b.file_of(bname)))
 
@@ -130,7 +130,7 @@ class TensorMerge:
             "tensor",
             spans=_tensor_spans(name, first, plan.readers[1:]) if deferred else None,  # unchecked: only when deferred
         )
-        b = self._base(name)
+        b = self._base(name, first.shape)
         if merger.needs_base and b is None:  # e.g. a head absent from a bare base model
             merger.count("no_base_averaged")
             if rows:
