@@ -28,6 +28,7 @@ from tasks.evaluate import evaluate
 from tasks.fanout import collect_stats_remote, finetune_remote
 from tasks.finetune import bring_checkpoint, finetune
 from tasks.housekeeping import clean_store
+from tasks.inspect import inspect_models
 from tasks.match import assemble_matched, choose_anchor, list_modules, match_module, match_module_barycenter
 from tasks.merge import merge
 from tasks.report import report
@@ -39,7 +40,8 @@ VARIANTS = ("plain", "matched")
 STAGES = {
     finetune: "finetune", bring_checkpoint: "other", collect_stats: "stats", follow_stats: "stats",
     list_modules: "match", choose_anchor: "match", match_module: "match", match_module_barycenter: "match",
-    assemble_matched: "match", merge: "merge", evaluate: "evaluate", report: "other", clean_store: "other",
+    inspect_models: "match", assemble_matched: "match", merge: "merge", evaluate: "evaluate", report: "other",
+    clean_store: "other",
     finetune_remote: "finetune", collect_stats_remote: "stats", validation_score: "other", record_selection: "other",
 }  # fmt: skip
 
@@ -138,6 +140,8 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
             n: T.match_module.map(unmapped(config), unmapped(n), unmapped(models[n]), unmapped(models[anchor]), modules)
             for n in others
         }
+    #    Before any merge: will alignment help, will the merge work? (symfuse inspect; the report opens with it)
+    inspection = T.inspect_models.submit(config, models, anchor or first) if len(names) > 1 else None
     matched = {
         n: T.assemble_matched.submit(config, n, models[n], models[anchor] if anchor else None,
                                      dict(zip(modules, transforms[n], strict=True)))
@@ -185,9 +189,17 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     others_uris = [*models.values(), *stats.values(), *matched_stats.values()]
     transform_tasks = list(dict.fromkeys(f for fs in transforms.values() for f in fs))  # barycenter: shared tasks
     report_uri = T.report.submit(
-        config, evaluations, list(matched.values()), list(merged.values()), others_uris, transform_tasks, selections
+        config,
+        evaluations,
+        list(matched.values()),
+        list(merged.values()),
+        others_uris,
+        transform_tasks,
+        selections,
+        inspection,
     )
-    every = [*models.values(), *stats.values(), *transform_tasks, *matched.values()]
+    inspected = [inspection] if inspection else []
+    every = [*models.values(), *stats.values(), *transform_tasks, *matched.values(), *inspected]
     raise_first_failure([*every, *matched_stats.values(), *merged.values(), *evaluations, *selections, report_uri])
     return {
         "report": report_uri.result(),

@@ -76,6 +76,7 @@ def report(
     others: Sequence[str],
     transforms: Sequence[Mapping[str, str]] = (),
     selections: Sequence[str] = (),
+    inspection: str | None = None,
 ) -> str:
     """Build ``report/report.md``, ``metrics.csv`` and plots; publish markdown, table and link artifacts.
 
@@ -87,19 +88,20 @@ def report(
         others: Every other artifact of the run (models, statistics), for the timings table.
         transforms: The matching tasks' results ``{model: transform URI}``, for the timings table.
         selections: Greedy selection records (``record_selection``): chosen subset and path, one per strategy.
+        inspection: The ``inspect_models`` record (its verdict opens the report), or None.
 
     Returns:
         The report's URI.
     """
     store = open_store(config)
     flat = [*others, *(uri for by_model in transforms for uri in by_model.values())]
-    every = dict.fromkeys([*evaluations, *matched, *merged, *flat, *selections])
+    every = dict.fromkeys([*evaluations, *matched, *merged, *flat, *selections, *([inspection] if inspection else [])])
     inputs = {f"input{i}": uri for i, uri in enumerate(every)}
     key = layout.report_key(config.run_id)
     ck = content_key({"report": 1}, manifests(store, inputs))
     if reuse(store, key, ck, "report") is None:
         maybe_inject_fault()
-        _build(config, store, key, ck, inputs, evaluations, matched, selections)
+        _build(config, store, key, ck, inputs, evaluations, matched, selections, inspection)
     return _publish(config, store, key, merged)
 
 
@@ -113,7 +115,7 @@ def head_refit_fact(metas: Iterable[Mapping], ridge: float) -> str | None:
             f"(mean over {len(pairs)} merged heads)")  # fmt: skip
 
 
-def _build(config, store, key, ck, inputs, evaluations, matched, selections=()) -> None:
+def _build(config, store, key, ck, inputs, evaluations, matched, selections=(), inspection=None) -> None:
     """Gather the records from the store and write the report artifact."""
     records = [store.get_json(uri) for uri in evaluations]
     metas = {uri: store.manifest(uri).get("meta", {}) for uri in inputs.values()}
@@ -132,7 +134,8 @@ def _build(config, store, key, ck, inputs, evaluations, matched, selections=()) 
     with scratch("report") as tmp:
         with timed() as t:
             built = build_report(records, distances, timings, tmp, title=f"symfuse run {config.run_id}", facts=facts,
-                                 selections=[store.get_json(uri) for uri in selections])  # fmt: skip
+                                 selections=[store.get_json(uri) for uri in selections],
+                                 inspection=store.get_json(inspection) if inspection else None)  # fmt: skip
         meta = stage_meta("report", f"report-{config.run_id}", t.seconds, metric=built.metric)
         store.put_dir(key, tmp, "report", inputs, ck, meta, move=True)
     logger().info("report metrics (%s):\n%s", built.metric, built.table.round(4).to_string())

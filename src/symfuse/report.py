@@ -22,7 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-from symfuse.report_findings import findings_markdown, to_markdown
+from symfuse.report_findings import findings_markdown, inspection_markdown, to_markdown
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +231,7 @@ def build_report(
     title: str = "symfuse run",
     facts: Mapping[str, Any] | None = None,
     selections: Sequence[Mapping[str, Any]] = (),
+    inspection: Mapping[str, Any] | None = None,
 ) -> Report:
     """Write ``report.md``, ``metrics.csv`` (every metric, long form), ``metrics.png`` and ``distances.png``.
 
@@ -242,6 +243,7 @@ def build_report(
         title: Report heading.
         facts: Run facts listed under the heading (run id, base model, datasets, ...).
         selections: Greedy selection records (``strategy``, ``chosen``, ``score``, ``on``, ``path`` of tries).
+        inspection: ``symfuse inspect``'s record on the models (its verdict opens the report), or None.
 
     Returns:
         The :class:`Report`.
@@ -270,7 +272,8 @@ def build_report(
 
     parts = [f"# {title}", ""]
     parts += [f"- **{k}**: {v}" for k, v in (facts or {}).items()]
-    parts += ["", f"## {metric} per strategy × matching", "", to_markdown(table), ""]
+    parts += ["", *inspection_markdown(inspection)]
+    parts += [f"## {metric} per strategy × matching", "", to_markdown(table), ""]
     best = table.drop(index="individual", level=0, errors="ignore")
     score_col = "in-domain mean" if "in-domain mean" in best.columns else None
     if score_col and not best.empty and best[score_col].notna().any():

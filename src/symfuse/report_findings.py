@@ -7,6 +7,7 @@ them as report sections.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,4 +181,27 @@ def findings_markdown(dist: pd.DataFrame, table: pd.DataFrame, metric: str) -> l
         ]
         if "beats best individual OOD" in vs.merges.columns:
             parts += [f"Merges that beat the best individual out of domain: {', '.join(winners) or 'none'}.", ""]
+    return parts
+
+
+def inspection_markdown(record: Mapping[str, Any] | None) -> list[str]:
+    """The report's opening section: ``symfuse inspect``'s verdict on the run's models, with its reason and figures.
+
+    Args:
+        record: :func:`symfuse.inspect.inspect_models`'s mapping (weights only), or None (nothing to show).
+    """
+    if not record:
+        return []
+    parts = ["## Will these models merge? (symfuse inspect, before any merge)", "",
+             f"**Verdict: {record['verdict']}** — {record['reason']}", "",
+             f"Each model against the anchor **{record['anchor']}** ({record['shapes']}): the relative weight distance "
+             "|B-A|/|A| before and after alignment (the best of all per-module kinds together and, for pre-norm "
+             "families, residual-orthogonal).", ""]  # fmt: skip
+    rows = []
+    for pair in record["pairs"]:
+        total = pair.get("total") or {}
+        after = [v for k, v in (total.get("after") or {}).items() if k in ("all", "residual-orthogonal")]
+        rows.append({"model": pair["model"], "verdict": pair["verdict"], "before": total.get("before"),
+                     "after alignment": min(after) if after else None})  # fmt: skip
+    parts += [to_markdown(pd.DataFrame(rows), floatfmt=".4g", index=False), ""]
     return parts

@@ -53,6 +53,12 @@ def test_pipeline_completes_after_injected_faults(first_run):
     assert "## Merges against the individual models" in text and "Best individual out of domain:" in text
     assert "Merges that beat the best individual out of domain:" in text
     assert (folder / "metrics.csv").stat().st_size > 0 and (folder / "metrics.png").exists()
+    # the report opens with symfuse inspect's verdict on the models: fine-tunes of one base share a basin
+    assert text.split("\n## ")[1].startswith("Will these models merge?")
+    inspection = store.get_json(layout.inspect_key("t"))
+    assert inspection["verdict"] == "same-basin" and f"**Verdict: same-basin** — {inspection['reason']}" in text
+    assert inspection["anchor"] == anchor and sorted(p["model"] for p in inspection["pairs"]) == sorted(others)
+    assert all(p["total"]["before"] > 0 for p in inspection["pairs"])
     record = store.get_json(layout.eval_key("t", "regmean-matched", "goemotions_ekman"))
     # out of domain, every per-dataset head sharing a class with the set votes (evaluation.ood_heads: vote)
     assert record["domain"] == "out" and sorted(record["head"].split("+")) == sorted(config.dataset_names)

@@ -158,6 +158,11 @@ def eval_key(run: str, model: str, dataset: str) -> str:
     return f"{run_prefix(run)}/eval/{check_segment(model, 'model')}/{check_segment(dataset, 'dataset')}"
 
 
+def inspect_key(run: str) -> str:
+    """``runs/{run}/inspect``: ``symfuse inspect``'s figures and verdict on the run's models (one JSON record)."""
+    return f"{run_prefix(run)}/inspect"
+
+
 def report_key(run: str) -> str:
     """``runs/{run}/report``: report.md, metrics.csv and plots."""
     return f"{run_prefix(run)}/report"

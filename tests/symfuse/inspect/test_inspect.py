@@ -113,3 +113,18 @@ def test_heads_of_other_shapes_are_left_out_and_refused_with_data(tmp_path):
 def test_one_model_is_refused(bert):
     with pytest.raises(UsageError, match="at least two"):
         inspect_models([bert["a"]])
+
+
+def test_a_run_report_opens_with_the_verdict_and_its_figures(bert, tmp_path):
+    from symfuse.report import build_report
+    from tests.symfuse.test_report import _evals
+
+    record = inspect_models([bert["a"], bert["disguised"]], device="cpu")
+    text = build_report(_evals(), [], [], tmp_path, facts={"run": "t"}, inspection=record).markdown
+    sections = text.split("\n## ")
+    assert sections[1].startswith("Will these models merge?")  # the first section, before the metrics
+    assert f"**Verdict: align-first** — {record['reason']}" in sections[1]
+    total = record["pairs"][0]["total"]
+    row = f"| {record['pairs'][0]['model']} | align-first | {total['before']:.4g} | {total['after']['all']:.4g} |"
+    assert row in sections[1]
+    assert "Will these models merge?" not in build_report(_evals(), [], [], tmp_path / "none").markdown
