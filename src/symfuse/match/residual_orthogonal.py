@@ -29,6 +29,7 @@ import torch
 
 from symfuse.arch.spec import ArchSpec
 from symfuse.match.weights import match_module_weights
+from symfuse.stats.ownership import RESIDUAL_MAP_FILE
 from symfuse.symmetry.residual import residual_plan
 from symfuse.symmetry.residual_orthogonal import (
     READERS,
@@ -187,7 +188,7 @@ def align_residual_orthogonal(
                              untied_s or untied_a, history)  # fmt: skip
 
 
-RESIDUAL_ORTHOGONAL_FILE = "residual_orthogonal.safetensors"
+RESIDUAL_ORTHOGONAL_FILE = RESIDUAL_MAP_FILE  # the stream map (``rot``), beside transforms.safetensors
 
 
 def write_state(reader: Any, state: Mapping[str, torch.Tensor], folder: Path, untied: bool) -> None:

@@ -20,6 +20,8 @@ from symfuse.stats.io import StatsFile, file_fingerprint
 log = logging.getLogger(__name__)
 
 TRANSFORMS_FILE = "transforms.safetensors"  # written by matching next to the matched weights
+# residual-orthogonal matching's one map of the whole stream, beside its per-module parts in TRANSFORMS_FILE
+RESIDUAL_MAP_FILE = "residual_orthogonal.safetensors"
 _KEYS = ("model_fingerprint", "transforms_fingerprint")
 
 

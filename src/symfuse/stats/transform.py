@@ -25,7 +25,7 @@ import torch
 
 from symfuse.checkpoint import CheckpointReader
 from symfuse.stats.io import StatsFile, file_fingerprint, save_stats
-from symfuse.stats.ownership import TRANSFORMS_FILE, model_fingerprint
+from symfuse.stats.ownership import RESIDUAL_MAP_FILE, TRANSFORMS_FILE, model_fingerprint
 from symfuse.symmetry.registry import kind_of_part
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ def transform_stats(
 
     Returns:
         ``out_file``, or None when the statistics cannot follow the transforms exactly (diagonal Fisher under a
-        rotation, any kind under a residual permutation): recollect them on the matched model instead.
+        rotation, any kind under a residual permutation or a residual-orthogonal map): recollect them on the matched
+        model instead.
 
     Raises:
         ValueError: if the file is not a Gram or Fisher statistics file.
@@ -77,6 +78,10 @@ def transform_stats(
     from symfuse.symmetry import load_transforms
 
     sf = StatsFile(stats_file)
+    if (Path(transforms_file).parent / RESIDUAL_MAP_FILE).is_file():  # its parts act in the norm-folded basis
+        log.warning("%s: %s maps the whole residual stream (norms folded); recollect %s on the matched model",
+                    stats_file, Path(transforms_file).parent, sf.kind)  # fmt: skip
+        return None
     transforms = load_transforms(transforms_file)
     parts = {p.name for mt in transforms.values() for p in mt.parts}
     reader = CheckpointReader(model)

@@ -68,3 +68,18 @@ def test_cli_refinement_on_data_stays_exact(tmp_path):
     assert report["exact"] is True and report["refine"]["steps"] == 5 and report["init"] == "activations"
     proc = run_cli("match", b, a, "--out", tmp_path / "n", "--symmetries", "ffn-permutation", "--refine", "5")
     assert proc.returncode == 2 and "--refine: refines residual-orthogonal's map on data" in proc.stderr
+
+
+def test_statistics_do_not_follow_a_stream_map_they_are_recollected(tmp_path):
+    from symfuse.stats import transform_stats
+    from symfuse.stats.io import save_stats
+
+    a = save_tiny(tmp_path / "a", "gpt2", seed=1, head="lm", pad_token_id=0)
+    b = save_tiny(tmp_path / "b", "gpt2", seed=2, head="lm", pad_token_id=0)
+    out = tmp_path / "m"
+    match_checkpoints(b, a, out, ["residual-orthogonal", *KINDS])
+    name = "transformer.h.0.mlp.c_fc.weight"  # a module input's Gram, in B's basis: no per-module part maps it
+    d = load_file(str(b / "model.safetensors"))[name].shape[0]
+    stats = save_stats({name: torch.eye(d)}, tmp_path / "gram.safetensors", {"kind": "gram", "n": 1})
+    assert transform_stats(stats, out / "transforms.safetensors", out, tmp_path / "t.safetensors") is None
+    assert not (tmp_path / "t.safetensors").exists()
