@@ -29,7 +29,14 @@ from tasks.fanout import collect_stats_remote, finetune_remote
 from tasks.finetune import bring_checkpoint, finetune
 from tasks.housekeeping import clean_store
 from tasks.inspect import inspect_models
-from tasks.match import assemble_matched, choose_anchor, list_modules, match_module, match_module_barycenter
+from tasks.match import (
+    assemble_matched,
+    choose_anchor,
+    list_modules,
+    match_model,
+    match_module,
+    match_module_barycenter,
+)
 from tasks.merge import merge
 from tasks.report import report
 from tasks.select import record_selection, validation_score
@@ -40,8 +47,8 @@ VARIANTS = ("plain", "matched")
 STAGES = {
     finetune: "finetune", bring_checkpoint: "other", collect_stats: "stats", follow_stats: "stats",
     list_modules: "match", choose_anchor: "match", match_module: "match", match_module_barycenter: "match",
-    inspect_models: "match", assemble_matched: "match", merge: "merge", evaluate: "evaluate", report: "other",
-    clean_store: "other",
+    inspect_models: "match", match_model: "match", assemble_matched: "match", merge: "merge", evaluate: "evaluate",
+    report: "other", clean_store: "other",
     finetune_remote: "finetune", collect_stats_remote: "stats", validation_score: "other", record_selection: "other",
 }  # fmt: skip
 
@@ -93,6 +100,39 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
         return run_stages(config)
 
 
+def match_stage(T: Any, config: RunConfig, models: dict[str, PrefectFuture]) -> tuple:
+    """Matching: ``(anchor, others, transforms, matched)`` (``anchor`` None for the barycenter).
+
+    One task per attention / FFN module per other model onto the anchor, or (barycenter) one task per module aligning
+    every model to their mean (either task returns ``{model: transform URI}``), then one ``assemble_matched`` per
+    model. With ``residual-orthogonal`` (one map of the whole stream) one ``match_model`` task per other model.
+    """
+    names = list(models)
+    if config.anchor == "barycenter":
+        anchor, others = None, names
+    else:
+        anchor = result_of(T.choose_anchor.submit(config, models), upstream=list(models.values()))
+        others = [n for n in names if n != anchor]
+    if "residual-orthogonal" in config.symmetries:  # refused with a barycenter before the run (preflight)
+        matched = {n: T.match_model.submit(config, n, models[n], models[anchor]) for n in others}
+        return anchor, others, {}, matched
+    modules = result_of(T.list_modules.submit(config, names[0], models[names[0]]), upstream=[models[names[0]]])
+    if anchor is None:
+        per_module = T.match_module_barycenter.map(unmapped(config), unmapped(models), modules)
+        transforms = {n: per_module for n in names}
+    else:
+        transforms = {
+            n: T.match_module.map(unmapped(config), unmapped(n), unmapped(models[n]), unmapped(models[anchor]), modules)
+            for n in others
+        }
+    matched = {
+        n: T.assemble_matched.submit(config, n, models[n], models[anchor] if anchor else None,
+                                     dict(zip(modules, transforms[n], strict=True)))
+        for n in others
+    }  # fmt: skip
+    return anchor, others, transforms, matched
+
+
 def run_stages(config: RunConfig) -> dict[str, Any]:
     """The body of :func:`fusion_pipeline` (inside its flow run, holding the run lock)."""
     names = config.dataset_names
@@ -124,29 +164,10 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     own = [(m, d) for m in names for d in eval_sets]
     own_evals = T.evaluate.map(unmapped(config), [m for m, _ in own], [models[m] for m, _ in own], [d for _, d in own])
 
-    # 3. Matching: one task per attention / FFN module per other model onto the anchor model, or (barycenter) one
-    #    task per module aligning every model to their mean (either task returns {model: transform URI}); then the
-    #    matched checkpoints.
-    first = names[0]
-    modules = result_of(T.list_modules.submit(config, first, models[first]), upstream=[models[first]])
-    if config.anchor == "barycenter":
-        anchor, others = None, names
-        per_module = T.match_module_barycenter.map(unmapped(config), unmapped(models), modules)
-        transforms = {n: per_module for n in names}
-    else:
-        anchor = result_of(T.choose_anchor.submit(config, models), upstream=list(models.values()))
-        others = [n for n in names if n != anchor]
-        transforms = {
-            n: T.match_module.map(unmapped(config), unmapped(n), unmapped(models[n]), unmapped(models[anchor]), modules)
-            for n in others
-        }
+    # 3. Matching onto the anchor model (or, barycenter, onto the models' mean); then the matched checkpoints.
+    anchor, others, transforms, matched = match_stage(T, config, models)
     #    Before any merge: will alignment help, will the merge work? (symfuse inspect; the report opens with it)
-    inspection = T.inspect_models.submit(config, models, anchor or first) if len(names) > 1 else None
-    matched = {
-        n: T.assemble_matched.submit(config, n, models[n], models[anchor] if anchor else None,
-                                     dict(zip(modules, transforms[n], strict=True)))
-        for n in others
-    }  # fmt: skip
+    inspection = T.inspect_models.submit(config, models, anchor or names[0]) if len(names) > 1 else None
 
     # 4. Statistics follow matching: Gram transformed exactly, Fisher recollected on the matched model if needed.
     matched_stats = {

@@ -113,6 +113,43 @@ def match_module_barycenter(config: RunConfig, models: Mapping[str, str], module
         }  # fmt: skip
 
 
+@symfuse_task("match_model", "match-{model}")
+def match_model(config: RunConfig, model: str, model_uri: str, anchor_uri: str) -> str:
+    """Align the whole of ``model`` onto the anchor (``residual-orthogonal`` with the per-module kinds beside it).
+
+    One map of the residual stream acts on every module at once, so one task aligns the model and writes the matched
+    checkpoint (checked exact on the written folder); its statistics are recollected, not transformed.
+
+    Returns:
+        The matched checkpoint's URI (``matched/<model>``), its manifest's ``meta.distances`` one whole-model record.
+    """
+    store = open_store(config)
+    key = layout.matched_key(config.run_id, model)
+    inputs = {"model": model_uri, "anchor": anchor_uri}
+    ck = content_key({"whole": 1, "symmetries": config.symmetries}, manifests(store, inputs))
+    if (uri := reuse(store, key, ck, f"matched model {model}")) is not None:
+        return uri
+    maybe_inject_fault()
+    from symfuse.match.residual_orthogonal import match_residual_orthogonal_checkpoints
+
+    inner = [k for k in config.symmetries if k != "residual-orthogonal"]
+    with scratch("match") as tmp:
+        with timed() as t:
+            report = match_residual_orthogonal_checkpoints(
+                fetch(store, model_uri),
+                fetch(store, anchor_uri),
+                tmp / "matched",
+                inner,
+                device=config.resolved_device(),
+            )
+        whole = {"model": model, "module": "model.whole", "before": report["distance_before"],
+                 "after": report["distance_after"]}  # fmt: skip
+        meta = stage_meta("match_model", f"match-{model}", t.seconds, distances=[whole],
+                          distance_before=report["distance_before"], distance_after=report["distance_after"],
+                          max_abs_logit_diff=report["max_abs_logit_diff"])  # fmt: skip
+        return store.put_dir(key, tmp / "matched", "match_model", inputs, ck, meta, move=True)
+
+
 @symfuse_task("assemble_matched", "assemble-{model}")
 def assemble_matched(
     config: RunConfig,

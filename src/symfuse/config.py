@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from symfuse.merge.registry import MERGERS, merger_params
-from symfuse.symmetry.registry import check_kinds, module_kind_names
+from symfuse.symmetry.registry import check_kinds, kind_names
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+=-]*$")
 STATS_KINDS = ("gram", "fisher")
@@ -238,8 +238,9 @@ class RunConfig(_Strict):
     symmetries: list[str] = Field(
         default_factory=lambda: ["rotation", "scaling", "ffn-permutation"],
         min_length=1,
-        description="Symmetry kinds matching may use (see symfuse.symmetry.registry).",
-        json_schema_extra=_enum(lambda: module_kind_names("weights")),
+        description="Symmetry kinds matching may use (see symfuse.symmetry.registry); residual-orthogonal (pre-norm "
+        "families) aligns each model as a whole, with the per-module kinds beside it.",
+        json_schema_extra=_enum(lambda: kind_names("weights")),
     )
     anchor: str = Field(
         default="closest",
@@ -322,7 +323,7 @@ class RunConfig(_Strict):
     @field_validator("symmetries", mode="before")
     @classmethod
     def _symmetries(cls, value: object) -> object:
-        return _choice(value, module_kind_names("weights"), "symmetries")
+        return _choice(value, kind_names("weights"), "symmetries")
 
     @field_validator("symmetries", "strategies")
     @classmethod

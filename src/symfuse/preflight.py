@@ -83,6 +83,7 @@ def check_run(config: RunConfig) -> list[str]:
     problems: list[str] = []
     trained = [d.name for d in config.datasets if d.checkpoint is None]
     problems += _check_base(config.base_model, tokenizer=bool(trained))
+    problems += _symmetry_problems(config)
     probes: dict[str, DatasetProbe] = {}
     for d in config.datasets:
         probe = _probe(f"training dataset {d.name}", d.data, _training_splits(config, d.name), problems)
@@ -116,6 +117,25 @@ def _check_base(base: str, tokenizer: bool) -> list[str]:
             check_tokenizer(folder)
     except SymfuseError as exc:
         return [f"base model {base}: {_one_line(exc)}"]
+    return []
+
+
+def _symmetry_problems(config: RunConfig) -> list[str]:
+    """``residual-orthogonal`` needs one anchor model and a family where a map of the whole stream is exact."""
+    from symfuse.arch import get_spec
+    from symfuse.checkpoint import read_config_json, resolve_checkpoint
+    from symfuse.symmetry.residual_orthogonal import check_supported
+
+    if "residual-orthogonal" not in config.symmetries:
+        return []
+    if config.anchor == "barycenter":
+        return ["symmetries: residual-orthogonal maps each model onto one anchor model, not onto a barycenter — set "
+                "anchor to 'closest' or a dataset name"]  # fmt: skip
+    try:
+        check_supported(get_spec(read_config_json(resolve_checkpoint(config.base_model))))
+    except SymfuseError as exc:
+        return [f"symmetries: residual-orthogonal on base model {config.base_model}: {_one_line(exc)} (in a run "
+                "config: drop residual-orthogonal)"]  # fmt: skip
     return []
 
 

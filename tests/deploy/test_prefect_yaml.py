@@ -98,13 +98,13 @@ def test_the_ui_form_offers_strategies_and_symmetries_as_choices():
     from prefect.utilities.callables import parameter_schema
 
     from symfuse.merge import MERGERS
-    from symfuse.symmetry.registry import module_kind_names  # the per-module kinds the pipeline matches
+    from symfuse.symmetry.registry import kind_names  # the kinds the pipeline matches (per module or whole)
 
     for name in ("fusion-pipeline", "watch-checkpoints", "remerge"):
         flow = load_flow(deployments()[name]["entrypoint"])
         props = parameter_schema(flow).model_dump()["definitions"]["RunConfig"]["properties"]
         assert set(props["strategies"]["items"]["enum"]) == set(MERGERS), name
-        assert set(props["symmetries"]["items"]["enum"]) == set(module_kind_names("weights")), name
+        assert set(props["symmetries"]["items"]["enum"]) == set(kind_names("weights")), name
     flow = load_flow(EXPECTED["fusion-pipeline"])
     bad = RunConfig.demo().model_dump(mode="json") | {"strategies": ["simple", "regmaen"]}
     with pytest.raises(Exception, match="regmaen"):  # refused when the run is created, before any work

@@ -173,10 +173,10 @@ def test_choices_are_the_registries_and_schema_enums():
 
     props = RunConfig.model_json_schema()["properties"]
     assert set(props["strategies"]["items"]["enum"]) == set(MERGERS)
-    per_module = set(kind_names("weights")) - {"residual-orthogonal"}  # one map of the whole model: not per module
-    assert set(props["symmetries"]["items"]["enum"]) == per_module >= {"rotation", "ot", "ot-soft"}
-    with pytest.raises(ValidationError, match="residual-orthogonal"):
-        RunConfig.demo(symmetries=["residual-orthogonal"])
+    kinds = set(kind_names("weights"))  # residual-orthogonal too: one task per model aligns the whole stream
+    assert set(props["symmetries"]["items"]["enum"]) == kinds >= {"rotation", "ot", "ot-soft", "residual-orthogonal"}
+    with pytest.raises(ValidationError, match="residual-permutation"):  # found from activations only
+        RunConfig.demo(symmetries=["residual-permutation"])
 
 
 def test_merge_params_reach_the_strategy_and_older_regmean_alpha_still_reads():

@@ -68,9 +68,12 @@ class ResidualAlignment:
 
 
 def sq_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
-    """``sum ||a - b||^2`` over the floating tensors both hold (float64)."""
+    """``sum ||a - b||^2`` over the floating tensors both hold with one shape (float64; task heads of other label
+    sets are left out)."""
     return sum(
-        float((a[n].double() - b[n].double()).square().sum()) for n in a.keys() & b.keys() if a[n].is_floating_point()
+        float((a[n].double() - b[n].double()).square().sum())
+        for n in a.keys() & b.keys()
+        if a[n].is_floating_point() and a[n].shape == b[n].shape
     )
 
 
@@ -93,6 +96,8 @@ def stream_cross(src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tensor
                     m += torch.outer(s, a) if s.dim() == 1 else s @ a.T  # O^T W ~ A
     for name, action in residual_plan(spec, list(src), config, prefix).items():
         s, a = src[name].double(), anc[name].double()
+        if s.shape != a.shape:
+            continue  # a task head of another label set: it follows O but tells nothing of it
         if s.dim() == 1 and name.endswith(".weight") and bool((s == 1).all()):
             continue  # a folded norm's gain
         if action == "first" or (action == "emb" and s.dim() == 4):  # rows written into the stream
