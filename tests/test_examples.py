@@ -73,10 +73,11 @@ def test_the_readme_has_three_recipes_of_known_commands():
             check_line(line)
     inline = (ROOT / "README.md").read_text().split("## Recipes", 1)[1].split("\n## ", 1)[0]
     check_line(PYTHON + re.search(r"`\.venv/bin/python (-m flows\.pipeline[^`]*)`", inline).group(1))
+    check_line(PYTHON + re.search(r"`\.venv/bin/python (examples/different_init\.py[^`]*)`", inline).group(1))
 
 
 def test_every_example_file_is_a_recipe_input():
-    named = " ".join(" ".join(lines) for lines in recipe_blocks().values())
+    named = (ROOT / "README.md").read_text().split("## Recipes", 1)[1].split("\n## ", 1)[0]  # blocks and text
     for file in EXAMPLES.iterdir():
         assert f"examples/{file.name}" in named, f"{file.name} is in no recipe"
 
@@ -114,3 +115,20 @@ def test_recipe_b_runs_as_written_on_tiny_gpt2_models(tmp_path, monkeypatch):
         if line.startswith(SYMFUSE + "inspect"):
             assert "verdict: " in r.stdout
     assert (tmp_path / "seeds/merged/model.safetensors").exists()
+
+
+def test_the_different_init_demo_aligns_with_every_class_exactly_and_reuses_its_models(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny = ["--steps", "3", "--layers", "1", "--d-model", "32", "--heads", "2", "--max-length", "16", "--device", "cpu"]
+    demo = load_example("different_init")
+    args = ["--out", "di", "--points", "3", "--max-examples", "8", *tiny]
+    assert demo.main(args) == 0
+    table = (tmp_path / "di" / "different_init.md").read_text()
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith(("| plain", "| weights", "| activ"))]
+    assert len(rows) == 1 + len(demo.ROWS)
+    assert all(float(r[-1].rstrip(" |")) <= 1e-4 for r in rows)  # every aligned model computes B's function
+    assert (tmp_path / "di" / "merged" / "model.safetensors").exists()
+    assert (tmp_path / "di" / "different_init.png").read_bytes()[:4] == b"\x89PNG"
+    stamp = (tmp_path / "di" / "seeds" / "a" / "model.safetensors").stat().st_mtime_ns
+    assert demo.main(args) == 0  # the trained pair is reused, not trained again
+    assert (tmp_path / "di" / "seeds" / "a" / "model.safetensors").stat().st_mtime_ns == stamp

@@ -176,7 +176,7 @@ def make_batches(
         tokenizer: A tokenizer, or a checkpoint folder / ``"minilm"`` whose tokenizer to load.
         split: ``train`` | ``validation`` | ``test``.
         batch_size: Examples per batch.
-        max_length: Truncation length in tokens.
+        max_length: Truncation length in tokens; with a checkpoint folder, at most the positions its model reads.
         max_examples: Seeded random subset of this many examples.
         seed: Seed of the subset and of ``shuffle``.
         shuffle: Seeded shuffle of the example order.
@@ -194,8 +194,22 @@ def make_batches(
 
         dataset = load_task_dataset(dataset)
     tok = load_tokenizer(tokenizer)
+    if isinstance(tokenizer, str | Path):
+        max_length = min(max_length, model_positions(tokenizer) or max_length)
     feats = encode_split(dataset, tok, split, max_length, max_examples, seed)
     return list(iter_batches(feats, batch_size, tok.pad_token_id or 0, shuffle=shuffle, seed=seed))
+
+
+def model_positions(folder: str | Path) -> int | None:
+    """The positions a checkpoint folder's model reads (``max_position_embeddings`` / ``n_positions``), or None."""
+    import json
+
+    file = Path(folder) / "config.json"
+    if not file.is_file():  # "minilm", a hub id: their models read more than any default max_length
+        return None
+    raw = json.loads(file.read_text())
+    n = raw.get("max_position_embeddings", raw.get("n_positions"))
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def batches_per_model(

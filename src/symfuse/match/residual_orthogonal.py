@@ -68,8 +68,7 @@ class ResidualAlignment:
 
 
 def sq_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
-    """``sum ||a - b||^2`` over the floating tensors both hold with one shape (float64; task heads of other label
-    sets are left out)."""
+    """``sum ||a - b||^2`` over the floating tensors both hold with one shape (float64; other label sets: out)."""
     return sum(
         float((a[n].double() - b[n].double()).square().sum())
         for n in a.keys() & b.keys()
