@@ -53,7 +53,9 @@ def match_many_cmd(
         str,
         typer.Option("--symmetries", help=f"Comma-separated: {', '.join(kind_names('weights'))}."),
     ] = "rotation,scaling,ffn-permutation",
-    max_iter: Annotated[int, typer.Option("--max-iter", help="Barycenter iterations per module at most.")] = 20,
+    max_iter: Annotated[
+        int, typer.Option("--max-iter", help="Barycenter iterations per module (residual-orthogonal: rounds) at most.")
+    ] = 20,
     tol: Annotated[float, typer.Option("--tol", help="Barycenter tolerance (relative move of the mean).")] = 1e-7,
     device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
@@ -87,6 +89,9 @@ def match_many_cmd(
     for m in models:
         checks.checkpoint(m)
     device = checks.device("--device", device)
+    if "residual-orthogonal" in sym:  # one stream map per model: the models are aligned as wholes
+        _whole_models(models, out, names, index, sym, max_iter, tol, device, overwrite)
+        return
     with claim_output(out, overwrite):
         from symfuse.match import assemble_matched, match_many
 
@@ -111,6 +116,20 @@ def match_many_cmd(
                 "max_iterations": max(result["iterations"].values(), default=0),
             }
             (tmp / REPORT).write_text(json.dumps(report, indent=2))
+    typer.echo(json.dumps(report, indent=2))
+    typer.echo(f"aligned checkpoints in {out}")
+
+
+def _whole_models(models, out, names, index, sym, rounds, tol, device, overwrite) -> None:
+    """match-many with ``residual-orthogonal``: each model onto the anchor, or all onto their mean (universe)."""
+    from symfuse.match.universe import match_many_residual_orthogonal
+
+    inner = [k for k in sym if k != "residual-orthogonal"]
+    with claim_output(out, overwrite), atomic_output_dir(out, overwrite=overwrite) as tmp:
+        result = match_many_residual_orthogonal(models, tmp, names, index, inner, rounds, tol, device)
+        report = {"anchor_mode": index if isinstance(index, str) else "model", "symmetries": sym, "device": device,
+                  **result}  # fmt: skip
+        (tmp / REPORT).write_text(json.dumps(report, indent=2))
     typer.echo(json.dumps(report, indent=2))
     typer.echo(f"aligned checkpoints in {out}")
 
