@@ -186,6 +186,19 @@ def embed_folded(state: Mapping[str, torch.Tensor], spec: ArchSpec, config: Any,
     return out, untied
 
 
+def untie(state: Mapping[str, torch.Tensor], spec: ArchSpec, config: Any) -> State:
+    """``state`` with every LM head tied to the input embedding stored as its own tensor (a copy of it).
+
+    Load it with ``tie_word_embeddings = False`` (same function): a widened model's head is its own tensor, so its
+    anchor's is made one too before the two are aligned.
+    """
+    prefix = spec.detect_prefix(state)
+    out = dict(state)
+    for head, emb in _tied_heads(spec, state, config, prefix).items():
+        out.setdefault(head, state[emb].clone())
+    return out
+
+
 def widen_state(
     state: Mapping[str, torch.Tensor],
     spec: ArchSpec,
