@@ -14,10 +14,16 @@ at ``--points`` values of l; the barrier is ``max_l [L(l) - ((1 - l) L(0) + l L(
   invertible head maps), from the identity (weights only) or from the Procrustes solution on paired hidden states
   (activations);
 * K = 3: seeds 1 and 2 aligned onto seed 0, the three averaged: loss of the average minus the endpoints' mean.
+* ``width: ...`` (only with ``--only width``): seed A (d 256) widened exactly into the shapes of ``--wide`` (d 512,
+  8 heads, MLP 2048; :mod:`symfuse.symmetry.widen`) and aligned onto it by residual-orthogonal (from the weights, or
+  from paired hidden states); the path runs from the wide model to the aligned one, in the WIDE model's config (its
+  norm epsilon: ``max_dlogit_wide_eps``); ``max_dlogit`` is measured in the widened config (epsilon scaled by
+  d_n / d_w), where the embedding is exact.
 
 Each alignment's ``max |dlogit|``: the aligned B against B on test windows (float32; B is stored in float16).
 
 Usage: python bench/lmc.py [--runs .lmc_runs] [--pair 0 1] [--points 21] [--out bench/results]
+       python bench/lmc.py --only width [--wide wide3] (seed --pair[0] into the wide model)
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from symfuse.match.refine import refine_stream_map  # noqa: E402
 from symfuse.match.residual_orthogonal import activation_init, align_residual_orthogonal  # noqa: E402
 from symfuse.match.weights import match_module_weights  # noqa: E402
 from symfuse.symmetry.residual_orthogonal import fold_norms, rotate_residual  # noqa: E402
+from symfuse.symmetry.widen import untie, widen_state, widening_map  # noqa: E402
 
 PERMS = ("ffn-permutation", "head-permutation")
 ROT = (*PERMS, "rotation", "scaling")
@@ -179,6 +186,35 @@ def alignments(a_model, b_model, batches, refine_batches=(), steps: int = 200) -
     }
 
 
+def width_alignments(wide, narrow, batches) -> tuple[dict[str, Callable[[], tuple]], torch.nn.Module]:
+    """The width rows' ``(wide state, narrow widened and aligned, untied)`` and the widened config's template."""
+    spec = get_spec(wide.config)
+    sw = untie(state_of(wide), spec, wide.config)  # the widened head is its own tensor: the anchor's too
+    sn, cfg = widen_state(state_of(narrow), spec, narrow.config, wide.config)
+    exact = with_state(wide, {}, True)
+    exact.config = cfg  # with_state copies this config: the widened one (epsilon scaled)
+    align_cfg = copy.deepcopy(cfg)
+    align_cfg.tie_word_embeddings = False
+
+    def ortho(init: str):
+        def run():
+            start = None
+            if init == "activations":  # the widened stream is the narrow one times V
+                v = widening_map(narrow.config.n_embd, wide.config.n_embd, spec.residual_group)
+                hn = [h.double() @ v for h in hidden(narrow, state_of(narrow), False, batches)]
+                start = activation_init(hn, hidden(wide, state_of(wide), False, batches), spec.residual_group)
+            r = align_residual_orthogonal(sn, sw, spec, align_cfg, kinds=ROT, iters=30, init=start)
+            return r.anchor, r.aligned, True
+
+        return run
+
+    return {
+        "width: plain (seed widened, not aligned)": lambda: (sw, sn, True),
+        "width: residual-orthogonal + permutations + rotation/scaling, weights": ortho("identity"),
+        "width: residual-orthogonal + permutations + rotation/scaling, activations init": ortho("activations"),
+    }, exact
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=Path, default=ROOT / ".lmc_runs")
@@ -188,6 +224,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=BENCH / "results")
     ap.add_argument("--only", default=None, help="run only the rows whose name contains this (merged into lmc.json)")
     ap.add_argument("--steps", type=int, default=200, help="learned refinement: optimiser steps")
+    ap.add_argument("--wide", default="wide3", help="width rows: the wide model's folder under --runs")
     args = ap.parse_args()
     torch.manual_seed(0)
     tok = lmc_train.Tokenizer.from_file(str(lmc_train.TOKENIZER))
@@ -195,9 +232,14 @@ def main() -> None:
     train = lmc_train.token_stream(tok, lmc_train.DATA, "train")
     batches = train_batches(train)
     refine_batches = train_batches(train[32 * 256 :], 256)  # other train windows than the matching statistics
-    a, b = (load(args.runs / f"seed{s}") for s in args.pair)
+    if args.only is not None and "width" in args.only:  # A: the wide model; B: seed --pair[0], widened into it
+        a, b = load(args.runs / args.wide), load(args.runs / f"seed{args.pair[0]}")
+        makers, exact = width_alignments(a, b, batches)
+    else:
+        a, b = (load(args.runs / f"seed{s}") for s in args.pair)
+        makers, exact = alignments(a, b, batches, refine_batches, args.steps), a
     rows, t0 = [], time.perf_counter()
-    for name, make in alignments(a, b, batches, refine_batches, args.steps).items():
+    for name, make in makers.items():
         if args.only is not None and args.only not in name:
             continue
         t1 = time.perf_counter()
@@ -205,8 +247,10 @@ def main() -> None:
         seconds = time.perf_counter() - t1
         losses = path_losses(a, sa, sb, untied, test, args.points)
         rows.append({"row": name, "barrier": barrier(losses), "mid": losses[len(losses) // 2], "L0": losses[0],
-                     "L1": losses[-1], "max_dlogit": logit_diff(a, sb, untied, b, test), "align_s": seconds,
+                     "L1": losses[-1], "max_dlogit": logit_diff(exact, sb, untied, b, test), "align_s": seconds,
                      "losses": losses})  # fmt: skip
+        if exact is not a:  # the path's config: the wide model's epsilon
+            rows[-1]["max_dlogit_wide_eps"] = logit_diff(a, sb, untied, b, test)
         print(f"{name:70s} barrier {rows[-1]['barrier']:.4f}  mid {rows[-1]['mid']:.4f}  "
               f"dlogit {rows[-1]['max_dlogit']:.1e}  ({seconds:.1f} s)", flush=True)  # fmt: skip
     k3 = three_way(args, a, test, batches) if args.third >= 0 and args.only is None else None
@@ -247,9 +291,9 @@ def write(args, rows: list[dict], k3: dict | None, seconds: float) -> None:
     today = [r["barrier"] for r in rows if r["row"].startswith(("weights", "activations"))]
     new = [r["barrier"] for r in rows if r["row"].startswith("residual-orthogonal") and "learned" not in r["row"]]
     summary = {
-        "barrier_plain": rows[0]["barrier"],
-        "barrier_permutation_rotation": min(today),
-        "barrier_residual_orthogonal": min(new),
+        "barrier_plain": next((r["barrier"] for r in rows if r["row"] == "plain"), None),
+        "barrier_permutation_rotation": min(today, default=None),
+        "barrier_residual_orthogonal": min(new, default=None),
         "barrier_learned": min((r["barrier"] for r in rows if "learned" in r["row"]), default=None),
         "pair": args.pair,
         "points": args.points,

@@ -64,6 +64,15 @@ ModuleWeights = dict[str, torch.Tensor]
 ATTN_ROLES = ("q", "k", "v", "o", "pos_q", "pos_k", "q_norm", "k_norm", "head_table")
 FFN_ROLES = ("up", "gate", "down")
 FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # fused role -> canonical roles, in row order
+# geometry field -> config attributes read for it, first present wins (``config_keys`` in the YAML overrides)
+GEOMETRY_KEYS = {
+    "d_model": ("hidden_size",),
+    "n_heads": ("num_attention_heads",),
+    "n_kv_heads": ("num_key_value_heads",),
+    "head_dim": ("head_dim",),
+    "d_ffn": ("intermediate_size", "hidden_dim", "n_inner"),
+}
+NORM_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")  # config attributes of the norms' epsilon
 
 
 @dataclass(frozen=True)
@@ -234,22 +243,25 @@ class ArchSpec:
         geos = [(st.name, self._stack_geometry(config, st)) for st in self.all_stacks()]
         return geos[0][1] if len(geos) == 1 else replace(geos[0][1], stacks=tuple(geos))
 
+    def geometry_keys(self, name: str) -> tuple[str, ...]:
+        """Config attributes read for one geometry field (``d_model`` ... ``d_ffn``), first present wins."""
+        return (self.config_keys[name],) if name in self.config_keys else GEOMETRY_KEYS[name]
+
     def _stack_geometry(self, config: Any, st: StackSpec) -> Geometry:
         cfg = getattr(config, st.config) if st.config else config
-        keys = self.config_keys
 
-        def read(name: str, *fallbacks: str) -> Any:
-            for k in (keys[name],) if name in keys else fallbacks:
+        def read(name: str) -> Any:
+            for k in self.geometry_keys(name):
                 v = getattr(cfg, k, None)
                 if v is not None:
                     return v
             return None
 
-        d_model = int(read("d_model", "hidden_size"))
-        n_heads = int(read("n_heads", "num_attention_heads"))
-        n_kv = int(read("n_kv_heads", "num_key_value_heads") or n_heads)
-        head_dim = int(read("head_dim", "head_dim") or d_model // n_heads)
-        d_ffn = read("d_ffn", "intermediate_size", "hidden_dim", "n_inner") or 4 * d_model  # GPT-2: 4 * d
+        d_model = int(read("d_model"))
+        n_heads = int(read("n_heads"))
+        n_kv = int(read("n_kv_heads") or n_heads)
+        head_dim = int(read("head_dim") or d_model // n_heads)
+        d_ffn = read("d_ffn") or 4 * d_model  # GPT-2: 4 * d
         pos_types = getattr(cfg, "pos_att_type", None) or ()
         relative = bool(getattr(cfg, "relative_attention", False)) and bool(pos_types)
         share = bool(getattr(cfg, "share_att_key", False))

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from symfuse.arch import ArchSpec, ModuleRef
-from symfuse.arch.spec import FUSED
+from symfuse.arch.spec import FUSED, NORM_EPS_KEYS
 from symfuse.checkpoint import CheckpointReader
 from symfuse.io import BufferPool
 
@@ -39,7 +39,6 @@ _ACTIVATIONS = {
     "swish": F.silu,
 }
 _LINEAR_ROLES = frozenset(("q", "k", "v", "o", "up", "gate", "down"))
-_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
 
 
 def _rope_theta(config: Any) -> float | None:
@@ -71,7 +70,7 @@ def plain_forward_supported(spec: ArchSpec, config: Any, seq: int = 12) -> bool:
 
 
 def _eps(spec: ArchSpec, config: Any) -> float:
-    for key in _EPS_KEYS:
+    for key in NORM_EPS_KEYS:
         value = getattr(config, key, None)
         if value is not None:
             return float(value)

@@ -42,7 +42,16 @@ def check_compatible(src: CheckpointReader, anc: CheckpointReader) -> None:
             "matching needs two models of one family"
         )
     if src.geometry != anc.geometry:
-        raise CheckpointError(f"{src.path} and {anc.path} have different shapes: {src.geometry} vs {anc.geometry}")
+        from symfuse.symmetry.widen import describe, widths_differ_only
+
+        hint = ""
+        if widths_differ_only(src.geometry, anc.geometry):
+            hint = (" — models of different widths align only with --symmetries residual-orthogonal (the narrower "
+                    "one, given first, is widened exactly)")  # fmt: skip
+        raise CheckpointError(
+            f"{src.path} and {anc.path} have different shapes: {describe(src.geometry)} vs {describe(anc.geometry)}"
+            + hint
+        )
 
 
 def check_shapes(ref: ModuleRef, s: Mapping[str, torch.Tensor], a: Mapping[str, torch.Tensor], where: str) -> None:

@@ -195,10 +195,12 @@ def align_residual_orthogonal(
 RESIDUAL_ORTHOGONAL_FILE = RESIDUAL_MAP_FILE  # the stream map (``rot``), beside transforms.safetensors
 
 
-def write_state(reader: Any, state: Mapping[str, torch.Tensor], folder: Path, untied: bool) -> None:
+def write_state(reader: Any, state: Mapping[str, torch.Tensor], folder: Path, untied: bool,
+                config: Any = None) -> None:  # fmt: skip
     """A whole model's tensors into ``folder`` (one safetensors file), with ``reader``'s config and side files.
 
     ``untied``: the LM head is its own tensor now (``config.tie_word_embeddings = False``; the same class loads it).
+    ``config``: written instead of ``reader``'s (a widened model, :mod:`symfuse.symmetry.widen`).
     """
     import json
 
@@ -207,6 +209,8 @@ def write_state(reader: Any, state: Mapping[str, torch.Tensor], folder: Path, un
 
     save_safetensors(dict(state), folder / "model.safetensors", {"format": "pt"})
     copy_side_files(reader, folder)
+    if config is not None:
+        config.to_json_file(folder / "config.json", use_diff=True)
     if untied:
         cfg = json.loads((folder / "config.json").read_text())
         cfg["tie_word_embeddings"] = False
@@ -260,6 +264,25 @@ def _refine(r: ResidualAlignment, source: Path, spec: ArchSpec, group: str, batc
     return losses
 
 
+def widen_source(state: State, spec: ArchSpec, config: Any, target_config: Any) -> tuple[State, Any, dict]:
+    """:func:`symfuse.symmetry.widen.widen_state` with one log line; ``(state, config, widened_from)``.
+
+    ``widened_from``: the narrow model's widths and norm epsilon (for the report).
+    """
+    from symfuse.arch.spec import NORM_EPS_KEYS
+    from symfuse.symmetry.widen import widen_state
+
+    narrow, wide = spec.geometry(config), spec.geometry(target_config)
+    out, wide_config = widen_state(state, spec, config, target_config)
+    log.info("widened d %d -> %d, ffn %d -> %d, heads %d -> %d", narrow.d_model, wide.d_model, narrow.d_ffn,
+             wide.d_ffn, narrow.n_heads, wide.n_heads)  # fmt: skip
+    eps = {k: getattr(config, k) for k in NORM_EPS_KEYS if getattr(config, k, None) is not None}
+    widened_from = {"d_model": narrow.d_model, "d_ffn": narrow.d_ffn, "n_heads": narrow.n_heads,
+                    "n_kv_heads": narrow.n_kv_heads, "norm_eps": eps,
+                    "norm_eps_written": {k: getattr(wide_config, k) for k in eps}}  # fmt: skip
+    return out, wide_config, widened_from
+
+
 def match_residual_orthogonal_checkpoints(
     source: str | Path,
     anchor: str | Path,
@@ -279,6 +302,11 @@ def match_residual_orthogonal_checkpoints(
     (``config.tie_word_embeddings = False``, the same class). The written folder is reloaded and its outputs
     compared with SOURCE's before it is published.
 
+    A SOURCE of the anchor's family that differs only in width (d_model, heads, KV groups, FFN units; same layer
+    count and head dimension) is first embedded exactly in the anchor's shapes (:mod:`symfuse.symmetry.widen`): the
+    written folder has the anchor's shapes, the norms' epsilon scaled by ``d_n / d_w``, and the report's
+    ``widened_from`` records the narrow widths; it is still verified against SOURCE's own outputs.
+
     Args:
         source: Source checkpoint.
         anchor: Anchor checkpoint (same family and shapes).
@@ -297,6 +325,7 @@ def match_residual_orthogonal_checkpoints(
 
     Raises:
         UnsupportedArchitecture: a family whose residual group is not orthogonal.
+        UsageError: models of different widths that cannot be widened (:func:`symfuse.symmetry.widen.check_widen`).
         VerificationError: the written model does not compute SOURCE's function (nothing published).
     """
     import json
@@ -304,22 +333,33 @@ def match_residual_orthogonal_checkpoints(
 
     from symfuse.checkpoint import CheckpointReader
     from symfuse.device import resolve_device
+    from symfuse.errors import UsageError
     from symfuse.io import save_safetensors
     from symfuse.match.inputs import REPORT_FILE, TRANSFORMS_FILE, check_compatible
     from symfuse.match.verify import logit_tolerance, verify_outputs
     from symfuse.outputs import atomic_output_dir, check_output
     from symfuse.symmetry.residual_orthogonal import unfold_into
     from symfuse.symmetry.transforms import save_transforms
+    from symfuse.symmetry.widen import untie, widening_map
 
     t0 = time.perf_counter()
     check_output(out, overwrite)
     dev = resolve_device(device)
     with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
-        check_compatible(src, anc)
+        widening = src.spec.family == anc.spec.family and src.geometry != anc.geometry
+        if not widening:
+            check_compatible(src, anc)
+        elif refine:
+            raise UsageError("--refine: not yet for models of different widths — leave it out (the match stays exact)")
         spec, config = src.spec, src.config
-        group = check_supported(spec)
         s_state = {n: src.get(n).clone() for n in src.names()}
         a_state = {n: anc.get(n).clone() for n in anc.names()}
+        widened_from = None
+        if widening:  # a narrower source: embedded exactly in the anchor's shapes first (symfuse.symmetry.widen)
+            s_state, config, widened_from = widen_source(s_state, spec, config, anc.config)
+            a_state = untie(a_state, spec, anc.config)  # both heads their own tensors (config: untied)
+            config.tie_word_embeddings = False
+        group = check_supported(spec)
         dtype = next(t.dtype for t in s_state.values() if t.is_floating_point())
         init, labelled = None, []
         if data is not None:
@@ -327,8 +367,11 @@ def match_residual_orthogonal_checkpoints(
 
             labelled = make_batches(data, src.path, "train", 16, 128, max_examples)
             batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in labelled]
-            init = activation_init(_hidden_states(src.path, batches, dev), _hidden_states(anc.path, batches, dev),
-                                   group)  # fmt: skip
+            hidden = _hidden_states(src.path, batches, dev)
+            if widened_from is not None:  # the widened source's stream is the narrow one times V
+                v = widening_map(widened_from["d_model"], spec.geometry(config).d_model, group)
+                hidden = [h.double() @ v for h in hidden]
+            init = activation_init(hidden, _hidden_states(anc.path, batches, dev), group)
         r = align_residual_orthogonal(s_state, a_state, spec, config, kinds, iters, init=init, device=dev)
         refined = _refine(r, src.path, spec, group, labelled, refine, dev) if refine else None
         final, untied = unfold_into({n: t.cpu() for n, t in r.aligned.items()}, a_state, spec, config)
@@ -338,11 +381,12 @@ def match_residual_orthogonal_checkpoints(
             "symmetries": ["residual-orthogonal", *kinds], "init": "activations" if data else "identity",
             "data": data, "distance_before": sq_distance(s_state, a_state) ** 0.5,
             "distance_after": sq_distance(final, a_state) ** 0.5, "history": r.history,
-            "untied_lm_head": r.untied or untied, "device": str(dev),
+            "untied_lm_head": r.untied or untied or widening, "device": str(dev),
             "refine": {"steps": refine, "first_loss": refined[0], "last_loss": refined[-1]} if refined else None,
+            "widened_from": widened_from,
         }  # fmt: skip
         with atomic_output_dir(Path(out), overwrite=overwrite) as tmp:
-            write_state(src, final, tmp, report["untied_lm_head"])
+            write_state(src, final, tmp, report["untied_lm_head"], config if widening else None)
             save_safetensors({"rot": r.rot.contiguous()}, tmp / RESIDUAL_ORTHOGONAL_FILE, {"group": group})
             save_transforms(r.modules, tmp / TRANSFORMS_FILE)
             report["max_abs_logit_diff"] = verify_outputs(tmp, src.path, "full", dtype)  # raises when not exact
