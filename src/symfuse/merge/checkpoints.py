@@ -43,6 +43,7 @@ from symfuse.errors import CheckpointError, MissingStats
 from symfuse.io import BufferPool, parallel_reads
 from symfuse.merge.head_refit import RefitOptions, check_refittable, refit_batches, refit_heads
 from symfuse.merge.heads import head_names, union_heads, write_label_space
+from symfuse.merge.readers import StreamingReader, untie_mixed
 from symfuse.merge.registry import MERGERS
 from symfuse.merge.tensor_merge import TensorMerge, _gram_inputs  # noqa: F401  (_gram_inputs: tests read spans)
 from symfuse.model_card import CARD, input_metrics, model_card, trained_on
@@ -54,14 +55,6 @@ log = logging.getLogger(__name__)
 
 REPORT = "symfuse_report.json"
 SHARD_BYTES = 128 * 1024**2
-
-
-class StreamingReader(CheckpointReader):
-    """A :class:`CheckpointReader` that reads each tensor with plain reads instead of mmap."""
-
-    def get(self, name: str, pool: BufferPool | None = None, slot: str = "") -> torch.Tensor:
-        """Load one tensor into new memory, or into ``pool``'s ``slot`` (see :class:`symfuse.io.TensorFile`)."""
-        return self.tensor_file(name).get(name, pool, slot)
 
 
 def _labels(reader: CheckpointReader) -> list[str]:
@@ -219,6 +212,7 @@ def plan_merge(
     if merger.needs_base and base is None:
         raise MissingStats(f"strategy {strategy!r} works on task vectors: pass the base model (--base)")
     base_reader = StreamingReader(base) if base is not None else None
+    untie_mixed([*readers, *([base_reader] if base_reader is not None else [])])
     files = _resolve_stats(merger.required_stats, stats, [r.path for r in readers])
     r0 = readers[0]
     heads = head_names(r0)
@@ -357,6 +351,9 @@ def merge_checkpoints(
                                  overwrite=True)  # fmt: skip
         finally:
             plan.merger.close()
+        if plan.readers[0].aliases:  # model 0 ties its LM head, another stores its own: the merge stores one
+            cfg = json.loads((tmp / "config.json").read_text())
+            (tmp / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}, indent=2))
         policy, refitted = _finish_heads(plan, tmp)
         report = _write_report(plan, tmp, policy, refitted, models, stats, base, card, start)
     log.info("merged %d models with %s into %s in %.1f s", len(plan.readers), strategy, out, report["seconds"])

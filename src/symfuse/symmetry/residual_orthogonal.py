@@ -148,7 +148,7 @@ def random_in_group(d: int, group: str, generator: torch.Generator) -> torch.Ten
     return procrustes_in_group(q, group)
 
 
-def _tied_heads(spec: ArchSpec, state: Mapping[str, torch.Tensor], config: Any, prefix: str) -> dict[str, str]:
+def tied_heads(spec: ArchSpec, state: Mapping[str, torch.Tensor], config: Any, prefix: str) -> dict[str, str]:
     """``{head weight name: embedding name}`` for the LM heads the config ties to the input embedding."""
     if not getattr(config, "tie_word_embeddings", False) or not spec.embeddings:
         return {}
@@ -166,7 +166,7 @@ def _scale_heads(out: State, spec: ArchSpec, config: Any, prefix: str, scale: to
 
     A tied head is untied (given its own tensor) unless ``scale`` is all ones: it and the input embedding differ then.
     """
-    ties = _tied_heads(spec, out, config, prefix)
+    ties = tied_heads(spec, out, config, prefix)
     untied = bool(ties) and not bool((scale == 1).all())
     for name, emb in ties.items():
         if untied and name not in out:  # a safetensors checkpoint stores the tied head once, as the embedding

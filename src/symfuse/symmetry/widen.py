@@ -45,9 +45,9 @@ from symfuse.symmetry.residual_orthogonal import (
     _norm_names,
     _rotate,
     _scale_heads,
-    _tied_heads,
     exact_group,
     fold_norms,
+    tied_heads,
 )
 
 State = dict[str, torch.Tensor]
@@ -194,7 +194,7 @@ def untie(state: Mapping[str, torch.Tensor], spec: ArchSpec, config: Any) -> Sta
     """
     prefix = spec.detect_prefix(state)
     out = dict(state)
-    for head, emb in _tied_heads(spec, state, config, prefix).items():
+    for head, emb in tied_heads(spec, state, config, prefix).items():
         out.setdefault(head, state[emb].clone())
     return out
 
@@ -232,7 +232,7 @@ def widen_state(
         raise UsageError(f"embed: shape {tuple(embed.shape)} — give a ({narrow.d_model}, {wide.d_model}) map")
     if not torch.allclose(embed @ embed.T, torch.eye(narrow.d_model, dtype=torch.float64), atol=1e-8):
         raise UsageError("embed: V V^T is not the identity — give a semi-orthogonal map (orthonormal rows)")
-    tied = bool(_tied_heads(spec, state, config, prefix))
+    tied = bool(tied_heads(spec, state, config, prefix))
     folded, untied = fold_norms(state, spec, config, prefix)
     wide_config = widened_config(spec, config, target_config, tied and not untied)
     out, untied_now = embed_folded(folded, spec, config, wide_config, embed, prefix)
