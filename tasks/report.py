@@ -158,8 +158,9 @@ def _publish(config: RunConfig, store, key: str, merged: Sequence[str]) -> str:
         description=f"{metric} per strategy x {{plain, matched}} and evaluation set",
     )
     for png in sorted(folder.glob("*.png")):
-        create_image_artifact(image_url(png, f"{store.uri(key)}/{png.name}"), key=f"{run}-{_artifact_key(png.stem)}",
-                              description=f"{png.name} of the symfuse report, {store.uri(key)}/{png.name}")  # fmt: skip
+        uri = f"{store.uri(key)}/{png.name}"  # keys: one per artifact kind (the metrics table keeps <run>-metrics)
+        create_image_artifact(image_url(png, uri), key=f"{run}-plot-{_artifact_key(png.stem)}",
+                              description=f"{png.name} of the symfuse report, {uri}")  # fmt: skip
     rows = ["| merged model | folder | model card |", "| --- | --- | --- |"]
     for uri in merged:
         name = "-".join(store.key(uri).split("/")[-2:])  # strategy-variant

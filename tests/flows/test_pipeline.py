@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -90,7 +91,9 @@ def test_ui_artifacts_render_without_the_store(first_run):
         by_type.setdefault(a.type, []).append(a)
     images = {a.key: a.data for a in by_type["image"]}
     assert images and all(d.startswith("data:image/png;base64,") for d in images.values()), list(images)
-    assert "t-metrics" in images
+    assert "t-plot-metrics" in images  # one key per artifact kind: the metrics table keeps its own
+    (table,) = [a for a in by_type["table"] if a.key == "t-metrics"]
+    assert {"strategy", "variant"} <= set(table.data[0] if isinstance(table.data, list) else json.loads(table.data)[0])
     report_md = next(a.data for a in by_type["markdown"] if a.key == "t-report")
     assert "](metrics.png)" not in report_md and "![metrics](data:image/png;base64," in report_md
     merged_md = next(a.data for a in by_type["markdown"] if a.key == "t-merged-models")
