@@ -11,7 +11,7 @@ import yaml
 
 from symfuse.cli import app, checks
 from symfuse.errors import UsageError
-from symfuse.merge.registry import MERGERS, RETIRED_PARAMS, merger_params  # no torch: names only
+from symfuse.merge.registry import MERGERS, RETIRED_PARAMS, merger_params, param_names  # no torch: names only
 from symfuse.outputs import claim_output
 
 
@@ -266,12 +266,13 @@ def _validate(
     merger = MERGERS[strategy]  # imports the strategy's module (torch)
     labels = {k: label for k, (_, label) in given.items()}
     values = {k: v for k, (v, _) in given.items()}
-    known = merger.Params.model_fields.keys() | RETIRED_PARAMS.keys()  # a retired one is named by merger_params
+    names = param_names(merger.Params)  # as written: a field's alias (``lambda``) where it has one
+    known = set(names) | merger.Params.model_fields.keys() | RETIRED_PARAMS.keys()  # a retired one: merger_params
     extra = [labels[k] for k in values if k not in known or k == "weights"]
     if extra:
         raise UsageError(
             f"{', '.join(extra)}: not a parameter of --strategy {strategy} — drop it, or pick a strategy that uses it "
-            f"(its parameters: {', '.join(k for k in merger.Params.model_fields if k != 'weights') or 'none'})"
+            f"(its parameters: {', '.join(k for k in names if k != 'weights') or 'none'})"
         )
     params = values | ({"weights": weights} if weights else {})
     try:

@@ -265,7 +265,7 @@ def _write_report(
     """``symfuse_report.json`` and the ``README.md`` model card of the merged folder."""
     report = {
         "strategy": plan.strategy,
-        "params": plan.merger.params.model_dump(),
+        "params": plan.merger.params.model_dump(by_alias=True),
         "models": [str(m) for m in models],
         "stats": [str(s) for s in stats or []],
         "base": str(base) if base is not None else None,

@@ -84,6 +84,11 @@ def unregister_merger(name: str) -> None:
 RETIRED_PARAMS = {"linalg": "RegMean's BLAS / LAPACK vendor switch was removed; it always uses torch's"}
 
 
+def param_names(params: type[BaseModel]) -> list[str]:
+    """The parameter names a user writes for ``params`` (a field's alias where it has one: ``lambda``)."""
+    return [f.alias or k for k, f in params.model_fields.items()]
+
+
 def merger_params(strategy: str, values: Mapping[str, Any], label: Callable[[str], str] = str) -> BaseModel:
     """``values`` validated as ``strategy``'s typed parameters.
 
@@ -107,9 +112,11 @@ def merger_params(strategy: str, values: Mapping[str, Any], label: Callable[[str
         return params.model_validate(dict(values))
     except ValidationError as exc:
         e = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")[0]
-        key = ".".join(map(str, e["loc"])) or "(parameters)"
+        if not e["loc"]:  # a check across parameters (a model validator): its message names them
+            raise ValueError(f"strategy {strategy}: {str(e['msg']).removeprefix('Value error, ')}") from None
+        key = ".".join(map(str, e["loc"]))
         if e["type"] == "extra_forbidden":
-            fields = ", ".join(params.model_fields)
+            fields = ", ".join(param_names(params))
             raise ValueError(f"{label(key)}: not a parameter of strategy {strategy} — choose from {fields}") from None
         raise ValueError(f"{label(key)}: {e['msg']} (got {e.get('input')!r}) — fix its value") from None
 
@@ -122,3 +129,8 @@ register_merger("symfuse.merge.regmean_plusplus_merger:RegMeanPlusPlusMerger", n
 register_merger("symfuse.merge.task_vectors:TaskArithmeticMerger", name="task-arithmetic")
 register_merger("symfuse.merge.task_vectors:TiesMerger", name="ties")
 register_merger("symfuse.merge.task_vectors:DareMerger", name="dare")
+register_merger("symfuse.merge.breadcrumbs:BreadcrumbsMerger", name="breadcrumbs")
+register_merger("symfuse.merge.breadcrumbs:BreadcrumbsTiesMerger", name="breadcrumbs-ties")
+register_merger("symfuse.merge.della:DellaMerger", name="della")
+register_merger("symfuse.merge.della:DellaLinearMerger", name="della-linear")
+register_merger("symfuse.merge.sce:SceMerger", name="sce")

@@ -52,15 +52,57 @@ def ties_combine(taus: Sequence[torch.Tensor], weights: Sequence[float], density
     return torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
 
 
+def seeded_uniform(shape: torch.Size | tuple[int, ...], seed: int, name: str, index: int) -> torch.Tensor:
+    """Uniform [0, 1) draws of ``shape`` (float32, on the CPU) seeded by ``seed``, tensor ``name`` and model ``index``.
+
+    Drawn on the CPU so that a merge gives the same masks on every device, whatever order tensors come in.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) * 31 + index)
+    return torch.rand(tuple(shape), generator=g)
+
+
 def dare_drop(tau: torch.Tensor, drop: float, seed: int, name: str, index: int) -> torch.Tensor:
     """Drop entries with probability ``drop`` and rescale the rest by ``1 / (1 - drop)`` (seeded by tensor, model)."""
     if drop <= 0.0:
         return tau.clone()
     if drop >= 1.0:
         raise ValueError(f"dare drop rate must be < 1, got {drop}")
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) * 31 + index)
-    keep = (torch.rand(tau.shape, generator=g) >= drop).to(tau.device)  # drawn on the CPU: one mask on every device
+    keep = (seeded_uniform(tau.shape, seed, name, index) >= drop).to(tau.device)
     return torch.where(keep, tau / (1.0 - drop), torch.zeros_like(tau))
+
+
+def rescale_l1(tau: torch.Tensor, kept: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
+    """``tau * kept`` scaled back to ``tau``'s L1 norm (mergekit's ``rescale``); unscaled when either norm < ``eps``."""
+    masked = torch.where(kept, tau, torch.zeros_like(tau))
+    before, after = tau.abs().sum(), masked.abs().sum()
+    if before < eps or after < eps:
+        return masked
+    return masked * (before / after)
+
+
+def gta_combine(
+    taus: Sequence[torch.Tensor], weights: Sequence[float], consensus: bool, normalize: bool
+) -> torch.Tensor:
+    """The generalized task arithmetic (mergekit's) of sparsified task vectors with per-model ``weights``.
+
+    ``consensus``: keep, per entry, only the weighted task vectors whose sign is the majority's (the sign of their
+    sum, ``+`` at 0: TIES's "sum" election). ``normalize``: divide by the weights that entered each entry (by the sum
+    of the weights without consensus), as mergekit does.
+    """
+    stacked = torch.stack(list(taus))  # (K, ...)
+    w = torch.tensor(list(weights), dtype=stacked.dtype, device=stacked.device).view(-1, *([1] * taus[0].dim()))
+    wd = stacked * w
+    if consensus:
+        majority = torch.where(wd.sum(0) >= 0, 1.0, -1.0).to(wd.dtype)
+        agree = torch.sign(wd) == majority
+        mixed = torch.where(agree, wd, torch.zeros_like(wd)).sum(0)
+        divisor = torch.where(agree, w.expand_as(wd), torch.zeros_like(wd)).sum(0)
+        divisor = torch.where(divisor == 0, torch.ones_like(divisor), divisor)
+    else:
+        mixed = wd.sum(0)
+        total = float(sum(weights))
+        divisor = torch.tensor(total if abs(total) >= 1e-8 else 1.0, dtype=wd.dtype, device=wd.device)
+    return mixed / divisor if normalize else mixed
 
 
 class TaskArithmeticParams(MergeParams):

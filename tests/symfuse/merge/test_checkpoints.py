@@ -14,6 +14,8 @@ from symfuse.stats import collect_fisher, collect_gram, save_stats
 from tests.tiny import random_inputs, save_tiny, tiny_config, tiny_model
 
 PARAMS = {"ties": {"density": 1.0}, "dare": {"drop": 0.0}}
+# mergekit's defaults sum the task vectors (lambda 1): normalised, K copies give the copy back
+PARAMS |= {n: {"normalize": True} for n in ("breadcrumbs", "breadcrumbs-ties", "della-linear")}
 
 
 def _weights(folder):
