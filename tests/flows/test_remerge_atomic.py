@@ -13,7 +13,7 @@ from symfuse.data.locate import find_named_dataset
 from symfuse.store import ArtifactStore, layout
 from tasks.common import fetch
 from tasks.finetune import finetune
-from tests.flows.conftest import tiny_config
+from tests.flows.conftest import Calls, tiny_config
 
 SMALL = {"max_train_examples": 32, "max_eval_examples": 16}
 
@@ -79,3 +79,7 @@ def test_failed_remerge_publishes_nothing_then_the_fixed_one_publishes_the_whole
     assert result["report"] == store.uri(layout.report_key(run))
     assert "meld" in (store.local_cache(layout.report_key(run)) / "metrics.csv").read_text()
     assert watch_checkpoints(config) == []  # merged and published: nothing pending
+
+    calls = Calls(monkeypatch)
+    again = remerge(config, [])  # the same set again: every artifact reused, nothing staged, nothing moves
+    assert calls.total() == 0 and again["merged"] == result["merged"] and published(store, run) == after
