@@ -38,6 +38,7 @@ from tasks.match import (
     match_module_barycenter,
 )
 from tasks.merge import merge
+from tasks.publish import publish_run
 from tasks.report import report
 from tasks.select import record_selection, validation_score
 from tasks.stats import collect_stats, follow_stats
@@ -48,7 +49,7 @@ STAGES = {
     finetune: "finetune", bring_checkpoint: "other", collect_stats: "stats", follow_stats: "stats",
     list_modules: "match", choose_anchor: "match", match_module: "match", match_module_barycenter: "match",
     inspect_models: "match", match_model: "match", assemble_matched: "match", merge: "merge", evaluate: "evaluate",
-    report: "other", clean_store: "other",
+    report: "other", publish_run: "other", clean_store: "other",
     finetune_remote: "finetune", collect_stats_remote: "stats", validation_score: "other", record_selection: "other",
 }  # fmt: skip
 
@@ -86,7 +87,10 @@ def result_of(future: PrefectFuture, upstream: list[PrefectFuture]) -> Any:
 
 @flow(name="fusion-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=workers()), log_prints=True)
 def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
-    """Fine-tune → statistics → match (per module) → merge (strategies × plain/matched, [greedy]) → evaluate → report.
+    """Fine-tune → statistics → match → merge (strategies × plain/matched, [greedy]) → evaluate → report → publish.
+
+    Merged models and the report are staged until every task succeeded; then they become current together (the
+    merged set and the report never mix two runs), and ``runs/<run>/published`` records the models they were made from.
 
     Args:
         config: The run (Prefect renders it as a form; YAML via ``RunConfig.from_yaml``).
@@ -222,10 +226,15 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     inspected = [inspection] if inspection else []
     every = [*models.values(), *stats.values(), *transform_tasks, *matched.values(), *inspected]
     raise_first_failure([*every, *matched_stats.values(), *merged.values(), *evaluations, *selections, report_uri])
+
+    # 8. Publish: the merged set and the report (staged so far) become current together, then the run's record of
+    #    the models they were made from; a run that failed above published nothing (tasks/publish.py).
+    published = T.publish_run.submit(config, models, merged, report_uri)
+    raise_first_failure([published])
     return {
-        "report": report_uri.result(),
+        "report": published.result()["report"],
         "anchor": anchor or "barycenter",
-        "merged": {name: f.result() for name, f in merged.items()},
+        "merged": published.result()["merged"],
         "evaluations": [f.result() for f in evaluations],
     }
 

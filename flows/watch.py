@@ -1,9 +1,12 @@
 """New checkpoints in the store trigger a re-merge.
 
 ``watch_checkpoints`` (scheduled) lists ``runs/<run>/incoming`` and emits ``symfuse.checkpoint.arrived`` for the
-checkpoints no merged model was made from yet; ``remerge`` (the deployment trigger on that event, see
-``deployments/prefect.yaml``) runs the pipeline for the current set of models — the configured datasets plus every
-incoming checkpoint — and reuses every artifact already in the store through content keys.
+checkpoints the run's published merged set was not made from yet (``runs/<run>/published``); ``remerge`` (the
+deployment trigger on that event, see ``deployments/prefect.yaml``) runs the pipeline for the current set of models —
+the configured datasets plus every incoming checkpoint — and reuses every artifact already in the store through
+content keys. A re-merge publishes all or nothing: its merged models and report are staged and become current
+together only when every task succeeded; a failed one leaves the previous set, report and record as they were, and
+its checkpoints pending (the next tick emits them again once their input is fixed).
 
 Drop a checkpoint in with ``ArtifactStore.put_dir(layout.incoming_key(run, name), folder, producer, meta={"dataset":
 "<dataset it was fine-tuned on>"})``; without ``meta.dataset`` the name is taken as the dataset.
@@ -27,16 +30,30 @@ EVENT = "symfuse.checkpoint.arrived"
 
 
 def merged_digests(store: ArtifactStore, run: str) -> set[str]:
-    """Content digests of every model some merged artifact of ``run`` was made from."""
-    prefix = f"{layout.run_prefix(run)}/merged"
-    return {d for key in store.list(prefix) for d in store.manifest(key).get("meta", {}).get("model_digests", [])}
+    """Content digests of the models the published merged set of ``run`` was made from.
+
+    Read from ``runs/<run>/published``, which the pipeline writes last, after every merge and the report succeeded
+    and were published together: a failed (re-)merge leaves its checkpoints out, so they stay pending. A store
+    written before that record existed: the digests in its merged manifests.
+    """
+    record = layout.published_key(run)
+    if store.exists(record):
+        return set(store.get_json(record)["models"].values())
+    return {
+        d
+        for key in store.list(layout.merged_prefix(run))
+        for d in store.manifest(key).get("meta", {}).get("model_digests", [])
+    }
 
 
 def event_id(store: ArtifactStore, run: str, checkpoints: list[str]) -> uuid.UUID:
     """The event's id: a function of the run and the checkpoints' content (not of the time).
 
     Every watch tick that sees the same pending set emits the SAME event, which Prefect's trigger service evaluates
-    once (it skips event ids it has seen): one remerge per set of new checkpoints, not one per tick.
+    once (it skips event ids it has seen): one remerge per set of new checkpoints, not one per tick. Prefect forgets
+    a seen id after 30 minutes (``prefect.server.events.ordering.SEEN_EXPIRATION``): a set whose re-merge failed
+    (still pending, see :func:`merged_digests`) is re-merged by the first tick after that, e.g. once its dataset
+    is fixed.
     """
     digests = sorted(manifest_digest(store.manifest(uri)) for uri in checkpoints)
     return uuid.uuid5(uuid.NAMESPACE_URL, f"{EVENT}/{run}/{','.join(digests)}")

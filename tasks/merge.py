@@ -80,8 +80,10 @@ def merge(
         stats: Dataset name -> statistics URIs of the kinds the strategy needs (may be empty).
 
     Returns:
-        URI of ``runs/{run}/merged/{strategy}/{variant}``; its manifest ``meta.heads`` maps each dataset to the
-        sub-folder holding the merged body with that dataset's head.
+        URI of ``runs/{run}/merged/{strategy}/{variant}`` (reused: its published version) or, merged now, of its
+        staged version (``.../.v/<version>``, published with the run's set by ``publish_run``); its manifest
+        ``meta.heads`` maps each dataset to the sub-folder holding the merged body with that dataset's head. A greedy
+        subset's merge is published at once.
     """
     store, merger = open_store(config), MERGERS[strategy]
     params = strategy_params(config, strategy, list(models))
@@ -131,4 +133,5 @@ def merge(
         digests = [layout.manifest_digest(store.manifest(u)) for u in models.values()]  # read by watch_checkpoints
         meta = stage_meta("merge", f"merge-{strategy}-{variant}", t.seconds, strategy=strategy, variant=variant,
                           heads=heads, model_digests=digests, **refitted)  # fmt: skip
-        return store.put_dir(key, out, "merge", inputs, ck, meta, move=True)
+        # merged/* is staged: the run publishes its merged set and report together once all succeeded (publish_run)
+        return store.put_dir(key, out, "merge", inputs, ck, meta, move=True, stage=variant != GREEDY)

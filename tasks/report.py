@@ -91,7 +91,8 @@ def report(
         inspection: The ``inspect_models`` record (its verdict opens the report), or None.
 
     Returns:
-        The report's URI.
+        The report's URI (reused: its published version) or, built now, its staged version's (published with the
+        run's merged set by ``publish_run``).
     """
     store = open_store(config)
     flat = [*others, *(uri for by_model in transforms for uri in by_model.values())]
@@ -99,10 +100,10 @@ def report(
     inputs = {f"input{i}": uri for i, uri in enumerate(every)}
     key = layout.report_key(config.run_id)
     ck = content_key({"report": 1}, manifests(store, inputs))
-    if reuse(store, key, ck, "report") is None:
+    if (uri := reuse(store, key, ck, "report")) is None:
         maybe_inject_fault()
-        _build(config, store, key, ck, inputs, evaluations, matched, selections, inspection)
-    return _publish(config, store, key, merged)
+        uri = _build(config, store, key, ck, inputs, evaluations, matched, selections, inspection)
+    return _publish(config, store, uri, merged)
 
 
 def head_refit_fact(metas: Iterable[Mapping], ridge: float) -> str | None:
@@ -115,8 +116,8 @@ def head_refit_fact(metas: Iterable[Mapping], ridge: float) -> str | None:
             f"(mean over {len(pairs)} merged heads)")  # fmt: skip
 
 
-def _build(config, store, key, ck, inputs, evaluations, matched, selections=(), inspection=None) -> None:
-    """Gather the records from the store and write the report artifact."""
+def _build(config, store, key, ck, inputs, evaluations, matched, selections=(), inspection=None) -> str:
+    """Gather the records from the store and write the report artifact (staged); return its staged URI."""
     records = [store.get_json(uri) for uri in evaluations]
     metas = {uri: store.manifest(uri).get("meta", {}) for uri in inputs.values()}
     distances = [d for uri in matched for d in metas[uri].get("distances", [])]
@@ -137,18 +138,23 @@ def _build(config, store, key, ck, inputs, evaluations, matched, selections=(), 
                                  selections=[store.get_json(uri) for uri in selections],
                                  inspection=store.get_json(inspection) if inspection else None)  # fmt: skip
         meta = stage_meta("report", f"report-{config.run_id}", t.seconds, metric=built.metric)
-        store.put_dir(key, tmp, "report", inputs, ck, meta, move=True)
+        uri = store.put_dir(key, tmp, "report", inputs, ck, meta, move=True, stage=True)
     logger().info("report metrics (%s):\n%s", built.metric, built.table.round(4).to_string())
+    return uri
 
 
-def _publish(config: RunConfig, store, key: str, merged: Sequence[str]) -> str:
-    """Prefect artifacts for the UI: the report (markdown), the metrics (table), links to the merged models."""
+def _publish(config: RunConfig, store, staged: str, merged: Sequence[str]) -> str:
+    """Prefect artifacts for the UI: the report (markdown), the metrics (table), links to the merged models.
+
+    ``staged``: the report's URI (staged or published); links name the URIs the run publishes.
+    """
     import pandas as pd
 
-    folder = fetch(store, key)
+    key = store.key(staged)
+    folder = fetch(store, staged)
     markdown = absolute_images((folder / "report.md").read_text(), folder, store.uri(key))
     long = pd.read_csv(folder / "metrics.csv")
-    metric = store.manifest(key)["meta"].get("metric") or primary_metric(long)
+    metric = store.manifest(staged)["meta"].get("metric") or primary_metric(long)
     headline = metrics_table(long, metric).round(4).reset_index()
     run = _artifact_key(config.run_id)
     create_markdown_artifact(markdown, key=f"{run}-report", description=f"symfuse report, {store.uri(key)}")
@@ -162,11 +168,11 @@ def _publish(config: RunConfig, store, key: str, merged: Sequence[str]) -> str:
         create_image_artifact(image_url(png, uri), key=f"{run}-plot-{_artifact_key(png.stem)}",
                               description=f"{png.name} of the symfuse report, {uri}")  # fmt: skip
     rows = ["| merged model | folder | model card |", "| --- | --- | --- |"]
-    for uri in merged:
+    for uri in map(store.uri, merged):  # as the run publishes them
         name = "-".join(store.key(uri).split("/")[-2:])  # strategy-variant
         create_link_artifact(uri, link_text=name, key=f"{run}-merged-{_artifact_key(name)}", description="merged model")
         rows.append(f"| {name} | [{uri}]({uri}) | [README.md]({uri}/README.md) |")
     about = "merged models of the run (folders in the store, with their model cards)"
     create_markdown_artifact("\n".join(rows), key=f"{run}-merged-models", description=about)
     logger().info("report: %s", store.uri(key))
-    return store.uri(key)
+    return staged

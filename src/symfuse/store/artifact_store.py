@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ class ArtifactStore(ArtifactReader):
         content_key: str | None = None,
         meta: Mapping[str, Any] | None = None,
         move: bool = False,
+        stage: bool = False,
     ) -> str:
         """Upload every file under ``local_dir`` as a new version of the artifact ``key``, then publish it.
 
@@ -75,13 +76,16 @@ class ArtifactStore(ArtifactReader):
             move: The files are the caller's to give away (a task's scratch output): a local store on the same file
                 system renames them into the version instead of copying them (``local_dir`` is left without them).
                 Symlinks, other file systems and remote stores copy as usual.
+            stage: Write the version and its manifest beside it, leaving the artifact's current version alone:
+                the returned staged URI (``<uri>/.v/<version>``) reads it, :meth:`publish` makes it current.
 
         Returns:
-            The artifact's URI.
+            The artifact's URI (``stage``: the staged URI).
 
         Raises:
             FileNotFoundError: if ``local_dir`` is not a folder.
         """
+        self._writable(key)
         src = Path(local_dir)
         if not src.is_dir():
             raise FileNotFoundError(f"cannot store {src} as {self.uri(key)}: not a folder")
@@ -99,7 +103,7 @@ class ArtifactStore(ArtifactReader):
             sha[rel] = _sha256_file(src / rel)
             with self._io(f"{self.uri(key)}/{rel}"):
                 self._put(src / rel, self._path(key, VERSIONS, version, rel), move)
-        return self._publish(key, version, files, sizes, sha, producer, inputs, content_key, meta)
+        return self._publish(key, version, files, sizes, sha, producer, inputs, content_key, meta, stage)
 
     def put_file(
         self,
@@ -110,14 +114,16 @@ class ArtifactStore(ArtifactReader):
         content_key: str | None = None,
         meta: Mapping[str, Any] | None = None,
         move: bool = False,
+        stage: bool = False,
     ) -> str:
         """Upload one file as the artifact ``key`` (a folder holding that file, under its own name).
 
-        ``move`` as for :meth:`put_dir`; the other arguments too.
+        ``move`` and ``stage`` as for :meth:`put_dir`; the other arguments too.
 
         Returns:
-            The artifact's URI; :meth:`get_file` gives the file back.
+            The artifact's URI (``stage``: the staged URI); :meth:`get_file` gives the file back.
         """
+        self._writable(key)
         file = Path(local_file)
         if not file.is_file():
             raise FileNotFoundError(f"cannot store {file} as {self.uri(key)}: not a file")
@@ -127,7 +133,7 @@ class ArtifactStore(ArtifactReader):
         sizes, sha = {file.name: file.stat().st_size}, {file.name: _sha256_file(file)}
         with self._io(f"{self.uri(key)}/{file.name}"):
             self._put(file, self._path(key, VERSIONS, version, file.name), move)
-        return self._publish(key, version, [file.name], sizes, sha, producer, inputs, content_key, meta)
+        return self._publish(key, version, [file.name], sizes, sha, producer, inputs, content_key, meta, stage)
 
     def _put(self, src: Path, dest: str, move: bool) -> None:
         """Copy ``src`` to ``dest`` in the store, or rename it there (``move``, a local store, one file system)."""
@@ -151,18 +157,25 @@ class ArtifactStore(ArtifactReader):
         inputs: Mapping[str, str] | None = None,
         content_key: str | None = None,
         meta: Mapping[str, Any] | None = None,
+        stage: bool = False,
     ) -> str:
-        """Store a JSON-able object as the artifact ``key`` (one file, ``data.json``).
+        """Store a JSON-able object as the artifact ``key`` (one file, ``data.json``); ``stage`` as for :meth:`put_dir`.
 
         Returns:
-            The artifact's URI.
+            The artifact's URI (``stage``: the staged URI).
         """
+        self._writable(key)
         raw = json.dumps(obj, indent=1, sort_keys=True, default=str).encode()
         version = new_version()
         with self._io(f"{self.uri(key)}/{JSON_FILE}"):
             self.fs.pipe_file(self._path(key, VERSIONS, version, JSON_FILE), raw)
         sizes, sha = {JSON_FILE: len(raw)}, {JSON_FILE: hashlib.sha256(raw).hexdigest()}
-        return self._publish(key, version, [JSON_FILE], sizes, sha, producer, inputs, content_key, meta)
+        return self._publish(key, version, [JSON_FILE], sizes, sha, producer, inputs, content_key, meta, stage)
+
+    def _writable(self, key: str) -> None:
+        """Refuse a staged URI as a write target (a version is written once; publish it with :meth:`publish`)."""
+        if self.split_staged(key)[1] is not None:
+            raise ValueError(f"{key}: names one version of an artifact; write to {self.uri(key)} instead")
 
     def _publish(
         self,
@@ -175,12 +188,12 @@ class ArtifactStore(ArtifactReader):
         inputs: Mapping[str, str] | None,
         content_key: str | None,
         meta: Mapping[str, Any] | None,
+        stage: bool = False,
     ) -> str:
-        """Write the manifest naming ``version`` (atomically), then tidy the key (:meth:`_tidy`)."""
-        try:
-            previous = self.manifest(key)
-        except (ArtifactNotFound, CorruptArtifact):
-            previous = None
+        """Write the manifest naming ``version`` (atomically), then tidy the key (:meth:`_tidy`).
+
+        ``stage``: the manifest goes beside the version's files instead; returns the staged URI.
+        """
         manifest = {
             "version": version,
             "files": files,
@@ -192,19 +205,82 @@ class ArtifactStore(ArtifactReader):
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "meta": dict(meta or {}),
         }
+        if stage:
+            self._write_manifest(key, manifest, VERSIONS, version)
+            log.debug("staged %s (%d files, version %s) by %s", self.uri(key), len(files), version, producer)
+            return self.staged_uri(key, version)
+        self._make_current(key, manifest)
+        log.debug("stored %s (%d files, version %s) by %s", self.uri(key), len(files), version, producer)
+        return self.uri(key)
+
+    def _make_current(self, key: str, manifest: Mapping[str, Any]) -> None:
+        """Write ``manifest`` as the artifact's own (its version becomes current), then tidy the key."""
+        try:
+            previous = self.manifest(key)
+        except (ArtifactNotFound, CorruptArtifact):
+            previous = None
+        self._write_manifest(key, manifest)
+        self._tidy(key, previous, manifest["version"])
+
+    def _write_manifest(self, key: str, manifest: Mapping[str, Any], *folder: str) -> None:
+        """Write ``<key>/[folder/]manifest.json`` in one atomic step (a reader never sees half of it)."""
         raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        path = self._path(key, MANIFEST)
+        path = self._path(key, *folder, MANIFEST)
         with self._io(f"{self.uri(key)}/{MANIFEST}"):
             if self.is_local:  # write + rename, so a reader never sees half a manifest
-                tmp = Path(self._path(key, f".{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"))
+                tmp = Path(self._path(key, *folder, f".{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"))
                 tmp.parent.mkdir(parents=True, exist_ok=True)
                 tmp.write_bytes(raw)
                 os.replace(tmp, path)
             else:  # one PUT: object stores make it visible whole or not at all
                 self.fs.pipe_file(path, raw)
-        log.debug("stored %s (%d files, version %s) by %s", self.uri(key), len(files), version, producer)
-        self._tidy(key, previous, version)
-        return self.uri(key)
+
+    def publish(self, staged: Sequence[str]) -> list[str]:
+        """Make each staged version (``put_*(..., stage=True)``) current: all of them, or none if one is not whole.
+
+        Every staged version is checked first (its manifest and every file it lists present); only then the
+        manifests move, one atomic write each, in the order given (publish the artifact that vouches for the others,
+        e.g. a run's record, last). A URI that is no staged URI, or whose version is current already, is left as it
+        is. The replaced versions stay until :meth:`gc` collects them.
+
+        Returns:
+            The artifacts' URIs, in order.
+
+        Raises:
+            ArtifactNotFound: if a staged version is gone (never staged, or collected): nothing was published.
+            CorruptArtifact: if a file a staged manifest lists is missing: nothing was published.
+        """
+        ready = []
+        for uri in staged:
+            key, version = self.split_staged(uri)
+            if version is None:
+                continue
+            manifest = self.manifest(uri)
+            folder = self._path(key, VERSIONS, version)
+            with self._io(self.staged_uri(key, version)):
+                present = {self._rel(p) for p in self.fs.find(folder)} if self.fs.exists(folder) else set()
+            missing = [f for f in manifest["files"] if self._rel(f"{folder}/{f}") not in present]
+            if missing:
+                raise CorruptArtifact(f"{uri}: {len(missing)} file(s) it lists are missing ({missing[0]}, ...); "
+                                      "nothing was published: run again")  # fmt: skip
+            ready.append((key, version, manifest))
+        for key, version, manifest in ready:
+            try:
+                current = self.manifest(key).get("version")
+            except (ArtifactNotFound, CorruptArtifact):
+                current = None
+            if current != version:
+                self._make_current(key, manifest)
+                log.debug("published %s (version %s)", self.uri(key), version)
+            staged_manifest = self._path(key, VERSIONS, version, MANIFEST)
+            try:  # the version is the artifact's now; its staged URI reads the artifact's manifest
+                with self._io(self.staged_uri(key, version)):
+                    self.fs.rm_file(staged_manifest)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("%s is published; removing its staged manifest failed: %s", self.uri(key), exc)
+        return [self.uri(uri) for uri in staged]
 
     def _tidy(self, key: str, previous: Mapping[str, Any] | None, version: str) -> None:
         """After publishing: remove the files of a replaced old-layout artifact and the key's expired versions.

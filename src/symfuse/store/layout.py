@@ -12,6 +12,7 @@ runs/{run}/matched/{model}                          `model` matched onto the anc
 runs/{run}/merged/{strategy}/{plain|matched}        merged checkpoint
 runs/{run}/eval/{merged}/{dataset}                  metrics JSON of one model on one dataset
 runs/{run}/report                                   report.md, metrics.csv, plots
+runs/{run}/published                                what the published merged set and report were made from
 ```
 """
 
@@ -166,6 +167,15 @@ def inspect_key(run: str) -> str:
 def report_key(run: str) -> str:
     """``runs/{run}/report``: report.md, metrics.csv and plots."""
     return f"{run_prefix(run)}/report"
+
+
+def published_key(run: str) -> str:
+    """``runs/{run}/published``: the record of the last published merge (models' digests, merged and report versions).
+
+    Written last, after every merged model and the report of a run were published together: a model counts as
+    merged only once it is listed there.
+    """
+    return f"{run_prefix(run)}/published"
 
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:

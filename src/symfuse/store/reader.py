@@ -12,8 +12,11 @@ LAST, in one atomic step (rename on local disks, one PUT on object stores). Henc
 Readers resolve the manifest, then read that version's files and verify sizes and sha256 (:meth:`local_cache`
 included); a version removed under a reader (it was replaced, then collected) makes the reader resolve again.
 Versions no manifest points to are removed by :meth:`ArtifactStore.gc` (and by every write, for its key) once
-older than the grace period. Manifests without ``version`` (written before versions existed) are still read: their
-files lie directly under ``<key>/``.
+older than the grace period. A version written with ``stage=True`` keeps its manifest beside its files
+(``<key>/.v/<version>/manifest.json``) and is read through its staged URI ``<uri>/.v/<version>`` until
+:meth:`ArtifactStore.publish` makes it current (several artifacts at once, after checking every one is whole).
+Manifests without ``version`` (written before versions existed) are still read: their files lie directly under
+``<key>/``.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from symfuse.redact import install_log_redaction
 from symfuse.store.errors import ArtifactNotFound, CorruptArtifact, translated
 from symfuse.store.layout import MANIFEST, manifest_digest
 from symfuse.store.s3 import option_secrets, s3_options
-from symfuse.store.versions import VERSIONS, check_version, split_version_path
+from symfuse.store.versions import VERSIONS, check_version, split_version_path, version_time
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +133,21 @@ class ArtifactReader:
     def key(self, key_or_uri: str) -> str:
         """The key of a key or of a URI under this root (``s3://b/p/runs/x`` -> ``runs/x``).
 
+        A staged URI (``<uri>/.v/<version>``, see :meth:`split_staged`) gives its artifact's key.
+
         Raises:
             ValueError: if it is a URI outside this root, or the key holds ``..`` or ``.v`` or is empty.
+        """
+        return self.split_staged(key_or_uri)[0]
+
+    def split_staged(self, key_or_uri: str) -> tuple[str, str | None]:
+        """``(key, version)`` of a staged URI ``<uri>/.v/<version>``, else ``(key, None)``.
+
+        A staged URI names one version of an artifact written with ``stage=True``: it reads that version whatever
+        the artifact's manifest names, until :meth:`ArtifactStore.publish` makes it the current one.
+
+        Raises:
+            ValueError: as :meth:`key`.
         """
         text = str(key_or_uri)
         if "://" in text:
@@ -144,9 +160,17 @@ class ArtifactReader:
             text = path[len(base) :]
         key = text.strip("/")
         parts = key.split("/")
+        version = None
+        if len(parts) > 2 and parts[-2] == VERSIONS and version_time(parts[-1]) is not None:
+            parts, version = parts[:-2], parts[-1]
+            key = "/".join(parts)
         if not key or any(part in ("", ".", "..", VERSIONS) for part in parts):
             raise ValueError(f"artifact key {key_or_uri!r} is empty or holds '', '.', '..' or '{VERSIONS}' segments")
-        return key
+        return key, version
+
+    def staged_uri(self, key: str, version: str) -> str:
+        """The URI naming one version of an artifact: ``<uri>/.v/<version>`` (see :meth:`split_staged`)."""
+        return f"{self.uri(key)}/{VERSIONS}/{check_version(version, self.uri(key))}"
 
     def _path(self, key: str, *rest: str) -> str:
         return "/".join([self.path, self.key(key), *rest])
@@ -158,7 +182,10 @@ class ArtifactReader:
         return self._path(key, VERSIONS, check_version(manifest["version"], self.uri(key)), *rest)
 
     def uri(self, key: str) -> str:
-        """The full URI of an artifact (``s3://bucket/prefix/runs/...``, ``file:///...``, ``memory:///...``)."""
+        """The full URI of an artifact (``s3://bucket/prefix/runs/...``, ``file:///...``, ``memory:///...``).
+
+        Of a staged URI: its artifact's URI (what it is published as).
+        """
         return f"{self.root}/{self.key(key)}"
 
     def file_uri(self, key: str, rel: str) -> str:
@@ -177,20 +204,48 @@ class ArtifactReader:
         Raises:
             StoreUnreachable: (a ConnectionError) if the backend does not answer within the timeouts.
         """
+        if self.split_staged(key)[1] is not None:
+            try:
+                staged = self.manifest(key)
+            except ArtifactNotFound:
+                return False
+            return content_key is None or staged.get("content_key") == content_key
         with self._io(self.uri(key)):
             if not self.fs.exists(self._path(key, MANIFEST)):
                 return False
         return content_key is None or self.manifest(key).get("content_key") == content_key
 
     def manifest(self, key: str) -> dict[str, Any]:
-        """The artifact's manifest.
+        """The artifact's manifest (of a staged URI: that version's, see :meth:`split_staged`).
 
         Raises:
             ArtifactNotFound: (a FileNotFoundError) if there is no manifest under ``key``.
             CorruptArtifact: if the manifest is not a valid manifest.
             OSError: for backend failures (ConnectionError, PermissionError, ...), cause kept.
         """
-        path = self._path(key, MANIFEST)
+        if self.split_staged(key)[1] is not None:
+            return self._staged_manifest(key)
+        return self._read_manifest(key, self._path(key, MANIFEST))
+
+    def _staged_manifest(self, staged: str) -> dict[str, Any]:
+        """The manifest of one version: staged beside its files, or (published since) the artifact's own."""
+        key, version = self.split_staged(staged)
+        try:
+            manifest = self._read_manifest(key, self._path(key, VERSIONS, version, MANIFEST))
+        except ArtifactNotFound:
+            try:
+                manifest = self.manifest(key)
+            except ArtifactNotFound:
+                manifest = {}
+            if manifest.get("version") != version:
+                raise ArtifactNotFound(
+                    f"no version {version} of {self.uri(key)}: it was never staged, or was replaced and collected"
+                ) from None
+        if manifest.get("version") != version:
+            raise CorruptArtifact(f"{self.staged_uri(key, version)}/{MANIFEST} names another version; rewrite it")
+        return manifest
+
+    def _read_manifest(self, key: str, path: str) -> dict[str, Any]:
         try:
             with self._io(self.uri(key)):
                 raw = self.fs.cat_file(path)

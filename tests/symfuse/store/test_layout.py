@@ -19,6 +19,7 @@ def test_every_key_has_its_documented_shape():
     assert layout.merged_name("regmean", "plain") == "regmean-plain"
     assert layout.eval_key("r", "regmean-plain", "goemotions_ekman") == "runs/r/eval/regmean-plain/goemotions_ekman"
     assert layout.report_key("r") == "runs/r/report"
+    assert layout.published_key("r") == "runs/r/published"
     assert layout.models_prefix("r") == "runs/r/models"
     assert layout.merged_prefix("r") == "runs/r/merged"
     assert layout.matched_prefix("r") == "runs/r/matched"
