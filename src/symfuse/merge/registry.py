@@ -111,7 +111,10 @@ def merger_params(strategy: str, values: Mapping[str, Any], label: Callable[[str
         if e["type"] == "extra_forbidden":
             fields = ", ".join(params.model_fields)
             raise ValueError(f"{label(key)}: not a parameter of strategy {strategy} — choose from {fields}") from None
-        raise ValueError(f"{label(key)}: {e['msg']} (got {e.get('input')!r}) — fix its value") from None
+        if e["type"] == "missing":
+            raise ValueError(f"{label(key)}: missing — strategy {strategy} needs it; give its value") from None
+        msg = e["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{label(key)}: {msg} (got {e.get('input')!r}) — fix its value") from None
 
 
 # the built-in strategies, one line each (import strings: no torch until one is used)
@@ -122,3 +125,12 @@ register_merger("symfuse.merge.regmean_plusplus_merger:RegMeanPlusPlusMerger", n
 register_merger("symfuse.merge.task_vectors:TaskArithmeticMerger", name="task-arithmetic")
 register_merger("symfuse.merge.task_vectors:TiesMerger", name="ties")
 register_merger("symfuse.merge.task_vectors:DareMerger", name="dare")
+# mergekit's geometric and selection methods (mergekit 0.1.5's names, ``_`` written ``-``)
+register_merger("symfuse.merge.slerp:SlerpMerger", name="slerp")
+register_merger("symfuse.merge.nuslerp:NuSlerpMerger", name="nuslerp")
+register_merger("symfuse.merge.multislerp:MultiSlerpMerger", name="multislerp")
+register_merger("symfuse.merge.karcher:KarcherMerger", name="karcher")
+register_merger("symfuse.merge.model_stock:ModelStockMerger", name="model-stock")
+register_merger("symfuse.merge.nearswap:NearSwapMerger", name="nearswap")
+register_merger("symfuse.merge.arcee_fusion:ArceeFusionMerger", name="arcee-fusion")
+register_merger("symfuse.merge.passthrough:PassthroughMerger", name="passthrough")
