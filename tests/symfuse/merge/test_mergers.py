@@ -9,12 +9,15 @@ from symfuse.merge.task_vectors import dare_drop, ties_combine, trim_top
 
 
 def test_registry_declares_stats_and_base():
-    assert set(MERGERS) == {"simple", "fisher", "regmean", "regmean++", "task-arithmetic", "ties", "dare"}
+    assert set(MERGERS) == {"simple", "fisher", "regmean", "regmean++", "task-arithmetic", "ties", "dare"} | {
+        "slerp", "nuslerp", "multislerp", "karcher", "model-stock", "nearswap", "arcee-fusion", "passthrough"
+    }  # fmt: skip
     assert MERGERS["regmean"].required_stats == frozenset({"gram"})
     assert MERGERS["fisher"].required_stats == frozenset({"fisher"})
     assert all(not MERGERS[n].required_stats for n in ("simple", "regmean++", "task-arithmetic", "ties", "dare"))
     assert {n for n, m in MERGERS.items() if m.needs_data} == {"regmean++"}  # its Grams: collected in the merge
-    assert {n for n, m in MERGERS.items() if m.needs_base} == {"task-arithmetic", "ties", "dare"}
+    assert {n for n, m in MERGERS.items() if m.needs_base} == {"task-arithmetic", "ties", "dare", "model-stock"}
+    assert {n for n, m in MERGERS.items() if m.accepts_base} == {"nuslerp", "multislerp"}  # optional
     with pytest.raises(ValidationError):
         MERGERS["regmean"](alhpa=0.5)  # typo: unknown parameter
 
