@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from symfuse.merge.base import MergeParams, Merger, TensorInputs, acc_dtype, load_all
+from symfuse.merge.base import Merger, TensorInputs, acc_dtype, load_all
+from symfuse.merge.registry import UnweightedParams
 
 
 def fusion_importance(b: torch.Tensor, a: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -58,10 +59,8 @@ def arcee_fusion(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (x + (y - x) * mask).to(a.dtype)
 
 
-class ArceeFusionParams(MergeParams):
+class ArceeFusionParams(UnweightedParams):
     """Arcee Fusion has no parameters (as in mergekit)."""
-
-    weights: None = None  # type: ignore[assignment]  # no model weights
 
 
 class ArceeFusionMerger(Merger):

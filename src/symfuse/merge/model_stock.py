@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from symfuse.merge.base import MergeParams, Merger, TensorInputs, acc_dtype, load_all
+from symfuse.merge.base import Merger, TensorInputs, acc_dtype, load_all
+from symfuse.merge.registry import UnweightedParams
 
 
 def model_stock_ratio(offsets: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -63,10 +64,9 @@ def model_stock(tensors: Sequence[torch.Tensor], base: torch.Tensor, filter_wise
     return (t * avg + (1 - t) * w0).reshape(base.shape).to(tensors[0].dtype)
 
 
-class ModelStockParams(MergeParams):
+class ModelStockParams(UnweightedParams):
     """Model Stock parameters (mergekit's names)."""
 
-    weights: None = None  # type: ignore[assignment]  # no model weights: the angle sets the ratio
     filter_wise: bool = False  # one ratio per row instead of one per tensor
 
 

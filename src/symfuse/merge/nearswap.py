@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from symfuse.merge.base import MergeParams, Merger, TensorInputs, acc_dtype, load_all
+from symfuse.merge.base import Merger, TensorInputs, acc_dtype, load_all
 from symfuse.merge.gradient import LayerGradient, NonNegativeSetting
+from symfuse.merge.registry import UnweightedParams
 
 
 def nearswap(t: float, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -38,10 +39,9 @@ def nearswap(t: float, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (w * y + (1 - w) * x).to(a.dtype)
 
 
-class NearSwapParams(MergeParams):
+class NearSwapParams(UnweightedParams):
     """NearSwap parameters (mergekit's names)."""
 
-    weights: None = None  # type: ignore[assignment]  # no model weights: t sets the swap
     t: NonNegativeSetting  # the swap threshold (required, as in mergekit)
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from symfuse.merge.base import MergeParams, Merger, TensorInputs
+from symfuse.merge.base import Merger, TensorInputs
+from symfuse.merge.registry import UnweightedParams
 
 
 def passthrough(x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -20,10 +21,9 @@ def passthrough(x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     return x.clone() if scale is None else (x * scale).to(x.dtype)
 
 
-class PassthroughParams(MergeParams):
+class PassthroughParams(UnweightedParams):
     """Passthrough parameters (mergekit's names)."""
 
-    weights: None = None  # type: ignore[assignment]  # one model: no weights
     scale: float | None = Field(default=None, allow_inf_nan=False)  # multiply every tensor (None: as stored)
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from symfuse.registry import Registry
 
@@ -41,6 +41,16 @@ class MergeParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weights: list[float] | None = None  # per-model weights (normalised to sum 1); default uniform
+
+
+class UnweightedParams(MergeParams):
+    """Parameters of a strategy that takes no model weights (its own parameters set the mix: slerp's ``t``)."""
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _no_weights(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("this strategy takes no model weights (its own parameters set the mix); drop them")
 
 
 def _check_merger(name: str, cls: Any) -> Any:

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from symfuse.merge.base import MergeParams, Merger, TensorInputs, acc_dtype, load_all
+from symfuse.merge.base import Merger, TensorInputs, acc_dtype, load_all
 from symfuse.merge.gradient import LayerGradient, UnitSetting
+from symfuse.merge.registry import UnweightedParams
 
 DOT_THRESHOLD = 0.9995  # |cos theta| above this: the tensors are (anti)parallel, interpolate linearly
 
@@ -66,10 +67,9 @@ def slerp(
     return (s0 * a + s1 * b).to(v0.dtype)
 
 
-class SlerpParams(MergeParams):
+class SlerpParams(UnweightedParams):
     """SLERP parameters (mergekit's names)."""
 
-    weights: None = None  # type: ignore[assignment]  # no model weights: t sets the mix
     t: UnitSetting = 0.5  # 0: the first model, 1: the second; a list: a gradient over the layers
 
 
