@@ -37,6 +37,14 @@ MERGES = {  # strategy -> extra inputs
     "task-arithmetic": {"base": True},
     "ties": {"base": True},
     "dare": {"base": True},
+    "slerp": {"models": 2},
+    "nuslerp": {"models": 2, "base": True},
+    "multislerp": {"base": True},
+    "karcher": {},
+    "model-stock": {"base": True},
+    "nearswap": {"models": 2, "params": {"t": 0.01}},
+    "arcee-fusion": {"models": 2},
+    "passthrough": {"models": 1, "params": {"scale": 0.5}},
 }
 
 
@@ -163,7 +171,9 @@ def merge_parity(work: Path, a: str, b: str, tokenizer: Path, data: str = "meld"
             kw = {"stats": stats} if needs.get("stats") else {}
             kw |= {"base": base} if needs.get("base") else {}
             kw |= {"data": [data] * 3, "max_examples": 32} if needs.get("data") else {}
-            merge_checkpoints(strategy, models, out, device=dev, **kw)
+            k = needs.get("models", 3)  # slerp, nearswap ...: two; passthrough: one
+            kw |= {"stats": kw["stats"][:k]} if "stats" in kw else {}
+            merge_checkpoints(strategy, models[:k], out, device=dev, **kw, **needs.get("params", {}))
             outs.append(tensors_of(out))
         rel, where = max_rel(*outs)
         tol = TOL_F32 if strategy != "regmean++" else 1e-4  # regmean++ runs forward passes between its solves

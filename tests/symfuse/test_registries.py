@@ -112,7 +112,8 @@ def test_unknown_strategies_are_refused_in_one_line_listing_the_choices(pick_one
         merge_checkpoints("nosuch", list(two_models), tmp_path / "m")
     assert str(err.value) == (
         "unknown merge strategy 'nosuch' — choose from simple, fisher, regmean, regmean++, task-arithmetic, ties, "
-        "dare, breadcrumbs, breadcrumbs-ties, della, della-linear, sce, pick-one"
+        "dare, breadcrumbs, breadcrumbs-ties, della, della-linear, sce, slerp, nuslerp, multislerp, karcher, "
+        "model-stock, nearswap, arcee-fusion, passthrough, pick-one"
     )
     with pytest.raises(ValidationError, match=r"unknown merge strategies \['nosuch'\]: choose from \[.*'pick-one'\]"):
         RunConfig.demo(strategies=["nosuch"])

@@ -29,7 +29,8 @@ def merge(
         Path | None, typer.Option("--out", help="Output save_pretrained folder (new unless --overwrite).")
     ] = None,
     models: Annotated[
-        list[str] | None, typer.Option("--models", metavar="A B [C ...]", help="Checkpoints to merge (two or more).")
+        list[str] | None,
+        typer.Option("--models", metavar="A B [C ...]", help="Checkpoints to merge (two or more; passthrough: one)."),
     ] = None,
     stats: Annotated[
         list[Path] | None,
@@ -38,7 +39,9 @@ def merge(
     weights: Annotated[
         list[float] | None, typer.Option("--weights", metavar="wA wB [...]", help="One weight per model (>= 0).")
     ] = None,
-    base: Annotated[str | None, typer.Option("--base", help="Base checkpoint (task vectors).")] = None,
+    base: Annotated[
+        str | None, typer.Option("--base", help="Base checkpoint (task vectors; optional: nuslerp, multislerp).")
+    ] = None,
     param: Annotated[
         list[str] | None,
         typer.Option("--param", metavar="NAME=VALUE", help="Any parameter of the strategy (repeat for several)."),
@@ -250,8 +253,8 @@ def _validate(
     ``given`` maps each parameter to its value and how the user wrote it (``--alpha``, ``--param k``, ``params.k``).
     """
     # checks that need no merger class first: a bad value fails before torch is even imported
-    if len(models) < 2:
-        raise UsageError(f"--models: {len(models)} model(s) given — give two or more: --models A B [C ...]")
+    if not models:
+        raise UsageError("--models: 0 model(s) given — give two or more: --models A B [C ...]")
     data, data_label = given.get("data", (None, "--data"))
     if weights:
         if len(weights) != len(models):
@@ -264,6 +267,7 @@ def _validate(
         checks.local_path("--base", base)
     checks.one_of("--strategy", strategy, MERGERS.names())
     merger = MERGERS[strategy]  # imports the strategy's module (torch)
+    merger.check_model_count(len(models))  # most merge two or more; slerp exactly two, passthrough one
     labels = {k: label for k, (_, label) in given.items()}
     values = {k: v for k, (v, _) in given.items()}
     names = param_names(merger.Params)  # as written: a field's alias (``lambda``) where it has one
@@ -276,7 +280,8 @@ def _validate(
         )
     params = values | ({"weights": weights} if weights else {})
     try:
-        merger_params(strategy, params, label=lambda k: labels.get(k, f"--{k}"))
+        default = lambda k: "--weights" if k == "weights" else f"--param {k}"  # noqa: E731
+        merger_params(strategy, params, label=lambda k: labels.get(k, default(k)))
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     if stats and not merger.required_stats:
@@ -296,7 +301,7 @@ def _validate(
         raise UsageError(f"{data_label}: {n} dataset(s) for {len(models)} models — give one per model, in order")
     if merger.needs_base and base is None:
         raise UsageError(f"--base: --strategy {strategy} works on task vectors — give the base model with --base")
-    if base is not None and not merger.needs_base:
+    if base is not None and not (merger.needs_base or merger.accepts_base):
         raise UsageError(f"--base: --strategy {strategy} does not use a base model — drop --base")
     for s in stats or []:
         checks.local_path("--stats", s, folder=False)

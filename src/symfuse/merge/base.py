@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from symfuse.errors import MissingStats
+from symfuse.errors import MissingStats, UsageError
 from symfuse.merge.registry import MergeParams
 from symfuse.runtime import torch_threads
 from symfuse.stats.io import BufferPool
@@ -148,9 +148,10 @@ class TensorInputs:
 class Merger:
     """Base of the registered mergers.
 
-    Subclasses set ``name``, ``required_stats`` (kinds of :mod:`symfuse.stats` files they read), ``needs_base``,
-    ``run_params`` (parameters the merge task takes from the run), a pydantic ``Params`` class, and implement
-    :meth:`merge_tensor`, which must return a NEW tensor and never modify its inputs.
+    Subclasses set ``name``, ``required_stats`` (kinds of :mod:`symfuse.stats` files they read), ``needs_base``
+    (or ``accepts_base``: a base model is optional), ``model_count`` (how many models it merges), ``run_params``
+    (parameters the merge task takes from the run), a pydantic ``Params`` class, and implement :meth:`merge_tensor`,
+    which must return a NEW tensor and never modify its inputs.
     """
 
     name: ClassVar[str]
@@ -164,6 +165,10 @@ class Merger:
     # sum with its weight, 0 included): merge_checkpoints then reads the inputs unchecked and checks them only
     # when the output is not finite, to name the file. Mergers that select or drop entries (TIES, DARE) keep False.
     propagates_nonfinite: ClassVar[bool] = False
+    # a base model may be given without being required (nuslerp, multislerp: they then work on task vectors)
+    accepts_base: ClassVar[bool] = False
+    # how many models it merges: (fewest, most), most None for no limit (slerp: (2, 2); passthrough: (1, 1))
+    model_count: ClassVar[tuple[int, int | None]] = (2, None)
     Params: ClassVar[type[MergeParams]] = MergeParams
 
     def __init__(self, **params: Any):
@@ -173,6 +178,27 @@ class Merger:
         # where merge_tensor's inputs live and its maths runs (set by merge_checkpoints; off the CPU, mergers take
         # whole-tensor torch ops and no pool)
         self.device = torch.device("cpu")
+
+    @classmethod
+    def check_model_count(cls, k: int) -> None:
+        """Refuse ``k`` models in one line when this strategy merges another number (see ``model_count``).
+
+        Raises:
+            UsageError: ``--models: <k> model(s) given — <what it merges>: <the fix>``.
+        """
+        lo, hi = cls.model_count
+        if lo <= k and (hi is None or k <= hi):
+            return
+        words = {1: "one", 2: "two", 3: "three"}
+        if hi is None:
+            want = f"{words.get(lo, lo)} or more"
+        elif hi == lo:
+            want = f"exactly {words.get(lo, lo)}"
+        else:
+            want = f"{words.get(lo, lo)} to {words.get(hi, hi)}"
+        example = " ".join("ABC"[: min(lo, 3)]) + (" [C ...]" if hi is None and lo < 3 else "")
+        strategy = f"{cls.name} merges" if (lo, hi) != (2, None) else "give"
+        raise UsageError(f"--models: {k} model(s) given — {strategy} {want}: --models {example}")
 
     def close(self) -> None:
         """Release background work and buffers (called once the merge is done or failed)."""

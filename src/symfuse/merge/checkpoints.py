@@ -205,6 +205,7 @@ def plan_merge(
     if "device" in MERGERS[strategy].Params.model_fields:  # a merger that runs models (regmean++): the merge's device
         params.setdefault("device", str(dev))
     merger = MERGERS[strategy](**params)
+    merger.check_model_count(len(models))
     refit = RefitOptions.model_validate(head_refit) if head_refit is not None else None
     if refit is not None and "device" not in refit.model_fields_set:  # the refit's forward passes: the merge's device
         refit = refit.model_copy(update={"device": str(dev)})

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from symfuse.registry import Registry
 
@@ -41,6 +41,16 @@ class MergeParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weights: list[float] | None = None  # per-model weights (normalised to sum 1); default uniform
+
+
+class UnweightedParams(MergeParams):
+    """Parameters of a strategy that takes no model weights (its own parameters set the mix: slerp's ``t``)."""
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _no_weights(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("this strategy takes no model weights (its own parameters set the mix); drop them")
 
 
 def _check_merger(name: str, cls: Any) -> Any:
@@ -118,7 +128,10 @@ def merger_params(strategy: str, values: Mapping[str, Any], label: Callable[[str
         if e["type"] == "extra_forbidden":
             fields = ", ".join(param_names(params))
             raise ValueError(f"{label(key)}: not a parameter of strategy {strategy} — choose from {fields}") from None
-        raise ValueError(f"{label(key)}: {e['msg']} (got {e.get('input')!r}) — fix its value") from None
+        if e["type"] == "missing":
+            raise ValueError(f"{label(key)}: missing — strategy {strategy} needs it; give its value") from None
+        msg = e["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{label(key)}: {msg} (got {e.get('input')!r}) — fix its value") from None
 
 
 # the built-in strategies, one line each (import strings: no torch until one is used)
@@ -134,3 +147,12 @@ register_merger("symfuse.merge.breadcrumbs:BreadcrumbsTiesMerger", name="breadcr
 register_merger("symfuse.merge.della:DellaMerger", name="della")
 register_merger("symfuse.merge.della:DellaLinearMerger", name="della-linear")
 register_merger("symfuse.merge.sce:SceMerger", name="sce")
+# mergekit's geometric and selection methods (mergekit 0.1.5's names, ``_`` written ``-``)
+register_merger("symfuse.merge.slerp:SlerpMerger", name="slerp")
+register_merger("symfuse.merge.nuslerp:NuSlerpMerger", name="nuslerp")
+register_merger("symfuse.merge.multislerp:MultiSlerpMerger", name="multislerp")
+register_merger("symfuse.merge.karcher:KarcherMerger", name="karcher")
+register_merger("symfuse.merge.model_stock:ModelStockMerger", name="model-stock")
+register_merger("symfuse.merge.nearswap:NearSwapMerger", name="nearswap")
+register_merger("symfuse.merge.arcee_fusion:ArceeFusionMerger", name="arcee-fusion")
+register_merger("symfuse.merge.passthrough:PassthroughMerger", name="passthrough")

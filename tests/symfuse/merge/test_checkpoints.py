@@ -13,7 +13,7 @@ from symfuse.merge import MERGERS, merge_checkpoints, regmean_solve
 from symfuse.stats import collect_fisher, collect_gram, save_stats
 from tests.tiny import random_inputs, save_tiny, tiny_config, tiny_model
 
-PARAMS = {"ties": {"density": 1.0}, "dare": {"drop": 0.0}}
+PARAMS = {"ties": {"density": 1.0}, "dare": {"drop": 0.0}, "nearswap": {"t": 0.01}}
 # mergekit's defaults sum the task vectors (lambda 1): normalised, K copies give the copy back
 PARAMS |= {n: {"normalize": True} for n in ("breadcrumbs", "breadcrumbs-ties", "della-linear")}
 
@@ -49,13 +49,15 @@ def copies(tmp_path_factory):
 @pytest.mark.parametrize("strategy", sorted(n for n, m in MERGERS.items() if not m.needs_data))
 def test_every_merger_over_copies_returns_the_model(copies, tmp_path, strategy):
     folders, stats, base = copies
+    k = min(3, MERGERS[strategy].model_count[1] or 3)  # slerp, nearswap ...: two; passthrough: one
+    folders, stats = folders[:k], stats[:k]
     out = merge_checkpoints(strategy, folders, tmp_path / "out", stats=stats, base=base, **PARAMS.get(strategy, {}))
     got, want = _weights(out), _weights(folders[0])
     assert set(got) == set(want)
     for name, t in want.items():
         torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6, msg=name)
     report = json.loads((out / "symfuse_report.json").read_text())
-    assert report["strategy"] == strategy and report["seconds"] >= 0 and len(report["models"]) == 3
+    assert report["strategy"] == strategy and report["seconds"] >= 0 and len(report["models"]) == k
     merged = transformers.AutoModelForSequenceClassification.from_pretrained(str(out))
     assert merged.config.num_labels == 3
 

@@ -10,12 +10,16 @@ from symfuse.merge.task_vectors import dare_drop, ties_combine, trim_top
 
 def test_registry_declares_stats_and_base():
     sparse = {"breadcrumbs", "breadcrumbs-ties", "della", "della-linear", "sce"}  # test_mergekit_sparse.py
-    assert set(MERGERS) == {"simple", "fisher", "regmean", "regmean++", "task-arithmetic", "ties", "dare"} | sparse
+    geometric = {"slerp", "nuslerp", "multislerp", "karcher", "model-stock", "nearswap", "arcee-fusion", "passthrough"}
+    builtin = {"simple", "fisher", "regmean", "regmean++", "task-arithmetic", "ties", "dare"}
+    assert set(MERGERS) == builtin | sparse | geometric
     assert MERGERS["regmean"].required_stats == frozenset({"gram"})
     assert MERGERS["fisher"].required_stats == frozenset({"fisher"})
     assert all(not MERGERS[n].required_stats for n in ("simple", "regmean++", "task-arithmetic", "ties", "dare"))
     assert {n for n, m in MERGERS.items() if m.needs_data} == {"regmean++"}  # its Grams: collected in the merge
-    assert {n for n, m in MERGERS.items() if m.needs_base} == {"task-arithmetic", "ties", "dare"} | sparse
+    with_base = {"task-arithmetic", "ties", "dare", "model-stock"} | sparse
+    assert {n for n, m in MERGERS.items() if m.needs_base} == with_base
+    assert {n for n, m in MERGERS.items() if m.accepts_base} == {"nuslerp", "multislerp"}  # optional
     with pytest.raises(ValidationError):
         MERGERS["regmean"](alhpa=0.5)  # typo: unknown parameter
 
