@@ -336,7 +336,8 @@ def _resolve(
             for i, w in enumerate(per_model):
                 if w is missing:
                     raise fail(
-                        keys[i], "missing while other models have a weight — give every model a weight (or none)"
+                        f"models[{i}].parameters.weight",
+                        "missing while other models have a weight — give every model a weight (or none)",
                     )
                 if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
                     raise fail(keys[i], f"{w!r} is not a number — give a weight >= 0")
