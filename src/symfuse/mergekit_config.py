@@ -142,7 +142,7 @@ def translate(doc: dict[str, Any], path: str | os.PathLike) -> Translation:
     if task_vectors and base is None:
         raise fail("base_model", f"missing — mergekit's {name} works on task vectors: give base_model: PATH")
     if base is not None:
-        same = [i for i, (model, _) in enumerate(entries) if _same_path(model, base)]
+        same = [i for i, (model, _, _) in enumerate(entries) if _same_path(model, base)]
         if task_vectors:  # mergekit takes no task vector of the base itself
             entries = [e for i, e in enumerate(entries) if i not in same]
         elif same:  # merged as one of the models: first, as mergekit's base of two-model methods (slerp)
@@ -150,7 +150,7 @@ def translate(doc: dict[str, Any], path: str | os.PathLike) -> Translation:
             base = None
         elif name == "linear":
             raise fail("base_model", "linear does not use a base model — remove it, or list it under models:")
-    if len(entries) < 2:
+    if len(entries) < 2 and task_vectors:
         raise fail("models", f"{len(entries)} model(s) to merge besides the base — give two or more")
     values, labels = _resolve(entries, doc.get("parameters") or {}, fail, method is not None)
     weights, w_label = values.pop("weight", None), labels.pop("weight", "models[0].parameters.weight")
@@ -161,7 +161,13 @@ def translate(doc: dict[str, Any], path: str | os.PathLike) -> Translation:
         params = dict(values)
         if name in TASK_VECTOR_NORMALIZE and weights is not None:
             params, labels = _scale_lambda(name, params, labels, weights)
-    data = {"strategy": strategy, "models": [m for m, _ in entries], "base": base, "weights": weights, "params": params}
+    data = {
+        "strategy": strategy,
+        "models": [m for m, _, _ in entries],
+        "base": base,
+        "weights": weights,
+        "params": params,
+    }
     if weights is not None:
         labels["weights"] = w_label
     return Translation({k: v for k, v in data.items() if v is not None}, labels, notes)
@@ -218,8 +224,8 @@ def _first_model(doc: dict[str, Any]) -> str | None:
     return first.get("model") if isinstance(first, dict) else first if isinstance(first, str) else None
 
 
-def _entries(doc: dict[str, Any], fail: Callable[[str, str], UsageError]) -> list[tuple[str, dict[str, Any]]]:
-    """``[(model path, its parameters)]`` from ``models`` (or from ``slices`` covering whole models)."""
+def _entries(doc: dict[str, Any], fail: Callable[[str, str], UsageError]) -> list[tuple[str, dict[str, Any], str]]:
+    """``[(model path, its parameters, its key)]`` from ``models`` (or from ``slices`` covering whole models)."""
     models, slices = doc.get("models"), doc.get("slices")
     if models and slices:
         raise fail("slices", "given with models: — give one of them (models: for whole-model merges)")
@@ -243,7 +249,7 @@ def _entries(doc: dict[str, Any], fail: Callable[[str, str], UsageError]) -> lis
         params = item.get("parameters") or {}
         if not isinstance(params, dict):
             raise fail(f"{key}.parameters", f"{params!r} — give a mapping {{name: value}}")
-        out.append((_model_path(item["model"], f"{key}.model", fail), params))
+        out.append((_model_path(item["model"], f"{key}.model", fail), params, key))
     return out
 
 
@@ -303,7 +309,7 @@ def _layer_count(model: str) -> int | None:
 
 
 def _resolve(
-    entries: list[tuple[str, dict[str, Any]]],
+    entries: list[tuple[str, dict[str, Any], str]],
     global_params: Any,
     fail: Callable[[str, str], UsageError],
     scalars_only: bool,
@@ -315,7 +321,7 @@ def _resolve(
     if not isinstance(global_params, dict):
         raise fail("parameters", f"{global_params!r} — give a mapping {{name: value}}")
     for key, value in [(f"parameters.{k}", v) for k, v in global_params.items()] + [
-        (f"models[{i}].parameters.{k}", v) for i, (_, p) in enumerate(entries) for k, v in p.items()
+        (f"{at}.parameters.{k}", v) for _, p, at in entries for k, v in p.items()
     ]:
         if isinstance(value, dict) or (isinstance(value, list) and (scalars_only or key.endswith(".weight"))):
             raise fail(key, "per-layer values (gradients / filters) are not supported yet — give one number")
@@ -324,11 +330,9 @@ def _resolve(
     values: dict[str, Any] = dict(global_params)
     labels = {k: f"parameters.{k}" for k in global_params}
     missing = object()
-    for name in sorted({k for _, p in entries for k in p} | {"weight"}):
-        per_model = [p.get(name, global_params.get(name, missing)) for _, p in entries]
-        keys = [
-            f"models[{i}].parameters.{name}" if name in p else f"parameters.{name}" for i, (_, p) in enumerate(entries)
-        ]
+    for name in sorted({k for _, p, _ in entries for k in p} | {"weight"}):
+        per_model = [p.get(name, global_params.get(name, missing)) for _, p, _ in entries]
+        keys = [f"{at}.parameters.{name}" if name in p else f"parameters.{name}" for _, p, at in entries]
         if name == "weight":
             values.pop("weight", None)
             if all(v is missing for v in per_model):
@@ -336,7 +340,7 @@ def _resolve(
             for i, w in enumerate(per_model):
                 if w is missing:
                     raise fail(
-                        f"models[{i}].parameters.weight",
+                        f"{entries[i][2]}.parameters.weight",
                         "missing while other models have a weight — give every model a weight (or none)",
                     )
                 if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
@@ -349,7 +353,7 @@ def _resolve(
             continue
         odd = next((i for i, v in enumerate(per_model) if v != per_model[0]), None)
         if odd is not None:
-            i = odd if keys[odd].startswith("models") else 0
+            i = odd if not keys[odd].startswith("parameters.") else 0
             raise fail(
                 keys[i],
                 f"{name} differs between models — symfuse applies one {name} to every model: give "
@@ -373,7 +377,7 @@ def _native(
         if key not in method.model_params | method.global_params:
             known = ", ".join(sorted({"weight"} | method.model_params | method.global_params))
             raise fail(labels[key], f"not a parameter of mergekit's {name} — remove it (it reads: {known})")
-        if key in method.global_params and labels[key].startswith("models"):
+        if key in method.global_params and not labels[key].startswith("parameters."):
             raise fail(labels[key], f"mergekit reads {key} for the whole merge only — move it to parameters:")
         if key in ("normalize", "rescale", "int8_mask") and not isinstance(value, bool):
             raise fail(labels[key], f"{value!r} — give true or false")

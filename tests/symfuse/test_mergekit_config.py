@@ -181,6 +181,18 @@ REFUSED = {
         two({"density": 0.5}, {"density": 0.3}, merge_method="ties", parameters={"normalize": True}),
         "models[1].parameters.density: density differs between models — symfuse applies one density to every model",
     ),
+    "key-of-the-file": (
+        {
+            "models": [
+                "base",
+                {"model": "a", "parameters": {"density": 0.5}},
+                {"model": "b", "parameters": {"density": 0.3}},
+            ],
+            "merge_method": "ties",
+            "base_model": "base",
+        },
+        "models[2].parameters.density: density differs",
+    ),
     "model-default-differs": (
         two({"density": 0.5}, merge_method="ties"),
         "models[0].parameters.density: density differs between models",
@@ -307,3 +319,19 @@ def test_a_refusal_exits_2_from_the_real_command(tmp_path):
 def test_translation_errors_are_usage_errors(tmp_path):
     with pytest.raises(UsageError, match=r"slerp is not in symfuse yet"):
         load_merge_file(write(tmp_path, two(merge_method="slerp", base_model=None)))
+
+
+def test_reading_a_mergekit_file_imports_no_torch(tmp_path):
+    """A bad file fails before torch loads: the translation needs pydantic and yaml only."""
+    import subprocess
+    import sys
+
+    from tests.cli.helpers import cli_env
+
+    config = write(tmp_path, two(merge_method="ties", parameters={"normalize": False}))
+    code = (
+        "import sys\nfrom symfuse.merge_config import load_merge_file\ntry:\n    load_merge_file(sys.argv[1])\n"
+        "except ValueError:\n    pass\nprint('torch' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, config], env=cli_env(), capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "False"
