@@ -11,20 +11,27 @@ paths are read from the current folder, as the flags are. Example::
     weights: [1, 2]
     params: {alpha: 0.9}
 
+mergekit's YAML is read as it is (a document with ``merge_method``): :mod:`symfuse.mergekit_config` translates it to
+these fields, or refuses what symfuse cannot merge yet in one line naming the key.
+
 This module imports only pydantic and yaml: a bad file (unknown strategy or key) fails before torch is imported; the
 parameters are checked against the strategy's ``Params`` by the command, once the strategy is known.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from symfuse.config import _Strict, read_yaml
 from symfuse.errors import UsageError
 from symfuse.merge.registry import MERGERS
+from symfuse.mergekit_config import is_mergekit, translate
+
+log = logging.getLogger(__name__)
 
 
 class MergeFile(_Strict):
@@ -52,11 +59,17 @@ class MergeFile(_Strict):
         description="Accept data (head_refit.data, params.data of regmean++) sharing no class with its model's head.",
     )
 
+    _keys: dict[str, str] = PrivateAttr(default_factory=dict)  # parameter -> its key in a mergekit file
+
     @field_validator("strategy")
     @classmethod
     def _strategy(cls, value: str) -> str:
         MERGERS.require([value])
         return value
+
+    def key_of(self, param: str) -> str:
+        """How the file names ``param`` in messages: ``params.<name>``, or its mergekit key (``parameters.lambda``)."""
+        return self._keys.get(param, f"params.{param}")
 
 
 def load_merge_file(path: str | Path) -> MergeFile:
@@ -77,12 +90,22 @@ def load_merge_file(path: str | Path) -> MergeFile:
         raise UsageError(
             f"{path}: expected a mapping (strategy:, models:, ...), got {type(data).__name__} — see README"
         )
+    keys: dict[str, str] = {}
+    mergekit = is_mergekit(data)
+    if mergekit:
+        found = translate(data, path)
+        for note in found.notes:
+            log.info("%s: %s", path, note)
+        data, keys = found.data, found.labels
     try:
-        return MergeFile.model_validate(data)
+        mf = MergeFile.model_validate(data)
     except ValidationError as exc:
         # a misspelt key first: it is why the right one is missing
         e = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")[0]
         key = ".".join(map(str, e["loc"])) or "(top level)"
+        if mergekit:  # name the key as the file wrote it
+            loc = [str(x) for x in e["loc"]]
+            key = {"base": "base_model"}.get(key, keys.get(loc[-1], keys.get(loc[0], key)))
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             fix = f"remove it or fix its spelling (keys: {', '.join(MergeFile.model_fields)})"
@@ -93,3 +116,5 @@ def load_merge_file(path: str | Path) -> MergeFile:
         else:
             fix = "fix its value"
         raise UsageError(f"{path}: {key}: {msg} — {fix}") from exc
+    mf._keys = keys
+    return mf

@@ -20,7 +20,11 @@ def merge(
     out_arg: Annotated[Path | None, typer.Argument(metavar="[OUT]", help="Output folder (or --out OUT).")] = None,
     config: Annotated[
         Path | None,
-        typer.Option("--config", help="Merge YAML (strategy, models, stats, base, weights, params); see README."),
+        typer.Option(
+            "--config",
+            help="Merge YAML: symfuse's (strategy, models, stats, base, weights, params) or mergekit's as it is "
+            "(merge_method, models, base_model, parameters, ...); see docs/guide.md.",
+        ),
     ] = None,
     strategy: Annotated[
         str | None, typer.Option("--strategy", help=f"A registered strategy: {', '.join(MERGERS.names())}.")
@@ -83,6 +87,8 @@ def merge(
 
     Or from one YAML file: `symfuse merge --config merge.yaml OUT`. The file holds everything but the output
     (and --overwrite); flags that it could hold are refused alongside --config rather than silently mixed.
+    A mergekit config (merge_method: ties, models: [{model, parameters}], ...) is read as it is; what symfuse
+    cannot merge yet is refused in one line naming the key.
     Writes a save_pretrained folder with symfuse_report.json (strategy, inputs, seconds).
     """
     if out is not None and out_arg is not None:
@@ -108,7 +114,7 @@ def merge(
         strategy, models, base, weights = mf.strategy, mf.models, mf.base, mf.weights
         device_given = (device, "--device") if device is not None else (mf.device, f"{config}: device")
         stats = [Path(s) for s in mf.stats] if mf.stats is not None else None
-        given = {k: (v, f"params.{k}") for k, v in mf.params.items()}
+        given = {k: (v, mf.key_of(k)) for k, v in mf.params.items()}
         refit_given = {k: (v, f"head_refit.{k}") for k, v in (mf.head_refit or {}).items()}
         if refit_heads or refit_ridge is not None:
             raise UsageError(f"--refit-heads / --refit-ridge: given with --config — put head_refit: in {config}")
