@@ -45,6 +45,11 @@ MERGES = {  # strategy -> extra inputs
     "nearswap": {"models": 2, "params": {"t": 0.01}},
     "arcee-fusion": {"models": 2},
     "passthrough": {"models": 1, "params": {"scale": 0.5}},
+    "breadcrumbs": {"base": True, "params": {"density": 0.8}},
+    "breadcrumbs-ties": {"base": True, "params": {"density": 0.8}},
+    "della": {"base": True, "params": {"density": 0.5}},  # random masks: drawn on the CPU, the same on every device
+    "della-linear": {"base": True, "params": {"density": 0.5}},
+    "sce": {"base": True},
 }
 
 

@@ -317,8 +317,10 @@ def test_a_refusal_exits_2_from_the_real_command(tmp_path):
 
 
 def test_translation_errors_are_usage_errors(tmp_path):
-    with pytest.raises(UsageError, match=r"slerp is not in symfuse yet"):
-        load_merge_file(write(tmp_path, two(merge_method="slerp", base_model=None)))
+    with pytest.raises(UsageError, match=r"ram is not in symfuse yet"):
+        load_merge_file(write(tmp_path, two(merge_method="ram", base_model=None)))
+    slerp = load_merge_file(write(tmp_path, two(merge_method="slerp", base_model=None, parameters={"t": 0.3})))
+    assert slerp.strategy == "slerp" and slerp.params == {"t": 0.3}  # mergekit's methods under their names
 
 
 def test_reading_a_mergekit_file_imports_no_torch(tmp_path):
