@@ -1,10 +1,11 @@
 """The one report of an alignment: the keys every driver writes, then the driver's own.
 
 ``exact`` is always a bool: true when every transform is exact AND (``verified``) the WRITTEN folder, reloaded from
-disk, computes the source's outputs within the stored dtype's tolerance (``tolerance``, ``max_abs_logit_diff``);
-an exact alignment whose written folder misses the tolerance is refused before it is published, so a report never
-says exact about a file that is not. With ``verify: none`` nothing is reloaded: ``exact`` says what the transforms
-are and ``verified`` is false.
+disk, computes the source's outputs within the stored dtype's tolerance (``tolerance``, ``max_abs_logit_diff``).
+An exact alignment whose written folder misses the tolerance is refused before it is published, so a report never
+says exact about a file that is not. A soft alignment (OT's transport maps) is never ``exact``; its difference is
+measured all the same (``within_tolerance``). With ``verify: none`` nothing is reloaded: ``exact`` says what the
+transforms are, ``verified`` is false and ``max_abs_logit_diff`` / ``within_tolerance`` are null.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from symfuse.match.verify import logit_tolerance
 # the keys every alignment report holds, in this order (drivers add theirs after them)
 COMMON_KEYS = (
     "source", "anchor", "family", "symmetries", "driver", "device", "distance_before", "distance_after", "exact",
-    "verified", "verify", "max_abs_logit_diff", "tolerance", "dtype", "checked", "seconds",
+    "within_tolerance", "verified", "verify", "max_abs_logit_diff", "tolerance", "dtype", "checked", "seconds",
 )  # fmt: skip
 
 
@@ -33,18 +34,22 @@ def tolerance_text(dtype: torch.dtype) -> str:
     return f"{logit_tolerance(dtype):.0e} x max |output| ({dtype_name(dtype)})"
 
 
-def check_fields(exact: bool, verify: str, diff: float | None, dtype: torch.dtype) -> dict[str, Any]:
-    """The report's check keys: ``exact``, ``verified``, ``verify``, ``max_abs_logit_diff``, ``tolerance``, ...
+def check_fields(
+    exact: bool, verify: str, diff: float | None, within: bool | None, dtype: torch.dtype
+) -> dict[str, Any]:
+    """The report's check keys: ``exact``, ``within_tolerance``, ``verified``, ``max_abs_logit_diff``, ...
 
     Args:
-        exact: Whether every transform is exact (and, when verified, the written folder passed the check).
+        exact: Whether every transform is exact and (when verified) the written folder passed the check.
         verify: The check's mode (``stream``, ``full`` or ``none``).
         diff: The measured max |Δ output| of the written folder against the source (None: not verified).
+        within: Whether ``diff`` is within the tolerance (None: not verified).
         dtype: The stored dtype the tolerance is taken from.
     """
     verified = verify != "none"
     return {
         "exact": bool(exact),
+        "within_tolerance": within,
         "verified": verified,
         "verify": verify,
         "max_abs_logit_diff": float(diff) if diff is not None else None,
