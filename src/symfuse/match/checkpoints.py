@@ -42,7 +42,6 @@ from symfuse.match.verify import (
     check_module_transform,
     is_exact,
     module_invariants,
-    verify_outputs,
 )
 from symfuse.match.weights import (
     DEFAULT_SYMMETRIES,
@@ -51,6 +50,7 @@ from symfuse.match.weights import (
     module_distance,
     sq_distance,
 )
+from symfuse.match.written import check_written
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.symmetry.registry import restriction_notes
 from symfuse.symmetry.transforms import ModuleTransform, load_transforms, save_transforms
@@ -243,8 +243,7 @@ def assemble_matched(
             if anc is not None:
                 report["distance_before"] = sq["before"] ** 0.5
                 report["distance_after"] = sq["after"] ** 0.5
-            report["max_abs_logit_diff"] = verify_outputs(tmp, src.path, verify, _dtype(src), exact=report["exact"])
-            report["verify"] = verify
+            report.update(check_written(tmp, src.path, report["exact"], verify, _dtype(src)))  # as written
             report["per_module"] = per_module
             report.update(extra_report or {})
             report["seconds"] = report.get("seconds", 0.0) + time.perf_counter() - t_start
