@@ -53,9 +53,10 @@ def match(
         str,
         typer.Option(
             "--verify",
-            help="Output check before publishing: stream (default: both models' outputs on a few short inputs, "
-            "one layer in memory at a time), full (both models loaded whole) or none. Every module's transform is "
-            "checked while it is applied in all three (with --data the models already in memory are compared).",
+            help="Output check of the written folder, reloaded, before publishing: stream (default: both models' "
+            "outputs on a few short inputs, one layer in memory at a time), full (both models loaded whole) or none "
+            "(the report then says verified: false). Every module's transform is checked while it is applied; "
+            "--data, OT and residual-orthogonal hold both models whole and check in full.",
         ),
     ] = "stream",
     device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",

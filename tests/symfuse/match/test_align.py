@@ -143,3 +143,19 @@ def test_report_tolerance_names_the_stored_dtype():
     from symfuse.match.report import tolerance_text
 
     assert tolerance_text(torch.bfloat16) == "2e-02 x max |output| (bfloat16)"
+
+
+def test_a_new_finder_plugs_in_ahead_of_the_catch_all():
+    from symfuse.match.align import Finder, register_finder
+
+    order = list(FINDERS)
+    toy = Finder("toy", lambda kinds, _: list(kinds) == ["scaling"], lambda *_: {"x": 1}, tuple, "tests:nothing")
+    try:
+        register_finder(toy, before="weights")
+        assert list(FINDERS) == [*order[:-1], "toy", "weights"]
+        plan = plan_alignment(["scaling"])
+        assert (plan.driver, plan.options) == ("toy", {"x": 1})
+        assert plan_alignment(["rotation"]).driver == "weights"
+    finally:
+        FINDERS.unregister("toy")
+    assert list(FINDERS) == order
