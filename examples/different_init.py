@@ -21,8 +21,7 @@ import shutil
 from pathlib import Path
 
 from symfuse.inspect.paths import path_figures
-from symfuse.match import match_checkpoints
-from symfuse.match.activation import match_activation_checkpoints
+from symfuse.match.align import align_checkpoints
 from symfuse.merge import merge_checkpoints
 
 log = logging.getLogger("different_init")
@@ -75,9 +74,8 @@ def seeds(args: argparse.Namespace, train_args: list[str]) -> Path:
 
 def align(a: Path, b: Path, out: Path, kinds: list[str], from_data: bool, args: argparse.Namespace) -> dict:
     """B aligned onto A with ``kinds`` into ``out``; the matcher's report (``max_abs_logit_diff``: exactness)."""
-    if from_data:
-        return match_activation_checkpoints(b, a, out, args.data, kinds, 32, device=args.device, overwrite=True)
-    return match_checkpoints(b, a, out, kinds, device=args.device, overwrite=True)
+    data = args.data if from_data else None
+    return align_checkpoints(b, a, out, kinds, data, max_examples=32, device=args.device, overwrite=True)
 
 
 def plot(paths: dict[str, dict], lambdas: list[float], file: Path) -> Path:

@@ -11,13 +11,13 @@ import typer
 from symfuse.cli import app, checks
 from symfuse.config import DATASET_RESOLUTION
 from symfuse.errors import UsageError
+from symfuse.match.align import OT_KINDS, align_checkpoints, plan_alignment  # no torch until a driver runs
 from symfuse.outputs import claim_output
-from symfuse.symmetry.registry import SYMMETRY_KINDS, kind_names  # no torch: names are checked before it loads
+from symfuse.symmetry.registry import kind_names  # no torch: names are checked before it loads
 
 # OT fusion from the command line aligns the whole model, residual stream included (symfuse.match.ot_checkpoints):
-# the registered kinds ot / ot-soft (weights), and their activation-based forms, known to this command only.
-OT_ACTS = ("ot-acts", "ot-acts-soft")
-OT_CLI_KINDS = ("ot", "ot-soft", *OT_ACTS)
+# the registered kinds ot / ot-soft (weights), and their activation-based forms, known to the alignment plan only.
+OT_ACTS = tuple(k for k in OT_KINDS if "acts" in k)
 VERIFY_MODES = ("stream", "full", "none")  # symfuse.match.verify.VERIFY_MODES (checked before torch is imported)
 RANDOM_PIXELS = "random-pixels"  # symfuse.match.activation.RANDOM_PIXELS (named before torch is imported)
 
@@ -33,7 +33,7 @@ def match(
             "--symmetries",
             help=f"Comma-separated: {', '.join(kind_names('activations'))} (some need --data). OT fusion (soft "
             f"alignment of heads, FFN units and the residual stream, exact only where the plan is a permutation): "
-            f"one of {', '.join(OT_CLI_KINDS)} (*-acts: from activations, need --data), optionally with rotation, "
+            f"one of {', '.join(OT_KINDS)} (*-acts: from activations, need --data), optionally with rotation, "
             "scaling.",
         ),
     ] = "rotation,scaling,ffn-permutation",
@@ -53,9 +53,10 @@ def match(
         str,
         typer.Option(
             "--verify",
-            help="Output check before publishing: stream (default: both models' outputs on a few short inputs, "
-            "one layer in memory at a time), full (both models loaded whole) or none. Every module's transform is "
-            "checked while it is applied in all three (with --data the models already in memory are compared).",
+            help="Output check of the written folder, reloaded, before publishing: stream (default: both models' "
+            "outputs on a few short inputs, one layer in memory at a time), full (both models loaded whole) or none "
+            "(the report then says verified: false). Every module's transform is checked while it is applied; "
+            "--data, OT and residual-orthogonal hold both models whole and check in full.",
         ),
     ] = "stream",
     device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
@@ -81,68 +82,18 @@ def match(
     if verify not in VERIFY_MODES:
         raise UsageError(f"--verify: {verify!r} is not a mode — give one of {', '.join(VERIFY_MODES)}")
     names = checks.names_list("--symmetries", symmetries, (*kind_names("activations"), *OT_ACTS), "symmetries")
-    ot_kind = _ot_kind(names, data is not None, OT_CLI_KINDS)
-    if ot_kind is None:
-        names = checks.kinds("--symmetries", symmetries, "activations")
-        from_data = [n for n in names if not SYMMETRY_KINDS[n].offers("weights")]
-        if data is None and from_data:
-            raise UsageError(f"--symmetries: {', '.join(from_data)} is found from activations — give --data DATASET")
+    plan_alignment(names, data, refine)  # one line for what does not combine, before any model is read
     checks.checkpoint(source)
     checks.checkpoint(anchor)
-    if refine and ("residual-orthogonal" not in names or data is None):
-        raise UsageError("--refine: refines residual-orthogonal's map on data — add residual-orthogonal and --data")
     if data is not None and data != RANDOM_PIXELS:  # pixel families' seeded random images are no dataset
         checks.dataset("--data", data)
     device = checks.device("--device", device)
     with claim_output(out, overwrite):
-        if "residual-orthogonal" in names:  # the whole stream: from the weights, or started from --data's activations
-            from symfuse.match.residual_orthogonal import match_residual_orthogonal_checkpoints
-
-            inner = [n for n in names if n != "residual-orthogonal"]
-            report = match_residual_orthogonal_checkpoints(
-                source, anchor, out, inner, data, max_examples, device=device, overwrite=overwrite, refine=refine
-            )
-        elif ot_kind is not None:  # OT fusion (symfuse.match.ot): the report's `exact` says if it stayed exact
-            from symfuse.match.ot_checkpoints import match_ot_checkpoints
-
-            extra = [n for n in names if n != ot_kind]
-            report = match_ot_checkpoints(
-                source, anchor, out, ot_kind, extra, data, max_examples, device=device, overwrite=overwrite
-            )
-        elif data is not None:
-            from symfuse.match.activation import match_activation_checkpoints
-
-            report = match_activation_checkpoints(
-                source, anchor, out, data, names, max_examples, device=device, overwrite=overwrite
-            )
-        else:
-            from symfuse.match import match_checkpoints
-
-            report = match_checkpoints(
-                source, anchor, out, names, workers, overwrite=overwrite, verify=verify, device=device
-            )
+        report = align_checkpoints(source, anchor, out, names, data, max_examples=max_examples, refine=refine,
+                                   workers=workers, verify=verify, device=device, overwrite=overwrite)  # fmt: skip
     summary = {k: v for k, v in report.items() if k != "per_module"}
     typer.echo(json.dumps(summary, indent=2))
     typer.echo(f"per-module report and transforms in {out}")
-
-
-def _ot_kind(names: list[str], has_data: bool, ot_kinds: tuple[str, ...]) -> str | None:
-    """The OT kind among ``names`` (None without one); refuses mixes OT does not take, in one line."""
-    kinds = [n for n in names if n in ot_kinds]
-    if not kinds:
-        return None
-    other = [n for n in names if n not in ot_kinds and n not in ("rotation", "scaling")]
-    if len(kinds) > 1 or other:
-        raise UsageError(
-            f"--symmetries: {', '.join(kinds + other)} do not combine — OT fusion takes ONE of "
-            f"{', '.join(ot_kinds)} (it replaces the permutations), optionally with rotation, scaling"
-        )
-    kind = kinds[0]
-    if "acts" in kind and not has_data:
-        raise UsageError(f"--symmetries: {kind} aligns by activations — give --data DATASET")
-    if "acts" not in kind and has_data:
-        raise UsageError(f"--data: {kind} aligns by weights and reads no data — use {kind.replace('ot', 'ot-acts')}")
-    return kind
 
 
 @app.command()

@@ -26,7 +26,6 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from tempfile import TemporaryDirectory
 from typing import Any, Literal
 
 import torch
@@ -34,6 +33,7 @@ import torch
 from symfuse.arch import Geometry, ModuleRef, get_spec
 from symfuse.checkpoint import load_hf_model
 from symfuse.match.closed_form import assign_max
+from symfuse.match.publish import AlignRequest, Found, publish_alignment, whole_model_mode
 from symfuse.match.weights import match_module_weights, module_distance
 from symfuse.stats.activations import ActivationStats, collect_activation_stats, module_site
 from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, compatible_kinds, kind_names, kinds_for
@@ -275,8 +275,9 @@ def match_activation_checkpoints(
     max_length: int = 128,
     device: str = "cpu",
     overwrite: bool = False,
+    verify: str = "full",
 ) -> dict:
-    """``symfuse match --data``: activation-based matching of two checkpoints, written like ``symfuse match``.
+    """The ``activations`` alignment (``symfuse match --data``), written like every alignment.
 
     Args:
         source: Source checkpoint folder (or ``"minilm"`` / hub id).
@@ -294,27 +295,25 @@ def match_activation_checkpoints(
         max_length: Truncation length in tokens.
         device: Where the models run.
         overwrite: Replace an existing ``out`` (atomically, at the end).
+        verify: ``none`` skips the check of the written folder (any other mode loads both models whole).
 
     Returns:
-        The report (``distance_before``, ``distance_after``, ``max_abs_logit_diff``, ``per_module``, ``seconds``).
+        The report (:func:`symfuse.match.report.alignment_report`; the driver adds ``mode``, ``data``,
+        ``max_examples``, ``residual_strategy``, ``per_module``).
     """
-    import json
-    import time
+    options = {"residual_strategy": residual_strategy, "batch_size": batch_size, "max_length": max_length}
+    request = AlignRequest(source, anchor, Path(out), tuple(symmetries), data, max_examples, verify=verify,
+                           device=device, overwrite=overwrite, options=options)  # fmt: skip
+    return publish_alignment(request, "activations", activation_step)
 
-    from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
+
+def _paired_models(src_path: Path, anc_path: Path, spec: Any, request: AlignRequest) -> tuple:
+    """Both models (float32) and the batches feeding them: ``request.data``'s texts, or random pixels."""
     from symfuse.data import make_batches
     from symfuse.io import check_tokenizer
-    from symfuse.match.inputs import REPORT_FILE, TRANSFORMS_FILE, check_compatible
-    from symfuse.match.written import check_written, write_model
-    from symfuse.outputs import atomic_output_dir, check_output
-    from symfuse.symmetry.transforms import save_transforms
 
-    t0 = time.perf_counter()
-    check_output(out, overwrite)
-    src_path, anc_path = resolve_checkpoint(source), resolve_checkpoint(anchor)
-    with CheckpointReader(src_path) as src, CheckpointReader(anc_path) as anc:
-        check_compatible(src, anc)
-        spec = src.spec
+    data, max_examples = request.data, request.max_examples
+    batch_size, max_length = request.option("batch_size", 16), request.option("max_length", 128)
     if "pixels" in spec.inputs:  # no image datasets yet: seeded random pixels, only when asked for by name
         if data != RANDOM_PIXELS:
             raise ValueError(
@@ -322,46 +321,44 @@ def match_activation_checkpoints(
                 f"pass --data {RANDOM_PIXELS} (statistics from seeded random pixel inputs)"
             )
         src_model, anc_model = _load_model(src_path), _load_model(anc_path)
-        batches = pixel_batches(src_model.config, max_examples or 512, batch_size)
-    else:
-        check_tokenizer(src_path)  # the source's tokenizer encodes the texts: refuse a folder without one up front
-        src_model, anc_model = _load_model(src_path), _load_model(anc_path)
-        batches = make_batches(data, src_path, "train", batch_size, max_length, max_examples)
-        batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
-        if "decoder_tokens" in spec.inputs:  # encoder-decoder (T5): the decoder reads the same text
-            batches = [{**b, "decoder_input_ids": b["input_ids"]} for b in batches]
-    result = match_activations(
-        src_model, anc_model, batches, symmetries, residual_strategy=residual_strategy, device=device
-    )
+        return src_model, anc_model, pixel_batches(src_model.config, max_examples or 512, batch_size)
+    check_tokenizer(src_path)  # the source's tokenizer encodes the texts: refuse a folder without one up front
+    src_model, anc_model = _load_model(src_path), _load_model(anc_path)
+    batches = make_batches(data, src_path, "train", batch_size, max_length, max_examples)
+    batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
+    if "decoder_tokens" in spec.inputs:  # encoder-decoder (T5): the decoder reads the same text
+        batches = [{**b, "decoder_input_ids": b["input_ids"]} for b in batches]
+    return src_model, anc_model, batches
+
+
+def activation_step(request: AlignRequest, tmp: Path) -> Found:
+    """The ``activations`` driver's step (:data:`symfuse.match.publish.Step`): permutations from activations."""
+    from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
+    from symfuse.match.inputs import TRANSFORMS_FILE, check_compatible
+    from symfuse.match.verify import is_exact
+    from symfuse.match.written import stored_dtype, write_model
+    from symfuse.symmetry.transforms import save_transforms
+
+    src_path, anc_path = resolve_checkpoint(request.source), resolve_checkpoint(request.anchor)
+    with CheckpointReader(src_path) as src, CheckpointReader(anc_path) as anc:
+        check_compatible(src, anc)
+        spec = src.spec
+    src_model, anc_model, batches = _paired_models(src_path, anc_path, spec, request)
+    strategy = request.option("residual_strategy", "all")
+    result = match_activations(src_model, anc_model, batches, request.kinds, strategy, device=request.device)
     transforms = result.module_transforms()
     for stream, r in result.residuals.items():  # "residual", or "residual.<stream>" per stream (CLIP)
         key = f"residual.{stream}" if stream else "residual"
         transforms[key] = ModuleTransform(key, (ResidualPermutation(r.perm.clone()),))
+    write_model(matched_model(src_model, result), src_path, tmp)
+    save_transforms(transforms, tmp / TRANSFORMS_FILE)
     anc_state = anc_model.state_dict()
-    report = {
-        "source": str(src_path),
-        "anchor": str(anc_path),
-        "symmetries": list(symmetries),
-        "mode": "activation",
-        "data": data,
-        "max_examples": max_examples,
-        "residual_strategy": residual_strategy,
-        "distance_before": _state_distance(src_model.state_dict(), anc_state),
-        "distance_after": _state_distance(result.state, anc_state),
-        "per_module": result.per_module,
-    }
-    with TemporaryDirectory() as tmp:
-        tfile = save_transforms(transforms, Path(tmp) / TRANSFORMS_FILE)
-        with atomic_output_dir(out, overwrite=overwrite) as dest:
-            write_model(matched_model(src_model, result), src_path, dest, {TRANSFORMS_FILE: tfile.read_bytes()})
-            report |= check_written(dest, src_path, True)  # reloaded: what was written is checked
-            report["seconds"] = time.perf_counter() - t0
-            (dest / REPORT_FILE).write_text(json.dumps(report, indent=2))
-    log.info(
-        "activation matching %s -> %s: distance %.4g -> %.4g",
-        source,
-        anchor,
-        report["distance_before"],
-        report["distance_after"],
-    )
-    return report
+    extra = {"mode": "activation", "data": request.data, "max_examples": request.max_examples,
+             "residual_strategy": strategy, "per_module": result.per_module}  # fmt: skip
+    return Found(
+        str(src_path), str(anc_path), spec.family, list(request.kinds),
+        exact=all(is_exact(t) for t in transforms.values()),
+        distance_before=_state_distance(src_model.state_dict(), anc_state),
+        distance_after=_state_distance(result.state, anc_state), dtype=stored_dtype(src_path),
+        device=str(request.device), verify=whole_model_mode(request.verify), extra=extra,
+    )  # fmt: skip

@@ -34,6 +34,7 @@ from symfuse.match.inputs import (  # noqa: F401  (names of this module's interf
     read_checked,
     strip_prefix,
 )
+from symfuse.match.publish import AlignRequest, Found, publish_alignment
 from symfuse.match.reading import PreadSource
 from symfuse.match.verify import (
     VERIFY_MODES,
@@ -41,7 +42,6 @@ from symfuse.match.verify import (
     check_module_transform,
     is_exact,
     module_invariants,
-    verify_outputs,
 )
 from symfuse.match.weights import (
     DEFAULT_SYMMETRIES,
@@ -50,6 +50,7 @@ from symfuse.match.weights import (
     module_distance,
     sq_distance,
 )
+from symfuse.match.written import check_written
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.symmetry.registry import restriction_notes
 from symfuse.symmetry.transforms import ModuleTransform, load_transforms, save_transforms
@@ -242,8 +243,7 @@ def assemble_matched(
             if anc is not None:
                 report["distance_before"] = sq["before"] ** 0.5
                 report["distance_after"] = sq["after"] ** 0.5
-            report["max_abs_logit_diff"] = verify_outputs(tmp, src.path, verify, _dtype(src), exact=report["exact"])
-            report["verify"] = verify
+            report.update(check_written(tmp, src.path, report["exact"], verify, _dtype(src)))  # as written
             report["per_module"] = per_module
             report.update(extra_report or {})
             report["seconds"] = report.get("seconds", 0.0) + time.perf_counter() - t_start
@@ -310,11 +310,13 @@ def match_checkpoints(
     verify: str | None = None,
     device: str | torch.device = "cpu",
 ) -> dict:
-    """The whole ``symfuse match``: match SOURCE onto ANCHOR module by module and write the matched folder.
+    """The ``weights`` alignment: match SOURCE onto ANCHOR module by module and write the matched folder.
 
     One pass (:func:`symfuse.match.pipeline.match_and_write`): each module is read, matched, transformed, checked
     (:func:`check_module_transform`) and written by one worker; then the written model's outputs are compared
-    with SOURCE's (``verify``) and the folder is published.
+    with SOURCE's (``verify``) and the folder is published (:func:`symfuse.match.publish.publish_alignment`).
+    Kinds acting on the whole stream at once (``residual-orthogonal``) go through
+    :func:`symfuse.match.align.align_checkpoints`.
 
     Args:
         source: Source checkpoint.
@@ -328,27 +330,29 @@ def match_checkpoints(
         device: Where the matching runs (``cpu``, ``cuda``, ``cuda:N``, ``auto``; one module at a time on it).
 
     Returns:
-        The report (``distance_before``, ``distance_after``, ``max_abs_logit_diff``, ``per_module``,
-        ``seconds``, ``timings``).
+        The report (:func:`symfuse.match.report.alignment_report`; the driver adds ``per_module``,
+        ``match_seconds`` and ``timings``).
 
     Raises:
+        ValueError: ``residual-orthogonal`` among the symmetries.
         VerificationError: a module's transform or the written model fails its check (nothing is published).
     """
+    symmetries = check_symmetries(symmetries)
+    if "residual-orthogonal" in symmetries:
+        raise ValueError("residual-orthogonal maps the whole stream at once — align with align_checkpoints")
+    request = AlignRequest(source, anchor, Path(out), symmetries, workers=workers, overwrite=overwrite,
+                           verify=_verify_mode(verify, logit_check), device=resolve_device(device))  # fmt: skip
+    return publish_alignment(request, "weights", weights_step)
+
+
+def weights_step(request: AlignRequest, tmp: Path) -> Found:
+    """The ``weights`` driver's step (:data:`symfuse.match.publish.Step`): match module by module into ``tmp``."""
     from symfuse.match.pipeline import match_and_write
 
     t0 = time.perf_counter()
-    symmetries = check_symmetries(symmetries)
-    verify = _verify_mode(verify, logit_check)
-    dev = resolve_device(device)
-    if "residual-orthogonal" in symmetries:  # one map of the whole stream: the model is aligned as a whole
-        from symfuse.match.residual_orthogonal import match_residual_orthogonal_checkpoints
-
-        inner = [k for k in symmetries if k != "residual-orthogonal"]
-        return match_residual_orthogonal_checkpoints(source, anchor, out, inner, device=dev, overwrite=overwrite)
-    check_output(out, overwrite)
-    out = Path(out)
+    symmetries, verify, dev = request.kinds, request.verify, resolve_device(request.device)
     timings: dict[str, float] = {}
-    with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:  # headers parsed and validated once
+    with CheckpointReader(request.source) as src, CheckpointReader(request.anchor) as anc:  # headers read once
         check_compatible(src, anc)
         for note in restriction_notes(symmetries, src.geometry).values():
             log.info("%s: %s", src.spec.family, note)
@@ -358,27 +362,21 @@ def match_checkpoints(
         plain = plain_forward_supported(src.spec, src.config)
         reference = StreamedReference(src.path) if verify == "stream" and not plain else None
         try:
-            with atomic_output_dir(out, overwrite=overwrite) as tmp:
-                transforms, per_module, before, after = match_and_write(
-                    src, anc, tmp, symmetries, workers, timings, where=str(out), device=dev
-                )
-                match_s = time.perf_counter() - t0
-                save_transforms(transforms, tmp / TRANSFORMS_FILE)
-                t1 = time.perf_counter()
-                if verify == "stream" and plain:
-                    reference = StreamedReference(src.path)
-                exact = all(is_exact(t) for t in transforms.values())  # False: a soft (OT) map among them
-                diff = verify_outputs(tmp, src.path, verify, _dtype(src), reference, exact=exact)
-                timings["verify"] = time.perf_counter() - t1
-                report = {
-                    "source": str(src.path), "anchor": str(anc.path), "family": src.spec.family,
-                    "symmetries": list(symmetries), "exact": exact, "distance_before": before, "distance_after": after,
-                    "max_abs_logit_diff": diff, "verify": verify, "device": str(dev), "per_module": per_module,
-                    "match_seconds": match_s, "timings": timings, "seconds": time.perf_counter() - t0,
-                }  # fmt: skip
-                (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
-        finally:
+            transforms, per_module, before, after = match_and_write(
+                src, anc, tmp, symmetries, workers=request.workers, timings=timings, where=str(request.out),
+                device=dev,
+            )  # fmt: skip
+            save_transforms(transforms, tmp / TRANSFORMS_FILE)
+        except BaseException:
             if reference is not None:
                 reference.close()
-    log.info("matched %s onto %s in %.2fs", source, anchor, report["seconds"])
-    return report
+            raise
+        if verify == "stream" and plain:
+            reference = StreamedReference(src.path)
+        extra = {"per_module": per_module, "match_seconds": time.perf_counter() - t0, "timings": timings}
+        return Found(
+            str(src.path), str(anc.path), src.spec.family, list(symmetries),
+            exact=all(is_exact(t) for t in transforms.values()),  # False: a soft (OT) map among them
+            distance_before=before, distance_after=after, dtype=_dtype(src), device=str(dev), verify=verify,
+            reference=reference, extra=extra,
+        )  # fmt: skip

@@ -16,6 +16,8 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from symfuse.match.assignment import certified_sparse_assignment
+from symfuse.match.joint import joint_rotation_scale
+from symfuse.match.rope_pairs import pair_vectors, rope_rotation
 from symfuse.runtime import torch_threads
 
 log = logging.getLogger(__name__)
@@ -37,23 +39,7 @@ def rope_procrustes(m: torch.Tensor) -> torch.Tensor:
     On each pair the 2x2 block ``[[c, -s], [s, c]]`` maximises ``c (M_ii + M_jj) + s (M_ji - M_ij)``:
     ``(c, s)`` is the unit vector along ``(M_ii + M_jj, M_ji - M_ij)``. Reflections do not commute with RoPE.
     """
-    return _rope_rotation(_pair_vectors(m.to(torch.float64)))
-
-
-def _rope_rotation(v: torch.Tensor) -> torch.Tensor:
-    """RoPE rotation (..., d, d) whose pair ``i`` rotates by the angle of ``v[..., i, :]`` (identity where 0)."""
-    x, y = v[..., 0], v[..., 1]
-    h = x.shape[-1]
-    i = torch.arange(h, device=v.device)
-    norm = torch.sqrt(x * x + y * y)
-    c = torch.where(norm > 0, x / norm.clamp_min(1e-300), torch.ones_like(x))
-    s = torch.where(norm > 0, y / norm.clamp_min(1e-300), torch.zeros_like(y))
-    r = torch.zeros(*x.shape[:-1], 2 * h, 2 * h, dtype=v.dtype, device=v.device)
-    r[..., i, i] = c
-    r[..., i + h, i + h] = c
-    r[..., i, i + h] = -s
-    r[..., i + h, i] = s
-    return r
+    return rope_rotation(pair_vectors(m.to(torch.float64)))
 
 
 def block_sum(x: torch.Tensor, rope: bool) -> torch.Tensor:
@@ -123,13 +109,6 @@ def scale_objective(
     return a * a * aa - 2 * a * ab + bb / (a * a) - 2 * bab / a
 
 
-def _pair_vectors(m: torch.Tensor) -> torch.Tensor:
-    """RoPE pairs ``(i, i + d/2)``: ``(M_ii + M_jj, M_ji − M_ij)`` (..., d/2, 2), whose length is the best score."""
-    h = m.shape[-1] // 2
-    i = torch.arange(h, device=m.device)
-    return torch.stack([m[..., i, i] + m[..., i + h, i + h], m[..., i + h, i] - m[..., i, i + h]], dim=-1)
-
-
 def fit_rotation_scale(
     ma: torch.Tensor,
     mb: torch.Tensor,
@@ -163,8 +142,6 @@ def fit_rotation_scale(
     aa = block_sum(na.double(), rope)
     bb = block_sum(nb.double(), rope)
     if rotate and scale:
-        from symfuse.match.joint import joint_rotation_scale  # joint.py builds on this module's primitives
-
         r, a, _ = joint_rotation_scale(ma, mb, aa, bb, rope)
     else:
         r = _rotation(ma.double(), mb.double(), torch.ones_like(aa), rope) if rotate else None

@@ -26,8 +26,8 @@ import torch
 
 from symfuse.arch import Geometry
 from symfuse.match.closed_form import assign_max, fit_rotation_scale
+from symfuse.match.head_blocks import Timings, _cross, _tick, attention_blocks, side_products
 from symfuse.match.linear_fit import CircuitGrams, closest_linear
-from symfuse.match.weights import Timings, _cross, _tick, attention_blocks, side_products
 from symfuse.symmetry.head_linear import QKLinear, VOLinear
 from symfuse.symmetry.transforms import HeadPermutation, ModuleTransform, Transform
 

@@ -10,7 +10,8 @@ import logging
 
 import torch
 
-from symfuse.match.closed_form import _pair_vectors, _rope_rotation, torch_threads
+from symfuse.match.rope_pairs import pair_vectors, rope_rotation
+from symfuse.runtime import torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +167,8 @@ def joint_rotation_scale(
     m = torch.where(ok, (aa * bb).sqrt(), torch.ones_like(aa)).reshape(-1)  # |c A|² = |B / c|²
     # everything below works on N independent 1-D problems (flattened blocks)
     if rope:
-        va = (_pair_vectors(ma) * c[..., None]).reshape(-1, 2)
-        vb = (_pair_vectors(mb) / c[..., None]).reshape(-1, 2)
+        va = (pair_vectors(ma) * c[..., None]).reshape(-1, 2)
+        vb = (pair_vectors(mb) / c[..., None]).reshape(-1, 2)
         p, q, r = (va * va).sum(-1), (va * vb).sum(-1), (vb * vb).sum(-1)
 
         def ev(u: torch.Tensor, idx: torch.Tensor | None, derivs: bool) -> tuple:
@@ -297,7 +298,7 @@ def _rotation_at(
     if pairs is not None:
         x = torch.exp(u).reshape(-1, 1)
         w = (x * pairs[0] + pairs[1] / x).reshape(*u.shape, 2)
-        return _rope_rotation(w), m * (x2 + 1 / x2) - 2 * w.norm(dim=-1)
+        return rope_rotation(w), m * (x2 + 1 / x2) - 2 * w.norm(dim=-1)
     d = (c * u.exp())[..., :, None]
     mat = d * ma + mb / d
     with torch_threads(1):

@@ -8,14 +8,11 @@ plan was a permutation (the aligned source computes SOURCE's function) or not (s
 from __future__ import annotations
 
 import copy
-import json
-import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from tempfile import TemporaryDirectory
+from typing import Any
 
-log = logging.getLogger(__name__)
+from symfuse.match.publish import AlignRequest, Found, publish_alignment, whole_model_mode
 
 
 def match_ot_checkpoints(
@@ -30,8 +27,9 @@ def match_ot_checkpoints(
     max_length: int = 128,
     device: str = "cpu",
     overwrite: bool = False,
+    verify: str = "full",
 ) -> dict:
-    """Align SOURCE to ANCHOR by optimal transport (:func:`symfuse.match.ot.ot_align`) and write OUT.
+    """The ``ot`` alignment: SOURCE onto ANCHOR by optimal transport (:func:`symfuse.match.ot.ot_align`), written.
 
     Args:
         source: Source checkpoint folder (or ``"minilm"`` / hub id).
@@ -45,85 +43,78 @@ def match_ot_checkpoints(
         max_length: Truncation length in tokens.
         device: Where the statistics pass runs.
         overwrite: Replace an existing ``out`` (atomically, at the end).
+        verify: ``none`` skips the check of the written folder (any other mode loads both models whole).
 
     Returns:
-        The report (``exact``, ``distance_before``, ``distance_after``, ``max_abs_logit_diff``, ``per_module``,
-        ``seconds``).
+        The report (:func:`symfuse.match.report.alignment_report`; the driver adds ``mode``, ``reg``,
+        ``residual_exact``, ``data``, ``max_examples``, ``per_module``).
 
     Raises:
         CheckpointError: different families / shapes; ValueError: an acts kind without ``data``.
     """
+    options = {"ot_kind": kind, "batch_size": batch_size, "max_length": max_length}
+    request = AlignRequest(source, anchor, Path(out), tuple(symmetries), data, max_examples, verify=verify,
+                           device=device, overwrite=overwrite, options=options)  # fmt: skip
+    return publish_alignment(request, "ot", ot_step)
+
+
+def _check_inputs(src_path: Path, spec: Any, data: str | None) -> None:
+    """Refuse, before any model loads, what the acts kinds cannot read: a pixel family without random pixels."""
+    from symfuse.io import check_tokenizer
+    from symfuse.match.activation import RANDOM_PIXELS
+
+    if spec.inputs != "pixels":
+        check_tokenizer(src_path)
+    elif data != RANDOM_PIXELS:
+        raise ValueError(f"{src_path}: a {spec.family} model reads pixels; pass --data {RANDOM_PIXELS}")
+
+
+def _ot_batches(src_model: Any, src_path: Path, spec: Any, request: AlignRequest) -> list:
+    """The batches feeding both models (acts kinds): ``request.data``'s texts, or random pixels."""
+    from symfuse.data import make_batches
+    from symfuse.match.activation import pixel_batches
+
+    batch_size, max_length = request.option("batch_size", 16), request.option("max_length", 128)
+    if spec.inputs == "pixels":
+        return pixel_batches(src_model.config, request.max_examples or 512, batch_size)
+    batches = make_batches(request.data, src_path, "train", batch_size, max_length, request.max_examples)
+    return [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
+
+
+def ot_step(request: AlignRequest, tmp: Path) -> Found:
+    """The ``ot`` driver's step (:data:`symfuse.match.publish.Step`): transport plans, the aligned source written."""
     from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
-    from symfuse.match.activation import (
-        RANDOM_PIXELS,
-        _load_model,
-        _state_distance,
-        pixel_batches,
-    )
-    from symfuse.match.inputs import REPORT_FILE, TRANSFORMS_FILE, check_compatible
+    from symfuse.match.activation import _load_model, _state_distance
+    from symfuse.match.inputs import TRANSFORMS_FILE, check_compatible
     from symfuse.match.ot import kind_settings, ot_align
-    from symfuse.match.written import check_written, write_model
-    from symfuse.outputs import atomic_output_dir, check_output
+    from symfuse.match.written import stored_dtype, write_model
     from symfuse.symmetry.transforms import save_transforms
 
-    t0 = time.perf_counter()
+    kind = request.option("ot_kind", "ot")
     mode, reg = kind_settings(kind)
-    if mode == "acts" and data is None:
+    if mode == "acts" and request.data is None:
         raise ValueError(f"{kind} aligns by activations — give a dataset (--data)")
-    check_output(out, overwrite)
-    src_path, anc_path = resolve_checkpoint(source), resolve_checkpoint(anchor)
+    src_path, anc_path = resolve_checkpoint(request.source), resolve_checkpoint(request.anchor)
     with CheckpointReader(src_path) as src, CheckpointReader(anc_path) as anc:
         check_compatible(src, anc)
         spec = src.spec
-    batches = None
     if mode == "acts":
-        if spec.inputs == "pixels":
-            if data != RANDOM_PIXELS:
-                raise ValueError(f"{src_path}: a {spec.family} model reads pixels; pass --data {RANDOM_PIXELS}")
-            src_model, anc_model = _load_model(src_path), _load_model(anc_path)
-            batches = pixel_batches(src_model.config, max_examples or 512, batch_size)
-        else:
-            from symfuse.data import make_batches
-            from symfuse.io import check_tokenizer
-
-            check_tokenizer(src_path)
-            src_model, anc_model = _load_model(src_path), _load_model(anc_path)
-            batches = make_batches(data, src_path, "train", batch_size, max_length, max_examples)
-            batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
-    else:
-        src_model, anc_model = _load_model(src_path), _load_model(anc_path)
-    result = ot_align(src_model, anc_model, mode, reg, batches, symmetries, device=device)
-    anc_state = anc_model.state_dict()
+        _check_inputs(src_path, spec, request.data)
+    src_model, anc_model = _load_model(src_path), _load_model(anc_path)
+    batches = _ot_batches(src_model, src_path, spec, request) if mode == "acts" else None
+    result = ot_align(src_model, anc_model, mode, reg, batches, request.kinds, device=request.device)
     matched = copy.deepcopy(src_model)
     matched.load_state_dict(result.state)
-    report = {
-        "source": str(src_path),
-        "anchor": str(anc_path),
-        "symmetries": [kind, *symmetries],
-        "mode": f"ot-{mode}",
-        "reg": reg,
-        "exact": result.exact,
-        "residual_exact": result.residual_exact,
-        "data": data,
-        "max_examples": max_examples if mode == "acts" else None,
-        "distance_before": _state_distance(src_model.state_dict(), anc_state),
-        "distance_after": _state_distance(result.state, anc_state),
-        "per_module": result.per_module,
-    }
-    with TemporaryDirectory() as tmp:
-        tfile = save_transforms(result.module_transforms(), Path(tmp) / TRANSFORMS_FILE)
-        with atomic_output_dir(out, overwrite=overwrite) as dest:
-            write_model(matched.eval(), src_path, dest, {TRANSFORMS_FILE: tfile.read_bytes()})
-            report |= check_written(dest, src_path, result.exact)  # reloaded: what was written is checked
-            report["seconds"] = time.perf_counter() - t0
-            (dest / REPORT_FILE).write_text(json.dumps(report, indent=2))
-    log.info(
-        "OT alignment (%s) %s -> %s: distance %.4g -> %.4g, exact %s",
-        kind,
-        source,
-        anchor,
-        report["distance_before"],
-        report["distance_after"],
-        result.exact,
-    )
-    return report
+    write_model(matched.eval(), src_path, tmp)
+    save_transforms(result.module_transforms(), tmp / TRANSFORMS_FILE)
+    anc_state = anc_model.state_dict()
+    extra = {
+        "mode": f"ot-{mode}", "reg": reg, "residual_exact": result.residual_exact, "data": request.data,
+        "max_examples": request.max_examples if mode == "acts" else None, "per_module": result.per_module,
+    }  # fmt: skip
+    return Found(
+        str(src_path), str(anc_path), spec.family, [kind, *request.kinds], exact=result.exact,
+        distance_before=_state_distance(src_model.state_dict(), anc_state),
+        distance_after=_state_distance(result.state, anc_state), dtype=stored_dtype(src_path),
+        device=str(request.device), verify=whole_model_mode(request.verify), extra=extra,
+    )  # fmt: skip

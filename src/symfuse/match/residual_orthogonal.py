@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from symfuse.arch.spec import ArchSpec
+from symfuse.match.publish import AlignRequest, Found, publish_alignment, whole_model_mode
 from symfuse.match.weights import match_module_weights
 from symfuse.stats.ownership import RESIDUAL_MAP_FILE
 from symfuse.symmetry.residual import residual_plan
@@ -294,8 +295,9 @@ def match_residual_orthogonal_checkpoints(
     device: str | torch.device = "cpu",
     overwrite: bool = False,
     refine: int = 0,
+    verify: str = "full",
 ) -> dict:
-    """``symfuse match --symmetries residual-orthogonal[,...]``: align a whole checkpoint and write it.
+    """The ``residual-orthogonal`` alignment (``symfuse match --symmetries residual-orthogonal[,...]``), written.
 
     The aligned source is written in the anchor's norms (:func:`symfuse.symmetry.residual_orthogonal.unfold_into`),
     so the two share every norm tensor and merge directly; its LM head is untied when the stream map requires it
@@ -319,33 +321,60 @@ def match_residual_orthogonal_checkpoints(
         device: Where the search runs.
         overwrite: Replace an existing ``out``.
         refine: Steps of learned refinement of the stream map on ``data`` (:mod:`symfuse.match.refine`; 0: none).
+        verify: ``none`` skips the check of the written folder (any other mode loads both models whole).
 
     Returns:
-        The report (``exact``, ``max_abs_logit_diff``, ``distance_before``, ``distance_after``, ``history``).
+        The report (:func:`symfuse.match.report.alignment_report`; the driver adds ``group``, ``init``, ``data``,
+        ``history``, ``untied_lm_head``, ``refine``).
 
     Raises:
         UnsupportedArchitecture: a family whose residual group is not orthogonal.
         UsageError: models of different widths that cannot be widened (:func:`symfuse.symmetry.widen.check_widen`).
         VerificationError: the written model does not compute SOURCE's function (nothing published).
     """
-    import json
-    import time
+    request = AlignRequest(source, anchor, Path(out), tuple(kinds), data, max_examples, refine, verify=verify,
+                           device=device, overwrite=overwrite, options={"iters": iters})  # fmt: skip
+    return publish_alignment(request, "residual-orthogonal", residual_orthogonal_step)
 
+
+def _initial_map(src: Any, anc: Any, request: AlignRequest, group: str, dev: torch.device,
+                 widened_from: dict | None, config: Any) -> tuple[torch.Tensor | None, list]:  # fmt: skip
+    """``O`` from paired hidden states on ``request.data`` (None without data), and the labelled batches.
+
+    A widened source's stream is the narrow one times ``V`` (:func:`symfuse.symmetry.widen.widening_map`).
+    """
+    if request.data is None:
+        return None, []
+    from symfuse.data import make_batches
+    from symfuse.symmetry.widen import widening_map
+
+    labelled = make_batches(request.data, src.path, "train", 16, 128, request.max_examples)
+    batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in labelled]
+    hidden = _hidden_states(src.path, batches, dev)
+    if widened_from is not None:
+        v = widening_map(widened_from["d_model"], src.spec.geometry(config).d_model, group)
+        hidden = [h.double() @ v for h in hidden]
+    return activation_init(hidden, _hidden_states(anc.path, batches, dev), group), labelled
+
+
+def residual_orthogonal_step(request: AlignRequest, tmp: Path) -> Found:
+    """The ``residual-orthogonal`` driver's step (:data:`symfuse.match.publish.Step`): the whole model, in memory.
+
+    A narrower source of the anchor's family is first embedded exactly in the anchor's shapes
+    (:mod:`symfuse.symmetry.widen`).
+    """
     from symfuse.checkpoint import CheckpointReader
     from symfuse.device import resolve_device
     from symfuse.errors import UsageError
     from symfuse.io import save_safetensors
-    from symfuse.match.inputs import REPORT_FILE, TRANSFORMS_FILE, check_compatible
-    from symfuse.match.verify import logit_tolerance, verify_outputs
-    from symfuse.outputs import atomic_output_dir, check_output
+    from symfuse.match.inputs import TRANSFORMS_FILE, check_compatible
+    from symfuse.match.verify import is_exact
     from symfuse.symmetry.residual_orthogonal import unfold_into
     from symfuse.symmetry.transforms import save_transforms
-    from symfuse.symmetry.widen import untie, widening_map
+    from symfuse.symmetry.widen import untie
 
-    t0 = time.perf_counter()
-    check_output(out, overwrite)
-    dev = resolve_device(device)
-    with CheckpointReader(source) as src, CheckpointReader(anchor) as anc:
+    dev, kinds, refine = resolve_device(request.device), list(request.kinds), request.refine
+    with CheckpointReader(request.source) as src, CheckpointReader(request.anchor) as anc:
         widening = src.spec.family == anc.spec.family and src.geometry != anc.geometry
         if not widening:
             check_compatible(src, anc)
@@ -361,39 +390,24 @@ def match_residual_orthogonal_checkpoints(
             config.tie_word_embeddings = False
         group = check_supported(spec)
         dtype = next(t.dtype for t in s_state.values() if t.is_floating_point())
-        init, labelled = None, []
-        if data is not None:
-            from symfuse.data import make_batches
-
-            labelled = make_batches(data, src.path, "train", 16, 128, max_examples)
-            batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in labelled]
-            hidden = _hidden_states(src.path, batches, dev)
-            if widened_from is not None:  # the widened source's stream is the narrow one times V
-                v = widening_map(widened_from["d_model"], spec.geometry(config).d_model, group)
-                hidden = [h.double() @ v for h in hidden]
-            init = activation_init(hidden, _hidden_states(anc.path, batches, dev), group)
-        r = align_residual_orthogonal(s_state, a_state, spec, config, kinds, iters, init=init, device=dev)
+        init, labelled = _initial_map(src, anc, request, group, dev, widened_from, config)
+        r = align_residual_orthogonal(s_state, a_state, spec, config, kinds, request.option("iters", 10), init=init,
+                                      device=dev)  # fmt: skip
         refined = _refine(r, src.path, spec, group, labelled, refine, dev) if refine else None
         final, untied = unfold_into({n: t.cpu() for n, t in r.aligned.items()}, a_state, spec, config)
         final = {n: t.to(s_state[n].dtype if n in s_state else dtype).contiguous() for n, t in final.items()}
-        report = {
-            "source": str(src.path), "anchor": str(anc.path), "family": spec.family, "group": group,
-            "symmetries": ["residual-orthogonal", *kinds], "init": "activations" if data else "identity",
-            "data": data, "distance_before": sq_distance(s_state, a_state) ** 0.5,
-            "distance_after": sq_distance(final, a_state) ** 0.5, "history": r.history,
-            "untied_lm_head": r.untied or untied or widening, "device": str(dev),
+        untied = r.untied or untied or widening
+        write_state(src, final, tmp, untied, config if widening else None)
+        save_safetensors({"rot": r.rot.contiguous()}, tmp / RESIDUAL_ORTHOGONAL_FILE, {"group": group})
+        save_transforms(r.modules, tmp / TRANSFORMS_FILE)
+        extra = {
+            "group": group, "init": "activations" if request.data else "identity", "data": request.data,
+            "history": r.history, "untied_lm_head": untied, "widened_from": widened_from,
             "refine": {"steps": refine, "first_loss": refined[0], "last_loss": refined[-1]} if refined else None,
-            "widened_from": widened_from,
         }  # fmt: skip
-        with atomic_output_dir(Path(out), overwrite=overwrite) as tmp:
-            write_state(src, final, tmp, report["untied_lm_head"], config if widening else None)
-            save_safetensors({"rot": r.rot.contiguous()}, tmp / RESIDUAL_ORTHOGONAL_FILE, {"group": group})
-            save_transforms(r.modules, tmp / TRANSFORMS_FILE)
-            report["max_abs_logit_diff"] = verify_outputs(tmp, src.path, "full", dtype)  # raises when not exact
-            report["exact"] = True
-            report["tolerance"] = f"{logit_tolerance(dtype):.0e} x max |output| ({str(dtype).removeprefix('torch.')})"
-            report["seconds"] = time.perf_counter() - t0
-            (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
-    log.info("residual-orthogonal %s -> %s: distance %.4g -> %.4g", source, anchor, report["distance_before"],
-             report["distance_after"])  # fmt: skip
-    return report
+        return Found(
+            str(src.path), str(anc.path), spec.family, ["residual-orthogonal", *kinds],
+            exact=all(is_exact(t) for t in r.modules.values()),
+            distance_before=sq_distance(s_state, a_state) ** 0.5, distance_after=sq_distance(final, a_state) ** 0.5,
+            dtype=dtype, device=str(dev), verify=whole_model_mode(request.verify), extra=extra,
+        )  # fmt: skip

@@ -453,6 +453,32 @@ def full_logit_diff(a: str | Path, b: str | Path, seed: int = 0) -> tuple[float,
     return float((ya - yb).abs().max()), float(yb.abs().max())
 
 
+def measure_outputs(matched: Path, source: Path, mode: str, reference: StreamedReference | None = None) -> tuple:
+    """``(max |Δ output|, max |output|)`` of ``matched`` against ``source`` (``mode``: stream or full).
+
+    ``reference``: SOURCE's streamed outputs, already under way (``stream`` only).
+    """
+    if mode == "stream" and reference is not None:
+        return reference.compare(matched)
+    return (full_logit_diff if mode == "full" else streaming_logit_diff)(matched, source)
+
+
+def within_tolerance(matched: Path, source: Path, diff: float, scale: float, dtype: torch.dtype, exact: bool) -> bool:
+    """Whether ``diff`` is within :func:`logit_tolerance` of ``scale``; an ``exact`` alignment outside it is refused.
+
+    Raises:
+        VerificationError: ``exact`` and the outputs differ by more than the tolerance (or are NaN).
+    """
+    tol = logit_tolerance(dtype) * scale + 1e-6
+    if exact and not diff <= tol:
+        raise VerificationError(
+            f"{matched}: its outputs differ from {source}'s by {diff:.2e} (max |output| {scale:.2e}, allowed "
+            f"{tol:.1e}) on random inputs — the matched model does not compute the source's function; nothing was "
+            "published"
+        )
+    return bool(diff <= tol)
+
+
 def verify_outputs(
     matched: Path,
     source: Path,
@@ -472,19 +498,7 @@ def verify_outputs(
     """
     if mode == "none":
         return None
-    if mode == "stream" and reference is not None:
-        diff, scale = reference.compare(matched)
-    else:
-        diff, scale = (full_logit_diff if mode == "full" else streaming_logit_diff)(matched, source)
-    tol = logit_tolerance(dtype) * scale + 1e-6
-    if not exact:
-        log.info("%s is a soft (inexact) alignment: max |Δ output| %.2e against %s", matched, diff, source)
-        return diff
-    if not diff <= tol:
-        raise VerificationError(
-            f"{matched}: its outputs differ from {source}'s by {diff:.2e} (max |output| {scale:.2e}, allowed "
-            f"{tol:.1e}) on random inputs — the matched model does not compute the source's function; nothing was "
-            "published"
-        )
-    log.info("verified %s (%s): max |Δ output| %.2e", matched, mode, diff)
+    diff, scale = measure_outputs(matched, source, mode, reference)
+    within_tolerance(matched, source, diff, scale, dtype, exact)
+    log.info("checked %s (%s, %s): max |Δ output| %.2e", matched, mode, "exact" if exact else "soft", diff)
     return diff

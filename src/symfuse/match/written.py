@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from symfuse.checkpoint import SIDE_FILES, CheckpointReader
-from symfuse.match.verify import logit_tolerance, verify_outputs
+from symfuse.match.report import check_fields
+from symfuse.match.verify import StreamedReference, measure_outputs, within_tolerance
 
 
 def stored_dtype(folder: str | Path) -> torch.dtype:
@@ -35,17 +36,34 @@ def write_model(model: torch.nn.Module, source: str | Path, dest: Path, extra: M
         (dest / name).write_bytes(data)
 
 
-def check_written(dest: Path, source: str | Path, exact: bool) -> dict:
-    """The written model's outputs against SOURCE's (models reloaded from disk): the report's check fields.
+def check_written(
+    dest: Path,
+    source: str | Path,
+    exact: bool,
+    mode: str = "full",
+    dtype: torch.dtype | None = None,
+    reference: StreamedReference | None = None,
+) -> dict:
+    """The written model's outputs against SOURCE's (``dest`` read back from disk): the report's check keys.
+
+    Args:
+        dest: The folder written (not yet published).
+        source: The source checkpoint's folder.
+        exact: Whether every transform is exact (a soft map's difference is measured, never refused: its report
+            says ``exact: false`` and whether it is ``within_tolerance`` all the same).
+        mode: ``full`` (both models loaded), ``stream`` (layer by layer) or ``none`` (nothing reloaded).
+        dtype: The stored dtype the tolerance is taken from (default: SOURCE's first floating tensor's).
+        reference: SOURCE's streamed outputs, already under way (``stream`` only).
+
+    Returns:
+        :func:`symfuse.match.report.check_fields`.
 
     Raises:
         VerificationError: an exact alignment whose written model does not compute SOURCE's function.
     """
-    dtype = stored_dtype(source)
-    diff = verify_outputs(dest, Path(source), "full", dtype, exact=exact)
-    return {
-        "exact": bool(exact),
-        "max_abs_logit_diff": diff,
-        "tolerance": f"{logit_tolerance(dtype):.0e} x max |output| ({str(dtype).removeprefix('torch.')} rounding)",
-        "checked": "the written folder, reloaded",
-    }
+    dtype = dtype if dtype is not None else stored_dtype(source)
+    if mode == "none":
+        return check_fields(exact, mode, None, None, dtype)
+    diff, scale = measure_outputs(dest, Path(source), mode, reference)
+    within = within_tolerance(dest, Path(source), diff, scale, dtype, exact)  # an exact one outside it: refused
+    return check_fields(exact and within, mode, diff, within, dtype)

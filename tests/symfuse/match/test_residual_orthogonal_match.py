@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from symfuse.match import disguise_checkpoint, match_checkpoints
+from symfuse.match import align_checkpoints, disguise_checkpoint, match_checkpoints
 from symfuse.match.verify import full_logit_diff
 from tests.cli.helpers import run_cli
 from tests.tiny import save_tiny
@@ -20,7 +20,7 @@ def test_disguise_and_match_back(tmp_path, family, head):
     src = disguise_checkpoint(anchor, tmp_path / "d", seed=4, kinds=["residual-orthogonal", *KINDS])
     diff, scale = full_logit_diff(src, anchor)
     assert diff <= 1e-4 * scale  # the disguise computes the anchor's function
-    report = match_checkpoints(src, anchor, tmp_path / "m", ["residual-orthogonal", *KINDS])
+    report = align_checkpoints(src, anchor, tmp_path / "m", ["residual-orthogonal", *KINDS], device="cpu")
     assert report["exact"] is True and report["max_abs_logit_diff"] <= 1e-4
     assert report["distance_after"] <= 1e-4 * report["distance_before"]  # the planted map is recovered
     got, want = load_file(str(tmp_path / "m" / "model.safetensors")), load_file(str(anchor / "model.safetensors"))
@@ -28,6 +28,13 @@ def test_disguise_and_match_back(tmp_path, family, head):
         torch.testing.assert_close(got[name], t, rtol=0, atol=1e-4)
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["architectures"] == json.loads((anchor / "config.json").read_text())["architectures"]
+
+
+def test_the_weights_driver_leaves_the_whole_stream_to_align_checkpoints(tmp_path):
+    anchor = save_tiny(tmp_path / "a", "gpt2", seed=1, head="lm", pad_token_id=0)
+    with pytest.raises(ValueError, match="residual-orthogonal maps the whole stream at once"):
+        match_checkpoints(anchor, anchor, tmp_path / "m", ["residual-orthogonal", *KINDS])
+    assert not (tmp_path / "m").exists()
 
 
 def test_cli_and_post_ln_refusal(tmp_path):
@@ -77,7 +84,7 @@ def test_statistics_do_not_follow_a_stream_map_they_are_recollected(tmp_path):
     a = save_tiny(tmp_path / "a", "gpt2", seed=1, head="lm", pad_token_id=0)
     b = save_tiny(tmp_path / "b", "gpt2", seed=2, head="lm", pad_token_id=0)
     out = tmp_path / "m"
-    match_checkpoints(b, a, out, ["residual-orthogonal", *KINDS])
+    align_checkpoints(b, a, out, ["residual-orthogonal", *KINDS])
     name = "transformer.h.0.mlp.c_fc.weight"  # a module input's Gram, in B's basis: no per-module part maps it
     d = load_file(str(b / "model.safetensors"))[name].shape[0]
     stats = save_stats({name: torch.eye(d)}, tmp_path / "gram.safetensors", {"kind": "gram", "n": 1})

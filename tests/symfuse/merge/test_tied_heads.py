@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from symfuse.match import match_checkpoints
+from symfuse.match.align import align_checkpoints
 from symfuse.merge import merge_checkpoints
 from tests.tiny import tiny_model
 
@@ -27,7 +27,7 @@ def _gpt2(folder, seed):
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("tied")
     a, b = _gpt2(root / "a", 0), _gpt2(root / "b", 1)
-    match_checkpoints(b, a, root / "b-aligned", ["residual-orthogonal", "ffn-permutation"])
+    align_checkpoints(b, a, root / "b-aligned", ["residual-orthogonal", "ffn-permutation"])
     return a, root / "b-aligned"
 
 
