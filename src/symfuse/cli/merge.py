@@ -82,6 +82,18 @@ def merge(
         ),
     ] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
+    align: Annotated[
+        str | None,
+        typer.Option(
+            "--align",
+            metavar="KINDS",
+            help="Align every model onto the first before merging (symfuse match's kinds, comma-separated, e.g. "
+            "residual-orthogonal,ffn-permutation,head-permutation); any strategy.",
+        ),
+    ] = None,
+    align_data: Annotated[
+        str | None, typer.Option("--align-data", help="Dataset for --align kinds found from activations.")
+    ] = None,
 ) -> None:
     """Merge models: --models A B [C ...] [--stats SA SB ...] [--weights wA wB ...] --out OUT.
 
@@ -158,10 +170,23 @@ def merge(
         _check_data_labels(models, (refit or params).get("data") or [], label, config)
     from symfuse.merge import merge_checkpoints
 
+    def run(inputs: list[str], card: dict | None = None) -> Path:
+        return merge_checkpoints(strategy, inputs, out, stats=stats, base=base, overwrite=overwrite, card=card,
+                                 head_refit=refit, device=dev, **params)  # fmt: skip
+
+    kinds = None
+    if align is not None:
+        from symfuse.cli.merge_align import ALIGN_KINDS, check_align
+
+        kinds = checks.names_list("--align", align, ALIGN_KINDS, "symmetries")
+        check_align(kinds, align_data, stats)
     with claim_output(out, overwrite):
-        path = merge_checkpoints(
-            strategy, models, out, stats=stats, base=base, overwrite=overwrite, head_refit=refit, device=dev, **params
-        )
+        if kinds is None:
+            path = run(models)
+        else:
+            from symfuse.cli.merge_align import merge_aligned
+
+            path = merge_aligned(models, kinds, align_data, dev, run)
     report = json.loads((path / "symfuse_report.json").read_text())
     typer.echo(f"{path} ({strategy}, {report['seconds']} s)")
 

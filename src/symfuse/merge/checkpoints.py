@@ -263,11 +263,17 @@ def _finish_heads(plan: MergePlan, tmp: Path) -> tuple[str, dict | None]:
 def _write_report(
     plan: MergePlan, tmp: Path, policy: str, refitted: dict | None, models, stats, base, card, start
 ) -> dict:
-    """``symfuse_report.json`` and the ``README.md`` model card of the merged folder."""
+    """``symfuse_report.json`` and the ``README.md`` model card of the merged folder.
+
+    ``card["inputs"]``: the models as the user gave them, where the merge read aligned copies of them.
+    """
+    card = dict(card or {})
+    models = list(card.get("inputs") or models)
     report = {
         "strategy": plan.strategy,
         "params": plan.merger.params.model_dump(by_alias=True),
         "models": [str(m) for m in models],
+        **({"aligned": list(card["symmetries"])} if card.get("inputs") else {}),
         "stats": [str(s) for s in stats or []],
         "base": str(base) if base is not None else None,
         "device": str(plan.device),
@@ -281,7 +287,6 @@ def _write_report(
         "seconds": round(time.perf_counter() - start, 3),
     }
     (tmp / REPORT).write_text(json.dumps(report, indent=2))
-    card = dict(card or {})
     inputs = [
         {"name": name, "dataset": name, "path": str(m), "metrics": input_metrics(m)}
         for name, m in zip(plan.names, models, strict=True)
