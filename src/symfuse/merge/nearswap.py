@@ -11,14 +11,11 @@ other model's tensor ``b``). mergekit computes in the inputs' dtype; here in flo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
-
 import torch
 
-from symfuse.merge.base import Merger, TensorInputs, acc_dtype, load_all
-from symfuse.merge.gradient import LayerGradient, NonNegativeSetting
+from symfuse.merge.base import acc_dtype
+from symfuse.merge.gradient import NonNegativeSetting
+from symfuse.merge.pairwise import PairMerger
 from symfuse.merge.registry import UnweightedParams
 
 
@@ -45,26 +42,12 @@ class NearSwapParams(UnweightedParams):
     t: NonNegativeSetting  # the swap threshold (required, as in mergekit)
 
 
-class NearSwapMerger(Merger):
+class NearSwapMerger(PairMerger):
     """NearSwap of two models: the second model's entries that lie within ``t`` of the first's."""
 
     name = "nearswap"
-    model_count = (2, 2)
     Params = NearSwapParams
 
-    def __init__(self, **params: Any):
-        super().__init__(**params)
-        self.gradient = LayerGradient()
-
-    def prepare(self, models: Sequence[Any], keep: frozenset[str] = frozenset()) -> None:
-        """Read the layer count when ``t`` is a gradient over the layers."""
-        if isinstance(self.params.t, list):  # type: ignore[attr-defined]
-            self.gradient.prepare([Path(m) for m in models])
-
-    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
-        """``nearswap(t, first, second)`` with ``t`` read at this tensor's layer."""
-        if len(t.tensors) == 1:  # one model holds this part (a head row): mergekit returns it
-            return t.tensors[0].clone()
-        self.check_model_count(len(t.tensors))
-        a, b = load_all(t.tensors, self.pool, "nearswap", None)
-        return nearswap(self.gradient.value(self.params.t, t.name, "nearswap t"), a, b)  # type: ignore[attr-defined]
+    def combine(self, t: float, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """``nearswap(t, first, second)``."""
+        return nearswap(t, first, second)

@@ -16,14 +16,11 @@ computes in float32 numpy on the CPU; here in float32 (float64 for float64 input
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
-
 import torch
 
-from symfuse.merge.base import Merger, TensorInputs, acc_dtype, load_all
-from symfuse.merge.gradient import LayerGradient, UnitSetting
+from symfuse.merge.base import acc_dtype
+from symfuse.merge.gradient import UnitSetting
+from symfuse.merge.pairwise import PairMerger
 from symfuse.merge.registry import UnweightedParams
 
 DOT_THRESHOLD = 0.9995  # |cos theta| above this: the tensors are (anti)parallel, interpolate linearly
@@ -73,26 +70,12 @@ class SlerpParams(UnweightedParams):
     t: UnitSetting = 0.5  # 0: the first model, 1: the second; a list: a gradient over the layers
 
 
-class SlerpMerger(Merger):
+class SlerpMerger(PairMerger):
     """Spherical interpolation of two models, ``t = 0`` the first (mergekit's base model), ``t = 1`` the second."""
 
     name = "slerp"
-    model_count = (2, 2)
     Params = SlerpParams
 
-    def __init__(self, **params: Any):
-        super().__init__(**params)
-        self.gradient = LayerGradient()
-
-    def prepare(self, models: Sequence[Any], keep: frozenset[str] = frozenset()) -> None:
-        """Read the layer count when ``t`` is a gradient over the layers."""
-        if isinstance(self.params.t, list):  # type: ignore[attr-defined]
-            self.gradient.prepare([Path(m) for m in models])
-
-    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
-        """``slerp(t, first, second)`` with ``t`` read at this tensor's layer."""
-        if len(t.tensors) == 1:  # one model holds this part (a head row): mergekit returns it
-            return t.tensors[0].clone()
-        self.check_model_count(len(t.tensors))
-        v0, v1 = load_all(t.tensors, self.pool, "slerp", None)  # both valid at once
-        return slerp(self.gradient.value(self.params.t, t.name, "slerp t"), v0, v1)  # type: ignore[attr-defined]
+    def combine(self, t: float, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """``slerp(t, first, second)``."""
+        return slerp(t, first, second)
