@@ -87,8 +87,8 @@ def merge(
         typer.Option(
             "--align",
             metavar="KINDS",
-            help="Align every model onto the first before merging (symfuse match's kinds, comma-separated, e.g. "
-            "residual-orthogonal,ffn-permutation,head-permutation); any strategy.",
+            help="Align every model onto the first before merging, by these symmetry kinds (comma-separated, as "
+            "symfuse match's --symmetries: residual-orthogonal, ffn-permutation, ...); any strategy.",
         ),
     ] = None,
     align_data: Annotated[
