@@ -31,7 +31,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from symfuse.errors import CheckpointError, MissingStats
 from symfuse.io import BufferPool, parallel_reads
 from symfuse.merge.head_refit import RefitOptions, check_refittable, refit_batches, refit_heads
 from symfuse.merge.heads import head_names, union_heads, write_label_space
+from symfuse.merge.plan import MergePlan
 from symfuse.merge.readers import StreamingReader, untie_mixed
 from symfuse.merge.registry import MERGERS
 from symfuse.merge.tensor_merge import TensorMerge, _gram_inputs  # noqa: F401  (_gram_inputs: tests read spans)
@@ -106,54 +106,6 @@ def _resolve_stats(
         for i, model in enumerate(models):
             check_stats_belong(model, [files[i] for files in found.values()], model, cache)
     return found
-
-
-@dataclass
-class MergePlan:
-    """Everything a merge reads, checked before the first tensor is merged (:func:`plan_merge`).
-
-    Attributes:
-        strategy: The strategy's name.
-        out: The output folder (for errors).
-        merger: The strategy's merger (its ``pool`` and ``device`` set).
-        readers: The K models.
-        base_reader: The base model (task-vector strategies), else None.
-        files: Statistics files by kind, one per model.
-        weights: The K normalised model weights.
-        heads: Model 0's tensors outside the base model.
-        union: The union label space, or None.
-        separate: Heads are kept per model (different label sets).
-        names: Head folder of each model by its name (``.`` for the first).
-        refit: Head refit options, or None; ``refit_data`` its batches.
-        same_input: Gram keys whose module reads another's input in every model (one factorisation).
-        device: Where the maths runs.
-    """
-
-    strategy: str
-    out: Path
-    merger: Any
-    readers: list[StreamingReader]
-    base_reader: StreamingReader | None
-    files: dict[str, list[StatsFile]]
-    weights: list[float]
-    heads: set[str]
-    union: Any
-    separate: bool
-    names: dict[str, str]
-    refit: RefitOptions | None
-    refit_data: Any
-    same_input: dict[str, str]
-    device: torch.device
-
-    @property
-    def on_cpu(self) -> bool:
-        """The CPU reads into reused buffers and fuses passes over spans; a device does not."""
-        return self.device.type == "cpu"
-
-    @property
-    def learned(self) -> torch.Tensor | None:
-        """``(K, classes)``: which classes each model learned (union heads), else None."""
-        return self.union.learned if self.union is not None else None
 
 
 def _check_bodies(readers: Sequence[CheckpointReader], separate: bool) -> None:

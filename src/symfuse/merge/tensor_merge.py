@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,10 +19,8 @@ from symfuse.errors import MissingStats, NonFiniteError
 from symfuse.io import BufferPool, check_finite_tensor
 from symfuse.merge.base import LazyTensors, TensorInputs, chunked_sum, weighted_mean
 from symfuse.merge.heads import merge_class_rows
+from symfuse.merge.plan import MergePlan
 from symfuse.stats.io import StatsFile
-
-if TYPE_CHECKING:
-    from symfuse.merge.checkpoints import MergePlan
 
 
 def _all_finite(t: torch.Tensor) -> bool:
