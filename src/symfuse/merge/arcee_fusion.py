@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from symfuse.merge.base import Merger, TensorInputs, acc_dtype, load_all
+from symfuse.merge.base import TensorInputs, acc_dtype
+from symfuse.merge.pairwise import TwoModelMerger
 from symfuse.merge.registry import UnweightedParams
 
 
@@ -63,17 +64,12 @@ class ArceeFusionParams(UnweightedParams):
     """Arcee Fusion has no parameters (as in mergekit)."""
 
 
-class ArceeFusionMerger(Merger):
+class ArceeFusionMerger(TwoModelMerger):
     """Arcee Fusion of two models: the first plus the second's most important changes."""
 
     name = "arcee-fusion"
-    model_count = (2, 2)
     Params = ArceeFusionParams
 
-    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
+    def merge_pair(self, t: TensorInputs, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
         """``arcee_fusion(first, second)``."""
-        if len(t.tensors) == 1:  # one model holds this part (a head row): mergekit returns it
-            return t.tensors[0].clone()
-        self.check_model_count(len(t.tensors))
-        a, b = load_all(t.tensors, self.pool, "arcee-fusion", None)
-        return arcee_fusion(a, b)
+        return arcee_fusion(first, second)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from symfuse.merge.base import MergeParams, Merger, TensorInputs, acc_dtype, load_all
+from symfuse.merge.base import MergeParams, TensorInputs, acc_dtype
+from symfuse.merge.pairwise import TwoModelMerger
 
 
 def _unit(x: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
@@ -68,21 +69,16 @@ class NuSlerpParams(MergeParams):
     nuslerp_row_wise: bool = False  # not flattened: interpolate along the first axis (default: the last)
 
 
-class NuSlerpMerger(Merger):
+class NuSlerpMerger(TwoModelMerger):
     """SLERP of two models (or of their task vectors against an optional base), ``t`` from their weights."""
 
     name = "nuslerp"
     accepts_base = True
-    model_count = (2, 2)
     Params = NuSlerpParams
 
-    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
+    def merge_pair(self, t: TensorInputs, v0: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
         """``nuslerp`` of the two tensors, or ``base + nuslerp`` of their task vectors."""
-        if len(t.tensors) == 1:  # one model holds this part (a head row): mergekit returns it
-            return t.tensors[0].clone()
-        self.check_model_count(len(t.tensors))
         p = self.params
-        v0, v1 = load_all(t.tensors, self.pool, "nuslerp", None)
         kw = {"dim": 0 if p.nuslerp_row_wise else -1, "flatten": p.nuslerp_flatten}  # type: ignore[attr-defined]
         f = nuslerp_t([float(w) for w in t.weights])
         if t.base is None:

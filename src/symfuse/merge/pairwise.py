@@ -1,4 +1,8 @@
-"""Two-model methods whose one parameter ``t`` may be a gradient over the layers (slerp, nearswap)."""
+"""Two-model methods: one tensor pair at a time.
+
+:class:`TwoModelMerger` (nuslerp, arcee-fusion) and :class:`PairMerger`, whose one parameter ``t`` may be a gradient
+over the layers (slerp, nearswap).
+"""
 
 from __future__ import annotations
 
@@ -12,13 +16,32 @@ from symfuse.merge.base import Merger, TensorInputs, load_all
 from symfuse.merge.gradient import LayerGradient
 
 
-class PairMerger(Merger):
+class TwoModelMerger(Merger):
+    """:meth:`merge_pair` on each tensor of exactly two models; a part only one model holds is that model's.
+
+    Subclasses set ``name``, ``Params`` and :meth:`merge_pair`.
+    """
+
+    model_count = (2, 2)
+
+    def merge_pair(self, t: TensorInputs, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """The method on one tensor pair (``t``: the inputs, for their name, weights and base)."""
+        raise NotImplementedError
+
+    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
+        """:meth:`merge_pair` of the two models' tensors."""
+        if len(t.tensors) == 1:  # one model holds this part (a head row): mergekit returns it
+            return t.tensors[0].clone()
+        self.check_model_count(len(t.tensors))
+        first, second = load_all(t.tensors, self.pool, self.name, None)  # both valid at once
+        return self.merge_pair(t, first, second)
+
+
+class PairMerger(TwoModelMerger):
     """``combine(t, first, second)`` per tensor, ``t`` (``params.t``) read at the tensor's layer.
 
     Subclasses set ``name``, ``Params`` (with ``t``) and :meth:`combine`.
     """
-
-    model_count = (2, 2)
 
     def __init__(self, **params: Any):
         super().__init__(**params)
@@ -33,11 +56,7 @@ class PairMerger(Merger):
         """The method on one tensor pair."""
         raise NotImplementedError
 
-    def merge_tensor(self, t: TensorInputs) -> torch.Tensor:
+    def merge_pair(self, t: TensorInputs, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
         """:meth:`combine` with ``t`` read at this tensor's layer."""
-        if len(t.tensors) == 1:  # one model holds this part (a head row): mergekit returns it
-            return t.tensors[0].clone()
-        self.check_model_count(len(t.tensors))
-        a, b = load_all(t.tensors, self.pool, self.name, None)  # both valid at once
         value = self.gradient.value(self.params.t, t.name, f"{self.name} t")  # type: ignore[attr-defined]
-        return self.combine(value, a, b)
+        return self.combine(value, first, second)
