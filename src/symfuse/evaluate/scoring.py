@@ -32,10 +32,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+import symfuse.evaluate.metrics as M
 from symfuse.data.batches import IGNORE_INDEX
 from symfuse.data.dataset import DatasetError, TaskDataset
 from symfuse.data.labels import label_index, shared_label_names
-from symfuse.evaluate import metrics as M
 
 log = logging.getLogger(__name__)
 
