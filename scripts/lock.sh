@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Refresh requirements.lock: every package of `symfuse[dev,orchestration,gguf]`, transitive ones included, pinned.
+# Refresh requirements.lock: every package of `symfuse[dev,orchestration,gguf,lora]`, transitive ones included, pinned.
 # Run after changing a pin in pyproject.toml, then commit both files:
 #   bash scripts/lock.sh                                # keeps the other pins of the current lock
 #   bash scripts/lock.sh --upgrade-package <name>       # or --upgrade: newer versions where pyproject allows
@@ -17,7 +17,7 @@ if [ ! -x "$TOOLS/bin/pip-compile" ]; then
   "$TOOLS/bin/python" -m pip install -q --disable-pip-version-check pip-tools==7.6.2
 fi
 CUSTOM_COMPILE_COMMAND="bash scripts/lock.sh" "$TOOLS/bin/pip-compile" --quiet --allow-unsafe --strip-extras --no-emit-index-url --no-emit-find-links \
-  --extra dev --extra orchestration --extra gguf \
+  --extra dev --extra orchestration --extra gguf --extra lora \
   --output-file requirements.lock "$@" pyproject.toml
 # the build variant of torch (+cpu / +cu128) is chosen by the torch install, not by the lock
 sed -i -E 's/^torch==([0-9.]+)\+[a-z0-9]+$/torch==\1/' requirements.lock

@@ -39,7 +39,7 @@ def lock_pins() -> dict[str, str]:
 def project_requirements() -> list[Requirement]:
     project = PYPROJECT["project"]
     reqs = list(project["dependencies"])
-    for extra in ("dev", "orchestration", "gguf"):
+    for extra in ("dev", "orchestration", "gguf", "lora"):
         reqs += project["optional-dependencies"][extra]
     return [Requirement(r) for r in reqs]
 
@@ -94,7 +94,7 @@ def test_bootstrap_installs_torch_then_the_lock_then_the_project_without_deps():
 def test_lock_script_writes_the_lock_and_is_documented():
     script = (REPO / "scripts" / "lock.sh").read_text()
     assert "--output-file requirements.lock" in script and script.rstrip().count("pyproject.toml")
-    for extra in ("dev", "orchestration", "gguf"):
+    for extra in ("dev", "orchestration", "gguf", "lora"):
         assert f"--extra {extra}" in script
     assert "scripts/lock.sh" in LOCK.read_text().split("\n\n")[0] or "bash scripts/lock.sh" in LOCK.read_text()
     assert "scripts/lock.sh" in (REPO / "README.md").read_text()
