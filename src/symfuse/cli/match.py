@@ -18,7 +18,7 @@ from symfuse.symmetry.registry import kind_names  # no torch: names are checked 
 # OT fusion from the command line aligns the whole model, residual stream included (symfuse.match.ot_checkpoints):
 # the registered kinds ot / ot-soft (weights), and their activation-based forms, known to the alignment plan only.
 OT_ACTS = tuple(k for k in OT_KINDS if "acts" in k)
-VERIFY_MODES = ("stream", "full", "none")  # symfuse.match.verify.VERIFY_MODES (checked before torch is imported)
+VERIFY_MODES = ("stream", "full", "none")  # symfuse.match.output_check.VERIFY_MODES (checked before torch is imported)
 RANDOM_PIXELS = "random-pixels"  # symfuse.match.activation.RANDOM_PIXELS (named before torch is imported)
 
 

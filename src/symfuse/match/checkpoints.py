@@ -34,15 +34,10 @@ from symfuse.match.inputs import (  # noqa: F401  (names of this module's interf
     read_checked,
     strip_prefix,
 )
+from symfuse.match.output_check import VERIFY_MODES, StreamedReference
 from symfuse.match.publish import AlignRequest, Found, publish_alignment
 from symfuse.match.reading import PreadSource
-from symfuse.match.verify import (
-    VERIFY_MODES,
-    StreamedReference,
-    check_module_transform,
-    is_exact,
-    module_invariants,
-)
+from symfuse.match.verify import check_module_transform, is_exact, module_invariants
 from symfuse.match.weights import (
     DEFAULT_SYMMETRIES,
     check_symmetries,

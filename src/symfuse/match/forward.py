@@ -1,6 +1,6 @@
 """The base model's forward pass from the family spec, in plain torch, one layer in memory at a time.
 
-The streamed output check of ``symfuse match`` (:class:`symfuse.match.verify.StreamedReference`) compares the
+The streamed output check of ``symfuse match`` (:class:`symfuse.match.output_check.StreamedReference`) compares the
 matched model with SOURCE on a few random sequences. Building transformers' model for that costs more than the
 check itself (importing its modelling code: ~2.3 s and ~140 MiB on roberta-base, before any weight is read), so
 families whose YAML has a ``forward`` block run here instead: embeddings, then each layer's attention and FFN read

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from symfuse.match.inputs import REPORT_FILE
+from symfuse.match.output_check import VERIFY_MODES, StreamedReference
 from symfuse.match.report import alignment_report
-from symfuse.match.verify import VERIFY_MODES, StreamedReference
 from symfuse.match.written import check_written
 from symfuse.outputs import atomic_output_dir, check_output
 
@@ -106,7 +106,7 @@ def verify_mode(verify: str | None) -> str:
     """``verify`` checked (None: ``stream``).
 
     Raises:
-        ValueError: not one of :data:`symfuse.match.verify.VERIFY_MODES`.
+        ValueError: not one of :data:`symfuse.match.output_check.VERIFY_MODES`.
     """
     if verify is None:
         return "stream"

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from symfuse.match.verify import logit_tolerance
+from symfuse.match.output_check import logit_tolerance
 
 # the keys every alignment report holds, in this order (drivers add theirs after them)
 COMMON_KEYS = (

@@ -169,8 +169,8 @@ def match_many_residual_orthogonal(
     from symfuse.checkpoint import CheckpointReader
     from symfuse.match.inputs import REPORT_FILE, check_compatible
     from symfuse.match.many import squared_distances_to_mean
+    from symfuse.match.output_check import verify_outputs
     from symfuse.match.residual_orthogonal import write_state
-    from symfuse.match.verify import verify_outputs
 
     readers = [CheckpointReader(m) for m in models]
     try:

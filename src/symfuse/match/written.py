@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from symfuse.checkpoint import SIDE_FILES, CheckpointReader
+from symfuse.match.output_check import StreamedReference, measure_outputs, within_tolerance
 from symfuse.match.report import check_fields
-from symfuse.match.verify import StreamedReference, measure_outputs, within_tolerance
 
 
 def stored_dtype(folder: str | Path) -> torch.dtype:

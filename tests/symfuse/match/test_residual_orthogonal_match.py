@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from symfuse.match import align_checkpoints, disguise_checkpoint, match_checkpoints
-from symfuse.match.verify import full_logit_diff
+from symfuse.match.output_check import full_logit_diff
 from tests.cli.helpers import run_cli
 from tests.tiny import save_tiny
 

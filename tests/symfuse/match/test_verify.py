@@ -16,13 +16,8 @@ from symfuse.errors import CheckpointError, VerificationError
 from symfuse.io.planned import PlannedFile
 from symfuse.match import assemble_matched, match_checkpoints, pipeline
 from symfuse.match.checkpoints import match_all_modules
-from symfuse.match.verify import (
-    _empty_model,
-    _run_streaming,
-    check_module_transform,
-    module_invariants,
-    streaming_logit_diff,
-)
+from symfuse.match.output_check import _empty_model, _run_streaming, streaming_logit_diff
+from symfuse.match.verify import check_module_transform, module_invariants
 from symfuse.symmetry.random import ALL_KINDS, random_module_transform
 from symfuse.symmetry.transforms import FFNPermutation, ModuleTransform, QKRotation
 from tests.tiny import DECODERS, save_tiny

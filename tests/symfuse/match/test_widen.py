@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from symfuse.arch import get_spec
-from symfuse.match.verify import full_logit_diff
+from symfuse.match.output_check import full_logit_diff
 from symfuse.symmetry.widen import widen_state
 from tests.cli.helpers import run_cli
 from tests.tiny import random_inputs, save_tiny, tiny_model

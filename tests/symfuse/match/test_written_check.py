@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 from symfuse.match import disguise_checkpoint
-from symfuse.match.verify import full_logit_diff
+from symfuse.match.output_check import full_logit_diff
 from tests.cli.helpers import run_cli
 from tests.tiny import save_tiny
 
