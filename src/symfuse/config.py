@@ -28,6 +28,11 @@ from symfuse.symmetry.registry import check_kinds, kind_names
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+=-]*$")
 STATS_KINDS = ("gram", "fisher")
 ANCHOR_POLICIES = ("closest", "barycenter")
+# The UI form (and the server, when a run is created from a deployment) checks these against the JSON schema: a bad
+# name, anchor or merge parameter is refused at creation, not in the worker. The model's own validators still give the
+# one-line messages everywhere else.
+NAME_SCHEMA = {"pattern": _NAME.pattern}
+ANCHOR_SCHEMA = {"pattern": _NAME.pattern, "examples": list(ANCHOR_POLICIES)}  # or a dataset name
 # Merge strategies are the names of symfuse.merge.registry.MERGERS, symmetries the kinds of symfuse.symmetry.registry
 # found from weights: read when a config is validated and when the UI form's JSON schema is built, so a strategy or
 # kind registered later is a choice too (the registries import no torch).
@@ -81,7 +86,9 @@ class _Strict(BaseModel):
 class DatasetConfig(_Strict):
     """One task the models are fine-tuned on (or brought for)."""
 
-    name: str = Field(description="Short name; used in artifact keys and reports (e.g. 'isear').")
+    name: str = Field(
+        description="Short name; used in artifact keys and reports (e.g. 'isear').", json_schema_extra=NAME_SCHEMA
+    )
     source: str | None = Field(
         default=None,
         description="Where the data is: a ../shared/datasets name or folder, local files or a hub id. Default: name.",
@@ -205,6 +212,13 @@ class StageDeployments(_Strict):
     stats: str = Field(default="stats-stage/stats-stage", description="One model's statistics (one kind) per run.")
 
 
+def _merge_params_schema(schema: dict[str, Any]) -> None:
+    """``json_schema_extra`` of ``merge_params``: keys are strategies, each value that strategy's typed parameters."""
+    schema["propertyNames"] = {"enum": list(MERGERS.names())}
+    schema["properties"] = {name: MERGERS[name].Params.model_json_schema() for name in MERGERS.names()}
+    schema["additionalProperties"] = False
+
+
 def _enum(names: Callable[[], Sequence[str]]) -> Callable[[dict[str, Any]], None]:
     """``json_schema_extra`` offering the registry's current ``names()`` as the list items' choices (UI form)."""
 
@@ -230,7 +244,11 @@ def _choice(value: object, choices: tuple[str, ...], what: str) -> object:
 class RunConfig(_Strict):
     """Everything one fusion run needs: what to fine-tune, what statistics, how to match, merge and evaluate."""
 
-    run_id: str = Field(default="demo", description="Names the run's folder in the store (runs/<run_id>/...).")
+    run_id: str = Field(
+        default="demo",
+        description="Names the run's folder in the store (runs/<run_id>/...).",
+        json_schema_extra=NAME_SCHEMA,
+    )
     base_model: str = Field(default="minilm", description="Base checkpoint: 'minilm', a local folder or a hub id.")
     datasets: list[DatasetConfig] = Field(min_length=1, description="Tasks to fine-tune on (at least 1).")
     finetune: FinetuneSettings = Field(default_factory=FinetuneSettings)
@@ -245,6 +263,7 @@ class RunConfig(_Strict):
     anchor: str = Field(
         default="closest",
         description="Model the others are matched onto: 'closest' (to the others), 'barycenter', or a dataset name.",
+        json_schema_extra=ANCHOR_SCHEMA,
     )
     strategies: list[str] = Field(
         default_factory=lambda: ["simple", "fisher", "regmean"],
@@ -256,6 +275,7 @@ class RunConfig(_Strict):
         default_factory=dict,
         description="Typed parameters per strategy, e.g. {regmean: {alpha: 0.9}, ties: {density: 0.3}}; a strategy "
         "not listed uses its defaults. (regmean_alpha: X in older configs means {regmean: {alpha: X}}.)",
+        json_schema_extra=_merge_params_schema,
     )
     labels: Literal["per-dataset", "union"] = Field(
         default="per-dataset",
@@ -275,6 +295,7 @@ class RunConfig(_Strict):
         default=None,
         description="Greedy selection's validation set: a dataset name whose validation split scores the models "
         "(e.g. an out-of-domain set); default: the mean over the training datasets' validation splits.",
+        json_schema_extra=NAME_SCHEMA,
     )
     head_refit: HeadRefitSettings = Field(default_factory=HeadRefitSettings)
     allow_label_mismatch: bool = Field(

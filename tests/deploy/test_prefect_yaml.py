@@ -236,3 +236,25 @@ def test_the_local_stack_deploys_with_the_checkout_as_working_directory(tmp_path
     assert data["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
     assert data["deployments"] == raw()["deployments"]
     assert raw()["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "/opt/symfuse"
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "says"),
+    [
+        ({"run_id": "my run"}, "my run", "does not match"),
+        ({"anchor": "../isear"}, "../isear", "does not match"),
+        ({"merge_params": {"regmaen": {}}}, "regmaen", "is not one of"),
+        ({"merge_params": {"ties": {"densty": 0.3}}}, "densty", "not allowed"),
+        ({"merge_params": {"ties": {"density": 3}}}, "3", "maximum"),
+    ],
+)
+def test_the_ui_form_refuses_bad_names_anchors_and_merge_params_at_creation(field, bad, says):
+    """The server checks a new run's parameters against this schema (enforce_parameter_schema): refused at creation."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import validate
+
+    schema = parameter_schema(load_flow(EXPECTED["fusion-pipeline"])).model_dump()
+    good = RunConfig.demo().model_dump(mode="json")
+    assert validate({"config": good | {"merge_params": {"ties": {"density": 0.3}}}}, schema) == []
+    errors = [e.message for e in validate({"config": good | field}, schema)]
+    assert errors and any(bad in m and says in m for m in errors), errors
