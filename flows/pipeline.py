@@ -210,7 +210,7 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
         *T.evaluate.map(unmapped(config), [m for m, _ in grid], [merged[m] for m, _ in grid], [d for _, d in grid]),
     ]
 
-    # 7. Report: report.md + metrics.csv + plots in the store, markdown / table / link artifacts in Prefect.
+    # 7. Report: report.md + metrics.csv + plots in the store, markdown / table / image artifacts in Prefect.
     others_uris = [*models.values(), *stats.values(), *matched_stats.values()]
     transform_tasks = list(dict.fromkeys(f for fs in transforms.values() for f in fs))  # barycenter: shared tasks
     report_uri = T.report.submit(

@@ -10,6 +10,8 @@ Only URIs and small configs cross task boundaries, never tensors or modules. Lon
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import logging
 import shutil
 import tempfile
@@ -51,7 +53,7 @@ def symfuse_task(name: str, task_run_name: str, gpu: bool = False) -> Callable:
         task_run_name: Template over the task's parameters, e.g. ``"finetune-{dataset}"``.
         gpu: Tag the task ``gpu`` (work that runs on the accelerator; the tag's concurrency limit caps fan-out).
     """
-    return task(
+    settings = task(
         name=name,
         task_run_name=task_run_name,
         tags=["gpu"] if gpu else [],
@@ -61,6 +63,36 @@ def symfuse_task(name: str, task_run_name: str, gpu: bool = False) -> Callable:
         cache_policy=NO_CACHE,
         persist_result=False,
     )
+    return lambda fn: settings(shown_cached(fn))
+
+
+_REUSED: contextvars.ContextVar[str | None] = contextvars.ContextVar("symfuse_reused", default=None)
+
+
+def shown_cached(fn: Callable) -> Callable:
+    """``fn``, ending its task run in Prefect's ``Cached`` state when it returned an artifact :func:`reuse` found.
+
+    Reuse is decided by the store's content keys (not Prefect's result cache); this only names it in the UI. Outside a
+    task run (``.fn()`` calls) the URI is returned as it is.
+    """
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        token = _REUSED.set(None)
+        try:
+            out = fn(*args, **kwargs)
+            reused = _REUSED.get()
+        finally:
+            _REUSED.reset(token)
+        from prefect.context import TaskRunContext
+
+        if reused is None or out != reused or TaskRunContext.get() is None:
+            return out
+        from prefect.states import Completed
+
+        return Completed(name="Cached", data=out, message=f"reused {out}: same inputs and settings")
+
+    return run
 
 
 def warm_imports(base_model: str) -> None:
@@ -120,62 +152,93 @@ def reuse(store: ArtifactStore, key: str, ck: str, what: str) -> str | None:
     if not store.exists(key, ck):
         return None
     uri = store.uri(key)
+    _REUSED.set(uri)
     logger().info("reused stored %s at %s (key %s): same inputs and settings, nothing recomputed", what, uri, ck[:16])
     return uri
 
 
-class Progress:
-    """A progress callback for library functions: a Prefect progress artifact updated at most every few seconds.
+class _StageBar:
+    """One progress artifact per stage of a flow run: the mean of its tasks' fractions, each task named in its text."""
 
-    ``with Progress("finetune-isear") as p: library_call(..., on_progress=p)``. Outside a Prefect run (``.fn()``
-    calls) it only remembers the last fraction. The artifact ends at 100 % when the block exits without error.
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+        self.members: dict[str, float] = {}
+        self.artifact_id = None
+        self.lock = threading.Lock()
+        self.last = 0.0
+
+    def text(self) -> tuple[float, str]:
+        done = sum(self.members.values()) / max(len(self.members), 1)
+        parts = ", ".join(f"{n} {100 * f:.0f} %" for n, f in sorted(self.members.items()))
+        return round(100 * done, 1), f"{self.stage}: {parts}"
+
+    def push(self, attempts: int = 1) -> None:
+        """Send the current value (callers hold ``lock``); never fails the task (the UI's progress is a courtesy)."""
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        value, text = self.text()
+        for _ in range(attempts):
+            try:
+                if self.artifact_id is None:
+                    self.artifact_id = create_progress_artifact(value, description=text)
+                else:
+                    update_progress_artifact(self.artifact_id, value, description=text)
+                return
+            except Exception:
+                logger().debug("progress of %s not updated", self.stage, exc_info=True)
+
+
+_BARS: dict[tuple[str, str], _StageBar] = {}
+_BARS_LOCK = threading.Lock()
+
+
+class Progress:
+    """A progress callback for library functions, shown as ONE Prefect progress artifact per stage of a flow run.
+
+    ``with Progress("finetune-isear") as p: library_call(..., on_progress=p)``. Every task of a stage (``stage``,
+    default the name's first word: ``finetune``, ``stats``, ``eval``) adds its fraction to the stage's artifact,
+    updated at most every ``min_interval`` seconds; a task ends at 100 % when its block exits without error. Outside a
+    Prefect run (``.fn()`` calls) it only remembers the last fraction.
     """
 
-    def __init__(self, name: str, min_interval: float = 3.0) -> None:
+    def __init__(self, name: str, min_interval: float = 3.0, stage: str | None = None) -> None:
         self.name = name
+        self.stage = stage or name.split("-", maxsplit=1)[0]
         self.min_interval = min_interval
         self.fraction = 0.0
-        self.artifact_id = None
-        self._last = 0.0
-        self._lock = threading.Lock()
+        self.bar: _StageBar | None = None
 
     def __enter__(self) -> Progress:
         from prefect.context import TaskRunContext
 
-        if TaskRunContext.get() is not None:
-            from prefect.artifacts import create_progress_artifact
-
-            with contextlib.suppress(Exception):  # the UI's progress is a courtesy: never fail the task for it
-                self.artifact_id = create_progress_artifact(0.0, description=f"{self.name}: progress")
-        self._last = time.monotonic()
+        ctx = TaskRunContext.get()
+        if ctx is not None:
+            with _BARS_LOCK:
+                self.bar = _BARS.setdefault((str(ctx.task_run.flow_run_id), self.stage), _StageBar(self.stage))
+            with self.bar.lock:
+                self.bar.members[self.name] = 0.0
+                self.bar.push()
         return self
 
     def __call__(self, fraction: float) -> None:
-        """Record ``fraction`` (0..1) done; push it to the artifact if ``min_interval`` seconds passed."""
-        with self._lock:  # pushes under the lock: a callback from another thread cannot land after the final 100 %
-            self.fraction = max(self.fraction, min(1.0, float(fraction)))
+        """Record ``fraction`` (0..1) done; push the stage's value if ``min_interval`` seconds passed."""
+        self.fraction = max(self.fraction, min(1.0, float(fraction)))
+        if self.bar is None:
+            return
+        with self.bar.lock:  # pushes under the lock: a callback from another thread cannot land after the final value
+            self.bar.members[self.name] = self.fraction
             now = time.monotonic()
-            if self.artifact_id is None or now - self._last < self.min_interval:
-                return
-            self._last = now
-            self._push()
-
-    def _push(self, attempts: int = 1) -> None:
-        from prefect.artifacts import update_progress_artifact
-
-        for _ in range(attempts):
-            try:
-                update_progress_artifact(self.artifact_id, round(100 * self.fraction, 1))
-                return
-            except Exception:  # the UI's progress is a courtesy: never fail the task for it
-                logger().debug("progress of %s not updated", self.name, exc_info=True)
+            if now - self.bar.last >= self.min_interval:
+                self.bar.last = now
+                self.bar.push()
 
     def __exit__(self, exc_type, *exc: object) -> None:
-        with self._lock:
-            if exc_type is None:
-                self.fraction = 1.0
-            if self.artifact_id is not None:
-                self._push(attempts=3)  # the final value: a transient API error must not leave it short of 100 %
+        if exc_type is None:
+            self.fraction = 1.0
+        if self.bar is not None:
+            with self.bar.lock:
+                self.bar.members[self.name] = self.fraction
+                self.bar.push(attempts=3)  # the final value: a transient API error must not leave it short
 
 
 @contextlib.contextmanager

@@ -9,12 +9,12 @@ from pathlib import Path
 
 from prefect.artifacts import (
     create_image_artifact,
-    create_link_artifact,
     create_markdown_artifact,
     create_table_artifact,
 )
 
 from symfuse.config import RunConfig
+from symfuse.model_card import CARD, card_for_display
 from symfuse.report import build_report, metrics_table, primary_metric
 from tasks.common import (
     content_key,
@@ -78,7 +78,7 @@ def report(
     selections: Sequence[str] = (),
     inspection: str | None = None,
 ) -> str:
-    """Build ``report/report.md``, ``metrics.csv`` and plots; publish markdown, table and link artifacts.
+    """Build ``report/report.md``, ``metrics.csv`` and plots; publish markdown, table and image artifacts.
 
     Args:
         config: The run.
@@ -167,12 +167,18 @@ def _publish(config: RunConfig, store, staged: str, merged: Sequence[str]) -> st
         uri = f"{store.uri(key)}/{png.name}"  # keys: one per artifact kind (the metrics table keeps <run>-metrics)
         create_image_artifact(image_url(png, uri), key=f"{run}-plot-{_artifact_key(png.stem)}",
                               description=f"{png.name} of the symfuse report, {uri}")  # fmt: skip
-    rows = ["| merged model | folder | model card |", "| --- | --- | --- |"]
-    for uri in map(store.uri, merged):  # as the run publishes them
+    rows = ["| merged model | stored at (copy the URI) | model card |", "| --- | --- | --- |"]
+    for uri in merged:  # as the run publishes them (a staged URI reads the version it will publish)
         name = "-".join(store.key(uri).split("/")[-2:])  # strategy-variant
-        create_link_artifact(uri, link_text=name, key=f"{run}-merged-{_artifact_key(name)}", description="merged model")
-        rows.append(f"| {name} | [{uri}]({uri}) | [README.md]({uri}/README.md) |")
-    about = "merged models of the run (folders in the store, with their model cards)"
+        card_key = f"{run}-card-{_artifact_key(name)}"
+        where = store.uri(store.key(uri))
+        card = store.read_member(uri, CARD).decode()
+        create_markdown_artifact(f"Stored at `{where}`\n\n{card_for_display(card)}", key=card_key,
+                                 description=f"model card of {name}")  # fmt: skip
+        https = store.https_url(uri, CARD)
+        link = f"artifact `{card_key}`" + (f" · [README.md]({https})" if https else "")
+        rows.append(f"| {name} | `{where}` | {link} |")
+    about = "merged models of the run: their store URIs (folders) and model cards"
     create_markdown_artifact("\n".join(rows), key=f"{run}-merged-models", description=about)
     logger().info("report: %s", store.uri(key))
     return staged

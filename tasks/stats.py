@@ -98,7 +98,7 @@ def follow_stats(config: RunConfig, model: str, matched_uri: str, stats_uri: str
         how = "transformed" if out is not None else "recollected"
         if out is None:  # the library says this kind cannot follow the transform exactly
             micro, _ = batch_settings(config.stats.batch_size)
-            with timed() as t, Progress(f"follow-stats-{model}-{kind}") as progress:
+            with timed() as t, Progress(f"follow-stats-{model}-{kind}", stage="follow-stats") as progress:
                 out = symfuse.stats.collect_stats(
                     matched, config.dataset(model).data, [kind], tmp,
                     max_examples=config.stats.max_examples, batch_size=micro, device=config.resolved_device(),

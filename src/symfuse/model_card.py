@@ -156,3 +156,11 @@ def read_front_matter(text: str) -> dict[str, Any]:
     if not text.startswith("---\n") or "\n---\n" not in text[4:]:
         raise ValueError("model card has no YAML front matter (expected a leading '---' block)")
     return yaml.safe_load(text[4 : text.index("\n---\n", 4)])
+
+
+def card_for_display(text: str) -> str:
+    """A card as markdown renders it well: its YAML front matter as a fenced ``yaml`` block, then its body."""
+    if not text.startswith("---\n") or "\n---\n" not in text[4:]:
+        return text
+    end = text.index("\n---\n", 4)
+    return f"```yaml\n{text[4:end]}\n```\n{text[end + 5 :]}"

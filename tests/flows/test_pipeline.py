@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from flows.pipeline import fusion_pipeline
+from symfuse.model_card import read_front_matter
 from symfuse.store import ArtifactStore, layout
 from tests.flows.conftest import Calls, run_logs, task_runs, tiny_config
 
@@ -98,12 +99,22 @@ def test_ui_artifacts_render_without_the_store(first_run):
     assert "](metrics.png)" not in report_md and "![metrics](data:image/png;base64," in report_md
     merged_md = next(a.data for a in by_type["markdown"] if a.key == "t-merged-models")
     uri = state.result()["merged"]["regmean-matched"]
-    assert f"[{uri}]({uri})" in merged_md and f"({uri}/README.md)" in merged_md
-    assert len(by_type["progress"]) >= 3 + 6 * 2  # fine-tunes, statistics, evaluations
+    assert f"`{uri}`" in merged_md and "t-card-regmean-matched" in merged_md  # a URI to copy, not a dead file:// link
+    # one progress artifact per stage (not one per task), each naming its tasks, all ended at 100 %
+    progress = {a.description.split(":")[0]: a for a in by_type["progress"]}
+    assert len(progress) == len(by_type["progress"]) and {"finetune", "stats", "eval"} <= set(progress), progress
     assert all(a.data == 100 for a in by_type["progress"])
+    assert "isear 100 %" in progress["finetune"].description and "meld 100 %" in progress["finetune"].description
+    # the model card, rendered in the UI; its inputs are store URIs, not the worker's deleted scratch folders
     store = ArtifactStore(config.resolved_store_root())
     card = (store.local_cache(uri) / "README.md").read_text()
     assert card.startswith("---\n") and "strategy: regmean" in card and "symmetry-matched" in card
+    shown = next(a.data for a in by_type["markdown"] if a.key == "t-card-regmean-matched")
+    assert "strategy: regmean" in shown and uri in shown
+    plain = (store.local_cache(state.result()["merged"]["regmean-plain"]) / "README.md").read_text()
+    assert store.uri(layout.model_key("t", "isear")) in plain
+    inputs = [read_front_matter(c)["symfuse"]["inputs"] for c in (card, plain)]
+    assert all(i.startswith("memory://") for i in inputs[0] + inputs[1]), inputs
 
 
 def test_second_run_recomputes_nothing(first_run, monkeypatch):
@@ -125,6 +136,9 @@ def test_second_run_recomputes_nothing(first_run, monkeypatch):
     uri = store.uri(layout.model_key("t", "isear"))
     assert any(f"reused stored fine-tuned model isear at {uri} (key " in line for line in lines), lines[:20]
     assert sum("reused stored" in line for line in lines) >= 3 + 6 + 9 * 4  # models, merges, evaluations at least
+    runs = task_runs(again.state_details.flow_run_id, expect=["finetune-isear", "merge-simple-plain"])
+    for name in ("finetune-isear", "merge-simple-plain"):  # reused work reads Cached in the UI (a Completed state)
+        assert runs[name].state.name == "Cached" and runs[name].state.is_completed(), runs[name].state
 
 
 def test_deterministic_error_fails_without_retry(nan_base, memory_root, monkeypatch):

@@ -239,8 +239,9 @@ def _write_report(
         "seconds": round(time.perf_counter() - start, 3),
     }
     (tmp / REPORT).write_text(json.dumps(report, indent=2))
+    where = dict(card.get("inputs") or {})  # where the inputs live for a reader (store URIs), not a scratch folder
     inputs = [
-        {"name": name, "dataset": name, "path": str(m), "metrics": input_metrics(m)}
+        {"name": name, "dataset": name, "path": where.get(name, str(m)), "metrics": input_metrics(m)}
         for name, m in zip(plan.names, models, strict=True)
     ]
     text = model_card(
@@ -277,7 +278,8 @@ def merge_checkpoints(
         overwrite: Replace an existing ``out``.
         card: Facts for the ``README.md`` model card the merger cannot know: ``base_model`` (name of the base the
             inputs were fine-tuned from; default ``base``), ``symmetries`` (the inputs were matched with; default
-            none), ``extra`` (more front-matter facts, e.g. the run id).
+            none), ``inputs`` (input name -> where a reader finds it, e.g. its store URI; default the local path),
+            ``extra`` (more front-matter facts, e.g. the run id).
         head_refit: Refit every task head to the merged body on each model's own data
             (:mod:`symfuse.merge.head_refit`; its ``data`` is loaded before the merge starts), recorded under the
             report's ``heads.refit``; None: heads as merged.

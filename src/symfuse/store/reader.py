@@ -395,6 +395,40 @@ class ArtifactReader:
         folder = self.local_cache(key) if local_dir is None else self.get_dir(key, local_dir)
         return folder / files[0]
 
+    def read_member(self, key: str, rel: str) -> bytes:
+        """One data file of an artifact (of a staged URI: that version's), checked against the manifest's sha256.
+
+        Reads that file alone (a model card beside a model's weights), not the whole artifact.
+
+        Raises:
+            ArtifactNotFound: the artifact has no manifest, or its manifest lists no ``rel``.
+            CorruptArtifact: the file differs from the manifest.
+        """
+
+        def read(manifest: Mapping[str, Any]) -> bytes:
+            if rel not in manifest["files"]:
+                raise ArtifactNotFound(f"{self.uri(key)} holds no {rel} (its manifest lists {len(manifest['files'])})")
+            with self._io(f"{self.uri(key)}/{rel}"):
+                data = self.fs.cat_file(self._data_path(self.key(key), manifest, rel))
+            if hashlib.sha256(data).hexdigest() != manifest["sha256"][rel]:
+                raise CorruptArtifact(f"{self.uri(key)}/{rel}: sha256 differs from the manifest; recompute it")
+            return data
+
+        return self._resolved(key, read)
+
+    def https_url(self, key: str, rel: str, expires_s: int = 7 * 24 * 3600) -> str | None:
+        """A presigned https link to one data file of an artifact's version, where the backend signs (S3), else None.
+
+        Args:
+            key: Key, URI or staged URI (then that version's file).
+            rel: The file inside the artifact.
+            expires_s: Lifetime of the link (S3 allows at most 7 days).
+        """
+        try:
+            return self.fs.sign(self._data_path(self.key(key), self.manifest(key), rel), expiration=expires_s)
+        except NotImplementedError:
+            return None
+
     def get_json(self, key: str) -> Any:
         """The object stored by :meth:`put_json`, verified against the manifest.
 

@@ -293,3 +293,27 @@ def test_rewriting_an_artifact_from_its_own_folder_is_refused(tmp_path):
     with pytest.raises(ValueError, match="own folder"):
         store.put_dir(KEY, store.local_cache(KEY), producer="t")
     assert store.exists(KEY)  # nothing was deleted
+
+
+def test_read_member_reads_one_file_of_a_version_and_checks_it(store: ArtifactStore, tmp_path):
+    store.put_dir(KEY, make_dir(tmp_path / "v1"), producer="finetune", inputs={}, content_key="1")
+    src = make_dir(tmp_path / "v2")
+    (src / "sub" / "notes.txt").write_text("staged notes")
+    staged = store.put_dir(KEY, src, producer="finetune", inputs={}, content_key="2", stage=True)
+    assert store.read_member(KEY, "sub/notes.txt") == b"nested"  # the published version
+    assert store.read_member(staged, "sub/notes.txt") == b"staged notes"  # the version a staged URI names
+    with pytest.raises(ArtifactNotFound, match=r"holds no README\.md"):
+        store.read_member(KEY, "README.md")
+
+
+def test_https_url_is_a_presigned_link_where_the_backend_signs(store: ArtifactStore, tmp_path):
+    import urllib.request
+
+    store.put_dir(KEY, make_dir(tmp_path / "src"), producer="finetune", inputs={}, content_key="1")
+    url = store.https_url(KEY, "sub/notes.txt")
+    if not store.root.startswith("s3://"):
+        assert url is None  # a local folder or memory:// has no link a browser opens
+        return
+    assert url.startswith("http") and "Signature" in url
+    with urllib.request.urlopen(url, timeout=10) as response:  # no credentials: the signature is the permission
+        assert response.read() == b"nested"
