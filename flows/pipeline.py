@@ -38,6 +38,7 @@ from tasks.match import (
     match_module_barycenter,
 )
 from tasks.merge import merge
+from tasks.paths import loss_paths
 from tasks.publish import publish_run
 from tasks.report import report
 from tasks.select import record_selection, validation_score
@@ -49,6 +50,7 @@ STAGES = {
     finetune: "finetune", bring_checkpoint: "other", collect_stats: "stats", follow_stats: "stats",
     list_modules: "match", choose_anchor: "match", match_module: "match", match_module_barycenter: "match",
     inspect_models: "match", match_model: "match", assemble_matched: "match", merge: "merge", evaluate: "evaluate",
+    loss_paths: "evaluate",
     report: "other", publish_run: "other", clean_store: "other",
     finetune_remote: "finetune", collect_stats_remote: "stats", validation_score: "other", record_selection: "other",
 }  # fmt: skip
@@ -210,6 +212,14 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
         *T.evaluate.map(unmapped(config), [m for m, _ in grid], [merged[m] for m, _ in grid], [d for _, d in grid]),
     ]
 
+    # 6b. Models not fine-tuned from one base (inspection's verdict per pair): the loss along the straight path from
+    #     the anchor, plain and aligned: where alignment matters, the report shows what it bought.
+    paths = (
+        [T.loss_paths.submit(config, n, models[n], models[anchor], matched[n], inspection) for n in others]
+        if inspection is not None and anchor is not None
+        else []
+    )
+
     # 7. Report: report.md + metrics.csv + plots in the store, markdown / table / image artifacts in Prefect.
     others_uris = [*models.values(), *stats.values(), *matched_stats.values()]
     transform_tasks = list(dict.fromkeys(f for fs in transforms.values() for f in fs))  # barycenter: shared tasks
@@ -222,8 +232,9 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
         transform_tasks,
         selections,
         inspection,
+        paths,
     )
-    inspected = [inspection] if inspection else []
+    inspected = [inspection, *paths] if inspection else []
     every = [*models.values(), *stats.values(), *transform_tasks, *matched.values(), *inspected]
     raise_first_failure([*every, *matched_stats.values(), *merged.values(), *evaluations, *selections, report_uri])
 

@@ -77,6 +77,7 @@ def report(
     transforms: Sequence[Mapping[str, str]] = (),
     selections: Sequence[str] = (),
     inspection: str | None = None,
+    paths: Sequence[str | None] = (),
 ) -> str:
     """Build ``report/report.md``, ``metrics.csv`` and plots; publish markdown, table and image artifacts.
 
@@ -89,6 +90,7 @@ def report(
         transforms: The matching tasks' results ``{model: transform URI}``, for the timings table.
         selections: Greedy selection records (``record_selection``): chosen subset and path, one per strategy.
         inspection: The ``inspect_models`` record (its verdict opens the report), or None.
+        paths: ``loss_paths`` records (None: a pair of one basin, nothing measured).
 
     Returns:
         The report's URI (reused: its published version) or, built now, its staged version's (published with the
@@ -96,13 +98,15 @@ def report(
     """
     store = open_store(config)
     flat = [*others, *(uri for by_model in transforms for uri in by_model.values())]
-    every = dict.fromkeys([*evaluations, *matched, *merged, *flat, *selections, *([inspection] if inspection else [])])
+    paths = [p for p in paths if p is not None]
+    every = dict.fromkeys([*evaluations, *matched, *merged, *flat, *selections, *([inspection] if inspection else []),
+                           *paths])  # fmt: skip
     inputs = {f"input{i}": uri for i, uri in enumerate(every)}
     key = layout.report_key(config.run_id)
     ck = content_key({"report": 1}, manifests(store, inputs))
     if (uri := reuse(store, key, ck, "report")) is None:
         maybe_inject_fault()
-        uri = _build(config, store, key, ck, inputs, evaluations, matched, selections, inspection)
+        uri = _build(config, store, key, ck, inputs, evaluations, matched, selections, inspection, paths)
     return _publish(config, store, uri, merged)
 
 
@@ -116,7 +120,7 @@ def head_refit_fact(metas: Iterable[Mapping], ridge: float) -> str | None:
             f"(mean over {len(pairs)} merged heads)")  # fmt: skip
 
 
-def _build(config, store, key, ck, inputs, evaluations, matched, selections=(), inspection=None) -> str:
+def _build(config, store, key, ck, inputs, evaluations, matched, selections=(), inspection=None, paths=()) -> str:
     """Gather the records from the store and write the report artifact (staged); return its staged URI."""
     records = [store.get_json(uri) for uri in evaluations]
     metas = {uri: store.manifest(uri).get("meta", {}) for uri in inputs.values()}
@@ -136,7 +140,8 @@ def _build(config, store, key, ck, inputs, evaluations, matched, selections=(), 
         with timed() as t:
             built = build_report(records, distances, timings, tmp, title=f"symfuse run {config.run_id}", facts=facts,
                                  selections=[store.get_json(uri) for uri in selections],
-                                 inspection=store.get_json(inspection) if inspection else None)  # fmt: skip
+                                 inspection=store.get_json(inspection) if inspection else None,
+                                 paths=[store.get_json(uri) for uri in paths])  # fmt: skip
         meta = stage_meta("report", f"report-{config.run_id}", t.seconds, metric=built.metric)
         uri = store.put_dir(key, tmp, "report", inputs, ck, meta, move=True, stage=True)
     logger().info("report metrics (%s):\n%s", built.metric, built.table.round(4).to_string())

@@ -22,7 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-from symfuse.report_findings import findings_markdown, inspection_markdown, to_markdown
+from symfuse.report_findings import findings_markdown, inspection_markdown, paths_markdown, to_markdown
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,7 @@ def build_report(
     facts: Mapping[str, Any] | None = None,
     selections: Sequence[Mapping[str, Any]] = (),
     inspection: Mapping[str, Any] | None = None,
+    paths: Sequence[Mapping[str, Any]] = (),
 ) -> Report:
     """Write ``report.md``, ``metrics.csv`` (every metric, long form), ``metrics.png`` and ``distances.png``.
 
@@ -244,6 +245,8 @@ def build_report(
         facts: Run facts listed under the heading (run id, base model, datasets, ...).
         selections: Greedy selection records (``strategy``, ``chosen``, ``score``, ``on``, ``path`` of tries).
         inspection: ``symfuse inspect``'s record on the models (its verdict opens the report), or None.
+        paths: Loss paths from the anchor to models not fine-tuned from one base, plain and aligned
+            (:func:`symfuse.report_findings.paths_markdown`).
 
     Returns:
         The :class:`Report`.
@@ -272,7 +275,7 @@ def build_report(
 
     parts = [f"# {title}", ""]
     parts += [f"- **{k}**: {v}" for k, v in (facts or {}).items()]
-    parts += ["", *inspection_markdown(inspection)]
+    parts += ["", *inspection_markdown(inspection), *paths_markdown(paths)]
     parts += [f"## {metric} per strategy × matching", "", to_markdown(table), ""]
     best = table.drop(index="individual", level=0, errors="ignore")
     score_col = "in-domain mean" if "in-domain mean" in best.columns else None

@@ -7,7 +7,7 @@ them as report sections.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,3 +205,30 @@ def inspection_markdown(record: Mapping[str, Any] | None) -> list[str]:
                      "after alignment": min(after) if after else None})  # fmt: skip
     parts += [to_markdown(pd.DataFrame(rows), floatfmt=".4g", index=False), ""]
     return parts
+
+
+def paths_markdown(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Where alignment matters: the loss along the straight path from the anchor to each model, plain and aligned.
+
+    Args:
+        records: ``loss_paths`` records (:func:`symfuse.inspect.paths.path_figures` plus ``model``; or ``skipped``
+            with its reason), one per model not fine-tuned from the anchor's base. Empty: no section.
+    """
+    if not records:
+        return []
+    parts = ["## Where alignment matters: the loss along the straight path from the anchor", "",
+             "These models are not fine-tunes of one base (verdicts above). The loss of (1-λ)·anchor + λ·model on each "
+             "model's validation split, with the model as trained and aligned onto the anchor (the same function); "
+             "the barrier is the largest excess over the straight line between the end losses.", ""]  # fmt: skip
+    rows = []
+    for r in records:
+        if "skipped" in r:
+            rows.append({"model": r["model"], "end loss": None, "barrier plain": None, "barrier aligned": None,
+                         "note": r["skipped"]})  # fmt: skip
+            continue
+        plain, aligned = r["plain"]["barrier"], r["aligned"]["barrier"]
+        cut = f"{1 - aligned / plain:.0%} lower" if plain > 0 else ""
+        note = f"{cut} ({r['examples']} examples, {r['split']})"
+        rows.append({"model": r["model"], "end loss": r["plain"]["end_loss"], "barrier plain": plain,
+                     "barrier aligned": aligned, "note": note})  # fmt: skip
+    return [*parts, to_markdown(pd.DataFrame(rows), floatfmt=".4g", index=False), ""]

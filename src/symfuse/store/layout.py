@@ -164,6 +164,11 @@ def inspect_key(run: str) -> str:
     return f"{run_prefix(run)}/inspect"
 
 
+def paths_key(run: str, model: str) -> str:
+    """``runs/{run}/paths/{model}``: the loss along the straight path from the anchor to a model, plain and aligned."""
+    return f"{run_prefix(run)}/paths/{model}"
+
+
 def report_key(run: str) -> str:
     """``runs/{run}/report``: report.md, metrics.csv and plots."""
     return f"{run_prefix(run)}/report"
