@@ -82,8 +82,9 @@ def check_run(config: RunConfig) -> list[str]:
     """
     problems: list[str] = []
     trained = [d.name for d in config.datasets if d.checkpoint is None]
-    problems += _check_base(config.base_model, tokenizer=bool(trained))
-    problems += _symmetry_problems(config)
+    base_problems, base_config = _check_base(config.base_model, tokenizer=bool(trained))
+    problems += base_problems
+    problems += _symmetry_problems(config, base_config)
     probes: dict[str, DatasetProbe] = {}
     for d in config.datasets:
         probe = _probe(f"training dataset {d.name}", d.data, _training_splits(config, d.name), problems)
@@ -105,25 +106,31 @@ def check_run(config: RunConfig) -> list[str]:
 # ------------------------------------------------------------------------------------------------- models
 
 
-def _check_base(base: str, tokenizer: bool) -> list[str]:
-    """Problems of the base model: resolvable, config.json readable with a known model_type, tokenizer files."""
+def _check_base(base: str, tokenizer: bool) -> tuple[list[str], dict | None]:
+    """The base model's problems and its ``config.json`` (None when unreadable).
+
+    The checks: resolvable, config.json readable with a known model_type, tokenizer files.
+    """
     from symfuse.checkpoint import resolve_checkpoint
     from symfuse.io import check_tokenizer
 
+    raw = None
     try:
         folder = resolve_checkpoint(base)
-        _family(folder)
+        raw = _family(folder)
         if tokenizer:
             check_tokenizer(folder)
     except SymfuseError as exc:
-        return [f"base model {base}: {_one_line(exc)}"]
-    return []
+        return [f"base model {base}: {_one_line(exc)}"], raw
+    return [], raw
 
 
-def _symmetry_problems(config: RunConfig) -> list[str]:
-    """``residual-orthogonal`` needs one anchor model and a family where a map of the whole stream is exact."""
+def _symmetry_problems(config: RunConfig, base_config: dict | None) -> list[str]:
+    """``residual-orthogonal`` needs one anchor model and a family where a map of the whole stream is exact.
+
+    ``base_config``: the base's ``config.json`` (None: unreadable, already reported as the base's problem).
+    """
     from symfuse.arch import get_spec
-    from symfuse.checkpoint import read_config_json, resolve_checkpoint
     from symfuse.symmetry.residual_orthogonal import check_supported
 
     if "residual-orthogonal" not in config.symmetries:
@@ -131,8 +138,10 @@ def _symmetry_problems(config: RunConfig) -> list[str]:
     if config.anchor == "barycenter":
         return ["symmetries: residual-orthogonal maps each model onto one anchor model, not onto a barycenter — set "
                 "anchor to 'closest' or a dataset name"]  # fmt: skip
+    if base_config is None:
+        return []
     try:
-        check_supported(get_spec(read_config_json(resolve_checkpoint(config.base_model))))
+        check_supported(get_spec(base_config))
     except SymfuseError as exc:
         return [f"symmetries: residual-orthogonal on base model {config.base_model}: {_one_line(exc)} (in a run "
                 "config: drop residual-orthogonal)"]  # fmt: skip
