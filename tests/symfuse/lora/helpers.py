@@ -64,7 +64,7 @@ def rebased(adapter: Path, out: Path, seed: int = 0) -> Path:
         a, b = t[name].to(torch.float64), t[b_name].to(torch.float64)
         q, _ = torch.linalg.qr(torch.randn(a.shape[0], a.shape[0], generator=g, dtype=torch.float64))
         m = q @ torch.diag(torch.linspace(0.5, 2.0, a.shape[0], dtype=torch.float64))  # condition number 4
-        t[b_name] = (b @ m).to(t[b_name].dtype)
-        t[name] = (torch.linalg.solve(m, a)).to(t[name].dtype)
+        t[b_name] = (b @ m).to(t[b_name].dtype).contiguous()
+        t[name] = torch.linalg.solve(m, a).to(t[name].dtype).contiguous()
     save_file(t, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out
