@@ -75,3 +75,24 @@ def test_merge_points_adapter_folders_to_merge_lora(zoo, tmp_path):
     res = runner.invoke(app, ["merge", "--strategy", "simple", "--models", str(zoo["a1"]), str(zoo["a2"]),
                               "--out", str(tmp_path / "out")], terminal_width=200)  # fmt: skip
     _refused(res, 2, "symfuse merge-lora")
+
+
+def test_the_readme_lora_commands_run_as_written(zoo, tmp_path, monkeypatch):
+    """The README's LoRA adapters block, run in a folder holding lora/a, lora/b and lora/base."""
+    import re
+    import shlex
+
+    from tests.cli.helpers import ROOT
+
+    section = (ROOT / "README.md").read_text().split("## LoRA adapters", 1)[1].split("\n## ", 1)[0]
+    lines = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1).strip().splitlines()
+    assert len(lines) == 2
+    for name in ("a", "b", "base"):
+        shutil.copytree(zoo[{"a": "a1", "b": "a2"}.get(name, name)], tmp_path / "lora" / name)
+    monkeypatch.chdir(tmp_path)
+    for line in lines:
+        args = shlex.split(line.removeprefix(".venv/bin/symfuse "))
+        res = runner.invoke(app, args, terminal_width=200)
+        assert res.exit_code == 0, (line, res.output)
+    assert (tmp_path / "lora/merged/adapter_model.safetensors").is_file()
+    assert (tmp_path / "lora/merged-model/model.safetensors").is_file()
