@@ -30,6 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -227,54 +228,65 @@ def merge_adapters(
     for key in keys if bw is not None else ():
         m = next(ad.modules[key] for ad in ads if key in ad.modules)
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
-    merged: dict[str, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = {}
-    for key in keys:
-        bs, as_ = _factors(ads, key, basis)
-        left, core = _MERGE[basis](merger, key, bs, as_, weights)
-        mag = None
-        if dora:
-            assert bw is not None
-            norm = _row_norm(bw.weight(key))
-            dms = [ad.modules[key].magnitude.to(F64) - norm if key in ad.modules else torch.zeros_like(norm)
-                   for ad in ads]  # type: ignore[union-attr]  # fmt: skip
-            mag = norm + combine(merger, f"{key}.magnitude", dms, weights)
-        merged[key] = (left, core, mag)
+    job = _Job(ads, basis, merger, weights, bw)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         if into_base:
-            assert bw is not None
             errors: dict[str, float] = {}
-            _write_into_base(bw, merged, tmp)
+            _write_into_base(job, keys, tmp)
         else:
-            errors = _write_adapter(ads, merged, out_rank, keys, tmp)
+            errors = _write_adapter(job, out_rank, keys, tmp)
         write_report(tmp, strategy, merger, basis, ads, weights, base, into_base, out_rank, errors, start)
     log.info("merged %d adapter(s) with %s (%s basis) into %s", len(ads), strategy, basis, out)
     return Path(out)
 
 
-def _write_adapter(
-    ads: Sequence[LoraAdapter], merged: Mapping[str, tuple], rank: int, keys: Sequence[str], tmp: Path
-) -> dict[str, float]:
-    """The merged adapter (rank ``rank``, scale 1); returns each module's truncation error."""
+@dataclass(frozen=True)
+class _Job:
+    """What merging one module needs: the adapters, the basis, the strategy and its weights, the base."""
+
+    ads: Sequence[LoraAdapter]
+    basis: str
+    merger: Merger
+    weights: Sequence[float]
+    bw: _Base | None
+
+    def module(self, key: str) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """``(left, core, m)``: the merged update ``left @ core`` (``left`` None: the identity), DoRA's ``m``."""
+        bs, as_ = _factors(self.ads, key, self.basis)
+        left, core = _MERGE[self.basis](self.merger, key, bs, as_, self.weights)
+        if not self.ads[0].dora:
+            return left, core, None
+        assert self.bw is not None
+        norm = _row_norm(self.bw.weight(key))
+        dms = []  # each magnitude's change from the base's row norms (none where an adapter leaves the module)
+        for ad in self.ads:
+            mag = ad.modules[key].magnitude if key in ad.modules else None
+            dms.append(mag.to(F64) - norm if mag is not None else torch.zeros_like(norm))
+        return left, core, norm + combine(self.merger, f"{key}.magnitude", dms, self.weights)
+
+
+def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path) -> dict[str, float]:
+    """The merged adapter (rank ``rank``, scale 1), one module at a time; returns each module's truncation error."""
     factors, errors = {}, {}
-    for key, (left, core, mag) in merged.items():
-        b, a, err = low_rank(left, core, rank)
+    for key in keys:
+        left, core, mag = job.module(key)
+        b, a, errors[key] = low_rank(left, core, rank)
         factors[key] = (b, a, mag)
-        errors[key] = err
-    write_adapter(tmp, adapter_config(ads, rank, keys), factors, ads[0].dtype)
+    write_adapter(tmp, adapter_config(job.ads, rank, keys), factors, job.ads[0].dtype)
     return errors
 
 
-def _write_into_base(bw: _Base, merged: Mapping[str, tuple], tmp: Path) -> None:
+def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path) -> None:
     """The base checkpoint with ``W + D`` (DoRA: ``m (W + D) / ||W + D||``) for every adapted weight (streamed)."""
-    targets = {f"{key}.weight": key for key in merged}
+    assert job.bw is not None
+    bw, targets = job.bw, {f"{key}.weight": key for key in keys}
 
     def replace(name: str, stored: torch.Tensor) -> torch.Tensor:
         key = targets.get(name)
         if key is None:
             return stored
-        left, core, mag = merged[key]
-        delta = left @ core if left is not None else core
-        w = bw.weight(key) + delta
+        left, core, mag = job.module(key)
+        w = bw.weight(key) + (left @ core if left is not None else core)
         if mag is not None:
             w = (mag / _row_norm(w))[:, None] * w
         return (w.T if bw.transposed else w).to(stored.dtype).contiguous()
