@@ -6,6 +6,7 @@ from symfuse.cli import (  # noqa: F401
     match,
     match_many,
     merge,
+    merge_lora,
     stats,
     train,
 )

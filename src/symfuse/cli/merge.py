@@ -294,6 +294,11 @@ def _validate(
             raise UsageError(f"--weights: {weights} — give finite weights >= 0 with a positive sum")
     for m in models:
         checks.local_path("--models", m)
+        if (Path(m) / "adapter_config.json").is_file():
+            raise UsageError(
+                f"--models: {m} is a PEFT adapter folder (adapter_config.json) — merge adapters with symfuse "
+                "merge-lora --adapters A B ..."
+            )
     if base is not None:
         checks.local_path("--base", base)
     checks.one_of("--strategy", strategy, MERGERS.names())

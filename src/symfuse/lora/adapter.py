@@ -1,0 +1,227 @@
+"""PEFT LoRA adapter folders: read, check and write them without PEFT.
+
+A folder holds ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, ``use_rslora``, ``use_dora``,
+``rank_pattern`` / ``alpha_pattern``, ``target_modules``, ``base_model_name_or_path``, ...) and
+``adapter_model.safetensors`` with, per adapted linear module ``<key>`` (its name in the base model, e.g.
+``model.layers.0.self_attn.q_proj``)::
+
+    base_model.model.<key>.lora_A.weight            (r, in)
+    base_model.model.<key>.lora_B.weight            (out, r)
+    base_model.model.<key>.lora_magnitude_vector    (out,)       DoRA only
+
+The module's update is ``delta = scale * B @ A`` with ``scale = alpha / r`` (``alpha / sqrt(r)`` with rslora), ``r``
+the module's rank (its tensors' shape) and ``alpha`` from ``alpha_pattern`` (PEFT's key matching) else
+``lora_alpha``. A DoRA module's weight is ``m * (W + delta) / ||W + delta||`` with the norm of each output row
+(PEFT's ``get_weight_norm``: ``torch.linalg.norm(W + delta, dim=1)`` for ``nn.Linear``).
+
+What this reader cannot represent exactly is refused in one line naming the file or key: another PEFT type,
+``lora_bias``, embedding / convolution LoRA, ``modules_to_save`` and other tensors that are not a LoRA pair.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from symfuse.errors import CheckpointError
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+_A, _B, _M = ".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector"
+# adapter_config.json keys that change what the stored tensors mean in ways this reader does not model
+_REFUSED = {
+    "lora_bias": "lora_B carries a bias (lora_bias)",
+    "modules_to_save": "it stores whole modules (modules_to_save)",
+    "trainable_token_indices": "it stores trained token rows (trainable_token_indices)",
+    "target_parameters": "it adapts nn.Parameters (target_parameters)",
+    "layer_replication": "it replicates layers (layer_replication)",
+    "use_qalora": "it is a QA-LoRA adapter (use_qalora)",
+    "alora_invocation_tokens": "it is an activated LoRA (alora_invocation_tokens)",
+}
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted linear module of an adapter.
+
+    Attributes:
+        key: The module's name in the base model (``model.layers.0.self_attn.q_proj``).
+        A: ``lora_A`` ``(r, in)`` as stored.
+        B: ``lora_B`` ``(out, r)`` as stored.
+        scale: ``alpha / r`` (``alpha / sqrt(r)`` with rslora).
+        magnitude: DoRA's ``(out,)`` magnitude, else None.
+    """
+
+    key: str
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+    magnitude: torch.Tensor | None = None
+
+    @property
+    def rank(self) -> int:
+        """The module's rank ``r``."""
+        return int(self.A.shape[0])
+
+    def delta(self) -> torch.Tensor:
+        """``scale * B @ A`` in float64, ``(out, in)``."""
+        return self.scale * (self.B.to(torch.float64) @ self.A.to(torch.float64))
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A PEFT LoRA adapter folder, read and checked.
+
+    Attributes:
+        path: The folder.
+        config: ``adapter_config.json`` as read.
+        modules: ``{key: LoraModule}`` in storage order.
+        dtype: The stored dtype of its LoRA tensors.
+    """
+
+    path: Path
+    config: Mapping[str, Any]
+    modules: Mapping[str, LoraModule]
+    dtype: torch.dtype
+
+    @property
+    def dora(self) -> bool:
+        """Whether it is a DoRA adapter."""
+        return bool(self.config.get("use_dora"))
+
+    @property
+    def base(self) -> str | None:
+        """``base_model_name_or_path``."""
+        return self.config.get("base_model_name_or_path")
+
+
+def is_adapter(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` is a PEFT adapter folder (holds ``adapter_config.json``)."""
+    return (Path(folder) / CONFIG).is_file()
+
+
+def pattern_value(patterns: Mapping[str, Any], key: str, default: Any) -> Any:
+    """PEFT's ``get_pattern_key`` lookup: the first pattern that matches the end of ``key`` after a dot."""
+    for p in patterns:
+        if re.match(rf"(.*\.)?({p})$", key):
+            return patterns[p]
+    return default
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    file = folder / CONFIG
+    if not file.is_file():
+        raise CheckpointError(f"{folder}: no {CONFIG} — not a PEFT adapter folder; give a folder saved by PEFT")
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({exc}) — re-save the adapter with PEFT") from exc
+    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
+        kind = cfg.get("peft_type") if isinstance(cfg, dict) else None
+        raise CheckpointError(f"{file}: peft_type is {kind!r}, not LORA — only LoRA / DoRA adapters merge here")
+    for key, what in _REFUSED.items():
+        if cfg.get(key):
+            raise CheckpointError(f"{file}: {key} is set: {what} — not supported; merge adapters without it")
+    if cfg.get("use_dora") and cfg.get("fan_in_fan_out"):
+        raise CheckpointError(f"{file}: use_dora with fan_in_fan_out is not supported — use an nn.Linear model")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
+            raise CheckpointError(f"{file}: {key} is {cfg.get(key)!r} — it must be a positive number")
+    return cfg
+
+
+def _module_scale(cfg: Mapping[str, Any], key: str, rank: int) -> float:
+    alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, key, cfg["lora_alpha"]))
+    return alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+
+
+def _split(name: str, file: Path) -> tuple[str, str]:
+    """``(module key, suffix)`` of a stored tensor name; anything but a LoRA pair / magnitude is refused."""
+    for suffix in (_A, _B, _M):
+        if name.endswith(suffix) and name.startswith(PREFIX):
+            return name[len(PREFIX) : -len(suffix)], suffix
+    if "lora_embedding" in name:
+        raise CheckpointError(f"{file}: {name} is an embedding LoRA — not supported; adapt linear modules only")
+    raise CheckpointError(f"{file}: {name} is not a LoRA A / B / magnitude tensor — not supported; remove it")
+
+
+def read_adapter(folder: str | os.PathLike) -> LoraAdapter:
+    """Read and check a PEFT LoRA adapter folder.
+
+    Raises:
+        CheckpointError: one line naming the file or tensor: not an adapter, an unsupported feature, a missing
+            or misshapen tensor.
+    """
+    folder = Path(folder)
+    cfg = _read_config(folder)
+    file = folder / WEIGHTS
+    if not file.is_file():
+        raise CheckpointError(f"{folder}: no {WEIGHTS} — save the adapter with safetensors (PEFT's default)")
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            key, suffix = _split(name, file)
+            parts.setdefault(key, {})[suffix] = f.get_tensor(name)
+    if not parts:
+        raise CheckpointError(f"{file}: holds no LoRA tensors — re-save the adapter")
+    modules = {k: _module(cfg, k, p, file) for k, p in parts.items()}
+    dtypes = {m.A.dtype for m in modules.values()} | {m.B.dtype for m in modules.values()}
+    return LoraAdapter(folder, cfg, modules, dtypes.pop() if len(dtypes) == 1 else torch.float32)
+
+
+def _module(cfg: Mapping[str, Any], key: str, p: dict[str, torch.Tensor], file: Path) -> LoraModule:
+    """One module's checked tensors."""
+    a, b, m = p.get(_A), p.get(_B), p.get(_M)
+    if a is None or b is None:
+        missing = _A if a is None else _B
+        raise CheckpointError(f"{file}: {PREFIX}{key}{missing} is missing — re-save the adapter")
+    if a.dim() != 2 or b.dim() != 2:
+        raise CheckpointError(
+            f"{file}: {PREFIX}{key}{_A} has {a.dim()} dims (a convolution LoRA?) — only linear modules merge here"
+        )
+    if b.shape[1] != a.shape[0]:
+        raise CheckpointError(f"{file}: {key}: lora_B {tuple(b.shape)} and lora_A {tuple(a.shape)} differ in rank")
+    if bool(cfg.get("use_dora")) != (m is not None):
+        what = "has no" if m is None else "has a"
+        raise CheckpointError(f"{file}: {key} {what} lora_magnitude_vector but use_dora is {cfg.get('use_dora')}")
+    if m is not None and tuple(m.shape) != (b.shape[0],):
+        raise CheckpointError(f"{file}: {key}: magnitude {tuple(m.shape)} does not match lora_B {tuple(b.shape)}")
+    for name, t in (("lora_A", a), ("lora_B", b), ("magnitude", m)):
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{file}: {key}.{name} holds NaN / inf — the adapter is broken; re-train it")
+    return LoraModule(key, a, b, _module_scale(cfg, key, int(a.shape[0])), m)
+
+
+def write_adapter(
+    folder: Path,
+    config: Mapping[str, Any],
+    factors: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    dtype: torch.dtype,
+) -> None:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``folder`` (an empty temporary folder).
+
+    Args:
+        folder: Where to write (the caller renames it into place).
+        config: The adapter config to write.
+        factors: ``{key: (B, A, magnitude or None)}``.
+        dtype: The stored dtype.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for key, (b, a, m) in factors.items():
+        tensors[f"{PREFIX}{key}{_A}"] = a.to(dtype).contiguous()
+        tensors[f"{PREFIX}{key}{_B}"] = b.to(dtype).contiguous()
+        if m is not None:
+            tensors[f"{PREFIX}{key}{_M}"] = m.to(dtype).contiguous()
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / CONFIG).write_text(json.dumps(dict(config), indent=2, sort_keys=True))

@@ -1,0 +1,294 @@
+"""``merge_adapters``: merge K LoRA / DoRA adapters of one base into one adapter, or into the base.
+
+Per adapted module, the K updates ``D_i = s_i B_i A_i`` are merged by a registered strategy in one of the
+:mod:`symfuse.lora.bases` bases (``aligned``: KnOTS's shared SVD basis, the default; ``full``: the updates
+themselves; ``naive``: the factors separately, as PEFT's ``add_weighted_adapter``). A module that an adapter does
+not adapt counts as a zero update of that adapter.
+
+Output:
+
+* an adapter folder (default): plain LoRA (``use_rslora`` false, ``lora_alpha = r``: scale 1) of rank ``r`` (default
+  the largest sum over the adapters of a module's ranks, which holds any ``aligned`` merge and any linear one
+  exactly), ``B A`` the best rank-``r`` approximation of the merged update (the report states each module's
+  relative Frobenius truncation error); DoRA inputs give a DoRA adapter;
+* with ``into_base``: the base checkpoint with every adapted weight replaced (``W + D``; DoRA: the formula below),
+  no truncation.
+
+DoRA (PEFT's definition, the norm of each output row of an ``nn.Linear`` weight): adapter ``i``'s weight is
+``W_i = m_i * (W + D_i) / ||W + D_i||``. Its magnitude's change is ``dm_i = m_i - ||W||`` (PEFT starts ``m`` at
+``||W||``), and the merge is::
+
+    D = strategy(D_i)  (in the chosen basis)        m = ||W|| + strategy(dm_i)        W' = m * (W + D) / ||W + D||
+
+so one adapter with weight 1 (a strategy that returns a single input unchanged) gives back ``W_1`` exactly.
+``||W||`` needs the base weights: DoRA merges need ``base``. Adapters of one kind only (all DoRA or none).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from symfuse.checkpoint import CheckpointReader, write_checkpoint
+from symfuse.errors import CheckpointError, UsageError
+from symfuse.lora.adapter import LoraAdapter, LoraModule, read_adapter, write_adapter
+from symfuse.lora.bases import BASES, F64, combine, low_rank, merge_aligned, merge_full, merge_naive
+from symfuse.lora.report import adapter_config, write_report
+from symfuse.merge.base import Merger
+from symfuse.merge.registry import MERGERS
+from symfuse.outputs import atomic_output_dir, check_output
+
+log = logging.getLogger(__name__)
+
+_MERGE = {"aligned": merge_aligned, "full": merge_full, "naive": merge_naive}
+
+
+def make_merger(strategy: str, k: int, params: Mapping[str, Any]) -> Merger:
+    """The strategy's merger for ``k`` adapters, refused when it needs what adapters do not have.
+
+    One adapter is accepted by every strategy that takes any number of models (a merge of one, e.g. to re-factor
+    or rescale it).
+
+    Raises:
+        UsageError: unknown strategy, statistics or data it needs, a model count it does not merge.
+        ValueError: a bad parameter (one line naming it).
+    """
+    MERGERS.require([strategy])
+    cls = MERGERS[strategy]
+    if cls.required_stats or getattr(cls, "needs_data", False):
+        need = ", ".join(sorted(cls.required_stats)) or "each model's data"
+        raise UsageError(
+            f"--strategy: {strategy} reads {need} of full models — adapters have none; choose a strategy without "
+            "statistics (simple, task-arithmetic, ties, dare, ...)"
+        )
+    if not (k == 1 and cls.model_count[1] is None):
+        try:
+            cls.check_model_count(k)
+        except UsageError as exc:
+            raise UsageError(str(exc).replace("--models", "--adapters")) from None
+    return cls(**params)
+
+
+def _check_inputs(adapters: Sequence[LoraAdapter]) -> None:
+    """One base, one kind (DoRA or not), one shape per module."""
+    first = adapters[0]
+    for ad in adapters[1:]:
+        if ad.base and first.base and ad.base != first.base:
+            raise CheckpointError(
+                f"{ad.path}: adapter of base {ad.base}, but {first.path} adapts {first.base} — merge adapters of one "
+                "base model (or fix base_model_name_or_path in adapter_config.json if it is the same model)"
+            )
+        if ad.dora != first.dora:
+            raise CheckpointError(
+                f"{ad.path}: use_dora is {ad.dora}, {first.path} has {first.dora} — merge DoRA adapters only with "
+                "DoRA adapters"
+            )
+        if bool(ad.config.get("fan_in_fan_out")) != bool(first.config.get("fan_in_fan_out")):
+            raise CheckpointError(f"{ad.path}: fan_in_fan_out differs from {first.path} — adapters of one base")
+    shapes: dict[str, tuple[tuple[int, int], Path]] = {}
+    for ad in adapters:
+        for key, m in ad.modules.items():
+            shape = (int(m.B.shape[0]), int(m.A.shape[1]))
+            seen = shapes.setdefault(key, (shape, ad.path))
+            if seen[0] != shape:
+                raise CheckpointError(
+                    f"{ad.path}: {key} updates a {shape} weight, {seen[1]} a {seen[0]} one — adapters of one base"
+                )
+
+
+def _module_keys(adapters: Sequence[LoraAdapter]) -> list[str]:
+    """Every adapted module, in the first adapter's order, then the others' new ones."""
+    keys: dict[str, None] = {}
+    for ad in adapters:
+        keys.update(dict.fromkeys(ad.modules))
+    return list(keys)
+
+
+def _factors(adapters: Sequence[LoraAdapter], key: str, basis: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The K ``(B_i, A_i)`` of ``key`` with the scale folded in (naive: ``sqrt(s)`` each); zero where absent."""
+    present = [ad.modules[key] for ad in adapters if key in ad.modules]
+    out_dim, in_dim = int(present[0].B.shape[0]), int(present[0].A.shape[1])
+    rank = present[0].rank if basis == "naive" else 0
+    bs, as_ = [], []
+    for ad in adapters:
+        m: LoraModule | None = ad.modules.get(key)
+        if m is None:
+            bs.append(torch.zeros(out_dim, rank, dtype=F64))
+            as_.append(torch.zeros(rank, in_dim, dtype=F64))
+        elif basis == "naive":
+            root = m.scale**0.5
+            bs.append(root * m.B.to(F64))
+            as_.append(root * m.A.to(F64))
+        else:
+            bs.append(m.scale * m.B.to(F64))
+            as_.append(m.A.to(F64))
+    return bs, as_
+
+
+def _check_naive_ranks(adapters: Sequence[LoraAdapter]) -> None:
+    ranks = {m.rank for ad in adapters for m in ad.modules.values()}
+    if len(ranks) > 1:
+        raise UsageError(
+            f"--basis naive: the adapters' ranks differ ({sorted(ranks)}) — naive merges factors entrywise and needs "
+            "one rank; use --basis aligned or full"
+        )
+
+
+class _Base:
+    """The base checkpoint's weights of the adapted modules, and their row norms (DoRA)."""
+
+    def __init__(self, base: str | os.PathLike, fan_in_fan_out: bool):
+        self.reader = CheckpointReader(base)
+        self.names = set(self.reader.names())
+        self.transposed = fan_in_fan_out
+
+    def check(self, key: str, shape: tuple[int, int]) -> None:
+        """Refuse a base without module ``key``'s weight of ``shape`` (``(out, in)``)."""
+        name = f"{key}.weight"
+        if name not in self.names:
+            raise CheckpointError(
+                f"{self.reader.path}: has no {name}, which the adapters update — give the base model they were "
+                "trained on"
+            )
+        have = tuple(self.reader.shape(name))
+        if (have[::-1] if self.transposed else have) != shape:
+            raise CheckpointError(
+                f"{self.reader.path}: {name} is {have}, the adapters update a {shape} weight — give the base model "
+                "they were trained on"
+            )
+
+    def weight(self, key: str) -> torch.Tensor:
+        """``W`` of module ``key`` as ``(out, in)`` float64."""
+        w = self.reader.get(f"{key}.weight").to(F64)
+        return w.T if self.transposed else w
+
+
+def _row_norm(w: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.norm(w, dim=1)
+
+
+def merge_adapters(
+    adapters: Sequence[str | os.PathLike],
+    out: str | os.PathLike,
+    strategy: str,
+    basis: str = "aligned",
+    rank: int | None = None,
+    base: str | os.PathLike | None = None,
+    into_base: bool = False,
+    overwrite: bool = False,
+    **params: Any,
+) -> Path:
+    """Merge K LoRA adapters of one base into one adapter folder (or, ``into_base``, a full checkpoint).
+
+    Args:
+        adapters: K PEFT adapter folders (``adapter_config.json`` + ``adapter_model.safetensors``).
+        out: Output folder (written atomically, with ``symfuse_report.json``).
+        strategy: A registered strategy without statistics (``simple``, ``task-arithmetic``, ``ties``, ...).
+        basis: ``aligned`` | ``full`` | ``naive`` (see :mod:`symfuse.lora.bases`).
+        rank: The output adapter's rank (default: the largest sum of a module's ranks; naive: the adapters' rank).
+        base: The base checkpoint (needed for DoRA and ``into_base``).
+        into_base: Write the base with the merged updates applied instead of an adapter.
+        overwrite: Replace an existing ``out``.
+        **params: The strategy's parameters (``weights=[...]``, ``density=0.2``, ``lam=1.0``, ...).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        CheckpointError: a bad adapter, adapters of different bases or kinds, a base without the adapted weights.
+        UsageError: a strategy that needs statistics, a missing ``base``, a bad ``basis`` / ``rank``.
+    """
+    start = time.perf_counter()
+    if basis not in BASES:
+        raise UsageError(f"--basis: unknown value {basis!r} — choose from {', '.join(BASES)}")
+    if rank is not None and (into_base or rank < 1):
+        raise UsageError(f"--rank: {rank} — give a rank >= 1 for an adapter output (none with --into-base)")
+    check_output(out, overwrite)
+    ads = [read_adapter(a) for a in adapters]
+    merger = make_merger(strategy, len(ads), params)
+    weights = merger.model_weights(len(ads))
+    _check_inputs(ads)
+    if basis == "naive":
+        _check_naive_ranks(ads)
+    dora = ads[0].dora
+    if (dora or into_base) and base is None:
+        why = "DoRA magnitudes are relative to the base's row norms" if dora else "--into-base writes the base"
+        raise UsageError(f"--base: missing — {why}; give the base checkpoint with --base BASE")
+    keys = _module_keys(ads)
+    sums = [sum(ad.modules[k].rank for ad in ads if k in ad.modules) for k in keys]
+    out_rank = rank or (ads[0].modules[keys[0]].rank if basis == "naive" else max(sums))
+    bw = _Base(base, bool(ads[0].config.get("fan_in_fan_out"))) if base is not None else None
+    for key in keys if bw is not None else ():
+        m = next(ad.modules[key] for ad in ads if key in ad.modules)
+        bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
+    job = _Job(ads, basis, merger, weights, bw)
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        if into_base:
+            errors: dict[str, float] = {}
+            _write_into_base(job, keys, tmp)
+        else:
+            errors = _write_adapter(job, out_rank, keys, tmp)
+        write_report(tmp, strategy, merger, basis, ads, weights, base, into_base, out_rank, errors, start)
+    log.info("merged %d adapter(s) with %s (%s basis) into %s", len(ads), strategy, basis, out)
+    return Path(out)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What merging one module needs: the adapters, the basis, the strategy and its weights, the base."""
+
+    ads: Sequence[LoraAdapter]
+    basis: str
+    merger: Merger
+    weights: Sequence[float]
+    bw: _Base | None
+
+    def module(self, key: str) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """``(left, core, m)``: the merged update ``left @ core`` (``left`` None: the identity), DoRA's ``m``."""
+        bs, as_ = _factors(self.ads, key, self.basis)
+        left, core = _MERGE[self.basis](self.merger, key, bs, as_, self.weights)
+        if not self.ads[0].dora:
+            return left, core, None
+        assert self.bw is not None
+        norm = _row_norm(self.bw.weight(key))
+        dms = []  # each magnitude's change from the base's row norms (none where an adapter leaves the module)
+        for ad in self.ads:
+            mag = ad.modules[key].magnitude if key in ad.modules else None
+            dms.append(mag.to(F64) - norm if mag is not None else torch.zeros_like(norm))
+        return left, core, norm + combine(self.merger, f"{key}.magnitude", dms, self.weights)
+
+
+def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path) -> dict[str, float]:
+    """The merged adapter (rank ``rank``, scale 1), one module at a time; returns each module's truncation error."""
+    factors, errors = {}, {}
+    for key in keys:
+        left, core, mag = job.module(key)
+        b, a, errors[key] = low_rank(left, core, rank)
+        factors[key] = (b, a, mag)
+    write_adapter(tmp, adapter_config(job.ads, rank, keys), factors, job.ads[0].dtype)
+    return errors
+
+
+def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path) -> None:
+    """The base checkpoint with ``W + D`` (DoRA: ``m (W + D) / ||W + D||``) for every adapted weight (streamed)."""
+    assert job.bw is not None
+    bw, targets = job.bw, {f"{key}.weight": key for key in keys}
+
+    def replace(name: str, stored: torch.Tensor) -> torch.Tensor:
+        key = targets.get(name)
+        if key is None:
+            return stored
+        left, core, mag = job.module(key)
+        w = bw.weight(key) + (left @ core if left is not None else core)
+        if mag is not None:
+            w = (mag / _row_norm(w))[:, None] * w
+        return (w.T if bw.transposed else w).to(stored.dtype).contiguous()
+
+    write_checkpoint(bw.reader, tmp, replace=replace, overwrite=True)
