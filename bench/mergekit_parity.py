@@ -68,83 +68,48 @@ def _fts(**per: Any) -> list[tuple[str, dict[str, Any]]]:
     return [(f"ft{i}", {"weight": W[i], **per}) for i in range(3)]
 
 
+def _task_vectors(mk: str, sf: str, per: dict[str, Any], sf_params: dict[str, Any], **kw: Any) -> Method:
+    """A task-vector method: the three fine-tunes (mergekit per-model ``per`` and weights W) against the base."""
+    return Method(mk, sf, _fts(**per), "base", sf_base="base", sf_weights=W, sf_params=sf_params, **kw)
+
+
+DARE_NOTE = "same masks: mergekit rescales each task vector to its L1 norm, symfuse each entry by 1 / (1 - drop)"
+
+
 def methods() -> list[Method]:
     """The methods compared, with their parameters."""
     three = ["ft0", "ft1", "ft2"]
-    b, sw = "base", W
+    b, tv = "base", _task_vectors
+    crumbs, della, topk = {"density": 0.6, "gamma": 0.05}, {"density": 0.5, "epsilon": 0.1}, {"select_topk": 0.5}
     return [
-        Method("linear", "simple", _fts(), sf_weights=sw),
-        Method("task_arithmetic", "task-arithmetic", _fts(), b, sf_base=b, sf_weights=sw, sf_params={"lam": 1.0}),
-        Method("ties", "ties", _fts(density=0.5), b, sf_base=b, sf_weights=sw, sf_params={"density": 0.5}),
-        Method(
+        Method("linear", "simple", _fts(), sf_weights=W),
+        tv("task_arithmetic", "task-arithmetic", {}, {"lam": 1.0}),
+        tv("ties", "ties", {"density": 0.5}, {"density": 0.5}),
+        tv(
             "dare_ties",
             "dare",
-            _fts(density=0.5),
-            b,
-            {"normalize": True},
-            sf_base=b,
-            sf_weights=sw,
-            sf_params={"drop": 0.5, "combine": "ties", "lam": 1.0},
+            {"density": 0.5},
+            {"drop": 0.5, "combine": "ties", "lam": 1.0},
+            params={"normalize": True},
             seed_param="seed",
-            note="same masks: mergekit rescales each task vector to its L1 norm, symfuse each entry by 1 / (1 - drop) "
-            "(each matches its own formula to 6e-8 here); normalize: true (symfuse's disjoint mean)",
+            note=f"{DARE_NOTE} (each matches its own formula to 6e-8 here); normalize: true (symfuse's disjoint mean)",
         ),
-        Method(
+        tv(
             "dare_linear",
             "dare",
-            _fts(density=0.5),
-            b,
-            sf_base=b,
-            sf_weights=sw,
-            sf_params={"drop": 0.5, "combine": "task-arithmetic", "lam": 1.0},
+            {"density": 0.5},
+            {"drop": 0.5, "combine": "task-arithmetic", "lam": 1.0},
             seed_param="seed",
-            note="same masks: mergekit rescales each task vector to its L1 norm, symfuse each entry by 1 / (1 - drop)",
+            note=DARE_NOTE,
         ),
-        Method(
-            "breadcrumbs",
-            "breadcrumbs",
-            _fts(density=0.6, gamma=0.05),
-            b,
-            {"lambda": 0.8},
-            sf_base=b,
-            sf_weights=sw,
-            sf_params={"density": 0.6, "gamma": 0.05, "lambda": 0.8},
-        ),
-        Method(
-            "breadcrumbs_ties",
-            "breadcrumbs-ties",
-            _fts(density=0.6, gamma=0.05),
-            b,
-            sf_base=b,
-            sf_weights=sw,
-            sf_params={"density": 0.6, "gamma": 0.05},
-        ),
-        Method(
-            "della",
-            "della",
-            _fts(density=0.5, epsilon=0.1),
-            b,
-            sf_base=b,
-            sf_weights=sw,
-            sf_params={"density": 0.5, "epsilon": 0.1},
-            seed_param="seed",
-        ),
-        Method(
-            "della_linear",
-            "della-linear",
-            _fts(density=0.5, epsilon=0.1),
-            b,
-            sf_base=b,
-            sf_weights=sw,
-            sf_params={"density": 0.5, "epsilon": 0.1},
-            seed_param="seed",
-        ),
-        Method(
-            "sce", "sce", [(m, {}) for m in three], b, {"select_topk": 0.5}, sf_base=b, sf_params={"select_topk": 0.5}
-        ),
+        tv("breadcrumbs", "breadcrumbs", crumbs, crumbs | {"lambda": 0.8}, params={"lambda": 0.8}),
+        tv("breadcrumbs_ties", "breadcrumbs-ties", crumbs, crumbs),
+        tv("della", "della", della, della, seed_param="seed"),
+        tv("della_linear", "della-linear", della, della, seed_param="seed"),
+        Method("sce", "sce", [(m, {}) for m in three], b, topk, sf_base=b, sf_params=topk),
         Method("slerp", "slerp", [("ft0", {}), ("ft1", {})], "ft0", {"t": 0.3}, sf_params={"t": 0.3}),
         Method("nuslerp", "nuslerp", [("ft0", {"weight": 0.3}), ("ft1", {"weight": 0.7})], sf_weights=[0.3, 0.7]),
-        Method("multislerp", "multislerp", _fts(), sf_weights=sw),
+        Method("multislerp", "multislerp", _fts(), sf_weights=W),
         Method("karcher", "karcher", [(m, {}) for m in three]),
         Method("model_stock", "model-stock", [(m, {}) for m in three], b, sf_base=b),
         Method("nearswap", "nearswap", [("ft0", {}), ("ft1", {})], "ft0", {"t": 0.01}, sf_params={"t": 0.01}),
