@@ -2,14 +2,14 @@
 
 Usage (from anywhere; paths are resolved against the repository)::
 
-    python deployments/stack.py start [--port 4200] [--gpus 0,1] [--home DIR]   # or deployments/local_stack.sh
+    python deployments/stack.py start [--port 4200] [--gpus 0,1] [--home DIR] [--force]   # or local_stack.sh
     python deployments/stack.py status
     python deployments/stack.py stop                                           # workers first, then the server
     python deployments/stack.py automations                                    # (re)apply automations.yaml
-    python deployments/stack.py setup      # against $PREFECT_API_URL: pool, limit, automations, deploy (compose)
+    python deployments/stack.py setup [--force]   # against $PREFECT_API_URL: pools, limit, automations, deploy
 
-``start`` runs ``prefect server start --host 127.0.0.1 --port PORT`` in the background (the UI calls the API on
-that same port: PREFECT_UI_API_URL and PREFECT_API_URL are set from ``--port``) (PREFECT_HOME and its sqlite database
+``start`` runs ``prefect server start --host 127.0.0.1 --port PORT`` in the background (its UI calls the API on
+that same port: PREFECT_UI_API_URL and PREFECT_API_URL are set from ``--port``; PREFECT_HOME and its sqlite database
 under ``--home``, default ``$SYMFUSE_STACK_DIR`` or ``symfuse-runs/.stack``), creates the process work pools ``gpu``
 and ``control`` (the watcher's, so it never takes a GPU worker's slot), sets the task concurrency limit on tag
 ``gpu`` (one slot per GPU), runs ``prefect deploy`` on a copy of ``deployments/prefect.yaml`` whose pull step names
