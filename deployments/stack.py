@@ -2,22 +2,28 @@
 
 Usage (from anywhere; paths are resolved against the repository)::
 
-    python deployments/stack.py start [--port 4200] [--gpus 0,1] [--home DIR]   # or deployments/local_stack.sh
+    python deployments/stack.py start [--port 4200] [--gpus 0,1] [--home DIR] [--force]   # or local_stack.sh
     python deployments/stack.py status
     python deployments/stack.py stop                                           # workers first, then the server
     python deployments/stack.py automations                                    # (re)apply automations.yaml
-    python deployments/stack.py setup      # against $PREFECT_API_URL: pool, limit, automations, deploy (compose)
+    python deployments/stack.py setup [--force]   # against $PREFECT_API_URL: pools, limit, automations, deploy
 
-``start`` runs ``prefect server start --host 127.0.0.1`` in the background (PREFECT_HOME and its sqlite database
+``start`` runs ``prefect server start --host 127.0.0.1 --port PORT`` in the background (its UI calls the API on
+that same port: PREFECT_UI_API_URL and PREFECT_API_URL are set from ``--port``; PREFECT_HOME and its sqlite database
 under ``--home``, default ``$SYMFUSE_STACK_DIR`` or ``symfuse-runs/.stack``), creates the process work pools ``gpu``
 and ``control`` (the watcher's, so it never takes a GPU worker's slot), sets the task concurrency limit on tag
 ``gpu`` (one slot per GPU), runs ``prefect deploy`` on a copy of ``deployments/prefect.yaml`` whose pull step names
-this checkout (the file itself names /opt/symfuse, the images' folder), applies ``deployments/automations.yaml`` and
+this checkout (the file itself names /opt/symfuse, the images' folder) for the deployments that are new or changed
+in the file since the last deploy (``deployments/stack_deploy.py``: edits made in the UI are kept and named; ``--force``
+deploys everything as the file says), applies ``deployments/automations.yaml`` and
 starts one worker per GPU, each with ``CUDA_VISIBLE_DEVICES`` set to its GPU (one worker without it when there is no
 GPU), plus one ``control`` worker. Workers inherit this shell's environment: set ``SYMFUSE_STORE`` (and ``AWS_*``
 for an ``s3://`` store) before starting; ``HF_HUB_OFFLINE=1`` there forbids hub downloads (not forced here).
 
-``stop`` stops the workers BEFORE the server: a worker whose server is gone retries and hangs on SIGTERM.
+``stop`` stops the workers BEFORE the server: a worker whose server is gone retries and hangs on SIGTERM. ``start``
+right after ``stop`` works: the port check accepts the connections the old server left in TIME_WAIT (the new
+server's socket uses SO_REUSEADDR too). ``start`` also removes scratch folders of killed processes
+(:mod:`symfuse.scratch`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # deployments/ is no package: its sibling module
+import stack_deploy as redeploy
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
@@ -68,7 +77,23 @@ def server_env(home: Path, api_url: str | None = None) -> dict[str, str]:
     env.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", LIBRARY_LOGGERS)
     if api_url:
         env["PREFECT_API_URL"] = api_url
+        env["PREFECT_UI_API_URL"] = api_url  # the UI calls this API (else it follows the default port 4200)
     return env
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now.
+
+    The test bind uses SO_REUSEADDR like the server's own socket, so connections a stopped server left in
+    TIME_WAIT do not count as taken (``start`` right after ``stop`` works); a listening socket does.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _alive(pid: int) -> bool:
@@ -196,24 +221,48 @@ def local_project_file(home: Path, checkout: Path = REPO, prefect_file: Path = P
     return out
 
 
-def deploy(env: dict[str, str], prefect_file: Path = PREFECT_FILE) -> list[str]:
-    """``prefect deploy`` every deployment of ``prefect_file`` whose entrypoint exists; returns their names.
+def deploy(env: dict[str, str], prefect_file: Path = PREFECT_FILE, force: bool = False) -> dict[str, Any]:
+    """``prefect deploy`` the deployments of ``prefect_file`` that are new or changed (see ``stack_deploy.py``).
+
+    Args:
+        env: Environment of the ``prefect deploy`` call; its ``PREFECT_API_URL`` names the server.
+        prefect_file: The project file (deployments whose entrypoint file is missing are skipped).
+        force: Deploy every deployment as the file defines it, resetting what was edited on the server.
+
+    Returns:
+        ``deployed`` / ``unchanged`` / ``kept``: deployment names; ``lines``: one line per deployment saying why.
 
     Raises:
         RuntimeError: if ``prefect deploy`` fails (its output is in the message).
     """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     names, missing = deployable_names(prefect_file)
+    out: dict[str, Any] = {"deployed": [], "unchanged": [], "kept": [], "lines": []}
     if missing:
-        print(f"skipping deployments whose entrypoint file is missing: {', '.join(missing)}")
+        out["lines"].append(f"skipping deployments whose entrypoint file is missing: {', '.join(missing)}")
     if not names:
-        return []
-    args = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(prefect_file)]
-    for name in names:
-        args += ["--name", name]
-    res = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    if res.returncode != 0:
-        raise RuntimeError(f"prefect deploy failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
-    return names
+        return out
+    data = yaml.safe_load(prefect_file.read_text())
+    entries = {d["name"]: d for d in data["deployments"] if d["name"] in names}
+    files = {n: redeploy.file_view(entries[n], data.get("pull")) for n in names}
+    flows = {n: redeploy.flow_name(entries[n]["entrypoint"], REPO) for n in names}
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        views, records = asyncio.run(redeploy.read_server(flows))
+        decisions = [redeploy.plan(n, files[n], views[n], records[n], force) for n in names]
+        todo = [d.name for d in decisions if d.action == "deploy"]
+        if todo:
+            args = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(prefect_file)]
+            for name in todo:
+                args += ["--name", name]
+            res = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                raise RuntimeError(f"prefect deploy failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+        asyncio.run(redeploy.finish(flows, decisions, files))
+    for d in decisions:
+        out[d.action if d.action != "deploy" else "deployed"].append(d.name)
+        out["lines"].append(d.line)
+    return out
 
 
 def detect_gpus() -> list[str]:
@@ -231,7 +280,11 @@ def detect_gpus() -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- commands
 def start(
-    port: int = 4200, gpus: Sequence[str] | None = None, home: str | os.PathLike | None = None, workers: bool = True
+    port: int = 4200,
+    gpus: Sequence[str] | None = None,
+    home: str | os.PathLike | None = None,
+    workers: bool = True,
+    force: bool = False,
 ) -> dict:
     """Start server, pool, limit, deployments, automations and workers; returns what it started.
 
@@ -240,6 +293,7 @@ def start(
         gpus: GPU indices, one worker each (default :func:`detect_gpus`; empty: one worker without a GPU).
         home: Stack folder (default :func:`stack_home`).
         workers: Start the workers (False: runs stay Scheduled until a worker joins the pool).
+        force: Deploy every deployment as ``prefect.yaml`` says (default: only new or changed ones, UI edits kept).
 
     Raises:
         RuntimeError: if a stack already runs under ``home`` or a step fails (the stack is stopped again).
@@ -250,16 +304,17 @@ def start(
     running = [pid for _, pid in _read_pids(root, "*.pid") if _alive(pid)]
     if running:
         raise RuntimeError(f"a stack already runs under {root} (pids {running}); stop it first")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((HOST, port))
-        except OSError as exc:
-            raise RuntimeError(f"port {port} on {HOST} is taken: pass --port or stop what listens there") from exc
+    if not port_free(HOST, port):
+        raise RuntimeError(f"port {port} on {HOST} is taken: pass --port or stop what listens there")
+    from symfuse.scratch import clean_stale_scratch
+
+    for folder in clean_stale_scratch():
+        print(f"removed scratch folder of a killed process: {folder}")
     api_url = f"http://{HOST}:{port}/api"
     env = server_env(root, api_url)
     server_pid = _spawn(
         [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)],
-        {k: v for k, v in env.items() if k != "PREFECT_API_URL"},
+        {**env, "PREFECT_SERVER_API_HOST": HOST, "PREFECT_SERVER_API_PORT": str(port)},
         root / "logs" / "server.log",
         root / "server.pid",
     )
@@ -270,7 +325,7 @@ def start(
             raise RuntimeError(f"{exc}; see {root / 'logs' / 'server.log'}") from exc
         gpus = detect_gpus() if gpus is None else list(gpus)
         apply_api_setup(api_url, n_slots=max(1, len(gpus)))
-        deployed = deploy(env, local_project_file(root))
+        deployed = deploy(env, local_project_file(root), force=force)
         pids = []
         for i, gpu in enumerate((gpus or [None]) if workers else []):
             worker_env = dict(env)
@@ -290,7 +345,7 @@ def start(
         stop(root)
         raise
     info = {"api_url": api_url, "ui": api_url[: -len("/api")], "home": str(root), "server_pid": server_pid,
-            "worker_pids": pids, "deployments": deployed}  # fmt: skip
+            "worker_pids": pids, "deployments": deployed["deployed"], "deploy": deployed}  # fmt: skip
     (root / "stack.json").write_text(json.dumps(info, indent=1))
     return info
 
@@ -325,12 +380,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gpus", default=None, help="comma-separated GPU indices (default: all visible)")
     parser.add_argument("--home", default=None, help="stack folder (default $SYMFUSE_STACK_DIR or symfuse-runs/.stack)")
     parser.add_argument("--no-workers", action="store_true", help="start no worker (runs wait in the pool)")
+    parser.add_argument("--force", action="store_true", help="deploy every deployment as prefect.yaml says, "
+                        "resetting edits made in the UI (default: only new or changed ones)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "start":
         gpus = None if args.gpus is None else [g for g in args.gpus.split(",") if g]
-        info = start(args.port, gpus, args.home, workers=not args.no_workers)
+        info = start(args.port, gpus, args.home, workers=not args.no_workers, force=args.force)
         print(f"Prefect UI: {info['ui']}   API: {info['api_url']}")
-        print(f"deployed: {', '.join(info['deployments']) or '(none)'}; workers: {info['worker_pids']}")
+        print("\n".join(info["deploy"]["lines"]))
+        print(f"workers: {info['worker_pids']}")
         print(f"use it with: export PREFECT_API_URL={info['api_url']}; stop with: {sys.argv[0]} stop")
     elif args.command == "stop":
         print(f"stopped: {stop(args.home) or 'nothing was running'}")
@@ -345,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"applied to {api_url}")  # fmt: skip
         if args.command == "setup":
             env = {**os.environ, "PREFECT_API_URL": api_url}
-            print(f"deployed: {', '.join(deploy(env)) or '(none)'}")
+            print("\n".join(deploy(env, force=args.force)["lines"]))
     return 0
 
 

@@ -8,8 +8,10 @@ content keys. A re-merge publishes all or nothing: its merged models and report 
 together only when every task succeeded; a failed one leaves the previous set, report and record as they were, and
 its checkpoints pending (the next tick emits them again once their input is fixed).
 
-Drop a checkpoint in with ``ArtifactStore.put_dir(layout.incoming_key(run, name), folder, producer, meta={"dataset":
-"<dataset it was fine-tuned on>"})``; without ``meta.dataset`` the name is taken as the dataset.
+Drop a checkpoint in with ``symfuse drop FOLDER --run RUN [--dataset D]`` (validates it, then
+``ArtifactStore.put_dir(layout.incoming_key(run, name), folder, producer, meta={"dataset": D})``); without
+``meta.dataset`` the name is taken as the dataset. Only artifacts (a folder with the store's ``manifest.json``) count:
+a folder copied into ``incoming/`` by hand gets one warning line per tick naming it and the fix, never a re-merge.
 """
 
 from __future__ import annotations
@@ -66,6 +68,19 @@ def pending_checkpoints(store: ArtifactStore, run: str, prefix: str | None = Non
     return [store.uri(k) for k in keys if manifest_digest(store.manifest(k)) not in done]
 
 
+def warn_unmarked(store: ArtifactStore, run: str, prefix: str | None, warn: Any) -> list[str]:
+    """Call ``warn`` once per folder under ``prefix`` that is no artifact (a plain copy); returns their URIs."""
+    folders = [store.uri(k) for k in store.unmarked(prefix or layout.incoming_prefix(run))]
+    for uri in folders:
+        warn(
+            "%s has no manifest.json (copied in by hand?): the watcher ignores it; store it with "
+            "`symfuse drop <checkpoint folder> --run %s --dataset <dataset>` and remove the copy",
+            uri,
+            run,
+        )
+    return folders
+
+
 @flow(name="watch-checkpoints", log_prints=True)
 def watch_checkpoints(config: RunConfig, prefix: str | None = None) -> list[str]:
     """Emit ``symfuse.checkpoint.arrived`` (resource ``symfuse.run.<run_id>``) if unmerged checkpoints arrived.
@@ -79,8 +94,9 @@ def watch_checkpoints(config: RunConfig, prefix: str | None = None) -> list[str]
     """
     forward_library_logs()
     store = ArtifactStore(config.resolved_store_root())
-    new = pending_checkpoints(store, config.run_id, prefix)
     log = get_run_logger()
+    warn_unmarked(store, config.run_id, prefix, log.warning)
+    new = pending_checkpoints(store, config.run_id, prefix)
     if not new:
         log.info("no new checkpoints under %s", store.uri(prefix or layout.incoming_prefix(config.run_id)))
         return []

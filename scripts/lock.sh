@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Refresh requirements.lock: every package of `symfuse[dev,orchestration,gguf,lora]`, transitive ones included, pinned.
-# Run after changing a pin in pyproject.toml, then commit both files:
+# Refresh requirements.lock: every package of `symfuse[dev,orchestration,gguf,lora]`, transitive ones included, pinned;
+# then requirements-prod.lock, its production subset for the images (scripts/prod_lock.py: no dev / test packages).
+# Run after changing a pin in pyproject.toml, then commit the three files:
 #   bash scripts/lock.sh                                # keeps the other pins of the current lock
 #   bash scripts/lock.sh --upgrade-package <name>       # or --upgrade: newer versions where pyproject allows
 # pip-compile runs with pip's resolver and this machine's pip configuration, so torch resolves to the CPU wheel
@@ -26,3 +27,4 @@ if grep -q -i -E '^(nvidia-|triton)' requirements.lock; then
   exit 1
 fi
 echo "requirements.lock: $(grep -c -E '^[A-Za-z0-9]' requirements.lock) packages pinned"
+"$PY" scripts/prod_lock.py  # the production images' subset of the lock (no dev / test packages)

@@ -13,8 +13,6 @@ import contextlib
 import contextvars
 import functools
 import logging
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -26,6 +24,7 @@ from prefect.cache_policies import NO_CACHE
 
 from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party  # third-party bars off inside tasks (the user's env wins)
+from symfuse.scratch import scratch_dir
 from symfuse.store import ArtifactStore, content_key, layout
 from tasks.policy import RETRIES, RETRY_DELAYS, maybe_inject_fault, retry_transient
 
@@ -243,12 +242,9 @@ class Progress:
 
 @contextlib.contextmanager
 def scratch(prefix: str) -> Iterator[Path]:
-    """A temporary local folder, removed afterwards (outputs are uploaded from it)."""
-    folder = Path(tempfile.mkdtemp(prefix=f"symfuse-{prefix}-"))
-    try:
+    """A temporary local folder, removed afterwards (outputs are uploaded from it; see :mod:`symfuse.scratch`)."""
+    with scratch_dir(prefix) as folder:
         yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 class timed:

@@ -155,6 +155,10 @@ CASES = [
     C("disguise-empty-folder", f"disguise {{EMPTY}} {OUT}", 1, "empty"),
     C("disguise-out-exists", f"disguise {{A}} {OUT}", 2, "{OUT}", pre="dir"),
     # --- stats ---
+    # --- drop (validated before the store is opened: --store {OUT} is never created) ---
+    C("drop-missing-checkpoint", "drop {MISSING} --run r1 --store {OUT}", 2, "missing"),
+    C("drop-nan-checkpoint", "drop {NAN} --run r1 --store {OUT}", 1, "nan", verbose=True),
+    C("drop-bad-run-id", "drop {A} --run ../r1 --store {OUT}", 2, "run id"),
     C("stats-unknown-kind", f"stats {{A}} --data {{DATA}} {OUT} --kind bogus", 2, "bogus"),
     C("stats-empty-kind", f"stats {{A}} --data {{DATA}} {OUT} --kind ,", 2, "--kind"),
     C("stats-max-examples-zero", f"stats {{A}} --data {{DATA}} {OUT} --max-examples 0", 2, "--max-examples"),

@@ -115,7 +115,9 @@ def test_image_installs_what_bootstrap_installs(name):
     # torch first (its index picks the build), then the lock, then the project itself without dependencies
     flat = [" ".join(c) for c in installs]
     torch = next(i for i, c in enumerate(flat) if "torch==" in c)
-    lock = next(i for i, c in enumerate(installs) if "-r" in c and c[c.index("-r") + 1] == "requirements.lock")
+    # the production subset of the lock (no dev packages: pytest, ruff, moto), never the whole lock
+    lock = next(i for i, c in enumerate(installs) if "-r" in c and c[c.index("-r") + 1] == "requirements-prod.lock")
+    assert not any("-r" in c and c[c.index("-r") + 1] == "requirements.lock" for c in installs)
     editable = [i for i, c in enumerate(installs) if "-e" in c]
     assert len(editable) == 1, "the project is installed once, editable, as bootstrap.sh does"
     assert torch < lock < editable[0]
@@ -124,8 +126,8 @@ def test_image_installs_what_bootstrap_installs(name):
     assert "-r requirements.lock" in BOOTSTRAP and "--no-deps -e ." in BOOTSTRAP
     assert not any(re.search(r"\.\[", w) for c in installs for w in c), "extras would resolve outside the lock"
     # the lock reaches the image before the dependency layer is installed
-    copy_lock = next(i for i, (op, args) in enumerate(ops) if op == "COPY" and "requirements.lock" in args.split())
-    first_lock_run = next(i for i, (op, args) in enumerate(ops) if op == "RUN" and "requirements.lock" in args)
+    copy_lock = next(i for i, (op, args) in enumerate(ops) if op == "COPY" and "requirements-prod.lock" in args.split())
+    first_lock_run = next(i for i, (op, args) in enumerate(ops) if op == "RUN" and "requirements-prod.lock" in args)
     assert copy_lock < first_lock_run
     assert any(op == "RUN" and "pip check" in args for op, args in ops)
     assert ("WORKDIR", "/opt/symfuse") in ops
@@ -142,7 +144,7 @@ def test_image_installs_what_bootstrap_installs(name):
     assert cmd[cmd.index("--pool") + 1] == pool_of_prefect_yaml()
     ignore = (DOCKER / f"{name}.dockerignore").read_text().split()
     assert {".venv", ".git", "symfuse-runs"} <= set(ignore)
-    assert "requirements.lock" not in ignore
+    assert "requirements.lock" not in ignore and "requirements-prod.lock" not in ignore
 
 
 @pytest.mark.parametrize("name", ["Dockerfile.gpu", "Dockerfile.cpu"])
@@ -183,8 +185,8 @@ def test_images_share_one_python_that_the_lock_was_compiled_for():
     assert re.search(r'uv venv [^&]*--python "?\$\{?PYTHON_VERSION\}?"? \.venv', runs)
     assert "python3 -m venv" not in runs and "python3-venv" not in runs
     assert ("ARG", "PYTHON_VERSION") in final_stage(gpu_ops), "PYTHON_VERSION must reach the last stage"
-    server = compose()["services"]["prefect-server"]["image"]
-    assert server.endswith(f"-python{header.group(1)}"), "the Prefect server image runs another Python"
+    server = compose()["services"]["prefect-server"]
+    assert server["build"]["dockerfile"] == "docker/Dockerfile.cpu", "the Prefect server image runs another Python"
 
 
 def test_gpu_image_is_cuda_runtime_with_cuda_torch():
@@ -201,8 +203,9 @@ def test_compose_has_server_postgres_store_and_workers():
     services = compose()["services"]
     assert {"postgres", "prefect-server", "minio", "minio-bucket", "setup", "worker-gpu", "worker-cpu"} <= set(services)
     server = services["prefect-server"]
-    prefect_pin = pins(PYPROJECT)["prefect"]
-    assert server["image"].startswith(f"prefecthq/prefect:{prefect_pin}-")
+    # the project's CPU image (the locked set: sqlalchemy < 2.1 for prefect's scheduler), not the upstream one
+    assert server["image"] == "symfuse-cpu" and server["build"]["dockerfile"] == "docker/Dockerfile.cpu"
+    assert server["command"][:3] == ["prefect", "server", "start"]
     assert server["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("postgresql+asyncpg://")
     assert "@postgres:5432/" in server["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
     assert server["depends_on"]["postgres"]["condition"] == "service_healthy"
@@ -240,7 +243,8 @@ def test_compose_workers_and_setup_match_the_project():
     assert device["driver"] == "nvidia" and device["device_ids"] == ["0"] and "gpu" in device["capabilities"]
     setup = services["setup"]
     assert setup["command"] == ["python", "deployments/stack.py", "setup"]
-    for svc in (setup, gpu):
+    assert setup["image"] == services["prefect-server"]["image"] == "symfuse-cpu"
+    for svc in (services["prefect-server"], gpu):
         build = svc["build"]
         assert (DOCKER / build["context"] / build["dockerfile"]).resolve().is_file()
         assert (DOCKER / build["context"]).resolve() == REPO
@@ -258,3 +262,39 @@ def test_compose_serves_every_pool_of_the_deployments():
     for pool in pools:
         assert pool in served, f"no compose worker serves pool {pool!r}"
     assert {"gpu", "cpu"} <= served["control"], "the watcher's worker runs with either profile"
+
+
+def test_gpu_image_checks_cuda_torch_when_built_and_a_gpu_when_started(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    ops = final_stage(instructions(DOCKER / "Dockerfile.gpu"))
+    runs = [args for op, args in ops if op == "RUN"]
+    torch_run = next(i for i, args in enumerate(runs) if "torch==" in args)
+    assert any("torch.version.cuda" in args for args in runs[torch_run:]), "the build never checks CUDA torch"
+    entry = yaml.safe_load(next(args for op, args in ops if op == "ENTRYPOINT"))
+    assert entry == ["sh", "/opt/symfuse/docker/gpu-entrypoint.sh"]
+    script = DOCKER / "gpu-entrypoint.sh"
+    assert "torch.cuda.is_available()" in script.read_text()
+    ignored = (DOCKER / "Dockerfile.gpu.dockerignore").read_text().split()
+    assert "docker" not in ignored and ("COPY", ". .") in ops
+    # here (CPU torch, or no GPU): one line, non-zero, the command never runs
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    res = subprocess.run(["sh", str(script), "touch", str(tmp_path / "ran")], env=env, capture_output=True,
+                         text=True, check=False)  # fmt: skip
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    if res.returncode == 0:  # a machine with a GPU: the command ran
+        assert (tmp_path / "ran").exists()
+    else:
+        assert res.returncode == 1 and len(lines) == 1, res.stderr
+        assert lines[0].startswith("error: symfuse-gpu: torch.cuda.is_available() is False")
+        assert not (tmp_path / "ran").exists()
+    # a python whose check passes: the command (CMD / compose `command`) runs with its arguments
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python").write_text("#!/bin/sh\nexit 0\n")
+    (stub / "python").chmod(0o755)
+    env["PATH"] = f"{stub}{os.pathsep}{os.environ['PATH']}"
+    res = subprocess.run(["sh", str(script), "touch", str(tmp_path / "ran2")], env=env, check=False)
+    assert res.returncode == 0 and (tmp_path / "ran2").exists()

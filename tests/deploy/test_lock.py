@@ -99,3 +99,59 @@ def test_lock_script_writes_the_lock_and_is_documented():
     assert "scripts/lock.sh" in LOCK.read_text().split("\n\n")[0] or "bash scripts/lock.sh" in LOCK.read_text()
     assert "scripts/lock.sh" in (REPO / "README.md").read_text()
     assert "scripts/lock.sh" in (REPO / "deployments" / "README.md").read_text()
+
+
+PROD_LOCK = REPO / "requirements-prod.lock"
+DEV_ONLY = {"pytest", "ruff", "import-linter", "hypothesis", "moto", "peft", "flask"}
+
+
+def prod_pins() -> dict[str, str]:
+    return {
+        canonical(m.group(1)): m.group(2)
+        for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", PROD_LOCK.read_text(), re.M)
+    }
+
+
+def installed_closure(extras: tuple[str, ...]) -> set[str]:
+    """Every installed distribution symfuse[extras] needs, by the distributions' own metadata (markers evaluated)."""
+    from packaging.markers import default_environment
+
+    todo = [(Requirement(r), "") for r in PYPROJECT["project"]["dependencies"]]
+    for extra in extras:
+        todo += [(Requirement(r), extra) for r in PYPROJECT["project"]["optional-dependencies"][extra]]
+    seen: dict[str, set[str]] = {}
+    while todo:
+        req, extra = todo.pop()
+        if req.marker and not req.marker.evaluate({**default_environment(), "extra": extra}):
+            continue
+        name = canonical(req.name)
+        if name in seen and set(req.extras) <= seen[name]:
+            continue
+        seen.setdefault(name, set()).update(req.extras)
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:  # e.g. CUDA torch's nvidia-* on a CPU install
+            continue
+        for raw in dist.requires or []:
+            sub = Requirement(raw)
+            for wanted in ["", *seen[name]]:
+                todo.append((sub, wanted))
+    return {n for n in seen if not n.startswith("nvidia-") and n != "triton"}
+
+
+def test_prod_lock_is_the_locks_subset_for_orchestration_and_gguf_without_dev_packages():
+    import subprocess
+    import sys
+
+    prod, full = prod_pins(), lock_pins()
+    assert all(full.get(name) == version for name, version in prod.items()), "a version that is not the lock's"
+    assert not DEV_ONLY & set(prod), f"dev / test packages in the production lock: {sorted(DEV_ONLY & set(prod))}"
+    needed = installed_closure(("orchestration", "gguf")) - {"symfuse"}
+    assert not needed - set(prod), (
+        f"production needs these, the production lock lacks them: {sorted(needed - set(prod))}"
+    )
+    assert len(prod) < len(full)
+    check = subprocess.run([sys.executable, str(REPO / "scripts" / "prod_lock.py"), "--check"], capture_output=True,
+                           text=True, check=False)  # fmt: skip
+    assert check.returncode == 0, "requirements-prod.lock is stale; fix: python scripts/prod_lock.py\n" + check.stderr
+    assert "scripts/prod_lock.py" in (REPO / "scripts" / "lock.sh").read_text()

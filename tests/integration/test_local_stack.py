@@ -73,3 +73,47 @@ def test_local_stack_deploys_and_triggers_remerge(stack, tmp_path):
         stopped = stack.stop(home)
     assert stopped == [info["server_pid"]]
     assert stack.status(home) == {}
+
+
+def test_stack_on_another_port_restarts_at_once_and_keeps_ui_edits(stack, tmp_path):
+    """The UI calls the API on --port; stop then start at once works; the second start deploys nothing and keeps a
+    parameter edited through the API (as the UI does) and the watcher's schedule."""
+    import urllib.request
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    home, port = tmp_path / "stack", free_port()
+    info = stack.start(port=port, gpus=[], home=home, workers=False)
+    try:
+        with urllib.request.urlopen(f"{info['ui']}/ui-settings", timeout=10) as resp:
+            assert json.load(resp)["api_url"] == info["api_url"] == f"http://127.0.0.1:{port}/api"
+        edited = RunConfig.demo().model_dump(mode="json") | {"run_id": "edited-in-ui"}
+
+        async def edit_and_read(edit: bool):
+            async with get_client() as client:
+                dep = await client.read_deployment_by_name("watch-checkpoints/watch-checkpoints")
+                if edit:
+                    await client.update_deployment(dep.id, DeploymentUpdate(parameters={"config": edited}))
+                    dep = await client.read_deployment_by_name("watch-checkpoints/watch-checkpoints")
+                return dep.parameters, [(s.id, s.schedule.anchor_date) for s in dep.schedules]
+
+        with temporary_settings(updates={PREFECT_API_URL: info["api_url"]}):
+            params, schedules = asyncio.run(edit_and_read(edit=True))
+        assert params["config"]["run_id"] == "edited-in-ui"
+    finally:
+        stack.stop(home)
+    started = time.monotonic()
+    again = stack.start(port=port, gpus=[], home=home, workers=False)  # at once: the old connections are in TIME_WAIT
+    try:
+        assert time.monotonic() - started < 50
+        report = again["deploy"]
+        assert report["deployed"] == [] and report["kept"] == ["watch-checkpoints"], report
+        assert set(report["unchanged"]) == set(info["deployments"]) - {"watch-checkpoints"}
+        assert any(line.startswith("kept watch-checkpoints as edited on the server (parameters)") for line in
+                   report["lines"])  # fmt: skip
+        with temporary_settings(updates={PREFECT_API_URL: again["api_url"]}):
+            assert asyncio.run(edit_and_read(edit=False)) == (params, schedules)
+    finally:
+        stack.stop(home)

@@ -20,7 +20,17 @@ from typing import Any
 from symfuse.store.errors import ArtifactNotFound, CorruptArtifact
 from symfuse.store.layout import MANIFEST
 from symfuse.store.reader import JSON_FILE, ArtifactReader, _sha256_file, default_cache_dir, default_root
-from symfuse.store.versions import VERSIONS, gc_grace, info_mtime, new_version, split_version_path, version_time
+from symfuse.store.versions import (
+    VERSIONS,
+    gc_grace,
+    info_mtime,
+    new_version,
+    split_version_path,
+    version_time,
+)
+from symfuse.store.versions import (
+    keep_versions as keep_versions_setting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +54,25 @@ def _umask() -> int:
 class ArtifactStore(ArtifactReader):
     """Folders of files with a manifest, under one fsspec root: :class:`ArtifactReader` plus versioned writes and gc.
 
-    Constructor arguments, keys and URIs as for :class:`~symfuse.store.reader.ArtifactReader`.
+    Constructor arguments, keys and URIs as for :class:`~symfuse.store.reader.ArtifactReader`, plus ``keep_versions``:
+    how many versions a key keeps after a publish, the current one included (default
+    :func:`~symfuse.store.versions.keep_versions`: ``$SYMFUSE_STORE_KEEP_VERSIONS`` or 2).
+
+    Raises:
+        ValueError: if ``keep_versions`` (or its variable) is not a whole number >= 1.
     """
+
+    def __init__(
+        self,
+        root: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        keep_versions: int | None = None,
+        **storage_options,
+    ):
+        if keep_versions is not None and (not isinstance(keep_versions, int) or keep_versions < 1):
+            raise ValueError(f"keep_versions={keep_versions!r}: keep at least the current version (>= 1)")
+        self.keep_versions = keep_versions_setting() if keep_versions is None else keep_versions
+        super().__init__(root, cache_dir, **storage_options)
 
     # ----------------------------------------------------------------------------------------------- writing
     def put_dir(
@@ -214,13 +241,23 @@ class ArtifactStore(ArtifactReader):
         return self.uri(key)
 
     def _make_current(self, key: str, manifest: Mapping[str, Any]) -> None:
-        """Write ``manifest`` as the artifact's own (its version becomes current), then tidy the key."""
+        """Write ``manifest`` as the artifact's own (its version becomes current), then tidy the key.
+
+        The manifest records the versions that were current before (``previous``, newest first) as far as the
+        retention keeps them; the older ones are removed right after (:meth:`_tidy`).
+        """
         try:
             previous = self.manifest(key)
         except (ArtifactNotFound, CorruptArtifact):
             previous = None
+        history = []
+        if previous is not None and previous.get("version") not in (None, manifest["version"]):
+            history = [previous["version"], *previous.get("previous", [])]
+        history = [v for i, v in enumerate(history) if version_time(v) and v not in (manifest["version"], *history[:i])]
+        kept, dropped = history[: self.keep_versions - 1], history[self.keep_versions - 1 :]
+        manifest = {**manifest, "previous": kept}
         self._write_manifest(key, manifest)
-        self._tidy(key, previous, manifest["version"])
+        self._tidy(key, previous, manifest["version"], dropped)
 
     def _write_manifest(self, key: str, manifest: Mapping[str, Any], *folder: str) -> None:
         """Write ``<key>/[folder/]manifest.json`` in one atomic step (a reader never sees half of it)."""
@@ -282,8 +319,10 @@ class ArtifactStore(ArtifactReader):
                 log.warning("%s is published; removing its staged manifest failed: %s", self.uri(key), exc)
         return [self.uri(uri) for uri in staged]
 
-    def _tidy(self, key: str, previous: Mapping[str, Any] | None, version: str) -> None:
-        """After publishing: remove the files of a replaced old-layout artifact and the key's expired versions.
+    def _tidy(self, key: str, previous: Mapping[str, Any] | None, version: str, dropped: Sequence[str] = ()) -> None:
+        """After publishing: remove replaced old-layout files, versions beyond the retention, expired versions.
+
+        ``dropped`` are once-current versions beyond the retention: fully written, no writer's, never the current one.
 
         Failures are logged, not raised: the new version is published already.
         """
@@ -293,6 +332,11 @@ class ArtifactStore(ArtifactReader):
                     for rel in previous["files"]:
                         if self.fs.exists(self._path(key, rel)):
                             self.fs.rm_file(self._path(key, rel))
+                for old in dropped:
+                    if old != version and self.fs.exists(self._path(key, VERSIONS, old)):
+                        self.fs.rm(self._path(key, VERSIONS, old), recursive=True)
+                        log.info("retention: removed replaced version %s/%s/%s (keeping %d)", self.uri(key),
+                                 VERSIONS, old, self.keep_versions)  # fmt: skip
                 self.gc(key, keep=(version,))
         except (OSError, ValueError) as exc:
             log.warning("%s is published; tidying its old files failed: %s", self.uri(key), exc)

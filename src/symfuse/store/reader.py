@@ -279,6 +279,19 @@ class ArtifactReader:
                 keys.append(rel[: -len(MANIFEST) - 1])
         return sorted(keys)
 
+    def unmarked(self, prefix: str) -> list[str]:
+        """Keys of the folders directly under ``prefix`` that hold files but are no artifact (no manifest), sorted.
+
+        A checkpoint copied into ``runs/<run>/incoming`` by hand is such a folder: :meth:`list` does not see it.
+        """
+        base = self._path(prefix)
+        with self._io(f"{self.root}/{prefix}"):
+            if not self.fs.exists(base):
+                return []
+            children = [e["name"] for e in self.fs.ls(base, detail=True) if e.get("type") == "directory"]
+            bare = [c for c in children if c.rstrip("/").rsplit("/", 1)[-1] != VERSIONS]
+            return sorted(self._rel(c) for c in bare if not self.fs.exists(f"{c.rstrip('/')}/{MANIFEST}"))
+
     def _rel(self, path: str) -> str:
         """A backend path relative to the store root."""
         root = self.fs._strip_protocol(self.path).rstrip("/")

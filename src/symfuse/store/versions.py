@@ -5,6 +5,11 @@ writers never share one and :func:`version_time` tells a version's age without a
 manifest points to (a killed upload, a replaced artifact, the loser of a race) are removed by
 :meth:`~symfuse.store.ArtifactStore.gc` once older than a grace period (``SYMFUSE_STORE_GC_GRACE`` seconds,
 default one hour), so a writer still uploading (its version is young) is never disturbed.
+
+Retention: right after a publish, the key keeps its :func:`keep_versions` newest versions up to the current one
+(``SYMFUSE_STORE_KEEP_VERSIONS``, default 2: the current one and the one it replaced, which a reader may still be
+downloading); older ones go at once, without waiting for the grace period (see
+:meth:`~symfuse.store.ArtifactStore.prune`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from symfuse.store.errors import CorruptArtifact
 VERSIONS = ".v"
 GRACE_ENV = "SYMFUSE_STORE_GC_GRACE"
 DEFAULT_GRACE_S = 3600.0
+KEEP_ENV = "SYMFUSE_STORE_KEEP_VERSIONS"
+DEFAULT_KEEP = 2
 _VERSION = re.compile(r"^(\d{8}T\d{6})(\d{3})Z-[0-9a-f]{16}$")
 
 
@@ -82,6 +89,20 @@ def gc_grace() -> float:
     if not value >= 0:
         raise ValueError(f"{GRACE_ENV}={raw!r} is not a number of seconds >= 0; set e.g. {GRACE_ENV}=3600")
     return value
+
+
+def keep_versions() -> int:
+    """How many versions a key keeps after a publish (the current one included): ``$SYMFUSE_STORE_KEEP_VERSIONS`` or 2.
+
+    Raises:
+        ValueError: if the variable is not a whole number >= 1 (one line naming it).
+    """
+    raw = os.environ.get(KEEP_ENV, "").strip()
+    if not raw:
+        return DEFAULT_KEEP
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{KEEP_ENV}={raw!r} is not a whole number >= 1; set e.g. {KEEP_ENV}=2 (1: current only)")
+    return int(raw)
 
 
 def split_version_path(rel: str) -> tuple[str, str] | None:

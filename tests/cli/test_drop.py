@@ -1,0 +1,57 @@
+"""``symfuse drop`` puts a validated checkpoint where the watcher looks; a plain copy gets a warning, not silence."""
+
+from __future__ import annotations
+
+import shutil
+
+from flows.watch import pending_checkpoints, warn_unmarked
+from symfuse.store import ArtifactStore, layout
+from tests.cli.helpers import run_cli
+from tests.tiny import nan_copy, save_tiny
+
+
+def test_drop_stores_the_checkpoint_for_the_watcher(tmp_path):
+    ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
+    root = tmp_path / "store"
+    res = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--store", root)
+    assert res.returncode == 0, res.stderr
+    store = ArtifactStore(str(root))
+    key = layout.incoming_key("r1", "meld")
+    assert f"as {store.uri(key)} (dataset meld)" in res.stdout
+    manifest = store.manifest(key)
+    assert manifest["meta"] == {"dataset": "meld"} and manifest["producer"] == "symfuse drop"
+    assert (store.local_cache(key) / "model.safetensors").read_bytes() == (ckpt / "model.safetensors").read_bytes()
+    assert pending_checkpoints(store, "r1") == [store.uri(key)]
+
+    again = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--store", root)
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].endswith(
+        f"{store.uri(key)} exists; pass --replace to publish a new version of it, or another --name"
+    ), again.stderr
+    assert store.manifest(key) == manifest
+    named = run_cli("drop", ckpt, "--run", "r1", "--name", "meld-seed3", "--store", root)
+    assert named.returncode == 0, named.stderr
+    assert store.manifest(layout.incoming_key("r1", "meld-seed3"))["meta"] == {"dataset": "meld-seed3"}
+
+
+def test_drop_refuses_a_broken_checkpoint_before_touching_the_store(tmp_path):
+    bad = nan_copy(save_tiny(tmp_path / "ckpt", "bert"), tmp_path / "nan")
+    res = run_cli("drop", bad, "--run", "r1", "--store", tmp_path / "store")
+    assert res.returncode == 1
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert line.startswith("error: ") and "nan" in line.lower(), res.stderr
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_plain_copy_in_incoming_is_named_in_a_warning_not_ignored_silently(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    ckpt = save_tiny(tmp_path / "ckpt", "bert")
+    store.put_dir(layout.incoming_key("r1", "good"), ckpt, "test")
+    shutil.copytree(ckpt, tmp_path / "store" / layout.incoming_key("r1", "copied"))
+    warnings = []
+    found = warn_unmarked(store, "r1", None, lambda msg, *args: warnings.append(msg % args))
+    copied = store.uri(layout.incoming_key("r1", "copied"))
+    assert found == [copied]
+    (line,) = warnings
+    assert line.startswith(f"{copied} has no manifest.json") and "symfuse drop <checkpoint folder> --run r1" in line
+    assert pending_checkpoints(store, "r1") == [store.uri(layout.incoming_key("r1", "good"))]
+    assert warn_unmarked(ArtifactStore(str(tmp_path / "empty")), "r1", None, warnings.append) == []

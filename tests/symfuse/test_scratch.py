@@ -1,0 +1,52 @@
+"""Scratch folders name their owner; the ones a SIGKILLed process left are removed, live owners' never."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+from symfuse.scratch import PREFIX, clean_stale_scratch, scratch_dir
+
+
+def test_scratch_folder_names_its_owner_and_is_removed_after(tmp_path):
+    with scratch_dir("merge", root=tmp_path) as folder:
+        assert folder.parent == tmp_path and folder.name.startswith(f"{PREFIX}{os.getpid()}-")
+        (folder / "model.safetensors").write_bytes(b"x")
+        assert clean_stale_scratch(tmp_path) == []  # its owner (this process) runs
+        assert folder.is_dir()
+    assert not folder.exists()
+
+
+def test_folders_of_a_sigkilled_process_are_removed_and_nothing_else(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys, time
+        from symfuse.scratch import scratch_dir
+        with scratch_dir("eval", root={str(tmp_path)!r}) as folder:
+            (folder / "half.bin").write_bytes(b"x" * 100)
+            print(folder, flush=True)
+            time.sleep(600)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    left = tmp_path / os.path.basename(proc.stdout.readline().strip())
+    assert left.is_dir()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert left.is_dir(), "SIGKILL runs no cleanup"
+    # a live owner's folder (this process), a reused pid (this process with another start time), foreign folders
+    live = tmp_path / f"{PREFIX}{os.getpid()}-{int(__import__('psutil').Process().create_time())}-merge-abc"
+    reused = tmp_path / f"{PREFIX}{os.getpid()}-1000-merge-def"
+    foreign = [tmp_path / "symfuse-merge-old", tmp_path / "mine", tmp_path / f"{PREFIX}notapid-1-x"]
+    for folder in [live, reused, *foreign]:
+        folder.mkdir()
+        (folder / "f").write_text("keep?")
+    (tmp_path / f"{PREFIX}{proc.pid}-1-file").write_text("a file, not a folder")
+
+    assert sorted(clean_stale_scratch(tmp_path)) == sorted([left, reused])
+    assert not left.exists() and not reused.exists()
+    assert live.is_dir() and all(f.is_dir() for f in foreign)
+    assert (tmp_path / f"{PREFIX}{proc.pid}-1-file").is_file()
+    assert clean_stale_scratch(tmp_path / "absent") == []
