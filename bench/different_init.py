@@ -15,7 +15,12 @@ Stages (each reads / writes under ``bench/out/different_init``)::
     python bench/different_init.py evaluate                             # align, interpolate, fine-tune, write results
 
 Pre-training is purely step-based (learning rate, data order and masking depend on the step number only), so a
-run may be paused (SIGSTOP / SIGCONT) or slowed by other jobs without changing its result.
+run may be paused (SIGSTOP / SIGCONT) or slowed by other jobs without changing its result. It is also resumable
+across processes: every save (every ``--eval-every`` steps) also writes ``resume.safetensors`` in the output folder
+(weights, AdamW moments and step counts, the data generator's state, the epoch order and position, the RNG; the
+scheduler state, history and run options as JSON in the file's metadata), atomically (temp file + ``os.replace``).
+Running the same ``pretrain`` command again continues from it (``--resume`` insists on it), bitwise identical to an
+uninterrupted run; a state written under other options is refused (remove ``resume.safetensors`` to start over).
 
 Code: this file (pre-training, command line), ``different_init_corpus.py`` (text, vocabulary, packed blocks,
 model, MLM loss) and ``different_init_eval.py`` (alignment, interpolation, fine-tuning, results).
@@ -28,6 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -47,14 +54,117 @@ from different_init_corpus import (  # a sibling: bench scripts run from bench/
     vocab,
 )
 from different_init_eval import evaluate
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 log = logging.getLogger("different_init")
 
 
+STATE = "resume.safetensors"  # the resume state, in the output folder
+# the options that define a pre-training run's result, bit for bit (--stop-after and --out do not); the thread count
+# does (it changes the order of float reductions), and so does the device (recorded next to these in the state)
+RUN_KEYS = ("seed", "steps", "batch", "lr", "warmup", "dropout", "min_count", "eval_every", "eval_blocks", "threads")
+
+
+class ResumeError(Exception):
+    """A resume state that cannot be used with this command (one line: what, why, the fix)."""
+
+
+def _replace_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a temp sibling, then ``os.replace``)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _save_model(model: torch.nn.Module, out: Path) -> None:
+    """``save_pretrained`` into a temp folder, then each file moved into ``out`` with ``os.replace``."""
+    tmp = out / f".save.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+
+
+def write_resume(path: Path, model, opt, sched, g: torch.Generator, order: torch.Tensor, meta: dict) -> None:
+    """The resume state after ``meta["step"]`` steps as ONE safetensors file (JSON in its metadata), atomically.
+
+    Tensors: the parameters (``model.*``), the AdamW state (``opt.<index>.{exp_avg,exp_avg_sq,step}``), the data
+    generator's state, the epoch order and torch's RNG states. ``meta`` (step, position in the order, history,
+    options) and the scheduler state and learning rates go into the ``state`` metadata entry.
+    """
+    tensors = {f"model.{n}": p.detach().to("cpu").contiguous() for n, p in model.named_parameters()}
+    opt_sd, scalars = opt.state_dict(), {}
+    for idx, st in opt_sd["state"].items():
+        for key, value in st.items():
+            if torch.is_tensor(value):
+                tensors[f"opt.{idx}.{key}"] = value.detach().to("cpu").contiguous()
+            else:
+                scalars[f"{idx}.{key}"] = value
+    tensors |= {"data.generator": g.get_state(), "data.order": order.contiguous(), "rng.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    sched_sd = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+    lrs = [grp["lr"] for grp in opt_sd["param_groups"]]
+    state = {**meta, "scheduler": sched_sd, "lrs": lrs, "optimizer_scalars": scalars}
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(tensors, tmp, metadata={"state": json.dumps(state)})
+    os.replace(tmp, path)
+
+
+def read_resume(path: Path, model, opt, sched, g: torch.Generator, config: dict) -> tuple[torch.Tensor, dict]:
+    """Restore :func:`write_resume`'s state into ``model``, ``opt``, ``sched``, ``g`` and torch's RNG.
+
+    Returns:
+        ``(order, meta)``.
+
+    Raises:
+        ResumeError: the state was written by a run with other options.
+    """
+    with safe_open(path, "pt") as f:
+        meta = json.loads(f.metadata()["state"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    if meta["config"] != config:
+        diff = sorted(k for k in config.keys() | meta["config"].keys() if config.get(k) != meta["config"].get(k))
+        raise ResumeError(
+            f"{path}: written by a run with other options ({', '.join(diff)}) — repeat that run's command, or "
+            "remove the file to start over"
+        )
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(tensors[f"model.{n}"])
+    state: dict[int, dict] = {}
+    opt_items = {k[4:]: v for k, v in tensors.items() if k.startswith("opt.")} | meta.pop("optimizer_scalars")
+    for key, value in opt_items.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    groups = opt.state_dict()["param_groups"]  # same options, same parameter order: only the lr moved
+    for grp, lr in zip(groups, meta.pop("lrs"), strict=True):
+        grp["lr"] = lr
+    opt.load_state_dict({"state": state, "param_groups": groups})
+    sched.load_state_dict({**meta.pop("scheduler"), "lr_lambdas": [None] * len(groups)})
+    g.set_state(tensors["data.generator"])
+    torch.set_rng_state(tensors["rng.cpu"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    return tensors["data.order"], meta
+
+
 def pretrain(args: argparse.Namespace) -> None:
-    """Pre-train one model with MLM for exactly ``args.steps`` steps (schedule, data and masking depend on steps)."""
+    """Pre-train one model with MLM for exactly ``args.steps`` steps (schedule, data and masking depend on steps).
+
+    Resumes from ``resume.safetensors`` in the output folder when it is there (see the module docstring).
+
+    Raises:
+        ResumeError: ``--resume`` without a state, a state of other options, or one past ``--stop-after``.
+    """
     torch.set_num_threads(args.threads)
     out = args.out or WORK / f"pretrain_seed{args.seed}"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = {k: getattr(args, k) for k in RUN_KEYS} | {"device": device}
+    stop = min(args.steps, args.stop_after or args.steps)  # a truncated run of the same schedule
+    if args.resume and not (out / STATE).exists():
+        raise ResumeError(f"{out / STATE}: no resume state — run without --resume to start this run")
     tok = tokenizer()
     voc = vocab(tok, args.min_count)
     data = blocks("train", tok, voc)  # same data for both seeds: only the init and the batch order differ
@@ -70,7 +180,6 @@ def pretrain(args: argparse.Namespace) -> None:
         args.batch,
     )
     model = new_model(args.seed, voc, args.dropout)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98), eps=1e-6)
     warmup = max(1, round(args.warmup * args.steps))
@@ -78,12 +187,21 @@ def pretrain(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(args.seed + 100)
     held_in, held_lab = mask_tokens(held, voc, torch.Generator().manual_seed(777))
     order = torch.randperm(len(data), generator=g)
-    pos, history, t0, train_losses = 0, [], time.time(), []
+    meta = {"step": 0, "pos": 0, "history": [], "seconds": 0.0, "resumed_at": [], "config": config}
+    if (out / STATE).exists():
+        order, meta = read_resume(out / STATE, model, opt, sched, g, config)
+        if meta["step"] > stop:
+            raise ResumeError(
+                f"{out / STATE}: the run is at step {meta['step']}, past --stop-after {stop} — raise --stop-after"
+            )
+        meta["resumed_at"].append(meta["step"])
+        log.info("seed %d: resuming at step %d from %s", args.seed, meta["step"], out / STATE)
+    pos, history, start, train_losses = meta["pos"], meta["history"], meta["step"], []
+    base_seconds, t0 = meta["seconds"], time.time()  # seconds of the earlier processes; this one's start
     out.mkdir(parents=True, exist_ok=True)
     cfg = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    (out / "run.json").write_text(json.dumps(cfg, indent=1))
-    stop = min(args.steps, args.stop_after or args.steps)  # a truncated run of the same schedule
-    for step in range(stop):
+    _replace_write(out / "run.json", json.dumps({**cfg, "resumed_at": meta["resumed_at"]}, indent=1))
+    for step in range(start, stop):
         if pos + args.batch > len(order):
             order, pos = torch.randperm(len(data), generator=g), 0
         x = data[order[pos : pos + args.batch]]
@@ -95,11 +213,11 @@ def pretrain(args: argparse.Namespace) -> None:
         train_losses.append(loss.item())
         last = step == stop - 1
         if (step + 1) % args.eval_every == 0 or step == 0 or last:
-            elapsed = time.time() - t0
+            now = time.time() - t0
             hl = held_out_loss(model, held_in, held_lab, device)
             rec = {
                 "step": step + 1,
-                "seconds": round(elapsed, 1),
+                "seconds": round(base_seconds + now, 1),  # summed over the processes of a resumed run
                 "lr": sched.get_last_lr()[0],
                 "train_loss": sum(train_losses) / len(train_losses),  # mean since the previous record
                 "held_loss": hl,
@@ -111,15 +229,17 @@ def pretrain(args: argparse.Namespace) -> None:
                 args.seed,
                 step + 1,
                 args.steps,
-                elapsed,
-                (step + 1) / elapsed,
+                rec["seconds"],
+                (step + 1 - start) / now,  # this process's rate
                 rec["train_loss"],
                 hl,
                 rec["lr"],
             )
-            model.save_pretrained(out)  # safetensors written in place; the last save is the final model
-            (out / "history.json").write_text(json.dumps(history, indent=1))
-    log.info("seed %d done: %d of %d steps in %.0fs", args.seed, stop, args.steps, time.time() - t0)
+            _save_model(model, out)  # the last save is the final model
+            _replace_write(out / "history.json", json.dumps(history, indent=1))
+            meta |= {"step": step + 1, "pos": pos, "history": history, "seconds": rec["seconds"]}
+            write_resume(out / STATE, model, opt, sched, g, order, meta)
+    log.info("seed %d done: %d of %d steps (%d in this process)", args.seed, stop, args.steps, stop - start)
 
 
 def main() -> None:
@@ -145,6 +265,11 @@ def main() -> None:
     pt.add_argument("--eval-every", type=int, default=100)
     pt.add_argument("--eval-blocks", type=int, default=512)
     pt.add_argument("--out", type=Path, default=None, help="default bench/out/different_init/pretrain_seed<SEED>")
+    pt.add_argument(
+        "--resume",
+        action="store_true",
+        help="insist on continuing from OUT/resume.safetensors (without it: continued when present, else started)",
+    )
     pr = sub.add_parser("prepare", help="tokenise and cache the packed train / held-out blocks and the vocabulary")
     pr.add_argument("--min-count", type=int, default=5)
     ev = sub.add_parser("evaluate", help="align, interpolate, fine-tune, write bench/results/different_init.*")
@@ -172,7 +297,10 @@ def main() -> None:
             "[UNK] share: train %.4f, held-out %.4f", (tr == voc.unk).float().mean(), (va == voc.unk).float().mean()
         )
     if args.stage == "pretrain":
-        pretrain(args)
+        try:
+            pretrain(args)
+        except ResumeError as e:
+            sys.exit(f"error: {e}")
     if args.stage == "evaluate":
         evaluate(args)
 
