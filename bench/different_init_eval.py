@@ -64,6 +64,8 @@ METHODS = (
     "weight_full",
     "activation_permutation_first",
     "activation_permutation_last",
+    "weight_head_linear",
+    "activation_head_linear",
     "ot_weights",
     "ot_weights_full",
     "ot_acts",
@@ -77,6 +79,9 @@ OT_METHODS = {  # issue 16: OT fusion (symfuse.match.ot): (mode, soft, extra sym
     "ot_weights_soft": ("weights", True, ()),
     "ot_acts_soft": ("acts", True, ()),
 }
+# issue 32: head-linear (an invertible d_head x d_head map per head on the QK and on the OV circuit, in place of
+# rotation + scaling; exact on post-LN BERT, unlike residual-orthogonal): method -> kinds on top of the permutations
+HEAD_LINEAR = {"weight_head_linear": ("head-linear",), "activation_head_linear": ("head-linear",)}
 OT_REG = {"reg": 0.05}  # entropic regularisation of the soft rows (cost rescaled to [0, 1]); set by --ot-reg
 LABELS = {
     "plain": "plain averaging",
@@ -86,6 +91,8 @@ LABELS = {
     "weight_full": "weight-based permutations + rotation + scaling (extra)",
     "activation_permutation_first": "activation-based permutations, residual strategy `first` (extra)",
     "activation_permutation_last": "activation-based permutations, residual strategy `last` (extra)",
+    "weight_head_linear": "weight-based permutations (FFN + heads paired on QK / OV circuits) + head-linear",
+    "activation_head_linear": "activation-based permutations (FFN + heads + residual) + head-linear",
     "ot_weights": "OT fusion, weights (EMD: residual by embedding columns, heads, FFN)",
     "ot_weights_full": "OT fusion, weights (EMD) + rotation + scaling",
     "ot_acts": "OT fusion, acts-EMD (residual, heads, FFN)",
@@ -111,12 +118,13 @@ def align(method: str, source: torch.nn.Module, anchor: torch.nn.Module, batches
         mode, soft, extra = OT_METHODS[method]
         reg = OT_REG["reg"] if soft else 0.0
         return ot_align(source, anchor, mode, reg, batches, symmetries=extra).state
-    if method.startswith("activation_permutation") or method == "full":
+    if method.startswith("activation_") or method == "full":
         syms = ("residual-permutation", "head-permutation", "ffn-permutation")
-        syms += ("rotation", "scaling") if method == "full" else ()
+        syms += ("rotation", "scaling") if method == "full" else HEAD_LINEAR.get(method, ())
         strategy = method.rsplit("_", 1)[1] if method.endswith(("_first", "_last")) else "all"
         return match_activations(source, anchor, batches, symmetries=syms, residual_strategy=strategy).state
     syms = ("ffn-permutation", "head-permutation") + (("rotation", "scaling") if method == "weight_full" else ())
+    syms += HEAD_LINEAR.get(method, ())  # with head-permutation: heads paired on their circuits, then the maps
     spec, cfg = get_spec(source.config), source.config
     geo = spec.geometry(cfg)
     st, an = dict(source.state_dict()), anchor.state_dict()
