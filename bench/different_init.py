@@ -3,7 +3,8 @@
 Two small BERT-style MLM models are pre-trained from scratch from two seeds on the text of the shared datasets;
 then the MLM loss on held-out text is measured along the linear path between them after aligning model B to
 model A by: nothing (plain averaging), weight-based permutations, activation-based permutations
-(FFN + heads + residual stream), activation-based permutations + rotation + scaling, and OT fusion
+(FFN + heads + residual stream), activation-based permutations + rotation + scaling, either permutation + the
+per-head invertible maps of ``head-linear`` (issue 32), and OT fusion
 (``symfuse.match.ot``, issue 16: EMD on weights and on activations, and soft entropic OT, which is not exact).
 Finally both are fine-tuned on one emotion dataset and the midpoint accuracy is reported for each method.
 
