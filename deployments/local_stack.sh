@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Local Prefect stack for symfuse (see deployments/stack.py):
-#   deployments/local_stack.sh start [--port 4200] [--gpus 0,1]   server on 127.0.0.1, pools gpu + control, tag
-#                                                                  limit, prefect deploy, automations, one worker
-#                                                                  per GPU and one control worker (the watcher)
+#   deployments/local_stack.sh start [--port 4200] [--gpus 0,1]   server on 127.0.0.1, pools gpu + control,
+#                                                                  prefect deploy, automations, a pipeline worker,
+#                                                                  one stage worker per GPU and one control worker
 #   deployments/local_stack.sh status
 #   deployments/local_stack.sh stop                                workers first, then the server
 set -euo pipefail

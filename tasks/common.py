@@ -25,6 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party  # third-party bars off inside tasks (the user's env wins)
 from symfuse.store import ArtifactStore, content_key, layout
+from tasks.devices import on_device_slot, task_device
 from tasks.policy import RETRIES, RETRY_DELAYS, maybe_inject_fault, retry_transient
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "reuse",
     "scratch",
     "symfuse_task",
+    "task_device",
     "timed",
 ]
 
@@ -49,9 +51,10 @@ def symfuse_task(name: str, task_run_name: str, gpu: bool = False) -> Callable:
     Args:
         name: Task name (what ``SYMFUSE_FAIL_ONCE`` matches, besides the run name).
         task_run_name: Template over the task's parameters, e.g. ``"finetune-{dataset}"``.
-        gpu: Tag the task ``gpu`` (work that runs on the accelerator; the tag's concurrency limit caps fan-out).
+        gpu: Work on the accelerator: tagged ``gpu``, and run holding one device slot of its worker
+            (``tasks/devices.py``; only where the worker sets ``SYMFUSE_DEVICE_SLOTS``), on that slot's device.
     """
-    return task(
+    decorate = task(
         name=name,
         task_run_name=task_run_name,
         tags=["gpu"] if gpu else [],
@@ -61,6 +64,7 @@ def symfuse_task(name: str, task_run_name: str, gpu: bool = False) -> Callable:
         cache_policy=NO_CACHE,
         persist_result=False,
     )
+    return lambda fn: decorate(on_device_slot(fn) if gpu else fn)
 
 
 def warm_imports(base_model: str) -> None:
