@@ -11,8 +11,9 @@
 * :func:`run_lock`: one flow run per ``run_id`` at a time (a Prefect global concurrency limit
   ``symfuse-run-<run_id>`` of one slot): a second run with the same id waits, then reuses what the first stored,
   instead of interleaving writes under ``runs/<run_id>/``. The holder (flow run id, attempt, lease) is recorded in a
-  Prefect variable: a LATER ATTEMPT of the same flow run (a crashed run rescheduled) takes the lock over at once, a
-  different flow run waits until the holder releases it or its one-minute lease runs out (holder died).
+  Prefect variable, with a beat the holder counts up at every renewal: a LATER ATTEMPT of the same flow run (a crashed
+  run rescheduled) takes the lock over as soon as that beat stood still for 20 s, a different flow run waits until the
+  holder releases it or its one-minute lease runs out (holder died).
 """
 
 from __future__ import annotations
@@ -41,10 +42,13 @@ LOCK_WAIT_SECONDS: float | None = None
 # loop; Prefect allows 60 s to 1 day), renewed every RENEW_EVERY_SECONDS; a waiting run asks again at most every
 # ACQUIRE_POLL_SECONDS.
 LEASE_SECONDS = 60.0
-RENEW_EVERY_SECONDS = 15.0
+RENEW_EVERY_SECONDS = 8.0
 ACQUIRE_POLL_SECONDS = 5.0
-# Prefect variable recording a run lock's holder: {"flow_run": id, "attempt": run_count, "lease": lease id}.
+# Prefect variable recording a run lock's holder: {"flow_run": id, "attempt": run_count, "lease": lease id, "beat": n},
+# "beat" counted up at every renewal. A later attempt of the holder's flow run takes the lock over once the record
+# stood still for QUIET_SECONDS (the earlier attempt stopped renewing: it is dead, not merely slow).
 HOLDER_PREFIX = "symfuse-run-lock-"
+QUIET_SECONDS = 20.0
 # Run ids whose lock this context (a flow run and its subflows, e.g. remerge -> fusion_pipeline) already holds.
 _HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("symfuse_run_locks", default=frozenset())
 
@@ -184,9 +188,11 @@ def holder_variable(name: str) -> str:
 def takes_over(holder: Mapping[str, Any] | None, me: Mapping[str, Any] | None) -> bool:
     """Whether attempt ``me`` may take the lock from ``holder``: an EARLIER attempt of the same flow run.
 
-    A flow run runs one attempt at a time, so an earlier attempt still holding the lock when a later one starts is
-    a dead one (its process or machine was lost and the run was rescheduled); waiting for its lease to run out would
-    only delay the rescue. Any other holder (another flow run, or no record) is waited for.
+    An earlier attempt still holding the lock when a later one starts was lost (its process or machine died and the
+    run was rescheduled), or is a duplicate Prefect started next to the new one (a worker reporting one crash twice
+    reschedules the run twice): :func:`_acquire` takes over only once the holder's beat stood still for
+    :data:`QUIET_SECONDS`, so a live duplicate finishes first. Any other holder (another flow run, or no record) is
+    waited for until it releases the slot or its lease runs out.
 
     Args:
         holder: The recorded holder ``{"flow_run", "attempt", "lease"}``, or None.
@@ -230,13 +236,15 @@ def _read_holder(client: Any, name: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _record_holder(client: Any, name: str, lease_id: UUID, me: Mapping[str, Any] | None, log: Any) -> None:
-    """Record ``me`` (with ``lease_id``) as the holder of ``name``; a failure only costs later takeovers."""
+def _record_holder(
+    client: Any, name: str, lease_id: UUID, me: Mapping[str, Any] | None, log: Any, beat: int = 0
+) -> None:
+    """Record ``me`` (with ``lease_id`` and ``beat``) as the holder of ``name``; a failure only delays takeovers."""
     from prefect.client.schemas.actions import VariableCreate, VariableUpdate
 
     if me is None:
         return
-    value, var = {**me, "lease": str(lease_id)}, holder_variable(name)
+    value, var = {**me, "lease": str(lease_id), "beat": beat}, holder_variable(name)
     try:
         if client.read_variable_by_name(var) is None:
             client.create_variable(VariableCreate(name=var, value=value, tags=["symfuse"]))
@@ -261,12 +269,13 @@ def _release_dead(client: Any, name: str, holder: Mapping[str, Any], log: Any) -
 def _acquire(client: Any, name: str, wait: float | None, log: Any, me: Mapping[str, Any] | None = None) -> Any:
     """A lease on the one slot of ``name``, waiting up to ``wait`` seconds (None: no limit); None when busy.
 
-    A slot held by an earlier attempt of the same flow run (:func:`takes_over`) is freed and taken at once.
+    A slot held by an earlier attempt of the same flow run (:func:`takes_over`) whose beat stood still for
+    :data:`QUIET_SECONDS` is freed and taken.
     """
     import httpx
 
     deadline = None if wait is None else time.monotonic() + wait
-    said, freed = False, set()
+    said, freed, seen, since = False, set(), None, time.monotonic()
     while True:
         try:
             response = client.increment_concurrency_slots_with_lease(
@@ -280,7 +289,11 @@ def _acquire(client: Any, name: str, wait: float | None, log: Any, me: Mapping[s
                 raise
             retry = float(exc.response.headers.get("Retry-After", 1.0))
         holder = _read_holder(client, name)
-        if takes_over(holder, me) and str(holder.get("lease")) not in freed:
+        mark = ((holder or {}).get("lease"), (holder or {}).get("beat"))
+        if mark != seen:
+            seen, since = mark, time.monotonic()  # the holder renewed (or changed) since the last look
+        quiet = time.monotonic() - since >= QUIET_SECONDS
+        if quiet and takes_over(holder, me) and str(holder.get("lease")) not in freed:
             freed.add(str(holder.get("lease")))  # once per lease: a stale record must not loop without a pause
             _release_dead(client, name, holder, log)
             continue
@@ -307,6 +320,7 @@ class _LeaseKeeper:
 
     def __init__(self, name: str, lease_id: Any, log: Any, me: Mapping[str, Any] | None = None) -> None:
         self.name, self.lease_id, self.log, self.me = name, lease_id, log, me
+        self.beat = 0
         self._stop = threading.Event()
         self._context = contextvars.copy_context()  # the caller's Prefect settings (API URL) and logging context
         self._thread = threading.Thread(target=self._context.run, args=(self._loop,), daemon=True, name=name)
@@ -330,6 +344,7 @@ class _LeaseKeeper:
         if self.lease_id is not None:
             try:
                 client.renew_concurrency_lease(self.lease_id, lease_duration=LEASE_SECONDS)
+                self._beat(client)
                 return
             except httpx.HTTPStatusError as exc:
                 if exc.response.status_code not in (404, 410):
@@ -339,6 +354,13 @@ class _LeaseKeeper:
         self.lease_id = _acquire(client, self.name, 0, self.log, self.me)
         if self.lease_id is None:
             self.log.warning("run lock %s: another flow run holds the slot now; this run goes on", self.name)
+
+    def _beat(self, client: Any) -> None:
+        """Count the holder record's beat up (only while it still names this lease: a takeover's record stays)."""
+        holder = _read_holder(client, self.name)
+        if self.me is not None and holder is not None and str(holder.get("lease")) == str(self.lease_id):
+            self.beat += 1
+            _record_holder(client, self.name, self.lease_id, self.me, self.log, self.beat)
 
     def stop_and_release(self) -> None:
         """Stop renewing and give the slot back (a lease the server no longer knows is already free)."""

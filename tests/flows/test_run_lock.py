@@ -165,11 +165,13 @@ def fake(monkeypatch):
     )
     monkeypatch.setattr(flows.runtime, "_logger", lambda: logging.getLogger("flows"))
     monkeypatch.setattr(flows.runtime, "ACQUIRE_POLL_SECONDS", 0.05)
+    monkeypatch.setattr(flows.runtime, "QUIET_SECONDS", 0.5)
     return server
 
 
-def _record(server: _FakeServer, name: str, flow_run, attempt: int, lease) -> None:
-    server.variables[holder_variable(name)] = {"flow_run": str(flow_run), "attempt": attempt, "lease": str(lease)}
+def _record(server: _FakeServer, name: str, flow_run, attempt: int, lease, beat: int = 0) -> None:
+    server.variables[holder_variable(name)] = {"flow_run": str(flow_run), "attempt": attempt, "lease": str(lease),
+                                               "beat": beat}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -188,14 +190,14 @@ def test_only_a_later_attempt_of_the_same_flow_run_takes_over(holder, me, expect
     assert takes_over(holder, me) is expected
 
 
-def test_a_rescheduled_attempt_takes_its_dead_attempts_lock_at_once(fake, caplog):
+def test_a_rescheduled_attempt_takes_its_dead_attempts_lock_once_its_beat_stopped(fake, caplog):
     name = f"{LOCK_PREFIX}crashed"
     dead = fake.hold(name)  # attempt 1 died holding the slot: its lease would run for up to a minute
-    _record(fake, name, FLOW_RUN, 1, dead)
+    _record(fake, name, FLOW_RUN, 1, dead, beat=7)
     caplog.set_level(logging.INFO, logger="flows")
     t0 = time.monotonic()
-    with run_lock("crashed", wait_seconds=0):
-        assert time.monotonic() - t0 < 5
+    with run_lock("crashed", wait_seconds=5):
+        assert 0.5 <= time.monotonic() - t0 < 3  # QUIET_SECONDS of a still beat, not the lease's minute
         assert dead not in fake.leases and list(fake.leases.values()) == [name]
         assert fake.variables[holder_variable(name)]["attempt"] == 2
     assert "held by attempt 1 of this same flow run, which is gone (this is attempt 2); taking it over" in caplog.text
@@ -220,11 +222,32 @@ def test_an_earlier_attempt_never_takes_the_lock_from_a_later_one(fake):
     assert fake.released == []
 
 
+def test_an_earlier_attempt_that_still_beats_is_waited_for(fake):
+    """A duplicate of the run Prefect started next to this one (a crash reported twice) finishes first."""
+    name = f"{LOCK_PREFIX}alive"
+    lease, stop = fake.hold(name), threading.Event()
+    _record(fake, name, FLOW_RUN, 1, lease)
+
+    def beating():  # what attempt 1's lease keeper does at every renewal
+        beat = 0
+        while not stop.wait(0.1):
+            beat += 1
+            _record(fake, name, FLOW_RUN, 1, lease, beat)
+
+    threading.Thread(target=beating, daemon=True).start()
+    try:
+        with pytest.raises(RuntimeError, match="in use by another flow run"), run_lock("alive", wait_seconds=1.5):
+            pass
+    finally:
+        stop.set()
+    assert fake.released == [] and lease in fake.leases
+
+
 def test_a_stale_holder_record_is_tried_once_then_waited_for(fake):
     name = f"{LOCK_PREFIX}stale"
     fake.hold(name)  # held by someone who left no record; the record names a lease long gone
     gone = uuid4()
     _record(fake, name, FLOW_RUN, 1, gone)
-    with pytest.raises(RuntimeError, match="in use by another flow run"), run_lock("stale", wait_seconds=0.5):
+    with pytest.raises(RuntimeError, match="in use by another flow run"), run_lock("stale", wait_seconds=1.5):
         pass
     assert fake.released == [gone], "the recorded lease is released once, not in a loop"
