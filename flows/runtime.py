@@ -12,7 +12,7 @@
   ``symfuse-run-<run_id>`` of one slot): a second run with the same id waits, then reuses what the first stored,
   instead of interleaving writes under ``runs/<run_id>/``. The holder (flow run id, attempt, lease) is recorded in a
   Prefect variable, with a beat the holder counts up at every renewal: a LATER ATTEMPT of the same flow run (a crashed
-  run rescheduled) takes the lock over as soon as that beat stood still for 20 s, a different flow run waits until the
+  run rescheduled) takes the lock over as soon as that beat stood still for 30 s, a different flow run waits until the
   holder releases it or its one-minute lease runs out (holder died).
 """
 
@@ -42,13 +42,13 @@ LOCK_WAIT_SECONDS: float | None = None
 # loop; Prefect allows 60 s to 1 day), renewed every RENEW_EVERY_SECONDS; a waiting run asks again at most every
 # ACQUIRE_POLL_SECONDS.
 LEASE_SECONDS = 60.0
-RENEW_EVERY_SECONDS = 8.0
+RENEW_EVERY_SECONDS = 5.0
 ACQUIRE_POLL_SECONDS = 5.0
 # Prefect variable recording a run lock's holder: {"flow_run": id, "attempt": run_count, "lease": lease id, "beat": n},
 # "beat" counted up at every renewal. A later attempt of the holder's flow run takes the lock over once the record
-# stood still for QUIET_SECONDS (the earlier attempt stopped renewing: it is dead, not merely slow).
+# stood still for QUIET_SECONDS by the server's clock (six missed beats: the earlier attempt is dead, not just slow).
 HOLDER_PREFIX = "symfuse-run-lock-"
-QUIET_SECONDS = 20.0
+QUIET_SECONDS = 30.0
 # Run ids whose lock this context (a flow run and its subflows, e.g. remerge -> fusion_pipeline) already holds.
 _HELD: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("symfuse_run_locks", default=frozenset())
 
@@ -228,12 +228,29 @@ def _attempt(client: Any) -> dict[str, Any] | None:
 
 def _read_holder(client: Any, name: str) -> dict[str, Any] | None:
     """The recorded holder of ``name`` (None if unrecorded or unreadable)."""
+    return _read_holder_and_age(client, name)[0]
+
+
+def _read_holder_and_age(client: Any, name: str) -> tuple[dict[str, Any] | None, float]:
+    """The recorded holder of ``name`` and how many seconds ago it was last written, by the server's clock.
+
+    The age is the server's ``Date`` header minus the variable's ``updated`` (both server time: no clock skew
+    between machines); 0 when either is unknown.
+    """
+    from email.utils import parsedate_to_datetime
+
     try:
         variable = client.read_variable_by_name(holder_variable(name))
     except Exception:
-        return None
+        return None, 0.0
     value = getattr(variable, "value", None)
-    return value if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return None, 0.0
+    try:
+        now = parsedate_to_datetime(client.request("GET", "/health").headers["date"])
+        return value, max(0.0, (now - variable.updated).total_seconds())
+    except Exception:
+        return value, 0.0
 
 
 def _record_holder(
@@ -269,8 +286,8 @@ def _release_dead(client: Any, name: str, holder: Mapping[str, Any], log: Any) -
 def _acquire(client: Any, name: str, wait: float | None, log: Any, me: Mapping[str, Any] | None = None) -> Any:
     """A lease on the one slot of ``name``, waiting up to ``wait`` seconds (None: no limit); None when busy.
 
-    A slot held by an earlier attempt of the same flow run (:func:`takes_over`) whose beat stood still for
-    :data:`QUIET_SECONDS` is freed and taken.
+    A slot held by an earlier attempt of the same flow run (:func:`takes_over`) whose record stood still for
+    :data:`QUIET_SECONDS` (by the server's clock, or watched from here) is freed and taken.
     """
     import httpx
 
@@ -288,11 +305,11 @@ def _acquire(client: Any, name: str, wait: float | None, log: Any, me: Mapping[s
             if exc.response.status_code != 423:  # 423 Locked: held by another run
                 raise
             retry = float(exc.response.headers.get("Retry-After", 1.0))
-        holder = _read_holder(client, name)
+        holder, age = _read_holder_and_age(client, name)
         mark = ((holder or {}).get("lease"), (holder or {}).get("beat"))
         if mark != seen:
             seen, since = mark, time.monotonic()  # the holder renewed (or changed) since the last look
-        quiet = time.monotonic() - since >= QUIET_SECONDS
+        quiet = max(age, time.monotonic() - since) >= QUIET_SECONDS
         if quiet and takes_over(holder, me) and str(holder.get("lease")) not in freed:
             freed.add(str(holder.get("lease")))  # once per lease: a stale record must not loop without a pause
             _release_dead(client, name, holder, log)

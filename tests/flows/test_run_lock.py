@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 from types import SimpleNamespace
 from uuid import UUID, uuid4
 
@@ -90,6 +92,7 @@ class _FakeServer:
     def __init__(self, attempt: int) -> None:
         self.leases: dict[UUID, str] = {}
         self.variables: dict[str, dict] = {}
+        self.updated: dict[str, datetime] = {}  # when each variable was last written, by the server's clock
         self.attempt = attempt  # the run_count the server reports for the current flow run
         self.released: list[UUID] = []
 
@@ -133,13 +136,18 @@ class _FakeClient:
 
     def read_variable_by_name(self, name):
         value = self.server.variables.get(name)
-        return None if value is None else SimpleNamespace(name=name, value=value)
+        updated = self.server.updated.get(name, datetime.now(UTC))
+        return None if value is None else SimpleNamespace(name=name, value=value, updated=updated)
+
+    def request(self, method, path):  # the server's clock, in the Date header of any answer
+        return httpx.Response(200, headers={"date": format_datetime(datetime.now(UTC), usegmt=True)})
 
     def create_variable(self, variable):
-        self.server.variables[variable.name] = variable.value
+        self.update_variable(variable)
 
     def update_variable(self, variable):
         self.server.variables[variable.name] = variable.value
+        self.server.updated[variable.name] = datetime.now(UTC)
 
     def delete_variable_by_name(self, name):
         self.server.variables.pop(name, None)
@@ -222,6 +230,21 @@ def test_an_earlier_attempt_never_takes_the_lock_from_a_later_one(fake):
     assert fake.released == []
 
 
+def test_a_record_already_quiet_by_the_servers_clock_is_taken_over_at_once(fake, monkeypatch):
+    monkeypatch.setattr(flows.runtime, "QUIET_SECONDS", 30.0)
+    name = f"{LOCK_PREFIX}long-dead"
+    dead = fake.hold(name)
+    _record(fake, name, FLOW_RUN, 1, dead, beat=3)
+    fake.updated[holder_variable(name)] = datetime.now(UTC) - timedelta(seconds=45)  # six beats missed
+    t0 = time.monotonic()
+    with run_lock("long-dead", wait_seconds=5):
+        assert time.monotonic() - t0 < 2 and dead not in fake.leases
+    fake.hold(name)  # a fresh record (last beat just now) of attempt 1 is waited for: it may be alive
+    _record(fake, name, FLOW_RUN, 1, uuid4(), beat=4)
+    with pytest.raises(RuntimeError, match="in use by another flow run"), run_lock("long-dead", wait_seconds=1):
+        pass
+
+
 def test_an_earlier_attempt_that_still_beats_is_waited_for(fake):
     """A duplicate of the run Prefect started next to this one (a crash reported twice) finishes first."""
     name = f"{LOCK_PREFIX}alive"
@@ -251,3 +274,47 @@ def test_a_stale_holder_record_is_tried_once_then_waited_for(fake):
     with pytest.raises(RuntimeError, match="in use by another flow run"), run_lock("stale", wait_seconds=1.5):
         pass
     assert fake.released == [gone], "the recorded lease is released once, not in a loop"
+
+
+def test_the_holder_of_a_flow_run_records_itself_and_beats_while_it_holds(monkeypatch):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    monkeypatch.setattr(flows.runtime, "RENEW_EVERY_SECONDS", 0.2)
+    var = holder_variable(f"{LOCK_PREFIX}beating")
+
+    def record():
+        with get_client(sync_client=True) as client:
+            variable = client.read_variable_by_name(var)
+            return None if variable is None else variable.value
+
+    @flow
+    def holder_flow():
+        from prefect.context import FlowRunContext
+
+        with run_lock("beating"):
+            first = record()
+            time.sleep(1.5)
+            return str(FlowRunContext.get().flow_run.id), first, record()
+
+    flow_run, first, later = holder_flow()
+    assert (first["flow_run"], first["attempt"], first["beat"]) == (flow_run, 1, 0)
+    assert later["lease"] == first["lease"] and later["beat"] >= 3, later
+    assert record() is None, "released with the lock"
+
+
+def test_a_records_age_is_read_off_the_servers_clock(monkeypatch):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    monkeypatch.setattr(flows.runtime, "RENEW_EVERY_SECONDS", 60.0)  # no beat while we watch
+
+    @flow
+    def silent_holder():
+        with run_lock("silent"):
+            time.sleep(2.5)
+            with get_client(sync_client=True) as client:
+                return flows.runtime._read_holder_and_age(client, f"{LOCK_PREFIX}silent")
+
+    holder, age = silent_holder()
+    assert holder["beat"] == 0 and 1.0 <= age < 30, age
