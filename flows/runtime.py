@@ -315,7 +315,7 @@ def _acquire(client: Any, name: str, wait: float | None, log: Any, me: Mapping[s
             _release_dead(client, name, holder, log)
             continue
         if not said:
-            log.info("run lock %s is held by another flow run (%s); waiting for it", name, _describe(holder))
+            log.info("run lock %s is held by %s; waiting for it", name, _describe(holder))
             said = True
         if deadline is not None:
             left = deadline - time.monotonic()
@@ -326,9 +326,9 @@ def _acquire(client: Any, name: str, wait: float | None, log: Any, me: Mapping[s
 
 
 def _describe(holder: Mapping[str, Any] | None) -> str:
-    """``flow run <id>, attempt <n>`` of a holder record, or why there is none."""
+    """``flow run <id>, attempt <n>`` of a holder record, or that it is unrecorded."""
     if not holder:
-        return "holder not recorded"
+        return "another flow run (holder not recorded)"
     return f"flow run {holder.get('flow_run')}, attempt {holder.get('attempt')}"
 
 
