@@ -1,4 +1,4 @@
-"""A local Prefect stack for symfuse: server on 127.0.0.1, pools, tag limit, deployments, automations, workers.
+"""A local Prefect stack for symfuse: server on 127.0.0.1, pools, deployments, automations, workers.
 
 Usage (from anywhere; paths are resolved against the repository)::
 
@@ -11,13 +11,15 @@ Usage (from anywhere; paths are resolved against the repository)::
 ``start`` runs ``prefect server start --host 127.0.0.1 --port PORT`` in the background (its UI calls the API on
 that same port: PREFECT_UI_API_URL and PREFECT_API_URL are set from ``--port``; PREFECT_HOME and its sqlite database
 under ``--home``, default ``$SYMFUSE_STACK_DIR`` or ``symfuse-runs/.stack``), creates the process work pools ``gpu``
-and ``control`` (the watcher's, so it never takes a GPU worker's slot), sets the task concurrency limit on tag
-``gpu`` (one slot per GPU), runs ``prefect deploy`` on a copy of ``deployments/prefect.yaml`` whose pull step names
-this checkout (the file itself names /opt/symfuse, the images' folder) for the deployments that are new or changed
-in the file since the last deploy (``deployments/stack_deploy.py``: edits made in the UI are kept and named; ``--force``
-deploys everything as the file says), applies ``deployments/automations.yaml`` and
-starts one worker per GPU, each with ``CUDA_VISIBLE_DEVICES`` set to its GPU (one worker without it when there is no
-GPU), plus one ``control`` worker. Workers inherit this shell's environment: set ``SYMFUSE_STORE`` (and ``AWS_*``
+and ``control`` (the watcher's, so it never takes a GPU worker's slot) and the ``gpu`` pool's queue ``stages``, runs
+``prefect deploy`` on a copy of ``deployments/prefect.yaml`` whose pull step names this checkout (the file itself
+names /opt/symfuse, the images' folder) for the deployments that are new or changed in the file since the last deploy
+(``deployments/stack_deploy.py``: edits made in the UI are kept and named; ``--force`` deploys everything as the file
+says), applies ``deployments/automations.yaml`` and starts the workers (:func:`worker_specs`): one for pipelines
+(queue ``default``), one stage worker per GPU with ``CUDA_VISIBLE_DEVICES`` set to it and ``--limit 1`` (one with
+``--limit $SYMFUSE_CPU_SLOTS`` when there is no GPU), all naming this machine in ``SYMFUSE_DEVICE_SLOTS`` (a heavy
+task holds one of its devices: ``tasks/devices.py``), plus one ``control`` worker. Workers inherit this shell's
+environment: set ``SYMFUSE_STORE`` (and ``AWS_*``
 for an ``s3://`` store) before starting; ``HF_HUB_OFFLINE=1`` there forbids hub downloads (not forced here).
 
 ``stop`` stops the workers BEFORE the server: a worker whose server is gone retries and hangs on SIGTERM. ``start``
@@ -53,7 +55,8 @@ PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
 AUTOMATIONS_FILE = REPO / "deployments" / "automations.yaml"
 POOL = "gpu"
 CONTROL_POOL = "control"
-GPU_TAG = "gpu"
+GPU_TAG = "gpu"  # tasks on the accelerator carry it; no limit on it (device slots, tasks/devices.py, bound them)
+STAGE_QUEUE = "stages"
 LIBRARY_LOGGERS = "symfuse,tasks"  # PREFECT_LOGGING_EXTRA_LOGGERS: library INFO lines in the runs' logs
 HOST = "127.0.0.1"
 
@@ -165,8 +168,12 @@ def wait_healthy(api_url: str, timeout: float = 120, pid: int | None = None) -> 
 
 
 # ----------------------------------------------------------------------------------------------- API set-up
-async def _setup_api(api_url: str, n_slots: int, automations: list[dict[str, Any]]) -> None:
-    """Create the process pools, the tag concurrency limit and the automations (replacing same-named ones)."""
+async def _setup_api(api_url: str, automations: list[dict[str, Any]]) -> None:
+    """Create the process pools, the stage queue and the automations (replacing same-named ones).
+
+    A ``gpu`` tag concurrency limit left by an older set-up is deleted: one global limit serialised every heavy
+    task over all machines (device slots per machine replace it).
+    """
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.events.schemas.automations import AutomationCore
@@ -180,7 +187,10 @@ async def _setup_api(api_url: str, n_slots: int, automations: list[dict[str, Any
             except ObjectNotFound:
                 template = ProcessWorker.get_default_base_job_template()
                 await client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=template))
-        await client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=n_slots)
+        with contextlib.suppress(ObjectNotFound):
+            await client.delete_concurrency_limit_by_tag(GPU_TAG)
+        if STAGE_QUEUE not in {q.name for q in await client.read_work_queues(work_pool_name=POOL)}:
+            await client.create_work_queue(name=STAGE_QUEUE, work_pool_name=POOL)
         for data in automations:
             automation = AutomationCore.model_validate(data)
             for old in await client.read_automations_by_name(automation.name):
@@ -194,12 +204,12 @@ def load_automations(path: Path = AUTOMATIONS_FILE) -> list[dict[str, Any]]:
     return data["automations"] if isinstance(data, dict) else list(data)
 
 
-def apply_api_setup(api_url: str, n_slots: int = 1, automations: list[dict[str, Any]] | None = None) -> None:
-    """Pools ``gpu`` and ``control`` (process), limit on tag ``gpu``, automations: against the server at ``api_url``."""
+def apply_api_setup(api_url: str, automations: list[dict[str, Any]] | None = None) -> None:
+    """Pools ``gpu`` (queues default, stages) and ``control`` (process), automations: against ``api_url``."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings(updates={PREFECT_API_URL: api_url}):
-        asyncio.run(_setup_api(api_url, n_slots, load_automations() if automations is None else automations))
+        asyncio.run(_setup_api(api_url, load_automations() if automations is None else automations))
 
 
 def deployable_names(prefect_file: Path = PREFECT_FILE) -> tuple[list[str], list[str]]:
@@ -278,6 +288,26 @@ def detect_gpus() -> list[str]:
         return []
 
 
+def worker_specs(gpus: Sequence[str], machine: str, cpu_slots: int = 1) -> list[tuple[str, list[str], dict[str, str]]]:
+    """``(name, worker arguments, extra environment)`` of the ``gpu`` pool's workers on this machine.
+
+    One pipeline worker (queue ``default``, every GPU visible, no limit: pipelines mostly wait on their stages) and
+    the stage workers (queue ``stages``): one per GPU with ``CUDA_VISIBLE_DEVICES`` and ``--limit 1``, or one CPU
+    worker with ``--limit cpu_slots``. All name ``machine`` in ``SYMFUSE_DEVICE_SLOTS``: their heavy tasks share the
+    machine's device slots.
+    """
+    base = ["--pool", POOL, "--type", "process"]
+    slots = {"SYMFUSE_DEVICE_SLOTS": machine}
+    specs = [(f"{POOL}-worker-{machine}", [*base, "--work-queue", "default"], dict(slots))]
+    for gpu in gpus:
+        specs.append((f"{POOL}-stages-{machine}-gpu{gpu}", [*base, "--work-queue", STAGE_QUEUE, "--limit", "1"],
+                      {**slots, "CUDA_VISIBLE_DEVICES": gpu}))  # fmt: skip
+    if not gpus:
+        specs.append((f"{POOL}-stages-{machine}-cpu", [*base, "--work-queue", STAGE_QUEUE, "--limit", str(cpu_slots)],
+                      {**slots, "SYMFUSE_CPU_SLOTS": str(cpu_slots)}))  # fmt: skip
+    return specs
+
+
 # ----------------------------------------------------------------------------------------------- commands
 def start(
     port: int = 4200,
@@ -324,18 +354,14 @@ def start(
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}; see {root / 'logs' / 'server.log'}") from exc
         gpus = detect_gpus() if gpus is None else list(gpus)
-        apply_api_setup(api_url, n_slots=max(1, len(gpus)))
+        apply_api_setup(api_url)
         deployed = deploy(env, local_project_file(root), force=force)
         pids = []
-        for i, gpu in enumerate((gpus or [None]) if workers else []):
-            worker_env = dict(env)
-            if gpu is not None:
-                worker_env["CUDA_VISIBLE_DEVICES"] = gpu
-            name = f"{POOL}-worker-{gpu if gpu is not None else 'cpu'}"
-            args = [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process"]
-            pids.append(
-                _spawn([*args, "--name", name], worker_env, root / "logs" / f"{name}.log", root / f"worker-{i}.pid")
-            )
+        cpu_slots = int(os.environ.get("SYMFUSE_CPU_SLOTS", "1"))
+        for i, (name, args, extra) in enumerate(worker_specs(gpus, socket.gethostname(), cpu_slots) if workers else []):
+            command = [sys.executable, "-m", "prefect", "worker", "start", *args, "--name", name]
+            log = root / "logs" / f"{name}.log"
+            pids.append(_spawn(command, {**env, **extra}, log, root / f"worker-{i}.pid"))
         if workers:  # the watcher's pool: listing the store needs no GPU
             args = [sys.executable, "-m", "prefect", "worker", "start", "--pool", CONTROL_POOL, "--type", "process"]
             name = f"{CONTROL_POOL}-worker"
@@ -397,9 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:  # automations / setup: against a server that runs already (docker compose, a remote server)
         api_url = os.environ.get("PREFECT_API_URL") or f"http://{HOST}:{args.port}/api"
         wait_healthy(api_url)
-        n_slots = int(os.environ.get("SYMFUSE_GPU_SLOTS", "0")) or max(1, len(detect_gpus()))
-        apply_api_setup(api_url, n_slots=n_slots)
-        print(f"pools {POOL!r} and {CONTROL_POOL!r}, limit on tag {GPU_TAG!r} ({n_slots}), {AUTOMATIONS_FILE.name} "
+        apply_api_setup(api_url)
+        print(f"pools {POOL!r} (queues default, {STAGE_QUEUE}) and {CONTROL_POOL!r}, {AUTOMATIONS_FILE.name} "
               f"applied to {api_url}")  # fmt: skip
         if args.command == "setup":
             env = {**os.environ, "PREFECT_API_URL": api_url}

@@ -17,7 +17,7 @@ from prefect import flow, unmapped
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.runtime import forward_library_logs, run_lock, staged
+from flows.runtime import end_orphaned_task_runs, forward_library_logs, run_lock, staged
 from flows.select import greedy_merges
 from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party
@@ -103,6 +103,7 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     forward_library_logs()  # symfuse.* INFO lines (losses, metrics, retries) into the run's logs
     require_runnable(config)  # before any task: every bad input (model, dataset, split, labels), one line each
     with run_lock(config.run_id):  # one flow run per run_id: a second one waits, then reuses what this one stored
+        end_orphaned_task_runs()  # a rescheduled run (crash): the lost attempt's task runs end Crashed
         return run_stages(config)
 
 

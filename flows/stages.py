@@ -15,7 +15,7 @@ import socket
 from prefect import flow
 from prefect.logging import get_run_logger
 
-from flows.runtime import forward_library_logs, staged
+from flows.runtime import end_orphaned_task_runs, forward_library_logs, staged
 from symfuse.config import RunConfig
 from tasks.finetune import finetune
 from tasks.stats import collect_stats
@@ -32,6 +32,7 @@ def finetune_stage(config: RunConfig, dataset: str) -> str:
     """Fine-tune the base model on ``dataset`` (the pipeline's ``finetune`` task); return the model's URI."""
     forward_library_logs()
     _where(f"finetune-stage {dataset}")
+    end_orphaned_task_runs()
     return staged(config, {finetune: "finetune"}).finetune(config, dataset)
 
 
@@ -40,4 +41,5 @@ def stats_stage(config: RunConfig, model: str, model_uri: str, kind: str) -> str
     """Collect ``kind`` statistics of ``model_uri`` on its dataset (the ``collect_stats`` task); return the URI."""
     forward_library_logs()
     _where(f"stats-stage {model} {kind}")
+    end_orphaned_task_runs()
     return staged(config, {collect_stats: "stats"}).collect_stats(config, model, model_uri, kind)

@@ -26,6 +26,7 @@ from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party  # third-party bars off inside tasks (the user's env wins)
 from symfuse.scratch import scratch_dir
 from symfuse.store import ArtifactStore, content_key, layout
+from tasks.devices import on_device_slot, task_device
 from tasks.policy import RETRIES, RETRY_DELAYS, maybe_inject_fault, retry_transient
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "reuse",
     "scratch",
     "symfuse_task",
+    "task_device",
     "timed",
 ]
 
@@ -50,7 +52,8 @@ def symfuse_task(name: str, task_run_name: str, gpu: bool = False) -> Callable:
     Args:
         name: Task name (what ``SYMFUSE_FAIL_ONCE`` matches, besides the run name).
         task_run_name: Template over the task's parameters, e.g. ``"finetune-{dataset}"``.
-        gpu: Tag the task ``gpu`` (work that runs on the accelerator; the tag's concurrency limit caps fan-out).
+        gpu: Work on the accelerator: tagged ``gpu``, and run holding one device slot of its worker
+            (``tasks/devices.py``; only where the worker sets ``SYMFUSE_DEVICE_SLOTS``), on that slot's device.
     """
     settings = task(
         name=name,
@@ -62,7 +65,7 @@ def symfuse_task(name: str, task_run_name: str, gpu: bool = False) -> Callable:
         cache_policy=NO_CACHE,
         persist_result=False,
     )
-    return lambda fn: settings(shown_cached(fn))
+    return lambda fn: settings(shown_cached(on_device_slot(fn) if gpu else fn))
 
 
 _REUSED: contextvars.ContextVar[str | None] = contextvars.ContextVar("symfuse_reused", default=None)

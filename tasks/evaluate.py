@@ -22,6 +22,7 @@ from tasks.common import (
     scratch,
     stage_meta,
     symfuse_task,
+    task_device,
     timed,
     training_classes,
 )
@@ -98,7 +99,7 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
     heads = store.manifest(model_uri).get("meta", {}).get("heads")
     chosen = pick_heads(folder, heads, dataset, data, config.evaluation.ood_heads)
     micro, _ = batch_settings(64)
-    common = dict(split=config.evaluation.split, max_examples=cap, device=config.resolved_device(),
+    common = dict(split=config.evaluation.split, max_examples=cap, device=task_device(config),
                   batch_size=micro, max_length=config.finetune.max_length, seed=config.finetune.seed)  # fmt: skip
     rating: dict[str, float] = {}
     # out_file: never write into the (possibly local) store's folder

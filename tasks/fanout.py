@@ -5,7 +5,9 @@ each returns the URI of what the stage flow stored, under the same key and conte
 (computed here by the same functions), so the two paths are interchangeable and a later in-process run reuses what
 the workers stored. Each one waits on ONE flow run of its stage deployment (``flows/stages.py``), created with
 ``run_deployment(..., as_subflow=True)``; the pipeline submits them all at once in its thread pool, so every free
-worker of the pool picks one up. They hold no ``gpu`` tag slot themselves: the stage's own task does, on its worker.
+worker of the pool picks one up. They hold no device slot themselves: the stage's own task does, on its worker
+(``tasks/devices.py``), so N workers run N stages at once. Each stage run is named after its label
+(``finetune-isear``, ``stats-isear-gram``).
 
 A retry of one of these tasks (a transient fault while it waits, e.g. a dropped API connection) must not start a
 second stage run next to the first: every stage run is created with an idempotency key made of the pipeline's flow
@@ -45,7 +47,7 @@ def run_stage(deployment: str, parameters: dict[str, Any], label: str, key: str 
     Args:
         deployment: ``flow-name/deployment-name``.
         parameters: The stage flow's parameters.
-        label: The stage run's label in log lines (``stats-isear-gram``).
+        label: The stage run's name (``finetune-isear``, ``stats-isear-gram``), in the UI and in log lines.
         key: Idempotency key (:func:`idempotency_key`): a retried call waits on the run the first call started.
 
     Raises:
@@ -56,7 +58,7 @@ def run_stage(deployment: str, parameters: dict[str, Any], label: str, key: str 
     log = logger()
     log.info("%s: starting a flow run of deployment %s on its work pool", label, deployment)
     run = run_deployment(name=deployment, parameters=parameters, timeout=None, poll_interval=POLL_SECONDS,
-                         as_subflow=True, idempotency_key=key)  # fmt: skip
+                         as_subflow=True, idempotency_key=key, flow_run_name=label)  # fmt: skip
     state = run.state
     if state is None or not state.is_completed():
         name = state.name if state is not None else "unknown"

@@ -18,6 +18,7 @@ from tasks.common import (
     scratch,
     stage_meta,
     symfuse_task,
+    task_device,
     timed,
     training_classes,
 )
@@ -64,7 +65,7 @@ def finetune(config: RunConfig, dataset: str) -> str:
         with timed() as t, Progress(f"finetune-{dataset}") as progress:
             out = finetune_model(base, config.dataset(dataset).data, tmp / "model",
                                  cfg.model_copy(update={"batch_size": micro, "grad_accum": accum}),
-                                 device=config.resolved_device(), on_progress=progress)  # fmt: skip
+                                 device=task_device(config), on_progress=progress)  # fmt: skip
         meta = stage_meta("finetune", f"finetune-{dataset}", t.seconds, dataset=dataset, micro_batch=micro)
         return store.put_dir(key, out, "finetune", {"base": str(config.base_model)}, ck, meta, move=True)
 

@@ -18,6 +18,7 @@ from tasks.common import (
     scratch,
     stage_meta,
     symfuse_task,
+    task_device,
     timed,
 )
 from tasks.policy import batch_settings, maybe_inject_fault
@@ -68,7 +69,7 @@ def collect_stats(config: RunConfig, model: str, model_uri: str, kind: str, data
         with timed() as t, Progress(f"stats-{model}-{kind}") as progress:
             files = symfuse.stats.collect_stats(
                 fetch(store, model_uri), config.dataset(dataset).data, [kind], tmp,
-                max_examples=config.stats.max_examples, batch_size=micro, device=config.resolved_device(),
+                max_examples=config.stats.max_examples, batch_size=micro, device=task_device(config),
                 max_length=config.finetune.max_length, seed=config.finetune.seed, progress=False,
                 on_progress=progress, gram_dtype=config.stats.gram_dtype,
             )  # fmt: skip
@@ -101,7 +102,7 @@ def follow_stats(config: RunConfig, model: str, matched_uri: str, stats_uri: str
             with timed() as t, Progress(f"follow-stats-{model}-{kind}", stage="follow-stats") as progress:
                 out = symfuse.stats.collect_stats(
                     matched, config.dataset(model).data, [kind], tmp,
-                    max_examples=config.stats.max_examples, batch_size=micro, device=config.resolved_device(),
+                    max_examples=config.stats.max_examples, batch_size=micro, device=task_device(config),
                     max_length=config.finetune.max_length, seed=config.finetune.seed, progress=False,
                     on_progress=progress, gram_dtype=config.stats.gram_dtype,
                 )[kind]  # fmt: skip

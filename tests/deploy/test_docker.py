@@ -237,6 +237,7 @@ def test_compose_workers_and_setup_match_the_project():
         assert env["AWS_ACCESS_KEY_ID"] == services["minio"]["environment"]["MINIO_ROOT_USER"]
         assert env["AWS_SECRET_ACCESS_KEY"] == services["minio"]["environment"]["MINIO_ROOT_PASSWORD"]
         assert services[name]["depends_on"]["setup"]["condition"] == "service_completed_successfully"
+        assert env["SYMFUSE_DEVICE_SLOTS"], "heavy tasks hold a device slot of the worker's machine"
     gpu = services["worker-gpu"]
     assert gpu["environment"]["CUDA_VISIBLE_DEVICES"] == "0"
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]

@@ -174,12 +174,51 @@ def test_automations_validate_and_reschedule_crashed_symfuse_runs():
     from prefect.events.schemas.automations import AutomationCore
 
     data = yaml.safe_load(AUTOMATIONS_FILE.read_text())["automations"]
-    (automation,) = [AutomationCore.model_validate(a) for a in data]
+    automation = AutomationCore.model_validate(next(a for a in data if a["name"] == "symfuse-reschedule-crashed"))
     assert automation.name == "symfuse-reschedule-crashed" and automation.enabled
     assert automation.trigger.expect == {"prefect.flow-run.Crashed"}
     assert automation.trigger.match_related.root == {"prefect.resource.id": "prefect.tag.symfuse"}
     (action,) = automation.actions
     assert (action.type, action.state.value) == ("change-flow-run-state", "SCHEDULED")
+
+
+def test_zombie_runs_are_marked_crashed_after_missed_heartbeats():
+    """Prefect's documented zombie detection: no flow-run event for `within` seconds after a heartbeat -> Crashed."""
+    from prefect.events.schemas.automations import AutomationCore, Posture
+
+    data = yaml.safe_load(AUTOMATIONS_FILE.read_text())["automations"]
+    zombies = AutomationCore.model_validate(next(a for a in data if a["name"] == "symfuse-crash-zombies"))
+    trigger = zombies.trigger
+    assert zombies.enabled and trigger.posture == Posture.Proactive
+    assert (trigger.after, trigger.expect) == ({"prefect.flow-run.heartbeat"}, {"prefect.flow-run.*"})
+    assert trigger.for_each == {"prefect.resource.id"} and trigger.threshold == 1
+    assert trigger.match_related.root == {"prefect.resource.id": "prefect.tag.symfuse"}
+    (action,) = zombies.actions
+    assert (action.type, action.state.value) == ("change-flow-run-state", "CRASHED")
+    heartbeat = int(
+        raw()["definitions"]["work_pools"]["gpu"]["job_variables"]["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]
+    )
+    assert heartbeat >= 30 and trigger.within.total_seconds() >= 3 * heartbeat, "three missed heartbeats, not one"
+
+
+def test_stage_deployments_take_the_stage_queue_and_pipelines_the_default_one():
+    stages = {d["name"]: d["work_pool"]["work_queue_name"] for d in raw()["deployments"]}
+    assert stages["finetune-stage"] == stages["stats-stage"] == stack_module().STAGE_QUEUE
+    assert stages["fusion-pipeline"] == stages["remerge"] == "default"
+
+
+def test_stack_workers_one_stage_worker_per_device_sharing_the_machines_slots():
+    specs = stack_module().worker_specs(["0", "1"], "box")
+    names = [name for name, _, _ in specs]
+    assert names == ["gpu-worker-box", "gpu-stages-box-gpu0", "gpu-stages-box-gpu1"]
+    (_, pipeline, env), *stage = specs
+    assert pipeline[-2:] == ["--work-queue", "default"] and "--limit" not in pipeline
+    assert env == {"SYMFUSE_DEVICE_SLOTS": "box"}
+    for (_, args, env), gpu in zip(stage, ["0", "1"], strict=True):
+        assert args[args.index("--limit") + 1] == "1" and args[args.index("--work-queue") + 1] == "stages"
+        assert env == {"SYMFUSE_DEVICE_SLOTS": "box", "CUDA_VISIBLE_DEVICES": gpu}
+    (_, cpu_args, cpu_env) = stack_module().worker_specs([], "box", cpu_slots=3)[1]
+    assert cpu_args[cpu_args.index("--limit") + 1] == "3" and cpu_env["SYMFUSE_CPU_SLOTS"] == "3"
 
 
 def stack_module():

@@ -9,7 +9,7 @@
 - ``s3`` (session): a moto S3 server; ``s3.env`` gives workers the AWS_* variables the store reads,
   ``s3.make_bucket()`` a fresh bucket.
 - ``stack`` (session): ``deployments/stack.py`` loaded as a module (``stack.apply_api_setup(api_url)`` creates pool
-  ``gpu``, the ``gpu`` tag limit and the automations of ``deployments/automations.yaml``).
+  ``gpu``, its ``stages`` queue and the automations of ``deployments/automations.yaml``).
 
 Example (a deploy-and-run test)::
 

@@ -149,6 +149,7 @@ class PrefectServer:
         cwd: str | Path | None = None,
         name: str = "",
         limit: int | None = None,
+        queue: str | None = None,
     ) -> subprocess.Popen:
         """Start ``prefect worker start --pool <pool>`` (a process worker); it is stopped before the server.
 
@@ -158,6 +159,7 @@ class PrefectServer:
             cwd: Working directory of the worker.
             name: Worker name (default: a random one).
             limit: At most this many flow runs at once on this worker (``--limit``; default: no limit).
+            queue: Serve only this work queue of the pool (``--work-queue``; default: every queue).
         """
         log = open(self.home / "logs" / f"worker-{len(self._workers)}.log", "w")  # noqa: SIM115
         args = [*PREFECT, "worker", "start", "--pool", pool, "--type", "process"]
@@ -165,6 +167,8 @@ class PrefectServer:
             args += ["--name", name]
         if limit is not None:
             args += ["--limit", str(limit)]
+        if queue is not None:
+            args += ["--work-queue", queue]
         proc = subprocess.Popen(
             args,
             cwd=cwd,

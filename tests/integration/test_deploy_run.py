@@ -53,7 +53,7 @@ def deployed(prefect_server, s3, stack, tmp_path_factory):
         ],
     }
     (project / "prefect.yaml").write_text(yaml.safe_dump(spec))
-    stack.apply_api_setup(prefect_server.api_url, n_slots=1)
+    stack.apply_api_setup(prefect_server.api_url)
     prefect_server.cli("deploy", "--all", "--prefect-file", str(project / "prefect.yaml"), cwd=project)
     env = {**s3.env, "CUDA_VISIBLE_DEVICES": "0", "PREFECT_WORKER_QUERY_SECONDS": "2"}
     worker = prefect_server.start_worker("gpu", env=env, cwd=project, name="gpu-worker-0")

@@ -28,7 +28,7 @@ def deployed(prefect_server, s3, stack, tmp_path_factory):
 
     The project file's copy whose pull step names this checkout is deployed, as the local stack does.
     """
-    stack.apply_api_setup(prefect_server.api_url, n_slots=1)
+    stack.apply_api_setup(prefect_server.api_url)
     project = stack.local_project_file(tmp_path_factory.mktemp("project"))
     prefect_server.cli("--no-prompt", "deploy", "--all", "--prefect-file", str(project), cwd=REPO,
                        timeout=300)  # fmt: skip

@@ -24,8 +24,8 @@ def _fake_deployments(monkeypatch, state=Completed, work=True) -> list[tuple[str
     """Replace ``run_deployment``: record the call, run the stage's task in-process (if ``work``), return a run."""
     calls = []
 
-    def run_deployment(name, parameters, timeout, poll_interval, as_subflow, idempotency_key):
-        calls.append((name, parameters, idempotency_key))
+    def run_deployment(name, parameters, timeout, poll_interval, as_subflow, idempotency_key, flow_run_name):
+        calls.append((name, parameters, idempotency_key, flow_run_name))
         assert as_subflow and timeout is None
         cfg = RunConfig.model_validate(parameters["config"])
         if work and name == cfg.stage_deployments.finetune:
@@ -46,7 +46,8 @@ def test_remote_stages_store_what_the_in_process_tasks_would(base, tmp_path, mon
     store = ArtifactStore(cfg.resolved_store_root())
     assert model == store.uri(layout.model_key("u", "isear"))
     assert stats == store.uri(layout.stats_key("u", "isear", "isear", "gram"))
-    assert [name for name, _, _ in calls] == ["finetune-stage/finetune-stage", "stats-stage/stats-stage"]
+    assert [name for name, *_ in calls] == ["finetune-stage/finetune-stage", "stats-stage/stats-stage"]
+    assert [run_name for *_, run_name in calls] == ["finetune-isear", "stats-isear-gram"]  # the runs' names in the UI
     assert calls[0][1]["dataset"] == "isear" and calls[1][1]["model_uri"] == model
     assert calls[0][2] is None  # outside a flow run: no idempotency key (a later call must not get an old run)
     # the in-process tasks find the very same content (same content keys): nothing is recomputed, no stage re-run
@@ -80,7 +81,7 @@ def test_a_retried_stage_task_waits_on_the_stage_run_it_started(base, tmp_path, 
 
     keys: list[str | None] = []
 
-    def run_deployment(name, parameters, timeout, poll_interval, as_subflow, idempotency_key):
+    def run_deployment(name, parameters, timeout, poll_interval, as_subflow, idempotency_key, flow_run_name):
         keys.append(idempotency_key)
         if len(keys) == 1:
             raise ConnectionError("API connection dropped while waiting")  # transient: the task is retried
