@@ -19,6 +19,7 @@ from tests.integration.servers import free_port
 def test_local_stack_deploys_and_triggers_remerge(stack, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     home = tmp_path / "stack"
@@ -41,7 +42,10 @@ def test_local_stack_deploys_and_triggers_remerge(stack, tmp_path):
             async with get_client() as client:
                 deps = {d.name: d for d in await client.read_deployments()}
                 autos = await client.read_automations()
-                limit = await client.read_concurrency_limit_by_tag("gpu")
+                try:  # no global `gpu` tag limit: each worker's device slots bound its heavy tasks
+                    limit = await client.read_concurrency_limit_by_tag("gpu")
+                except ObjectNotFound:
+                    limit = None
                 runs = []
                 if "remerge" in deps:
                     runs = await client.read_flow_runs(
@@ -63,8 +67,8 @@ def test_local_stack_deploys_and_triggers_remerge(stack, tmp_path):
             assert dep.pull_steps == [
                 {"prefect.deployments.steps.set_working_directory": {"directory": str(stack.REPO)}}
             ], dep.name
-        assert limit.concurrency_limit == 1
-        assert "symfuse-reschedule-crashed" in {a.name for a in autos}
+        assert limit is None
+        assert {"symfuse-reschedule-crashed", "symfuse-crash-zombies"} <= {a.name for a in autos}
         if "remerge" in deps:
             assert len(runs) == 1, "the event did not trigger remerge"
             assert runs[0].parameters["checkpoints"] == checkpoints  # a list, not its text
