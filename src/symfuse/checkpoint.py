@@ -53,6 +53,7 @@ SIDE_FILES = (
     "tokenizer.model",
     "generation_config.json",
     "preprocessor_config.json",
+    "chat_template.jinja",  # transformers 5 writes a tokenizer's chat template beside it
 )
 
 
