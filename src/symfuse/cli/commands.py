@@ -1,6 +1,7 @@
 """Import every command module so that each registers its commands on the app."""
 
 from symfuse.cli import (  # noqa: F401
+    convert,
     drop,
     evaluate,
     inspect,
