@@ -112,7 +112,7 @@ def merge(
     if (uri := reuse(store, key, ck, f"merged model {strategy}-{variant}")) is not None:
         return uri
     maybe_inject_fault()
-    card = card | {"inputs": {n: store.uri(u) for n, u in models.items()}}  # the card names store URIs, not scratch
+    card = card | {"inputs": [store.uri(u) for u in models.values()]}  # cards name store URIs, not scratch folders
     with scratch("merge") as tmp:
         links = tmp / "in"  # name each local model folder after its dataset: the merger names heads by folder
         links.mkdir()

@@ -177,7 +177,11 @@ def _publish(config: RunConfig, store, staged: str, merged: Sequence[str]) -> st
         name = "-".join(store.key(uri).split("/")[-2:])  # strategy-variant
         card_key = f"{run}-card-{_artifact_key(name)}"
         where = store.uri(store.key(uri))
-        card = store.read_member(uri, CARD).decode()
+        try:
+            card = store.read_member(uri, CARD).decode()
+        except FileNotFoundError:  # greedy selection kept one model: that fine-tuned model itself, no merge card
+            rows.append(f"| {name} | `{where}` | none (one model, not a merge) |")
+            continue
         create_markdown_artifact(f"Stored at `{where}`\n\n{card_for_display(card)}", key=card_key,
                                  description=f"model card of {name}")  # fmt: skip
         https = store.https_url(uri, CARD)

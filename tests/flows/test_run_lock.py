@@ -312,9 +312,11 @@ def test_a_records_age_is_read_off_the_servers_clock(monkeypatch):
     @flow
     def silent_holder():
         with run_lock("silent"):
-            time.sleep(2.5)
+            time.sleep(3.0)
             with get_client(sync_client=True) as client:
                 return flows.runtime._read_holder_and_age(client, f"{LOCK_PREFIX}silent")
 
     holder, age = silent_holder()
-    assert holder["beat"] == 0 and 1.0 <= age < 30, age
+    # the Date header has whole seconds and the record is written a moment after the lock is taken (later under
+    # load): the age is positive and below the takeover time, never the 0 of an unreadable clock
+    assert holder["beat"] == 0 and 0 < age < 30, age

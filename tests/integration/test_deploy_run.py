@@ -65,20 +65,26 @@ def _store(s3, bucket) -> ArtifactStore:
     return ArtifactStore(f"s3://{bucket}/it", **s3.storage_options)
 
 
-def test_pool_limit_and_automation_exist(prefect_api, deployed):
+def test_pool_queue_and_automations_exist(prefect_api, deployed):
     from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
 
     async def read():
         async with get_client() as client:
             pool = await client.read_work_pool("gpu")
-            limit = await client.read_concurrency_limit_by_tag("gpu")
-            autos = await client.read_automations_by_name("symfuse-reschedule-crashed")
-            return pool, limit, autos
+            queue = await client.read_work_queue_by_name("stages", work_pool_name="gpu")
+            try:  # no global `gpu` tag limit: each worker's device slots bound its heavy tasks (tasks/devices.py)
+                limit = await client.read_concurrency_limit_by_tag("gpu")
+            except ObjectNotFound:
+                limit = None
+            autos = [await client.read_automations_by_name(n) for n in ("symfuse-reschedule-crashed",
+                                                                        "symfuse-crash-zombies")]  # fmt: skip
+            return pool, queue, limit, autos
 
-    pool, limit, autos = asyncio.run(read())
-    assert pool.type == "process"
-    assert limit.concurrency_limit == 1
-    assert len(autos) == 1 and autos[0].enabled
+    pool, queue, limit, autos = asyncio.run(read())
+    assert pool.type == "process" and queue.name == "stages"
+    assert limit is None
+    assert all(len(a) == 1 and a[0].enabled for a in autos)
 
 
 def test_run_through_api_completes_and_writes_to_s3(prefect_api, deployed, s3):

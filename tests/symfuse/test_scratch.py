@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+import symfuse
 from symfuse.scratch import PREFIX, clean_stale_scratch, scratch_dir
 
 
@@ -29,7 +31,10 @@ def test_folders_of_a_sigkilled_process_are_removed_and_nothing_else(tmp_path):
             print(folder, flush=True)
             time.sleep(600)
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # this checkout's library only: the whole sys.path of a pytest run holds test folders such as flows/, whose
+    # select.py would shadow the standard library's select module in the child
+    src = Path(symfuse.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(src.parent)])}
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     left = tmp_path / os.path.basename(proc.stdout.readline().strip())
     assert left.is_dir()

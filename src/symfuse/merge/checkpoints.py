@@ -217,15 +217,16 @@ def _write_report(
 ) -> dict:
     """``symfuse_report.json`` and the ``README.md`` model card of the merged folder.
 
-    ``card["inputs"]``: the models as the user gave them, where the merge read aligned copies of them.
+    ``card["inputs"]``: where a reader finds the inputs, in order (the models as the user gave them where the merge
+    read aligned copies of them; a pipeline's store URIs where it read local copies).
     """
     card = dict(card or {})
-    models = list(card.get("inputs") or models)
+    shown = [str(m) for m in (card.get("inputs") or models)]
     report = {
         "strategy": plan.strategy,
         "params": plan.merger.params.model_dump(by_alias=True),
-        "models": [str(m) for m in models],
-        **({"aligned": list(card["symmetries"])} if card.get("inputs") else {}),
+        "models": shown,
+        **({"aligned": list(card["symmetries"])} if card.get("inputs") and card.get("symmetries") else {}),
         "stats": [str(s) for s in stats or []],
         "base": str(base) if base is not None else None,
         "device": str(plan.device),
@@ -239,10 +240,9 @@ def _write_report(
         "seconds": round(time.perf_counter() - start, 3),
     }
     (tmp / REPORT).write_text(json.dumps(report, indent=2))
-    where = dict(card.get("inputs") or {})  # where the inputs live for a reader (store URIs), not a scratch folder
-    inputs = [
-        {"name": name, "dataset": name, "path": where.get(name, str(m)), "metrics": input_metrics(m)}
-        for name, m in zip(plan.names, models, strict=True)
+    inputs = [  # fine-tuning metrics from the given folder when it is one here, else from the copy merged
+        {"name": name, "dataset": name, "path": path, "metrics": input_metrics(path if Path(path).is_dir() else m)}
+        for name, path, m in zip(plan.names, shown, models, strict=True)
     ]
     text = model_card(
         plan.strategy, report["params"], inputs, json.loads((tmp / "config.json").read_text()),
@@ -278,8 +278,8 @@ def merge_checkpoints(
         overwrite: Replace an existing ``out``.
         card: Facts for the ``README.md`` model card the merger cannot know: ``base_model`` (name of the base the
             inputs were fine-tuned from; default ``base``), ``symmetries`` (the inputs were matched with; default
-            none), ``inputs`` (input name -> where a reader finds it, e.g. its store URI; default the local path),
-            ``extra`` (more front-matter facts, e.g. the run id).
+            none), ``inputs`` (where a reader finds each model, in order: the folders given before alignment, or store
+            URIs; default ``models``), ``extra`` (more front-matter facts, e.g. the run id).
         head_refit: Refit every task head to the merged body on each model's own data
             (:mod:`symfuse.merge.head_refit`; its ``data`` is loaded before the merge starts), recorded under the
             report's ``heads.refit``; None: heads as merged.
