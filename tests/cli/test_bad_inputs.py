@@ -120,9 +120,9 @@ CASES = [
     C("merge-config-unknown-key", f"merge --config {{BADYAML}} {OUT}", 2, "modles", verbose=True),
     C("merge-config-and-flags", f"merge --config {{BADYAML}} {OUT} --strategy simple", 2, "--strategy"),
     # --- merge-lora ---
-    C("merge-lora-not-an-adapter", f"merge-lora --adapters {{A}} --out {OUT}", 2, "not a PEFT adapter folder"),
-    C("merge-lora-missing-adapter", f"merge-lora --adapters {{MISSING}} --out {OUT}", 2, "missing", verbose=True),
-    C("merge-lora-unknown-basis", f"merge-lora --adapters {{A}} --basis wrong --out {OUT}", 2, "--basis"),
+    C("merge-lora-not-an-adapter", f"merge-lora --adapters {{A}} {OUT}", 2, "not a PEFT adapter folder"),
+    C("merge-lora-missing-adapter", f"merge-lora --adapters {{MISSING}} {OUT}", 2, "missing", verbose=True),
+    C("merge-lora-unknown-basis", f"merge-lora --adapters {{A}} --basis wrong {OUT}", 2, "--basis"),
     # --- match ---
     C("match-empty-symmetries", f"match {{A}} {{B}} {OUT} --symmetries ,", 2, "--symmetries", verbose=True),
     C("match-unknown-symmetry", f"match {{A}} {{B}} {OUT} --symmetries rotation,bogus", 2, "bogus"),
