@@ -33,6 +33,7 @@ from prefect.logging import get_run_logger
 from prefect.logging.loggers import PrefectLogAdapter
 
 from symfuse.config import RunConfig
+from tasks.devices import ensure_limit
 
 LIBRARY_LOGGERS = ("symfuse", "tasks")
 LOCK_PREFIX = "symfuse-run-"
@@ -142,7 +143,7 @@ def run_lock(run_id: str, wait_seconds: float | None = None) -> Iterator[None]:
     log = _logger()
     log.info("taking run lock %s (one flow run per run_id at a time)", name)
     with get_client(sync_client=True) as client:
-        _ensure_limit(client, name)
+        ensure_limit(client, name)
         lease_id = _acquire(client, name, wait, log, _attempt(client))
     if lease_id is None:
         raise RuntimeError(
@@ -157,18 +158,6 @@ def run_lock(run_id: str, wait_seconds: float | None = None) -> Iterator[None]:
     finally:
         _HELD.reset(token)
         keeper.stop_and_release()
-
-
-def _ensure_limit(client: Any, name: str) -> None:
-    """Create the one-slot global concurrency limit ``name`` unless it exists."""
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    try:
-        client.read_global_concurrency_limit_by_name(name)
-    except ObjectNotFound:
-        with contextlib.suppress(ObjectAlreadyExists):  # another run created it meanwhile
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
 
 
 def _holder() -> Any:

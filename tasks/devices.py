@@ -120,7 +120,7 @@ def _take_one(names: list[str], devices: list[str]) -> tuple[str, UUID, str]:
     said = False
     with get_client(sync_client=True) as client:
         for name in names:
-            _ensure_limit(client, name)
+            ensure_limit(client, name)
         while True:
             for name, device in zip(names, devices, strict=True):
                 try:
@@ -137,16 +137,24 @@ def _take_one(names: list[str], devices: list[str]) -> tuple[str, UUID, str]:
             time.sleep(POLL_SECONDS)
 
 
-def _ensure_limit(client: Any, name: str) -> None:
-    """Create the one-slot global concurrency limit ``name`` unless it exists."""
+def ensure_limit(client: Any, name: str) -> None:
+    """Create the one-slot global concurrency limit ``name`` unless it exists.
+
+    Two processes may create it at once: the loser's create fails (409, or a 500 from the server's unique
+    constraint on sqlite), and the limit then exists; only a limit still missing after that is an error.
+    """
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.exceptions import ObjectNotFound
 
     try:
         client.read_global_concurrency_limit_by_name(name)
+        return
     except ObjectNotFound:
-        with contextlib.suppress(ObjectAlreadyExists):
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        pass
+    try:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    except Exception:
+        client.read_global_concurrency_limit_by_name(name)  # created by the other process, else this raises
 
 
 class _Renewer:
