@@ -14,25 +14,17 @@ a ``$SYMFUSE_DATASETS`` or ``../shared/datasets`` folder of the same name takes 
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from symfuse.config_schema import ANCHOR_POLICIES, ANCHOR_SCHEMA, NAME_RE, NAME_SCHEMA, enum_of, merge_params_schema
 from symfuse.merge.registry import MERGERS, merger_params
 from symfuse.symmetry.registry import check_kinds, kind_names
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+=-]*$")
 STATS_KINDS = ("gram", "fisher")
-ANCHOR_POLICIES = ("closest", "barycenter")
-# The UI form (and the server, when a run is created from a deployment) checks these against the JSON schema: a bad
-# name, anchor or merge parameter is refused at creation, not in the worker. The model's own validators still give the
-# one-line messages everywhere else.
-NAME_SCHEMA = {"pattern": _NAME.pattern}
-ANCHOR_SCHEMA = {"pattern": _NAME.pattern, "examples": list(ANCHOR_POLICIES)}  # or a dataset name
 # Merge strategies are the names of symfuse.merge.registry.MERGERS, symmetries the kinds of symfuse.symmetry.registry
 # found from weights: read when a config is validated and when the UI form's JSON schema is built, so a strategy or
 # kind registered later is a choice too (the registries import no torch).
@@ -74,7 +66,7 @@ def read_yaml(path: str | os.PathLike) -> Any:
 
 
 def _check_name(value: str, what: str) -> str:
-    if not _NAME.match(value):
+    if not NAME_RE.match(value):
         raise ValueError(f"{what} {value!r}: use letters, digits and ._@+=- (it becomes part of artifact keys)")
     return value
 
@@ -212,22 +204,6 @@ class StageDeployments(_Strict):
     stats: str = Field(default="stats-stage/stats-stage", description="One model's statistics (one kind) per run.")
 
 
-def _merge_params_schema(schema: dict[str, Any]) -> None:
-    """``json_schema_extra`` of ``merge_params``: keys are strategies, each value that strategy's typed parameters."""
-    schema["propertyNames"] = {"enum": list(MERGERS.names())}
-    schema["properties"] = {name: MERGERS[name].Params.model_json_schema() for name in MERGERS.names()}
-    schema["additionalProperties"] = False
-
-
-def _enum(names: Callable[[], Sequence[str]]) -> Callable[[dict[str, Any]], None]:
-    """``json_schema_extra`` offering the registry's current ``names()`` as the list items' choices (UI form)."""
-
-    def extra(schema: dict[str, Any]) -> None:
-        schema["items"] = {**schema.get("items", {}), "enum": list(names())}
-
-    return extra
-
-
 # Keys of older configs, moved into merge_params: key -> (strategy, parameter). Applied when the strategy is run.
 LEGACY_PARAM_KEYS = {"regmean_alpha": ("regmean", "alpha")}
 
@@ -258,7 +234,7 @@ class RunConfig(_Strict):
         min_length=1,
         description="Symmetry kinds matching may use (see symfuse.symmetry.registry); residual-orthogonal (pre-norm "
         "families) aligns each model as a whole, with the per-module kinds beside it.",
-        json_schema_extra=_enum(lambda: kind_names("weights")),
+        json_schema_extra=enum_of(lambda: kind_names("weights")),
     )
     anchor: str = Field(
         default="closest",
@@ -269,13 +245,13 @@ class RunConfig(_Strict):
         default_factory=lambda: ["simple", "fisher", "regmean"],
         min_length=1,
         description="Merge strategies (see symfuse.merge.registry).",
-        json_schema_extra=_enum(MERGERS.names),
+        json_schema_extra=enum_of(MERGERS.names),
     )
     merge_params: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="Typed parameters per strategy, e.g. {regmean: {alpha: 0.9}, ties: {density: 0.3}}; a strategy "
         "not listed uses its defaults. (regmean_alpha: X in older configs means {regmean: {alpha: X}}.)",
-        json_schema_extra=_merge_params_schema,
+        json_schema_extra=merge_params_schema,
     )
     labels: Literal["per-dataset", "union"] = Field(
         default="per-dataset",

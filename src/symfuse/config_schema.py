@@ -1,0 +1,37 @@
+"""What the run form (Prefect's UI, and the server when a run is created from a deployment) checks before any work.
+
+JSON-schema additions to :class:`symfuse.config.RunConfig`: a bad name, anchor or merge parameter is refused at
+creation, not in the worker. The model's own validators still give the one-line messages everywhere else. Merge
+strategies are the names of :data:`symfuse.merge.registry.MERGERS`, symmetries the kinds of
+:mod:`symfuse.symmetry.registry`: read when the schema is built, so a strategy or kind registered later is a choice
+too (the registries import no torch).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from symfuse.merge.registry import MERGERS
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+=-]*$")
+ANCHOR_POLICIES = ("closest", "barycenter")
+NAME_SCHEMA = {"pattern": NAME_RE.pattern}
+ANCHOR_SCHEMA = {"pattern": NAME_RE.pattern, "examples": list(ANCHOR_POLICIES)}  # or a dataset name
+
+
+def merge_params_schema(schema: dict[str, Any]) -> None:
+    """``json_schema_extra`` of ``merge_params``: keys are strategies, each value that strategy's typed parameters."""
+    schema["propertyNames"] = {"enum": list(MERGERS.names())}
+    schema["properties"] = {name: MERGERS[name].Params.model_json_schema() for name in MERGERS.names()}
+    schema["additionalProperties"] = False
+
+
+def enum_of(names: Callable[[], Sequence[str]]) -> Callable[[dict[str, Any]], None]:
+    """``json_schema_extra`` offering the registry's current ``names()`` as the list items' choices (UI form)."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        schema["items"] = {**schema.get("items", {}), "enum": list(names())}
+
+    return extra
