@@ -66,6 +66,22 @@ def peak_gib(fn: Callable[[], object]) -> tuple[float, float, object]:
     return s, torch.cuda.max_memory_allocated() / 2**30, out
 
 
+def stages(timings: dict[str, float]) -> str:
+    """A report's per-stage seconds (summed over worker threads), largest first."""
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(timings.items(), key=lambda kv: -kv[1]))
+
+
+def profile_top(fn: Callable[[], object], n: int = 12) -> str:
+    """The ``n`` functions with the most own time (cProfile) while ``fn()`` runs, as ``name calls seconds``."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:n]  # (file, line, name): (.., tt, ..)
+    return "; ".join(f"{name} x{calls} {tt:.2f}" for (_, _, name), (_, calls, tt, _, _) in rows)
+
+
 def match_roberta(work: Path) -> list[dict]:
     """``match`` of roberta-base pairs: library call on CUDA and on this machine's CPU, and the whole command."""
     import match_speed
@@ -75,12 +91,16 @@ def match_roberta(work: Path) -> list[dict]:
     rows = []
     for case in ("roberta-planted", "roberta-independent"):
         src, anc = match_speed.prepare(case, work)
-        for dev in ("cuda", "cuda", "cpu"):  # the first CUDA call pays for kernel loading: the second is reported
+        # the first CUDA call pays for kernel loading: the second is reported; 8 workers: the host's share (reads,
+        # assignments, writes) spread over more of the machine's threads
+        for dev, workers in (("cuda", None), ("cuda", None), ("cuda", 8), ("cpu", None), ("cpu", 8)):
             out = work / f"{case}-{dev}-matched"
             shutil.rmtree(out, ignore_errors=True)
-            s, rep = timed(partial(match_checkpoints, src, anc, out, KINDS, device=dev, verify="none"))
-            rows.append({"case": case, "device": dev, "call_s": s, "match_s": rep["match_seconds"],
-                         "rel_after": rep["distance_after"] / rep["distance_before"]})  # fmt: skip
+            call = partial(match_checkpoints, src, anc, out, KINDS, device=dev, verify="none", workers=workers)
+            s, rep = timed(call)
+            rows.append({"case": case, "device": dev, "workers": workers or "default", "call_s": s,
+                         "match_s": rep["match_seconds"], "rel_after": rep["distance_after"] / rep["distance_before"],
+                         "stages_s": stages(rep.get("timings", {}))})  # fmt: skip
         out = work / f"{case}-cmd"
         shutil.rmtree(out, ignore_errors=True)
         cmd = [sys.executable, "-m", "symfuse.cli", "match", str(src), str(anc), "--out", str(out), "--device", "cuda"]
@@ -115,6 +135,15 @@ def regmean_roberta(work: Path, k: int = 5) -> list[dict]:
         s, _ = timed(partial(merge_checkpoints, "regmean", models, out, stats=stats, device=dev, dtype=dtype))
         rows.append({"case": f"regmean K={k} roberta-base, float32 Grams", "device": dev, "solve dtype": dtype,
                      "merge_s": s})  # fmt: skip
+    from merge_floor import io_floor
+
+    floor = io_floor(root, k)  # the bytes any merge of these files moves, read and written once (warm cache)
+    rows.append({"case": f"regmean K={k}: I/O floor", "read_gb": floor["read_gb"], "read_s": floor["read_s"],
+                 "preadv_s": floor["preadv_s"], "mmap_s": floor["mmap_s"], "write_s": floor["write_s"]})  # fmt: skip
+    out = root / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    top = profile_top(partial(merge_checkpoints, "regmean", models, out, stats=stats, device="cuda", dtype="float32"))
+    rows.append({"case": f"regmean K={k}: where the CUDA merge's time goes (cProfile, own time)", "profile": top})
     return rows
 
 
