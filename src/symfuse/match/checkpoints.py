@@ -47,6 +47,7 @@ from symfuse.match.weights import (
 )
 from symfuse.match.written import check_written
 from symfuse.outputs import atomic_output_dir, check_output
+from symfuse.runtime import module_workers
 from symfuse.symmetry.registry import restriction_notes
 from symfuse.symmetry.transforms import ModuleTransform, load_transforms, save_transforms
 
@@ -263,7 +264,7 @@ def match_all_modules(
     """Match every module of two open checkpoints (modules in parallel threads; O(module) memory each)."""
     refs = src.modules()
     if workers is None:  # big modules (7B widths) one at a time to bound memory
-        workers = 1 if src.geometry.d_model * src.geometry.d_ffn > 16_000_000 else min(2, os.cpu_count() or 1)
+        workers = module_workers(src.geometry.d_model, src.geometry.d_ffn)
     src_io, anc_io = PreadSource(src), PreadSource(anc)
 
     def one(ref: ModuleRef) -> ModuleTransform:
@@ -318,7 +319,7 @@ def match_checkpoints(
         anchor: Anchor checkpoint (same family and shapes).
         out: Output folder (must not exist; not created on error).
         symmetries: Subset of :data:`symfuse.match.SYMMETRIES`.
-        workers: Threads matching modules in parallel (None: 2 for small modules, 1 for 7B widths).
+        workers: Threads matching modules in parallel (None: :func:`symfuse.runtime.module_workers`).
         logit_check: See :func:`assemble_matched`.
         overwrite: Replace an existing ``out`` (atomically, at the end).
         verify: ``stream`` (default), ``full`` or ``none`` (see :func:`assemble_matched`).

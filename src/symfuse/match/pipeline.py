@@ -10,7 +10,6 @@ into the caller's temporary folder, published only when the whole command succee
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from symfuse.match.inputs import check_shapes, read_checked, strip_prefix
 from symfuse.match.reading import PreadSource
 from symfuse.match.verify import check_module_transform, is_exact, module_invariants
 from symfuse.match.weights import match_module_weights
+from symfuse.runtime import module_workers
 from symfuse.symmetry.transforms import ModuleTransform
 
 ROW_BLOCK = 1 << 20  # elements per block when copying tensors outside the modules (4 MiB of float32: the copy
@@ -120,7 +120,7 @@ def match_and_write(
         anc: Anchor checkpoint (open; same family and shapes).
         out: Existing empty folder (the caller publishes it).
         symmetries: Symmetry kinds to match.
-        workers: Threads (None: 2 for small modules, 1 for 7B widths).
+        workers: Threads (None: :func:`symfuse.runtime.module_workers`: 2 to 8 by CPUs, 1 for 7B widths).
         timings: Accumulates seconds per stage (summed over threads).
         shard_bytes: Largest output shard.
         where: The output's final name, for errors (default ``out``).
@@ -148,7 +148,7 @@ def match_and_write(
     dev = resolve_device(device)
     on_dev = (lambda w: w) if dev.type == "cpu" else (lambda w: {r: t.to(dev) for r, t in w.items()})
     if workers is None:
-        workers = 1 if src.geometry.d_model * src.geometry.d_ffn > 16_000_000 else min(2, os.cpu_count() or 1)
+        workers = module_workers(src.geometry.d_model, src.geometry.d_ffn)
     owner = src.tensor_owners()
     rest = [n for n in src.names() if n not in owner]
     anc_names = {strip_prefix(n, anc.prefix): n for n in anc.names()}

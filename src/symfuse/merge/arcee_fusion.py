@@ -10,7 +10,8 @@ Source: mergekit 0.1.5, ``mergekit/merge_methods/arcee_fusion.py``: ``ArceeFusio
 and ``execute``, ``DynamicThresholdFusion`` (``approximate_quantiles``, ``calculate_dynamic_threshold``,
 ``compute_fusion_mask``). Differences: mergekit takes the quantiles of a random sample of 1,000,000 importances
 when a tensor has more (a different mask on every run); here always of all of them (exact, reproducible); and
-computes in float32 (float64 for float64 inputs) where mergekit uses the inputs' dtype.
+computes the importances and the threshold in float64 (so that a GPU and a CPU agree on the mask, but for float64
+ties) and the result in float32 (float64 for float64 inputs), where mergekit uses the inputs' dtype.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def arcee_fusion(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     dt = acc_dtype(a)
     x, y = a.to(dt), b.to(dt)
-    importance = fusion_importance(y, x)
+    # the mask is a hard decision at the threshold: taken in float64, so that the ulp-level differences of
+    # softmax / log between devices (float32 on a GPU against a CPU) do not flip entries at the threshold
+    importance = fusion_importance(b.to(torch.float64), a.to(torch.float64))
     mask = importance >= fusion_threshold(importance)
     return (x + (y - x) * mask).to(a.dtype)
 
