@@ -125,8 +125,8 @@ def main() -> int:
     finally:
         subprocess.run([*stack, "stop", "--home", str(home)], cwd=ROOT, env=env, capture_output=True, check=False)
         logs = home / "logs"
-        result["worker_log_tails"] = {p.name: p.read_text(errors="replace")[-1500:] for p in sorted(logs.glob("*.log"))
-                                      if p.name != "server.log"} if logs.exists() else {}  # fmt: skip
+        result["log_tails"] = {p.name: p.read_text(errors="replace")[-1500:] for p in sorted(logs.glob("*.log"))
+                               } if logs.exists() else {}  # fmt: skip
         (args.out / "pipeline.json").write_text(json.dumps(result, indent=1, default=str))
     ok = result.get("pipeline_rc") == 0
     print(f"[gpu_pipeline] {'completed' if ok else 'FAILED'} in {result.get('pipeline_s', 0):.0f} s "
