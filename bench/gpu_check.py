@@ -101,6 +101,13 @@ def match_roberta(work: Path) -> list[dict]:
             rows.append({"case": case, "device": dev, "workers": workers or "default", "call_s": s,
                          "match_s": rep["match_seconds"], "rel_after": rep["distance_after"] / rep["distance_before"],
                          "stages_s": stages(rep.get("timings", {}))})  # fmt: skip
+        # the transforms alone (no output written, no distances): the part the rotation paper's 1.71 s times
+        from symfuse.checkpoint import CheckpointReader
+        from symfuse.match.checkpoints import match_all_modules
+
+        with CheckpointReader(src) as s_reader, CheckpointReader(anc) as a_reader:
+            s, _ = timed(partial(match_all_modules, s_reader, a_reader, KINDS))
+        rows.append({"case": case, "device": "cpu", "workers": "transforms only", "call_s": s})
         for dev, verify in (("cuda", "stream"), ("cuda", "none"), ("cpu", "stream")):
             out = work / f"{case}-cmd"
             shutil.rmtree(out, ignore_errors=True)
@@ -111,6 +118,10 @@ def match_roberta(work: Path) -> list[dict]:
             rows.append({"case": case, "device": dev, "workers": f"command, verify {verify}",
                          "command_s": time.perf_counter() - t0, "rc": proc.returncode,
                          "stderr": proc.stderr[-300:]})  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", "import symfuse.cli"], capture_output=True, text=True, check=False)
+    rows.append({"case": "import symfuse.cli (what every command pays first)", "command_s": time.perf_counter() - t0,
+                 "rc": proc.returncode})  # fmt: skip
     return rows
 
 
