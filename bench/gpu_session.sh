@@ -3,7 +3,7 @@
 # bench/gpu_check.py, then bench/gpu_pipeline.py (the quick pipeline through the local stack, on the GPU).
 # On that machine: the carried wheels (.whl: the locked transformers / tokenizers / pydantic / datasets, and Prefect
 # with what it needs that the image lacks) go first on PYTHONPATH; the MiniLM tokenizer is carried in .gpuck/.
-# Usage: bash bench/gpu_session.sh OUT [SECONDS]   (SECONDS: the whole run's budget, default 540)
+# Usage: bash bench/gpu_session.sh OUT [SECONDS]   (SECONDS: the whole run's budget, default 540; the pipeline needs ~250 of it)
 set -uo pipefail
 OUT=${1:?give the output folder}
 BUDGET=${2:-540}
@@ -23,6 +23,6 @@ cc -O3 -std=c99 -shared -fPIC src/symfuse/match/_lapcore.c -o "src/symfuse/match
 timeout $((BUDGET * 55 / 100)) python3 bench/gpu_check.py --out "$OUT" --work /tmp/gpu-check --tokenizer .gpuck/minilm-tokenizer
 echo "gpu_check rc $? after $((SECONDS - START)) s"
 LEFT=$((BUDGET - (SECONDS - START) - 15))
-timeout "$LEFT" python3 bench/gpu_pipeline.py --out "$OUT" --timeout $((LEFT - 90))
+timeout "$LEFT" python3 bench/gpu_pipeline.py --out "$OUT" --timeout $((LEFT - 45))
 echo "gpu_pipeline rc $? after $((SECONDS - START)) s"
 ls -la "$OUT"
