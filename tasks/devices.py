@@ -5,8 +5,9 @@ by the server across the separate processes flow runs execute in): a worker star
 ``SYMFUSE_DEVICE_SLOTS=<machine>`` gives its flow runs one one-slot limit per device, ``symfuse-device-<machine>-<d>``
 — one per GPU they see, ``<d>`` its physical index (``CUDA_VISIBLE_DEVICES``), computing on ``cuda:<k>``; on a
 machine without a GPU ``$SYMFUSE_CPU_SLOTS`` (default 1) slots ``cpu<k>``, computing on ``cpu``. A ``gpu`` task
-(``symfuse_task(..., gpu=True)``) takes the first free slot, waits while all are busy, and computes on that slot's
-device (:func:`task_device`) when the run config says ``auto`` or ``cuda``. Workers of one machine name the same
+(``symfuse_task(..., gpu=True)``) takes the first free slot when it first asks for its device (:func:`task_device`,
+after its store lookup: a task that reuses a stored result takes none), waits while all are busy, and computes on
+that slot's device when the run config says ``auto`` or ``cuda``. Workers of one machine name the same
 ``<machine>`` (they share its devices); each machine its own, so N machines run N heavy tasks at once. The slot is a
 lease renewed while the task runs: a killed process frees it within :data:`LEASE_SECONDS`.
 
@@ -35,6 +36,7 @@ LEASE_SECONDS = 60.0  # the shortest lease Prefect allows: a dead holder's slot 
 RENEW_EVERY_SECONDS = 15.0
 POLL_SECONDS = 2.0
 _PINNED: contextvars.ContextVar[str | None] = contextvars.ContextVar("symfuse_device", default=None)
+_PENDING: contextvars.ContextVar[_SlotOnDemand | None] = contextvars.ContextVar("symfuse_slot", default=None)
 log = logging.getLogger("tasks.devices")
 
 
@@ -71,18 +73,41 @@ def task_device(config: RunConfig) -> str:
     user's explicit choice and win. Outside a slot: ``config.resolved_device()``.
     """
     pinned = _PINNED.get()
+    if pinned is None and (pending := _PENDING.get()) is not None:
+        pinned = pending.take()  # the task's first ask: its slot is taken now, and held until it returns
     if pinned is not None and config.device.strip().lower() in ("auto", "cuda"):
         return pinned
     return config.resolved_device()
 
 
+class _SlotOnDemand:
+    """A ``gpu`` task's slot, taken at its first :func:`task_device` and released when the task returns."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self.stack, self.taken, self.device = stack, False, None
+
+    def take(self) -> str | None:
+        if not self.taken:
+            self.taken = True
+            self.device = self.stack.enter_context(device_slot())
+        return self.device
+
+
 def on_device_slot(fn: Callable) -> Callable:
-    """``fn`` run while holding one device slot of this worker (:func:`device_slot`)."""
+    """``fn`` run with one device slot of this worker (:func:`device_slot`) from its first ask for a device on.
+
+    A run that returns a stored result without asking (the store lookup comes first) never waits for a slot, so a
+    re-run's reused stages do not queue behind the machine's busy GPU.
+    """
 
     @functools.wraps(fn)
     def holding_a_slot(*args: Any, **kwargs: Any) -> Any:
-        with device_slot():
-            return fn(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            token = _PENDING.set(_SlotOnDemand(stack))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _PENDING.reset(token)
 
     return holding_a_slot
 

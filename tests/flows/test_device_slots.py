@@ -92,3 +92,38 @@ def test_a_gpu_task_holds_a_slot_and_keeps_its_signature(monkeypatch):
     with get_client(sync_client=True) as client:
         limit = client.read_global_concurrency_limit_by_name("symfuse-device-task-box-cpu0")
     assert (limit.limit, limit.active_slots) == (1, 0), "created with one slot, released after the task"
+
+
+def test_a_task_that_reuses_its_result_waits_for_no_slot(monkeypatch):
+    import tasks.devices
+
+    monkeypatch.setenv("SYMFUSE_DEVICE_SLOTS", "busy-box")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("SYMFUSE_CPU_SLOTS", "1")
+    monkeypatch.setattr(tasks.devices, "POLL_SECONDS", 0.2)
+
+    @symfuse_task("probe_reuse", "probe-reuse-{stored}", gpu=True)
+    def probe(config: RunConfig, stored: bool) -> str:
+        if stored:  # what a task's store lookup finds: no device asked for
+            return "reused"
+        return f"computed on {task_device(config)}"
+
+    config = RunConfig.model_validate({"base_model": "minilm", "datasets": [{"name": "isear"}], "device": "auto"})
+    reused: list[str] = []
+    result: list[str] = []
+    with device_slot():  # another task holds the machine's only slot
+        lookup = threading.Thread(target=lambda: reused.append(probe.fn(config, True)))
+        lookup.start()
+        lookup.join(5)
+        assert reused == ["reused"], "a reused result waited for the busy slot"
+        computing = threading.Thread(target=lambda: result.append(probe.fn(config, False)))
+        computing.start()
+        computing.join(1.5)
+        assert computing.is_alive() and not result, "a task that computes waits for the slot"
+    computing.join(30)
+    assert result == ["computed on cpu"]
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name("symfuse-device-busy-box-cpu0")
+    assert limit.active_slots == 0, "the slot is released when the task returns"
