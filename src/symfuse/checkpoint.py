@@ -137,9 +137,10 @@ def gguf_checkpoint(file: str | os.PathLike, dtype: str = "float32") -> Path:
             try:
                 with atomic_dir(folder) as tmp:
                     write_gguf_folder(file, tmp, dtype)
-            except FileExistsError:  # another process converted it meanwhile
-                pass
-            log.info("converted GGUF %s to %s (%s); later reads reuse it", file, folder, dtype)
+            except FileExistsError:  # another process converted it meanwhile: its folder is used
+                log.info("GGUF %s: another process converted it to %s first; using that", file, folder)
+            else:
+                log.info("converted GGUF %s to %s (%s); later reads reuse it", file, folder, dtype)
     return folder
 
 

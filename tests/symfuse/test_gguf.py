@@ -106,6 +106,21 @@ def test_resolve_checkpoint_converts_once_into_the_cache(tiny, tmp_path, monkeyp
     assert resolve_checkpoint(file) != folder
 
 
+def test_a_process_losing_the_conversion_race_uses_the_winners_folder(tiny, tmp_path, monkeypatch, caplog):
+    import symfuse.checkpoint as ck
+
+    monkeypatch.setenv("SYMFUSE_CACHE", str(tmp_path / "cache"))
+    file = write_gguf(tiny, tmp_path / "m.gguf", "F32")
+    winner = ck.gguf_checkpoint(file)  # what the other process published
+    real_is_dir = Path.is_dir
+    monkeypatch.setattr(Path, "is_dir", lambda self: False if self == winner else real_is_dir(self))  # not yet seen
+    with caplog.at_level(logging.INFO, logger="symfuse.checkpoint"):
+        assert ck.gguf_checkpoint(file) == winner
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("another process converted it" in m for m in lines) and not any("converted GGUF" in m for m in lines)
+    torch.testing.assert_close(_folder_logits(winner, IDS), _gguf_logits(file, IDS), rtol=0, atol=1e-6)
+
+
 def test_commands_read_a_gguf_path_directly(tiny, tmp_path):
     file = write_gguf(tiny, tmp_path / "m.gguf", "F32")
     r = _run("disguise", file, "--out", tmp_path / "d", "--seed", 1, "--kinds", "ffn-permutation,head-permutation")
