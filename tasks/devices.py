@@ -87,6 +87,7 @@ class _SlotOnDemand:
         self.stack, self.taken, self.device = stack, False, None
 
     def take(self) -> str | None:
+        """The slot's device, the slot taken on the first call (None: no machine named, nothing to take)."""
         if not self.taken:
             self.taken = True
             self.device = self.stack.enter_context(device_slot())

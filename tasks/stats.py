@@ -92,6 +92,7 @@ def follow_stats(config: RunConfig, model: str, matched_uri: str, stats_uri: str
         return uri
     maybe_inject_fault()
     matched = fetch(store, matched_uri)
+    device = task_device(config)  # the transform (host memory) or the recollection: heavy work, under the slot
     with scratch("follow") as tmp:
         with timed() as t:
             out = symfuse.stats.transform_stats(fetch_file(store, stats_uri), matched / TRANSFORMS_FILE, matched,
@@ -102,7 +103,7 @@ def follow_stats(config: RunConfig, model: str, matched_uri: str, stats_uri: str
             with timed() as t, Progress(f"follow-stats-{model}-{kind}", stage="follow-stats") as progress:
                 out = symfuse.stats.collect_stats(
                     matched, config.dataset(model).data, [kind], tmp,
-                    max_examples=config.stats.max_examples, batch_size=micro, device=task_device(config),
+                    max_examples=config.stats.max_examples, batch_size=micro, device=device,
                     max_length=config.finetune.max_length, seed=config.finetune.seed, progress=False,
                     on_progress=progress, gram_dtype=config.stats.gram_dtype,
                 )[kind]  # fmt: skip
