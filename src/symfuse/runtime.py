@@ -39,13 +39,15 @@ def usable_cpus() -> int:
 
 
 def module_workers(d_model: int, d_ffn: int) -> int:
-    """Threads matching modules side by side: one per two usable CPUs, 2 to 8, and one for 7B widths and up.
+    """Threads matching modules side by side: up to one per two usable CPUs (2 to 8) at small widths, fewer above.
 
-    On a 16-thread machine 8 workers matched a roberta-base pair 1.7-2.2x faster than 2 on its CPU and 1.1-1.4x on
-    its GPU (bench/results/gpu.md); a 2-core machine keeps 2. Above ``d_model * d_ffn = 16e6`` a module's copies
-    and cost matrix are large, so modules go one at a time to bound memory.
+    Each worker holds two copies of a module and a ``d_ffn x d_ffn`` cost matrix. At roberta-base widths and below
+    (``d_model * d_ffn <= 4e6``), 8 workers on a 16-thread machine matched a pair 1.7-2.2x faster than 2 on its CPU
+    and 1.1-1.4x on its GPU (bench/results/gpu.md); a 2-core machine keeps 2. Wider models keep 2 (memory), and at
+    7B widths (``> 16e6``) modules go one at a time.
     """
-    if d_model * d_ffn > 16_000_000:
+    width = d_model * d_ffn
+    if width > 16_000_000:
         return 1
     cpus = usable_cpus()
-    return min(cpus, 8, max(2, cpus // 2))
+    return min(cpus, 2 if width > 4_000_000 else min(8, max(2, cpus // 2)))

@@ -22,11 +22,12 @@ def test_torch_threads_sets_and_restores_the_count():
 
 
 @pytest.mark.parametrize(("cpus", "expected"), [(1, 1), (2, 2), (4, 2), (8, 4), (16, 8), (64, 8)])
-def test_module_workers_take_one_thread_per_two_cpus_from_2_to_8(monkeypatch, cpus, expected):
+def test_module_workers_take_one_thread_per_two_cpus_from_2_to_8_at_small_widths(monkeypatch, cpus, expected):
     import symfuse.runtime as rt
 
     monkeypatch.setattr(rt, "usable_cpus", lambda: cpus)
     assert rt.module_workers(768, 3072) == expected  # roberta-base widths
+    assert rt.module_workers(1536, 8960) == min(cpus, 2)  # wider: two at most (each holds a d_ffn^2 cost matrix)
     assert rt.module_workers(4096, 11008) == 1  # 7B widths: one module at a time, whatever the machine
 
 
