@@ -243,6 +243,30 @@ def logit_rel(a: Path, b: Path, n: int = 32, length: int = 24) -> float:
     return float((la - lb).norm() / la.norm())
 
 
+def lora_parity(work: Path, a: str, b: str) -> list[dict]:
+    """``merge_adapters`` of two PEFT adapters (and a DoRA pair into the base) on both devices, each basis."""
+    from symfuse.lora import merge_adapters
+    from tests.symfuse.lora.helpers import make_adapter, tiny_base
+
+    base = tiny_base(work / "lora-base")
+    plain = [make_adapter(base, work / f"lora-{i}", seed=i, r=4 + 2 * i) for i in range(2)]
+    dora = [make_adapter(base, work / f"dora-{i}", seed=10 + i, use_dora=True) for i in range(2)]
+    cases = [(f"ties, {basis} basis", plain, {"basis": basis}) for basis in ("aligned", "full")]
+    cases.append(("ties, naive basis (one rank)", [make_adapter(base, work / f"lora-n{i}", seed=20 + i)
+                                                   for i in range(2)], {"basis": "naive"}))  # fmt: skip
+    cases.append(("DoRA, ties, into the base", dora, {"base": base, "into_base": True}))
+    rows = []
+    for what, adapters, kw in cases:
+        outs = []
+        for side, dev in enumerate((a, b)):
+            out = work / f"lora-{what.replace(' ', '-').replace(',', '')}-{side}"
+            merge_adapters(adapters, out, "ties", device=dev, density=0.5, **kw)
+            outs.append(tensors_of(out))
+        rel, where = max_rel(*outs)
+        rows.append(_row("merge-lora", what, rel, TOL_F32, worst=where))
+    return rows
+
+
 def all_parity(work: Path, a: str, b: str, tokenizer: Path) -> list[dict]:
     """Every parity check; a check that raises becomes a failed row with its error (the others still run)."""
     rows: list[dict] = []
@@ -250,6 +274,7 @@ def all_parity(work: Path, a: str, b: str, tokenizer: Path) -> list[dict]:
         ("match", lambda w: match_parity(w, a, b)),
         ("merge+stats", lambda w: merge_parity(w, a, b, tokenizer)),
         ("finetune+evaluate", lambda w: train_eval_parity(w, a, b, tokenizer)),
+        ("merge-lora", lambda w: lora_parity(w, a, b)),
     ):
         w = work / name
         shutil.rmtree(w, ignore_errors=True)

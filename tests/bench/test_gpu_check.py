@@ -61,3 +61,8 @@ def test_without_cuda_the_check_is_one_line_and_exit_2(tmp_path):
         "error: bench/gpu_check.py: torch sees no CUDA device — run it on a GPU machine"
     ]
     assert not (tmp_path / "o").exists()
+
+
+def test_lora_parity_of_the_cpu_with_itself_is_exact(tmp_path):
+    rows = gpu_parity.lora_parity(tmp_path, "cpu", "cpu")
+    assert len(rows) == 4 and all(r["ok"] and r["max_rel"] == 0.0 for r in rows)

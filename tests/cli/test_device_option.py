@@ -16,6 +16,8 @@ def inputs(tmp_path_factory):
     save_tiny_text_classifier(root / "b", seed=2)
     save_tiny(root / "l", "llama", seed=1)
     toy_dataset(root / "data")
+    (root / "adapter").mkdir()
+    (root / "adapter" / "adapter_config.json").write_text("{}")  # refused on --device before it is read
     return root
 
 
@@ -29,13 +31,14 @@ COMMANDS = {
     "evaluate": "evaluate {a} --data {data}",
     "barrier": "barrier {a} {b} --data {data} --out {o}",
     "inspect": "inspect {a} {b} --data {data} --out {o}.png",
+    "merge-lora": "merge-lora --adapters {ad} --out {o}",
 }
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_a_missing_device_is_refused_before_any_work(inputs, command):
     args = COMMANDS[command].format(a=inputs / "a", b=inputs / "b", l=inputs / "l", data=inputs / "data",
-                                    o=inputs / f"out-{command}").split()  # fmt: skip
+                                    ad=inputs / "adapter", o=inputs / f"out-{command}").split()  # fmt: skip
     before = listing(inputs)
     proc = run_cli(*args, "--device", "cuda:7")
     assert proc.returncode == 2, proc.stderr

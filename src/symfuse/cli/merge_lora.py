@@ -56,6 +56,7 @@ def merge_lora(
     density: Annotated[float | None, typer.Option("--density", help="TIES / DARE: fraction kept, in (0, 1].")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Output folder (new unless --overwrite).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
+    device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
 ) -> None:
     """Merge LoRA adapters: --adapters A [B ...] --strategy S [--basis aligned] --out OUT.
 
@@ -71,11 +72,12 @@ def merge_lora(
     given = {k: (v, f"--{k}") for k, v in {"lam": lam, "density": density}.items() if v is not None}
     given |= _param_options(param or [], {"lam": lam, "density": density})
     params = _check(adapters or [], strategy, basis, weights, rank, base, into_base, given)
+    dev = checks.device("--device", device)
     from symfuse.lora import merge_adapters
 
     with claim_output(out, overwrite):
         path = merge_adapters(adapters or [], out, strategy, basis=basis, rank=rank, base=base, into_base=into_base,
-                              overwrite=overwrite, **params)  # fmt: skip
+                              overwrite=overwrite, device=dev, **params)  # fmt: skip
     report = json.loads((path / "symfuse_report.json").read_text())
     err = report["truncation"]["max_relative_error"]
     typer.echo(f"{path} ({strategy}, {basis} basis, {report['output']}, truncation error {err:.2e}, "

@@ -43,7 +43,7 @@ def _fix_signs(u: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]
     if u.shape[1] == 0:
         return (u, *rows)
     idx = u.abs().argmax(dim=0)
-    sign = torch.sign(u[idx, torch.arange(u.shape[1])])
+    sign = torch.sign(u[idx, torch.arange(u.shape[1], device=u.device)])
     sign[sign == 0] = 1
     return (u * sign, *(r * sign[:, None] for r in rows))
 
@@ -80,7 +80,7 @@ def merge_aligned(
     """KnOTS: ``(U, S V^T)`` with ``V^T`` the strategy's merge of the ``V_i^T`` of :func:`shared_basis`."""
     u, s, vts = shared_basis(bs, as_)
     if s.numel() == 0:  # every update is zero
-        return u, torch.zeros(0, as_[0].shape[1], dtype=F64)
+        return u, torch.zeros(0, as_[0].shape[1], dtype=F64, device=u.device)
     return u, s[:, None] * combine(merger, f"{name}.V", vts, weights)
 
 
@@ -119,8 +119,8 @@ def low_rank(left: torch.Tensor | None, core: torch.Tensor, rank: int) -> tuple[
     u, vt = _fix_signs(u, vt)
     k = min(rank, s.numel())
     root = s[:k].sqrt()
-    b = torch.zeros(u.shape[0], rank, dtype=F64)
-    a = torch.zeros(rank, vt.shape[1], dtype=F64)
+    b = torch.zeros(u.shape[0], rank, dtype=F64, device=u.device)
+    a = torch.zeros(rank, vt.shape[1], dtype=F64, device=u.device)
     b[:, :k] = u[:, :k] * root
     a[:k] = root[:, None] * vt[:k]
     total = float(s.square().sum())

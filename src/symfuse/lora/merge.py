@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
+from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, UsageError
 from symfuse.lora.adapter import LoraAdapter, LoraModule, read_adapter, write_adapter
 from symfuse.lora.bases import BASES, F64, combine, low_rank, merge_aligned, merge_full, merge_naive
@@ -111,8 +112,10 @@ def _module_keys(adapters: Sequence[LoraAdapter]) -> list[str]:
     return list(keys)
 
 
-def _factors(adapters: Sequence[LoraAdapter], key: str, basis: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The K ``(B_i, A_i)`` of ``key`` with the scale folded in (naive: ``sqrt(s)`` each); zero where absent."""
+def _factors(
+    adapters: Sequence[LoraAdapter], key: str, basis: str, device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The K ``(B_i, A_i)`` of ``key`` on ``device``, the scale folded in (naive: ``sqrt(s)`` each); 0 where absent."""
     present = [ad.modules[key] for ad in adapters if key in ad.modules]
     out_dim, in_dim = int(present[0].B.shape[0]), int(present[0].A.shape[1])
     rank = present[0].rank if basis == "naive" else 0
@@ -120,15 +123,15 @@ def _factors(adapters: Sequence[LoraAdapter], key: str, basis: str) -> tuple[lis
     for ad in adapters:
         m: LoraModule | None = ad.modules.get(key)
         if m is None:
-            bs.append(torch.zeros(out_dim, rank, dtype=F64))
-            as_.append(torch.zeros(rank, in_dim, dtype=F64))
+            bs.append(torch.zeros(out_dim, rank, dtype=F64, device=device))
+            as_.append(torch.zeros(rank, in_dim, dtype=F64, device=device))
         elif basis == "naive":
             root = m.scale**0.5
-            bs.append(root * m.B.to(F64))
-            as_.append(root * m.A.to(F64))
+            bs.append(root * m.B.to(device, F64))
+            as_.append(root * m.A.to(device, F64))
         else:
-            bs.append(m.scale * m.B.to(F64))
-            as_.append(m.A.to(F64))
+            bs.append(m.scale * m.B.to(device, F64))
+            as_.append(m.A.to(device, F64))
     return bs, as_
 
 
@@ -164,9 +167,9 @@ class _Base:
                 "they were trained on"
             )
 
-    def weight(self, key: str) -> torch.Tensor:
-        """``W`` of module ``key`` as ``(out, in)`` float64."""
-        w = self.reader.get(f"{key}.weight").to(F64)
+    def weight(self, key: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``W`` of module ``key`` as ``(out, in)`` float64 on ``device``."""
+        w = self.reader.get(f"{key}.weight").to(device, F64)
         return w.T if self.transposed else w
 
 
@@ -183,6 +186,7 @@ def merge_adapters(
     base: str | os.PathLike | None = None,
     into_base: bool = False,
     overwrite: bool = False,
+    device: str | torch.device = "cpu",
     **params: Any,
 ) -> Path:
     """Merge K LoRA adapters of one base into one adapter folder (or, ``into_base``, a full checkpoint).
@@ -196,6 +200,8 @@ def merge_adapters(
         base: The base checkpoint (needed for DoRA and ``into_base``).
         into_base: Write the base with the merged updates applied instead of an adapter.
         overwrite: Replace an existing ``out``.
+        device: Where the bases, SVDs and the strategy run (``cpu``, ``cuda``, ``cuda:N``, ``auto``; one module at a
+            time on it); what is written comes back to the CPU.
         **params: The strategy's parameters (``weights=[...]``, ``density=0.2``, ``lam=1.0``, ...).
 
     Returns:
@@ -206,6 +212,7 @@ def merge_adapters(
         UsageError: a strategy that needs statistics, a missing ``base``, a bad ``basis`` / ``rank``.
     """
     start = time.perf_counter()
+    dev = resolve_device(device)
     if basis not in BASES:
         raise UsageError(f"--basis: unknown value {basis!r} — choose from {', '.join(BASES)}")
     if rank is not None and (into_base or rank < 1):
@@ -213,6 +220,7 @@ def merge_adapters(
     check_output(out, overwrite)
     ads = [read_adapter(a) for a in adapters]
     merger = make_merger(strategy, len(ads), params)
+    merger.device = dev
     weights = merger.model_weights(len(ads))
     _check_inputs(ads)
     if basis == "naive":
@@ -228,7 +236,7 @@ def merge_adapters(
     for key in keys if bw is not None else ():
         m = next(ad.modules[key] for ad in ads if key in ad.modules)
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
-    job = _Job(ads, basis, merger, weights, bw)
+    job = _Job(ads, basis, merger, weights, bw, dev)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         if into_base:
             errors: dict[str, float] = {}
@@ -249,19 +257,20 @@ class _Job:
     merger: Merger
     weights: Sequence[float]
     bw: _Base | None
+    device: torch.device
 
     def module(self, key: str) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """``(left, core, m)``: the merged update ``left @ core`` (``left`` None: the identity), DoRA's ``m``."""
-        bs, as_ = _factors(self.ads, key, self.basis)
+        bs, as_ = _factors(self.ads, key, self.basis, self.device)
         left, core = _MERGE[self.basis](self.merger, key, bs, as_, self.weights)
         if not self.ads[0].dora:
             return left, core, None
         assert self.bw is not None
-        norm = _row_norm(self.bw.weight(key))
+        norm = _row_norm(self.bw.weight(key, self.device))
         dms = []  # each magnitude's change from the base's row norms (none where an adapter leaves the module)
         for ad in self.ads:
             mag = ad.modules[key].magnitude if key in ad.modules else None
-            dms.append(mag.to(F64) - norm if mag is not None else torch.zeros_like(norm))
+            dms.append(mag.to(self.device, F64) - norm if mag is not None else torch.zeros_like(norm))
         return left, core, norm + combine(self.merger, f"{key}.magnitude", dms, self.weights)
 
 
@@ -271,7 +280,7 @@ def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path) -> dict
     for key in keys:
         left, core, mag = job.module(key)
         b, a, errors[key] = low_rank(left, core, rank)
-        factors[key] = (b, a, mag)
+        factors[key] = (b.cpu(), a.cpu(), mag.cpu() if mag is not None else None)
     write_adapter(tmp, adapter_config(job.ads, rank, keys), factors, job.ads[0].dtype)
     return errors
 
@@ -286,9 +295,9 @@ def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path) -> None:
         if key is None:
             return stored
         left, core, mag = job.module(key)
-        w = bw.weight(key) + (left @ core if left is not None else core)
+        w = bw.weight(key, job.device) + (left @ core if left is not None else core)
         if mag is not None:
             w = (mag / _row_norm(w))[:, None] * w
-        return (w.T if bw.transposed else w).to(stored.dtype).contiguous()
+        return (w.T if bw.transposed else w).to("cpu", stored.dtype).contiguous()
 
     write_checkpoint(bw.reader, tmp, replace=replace, overwrite=True)
