@@ -16,7 +16,9 @@ from symfuse.outputs import atomic_output_dir
 
 @app.command()
 def evaluate(
-    model: Annotated[str, typer.Argument(help="Checkpoint folder with a task head.")],
+    model: Annotated[
+        str, typer.Argument(help="Checkpoint folder with a task head (a causal LM for language-modelling data).")
+    ],
     data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
     split: Annotated[str, typer.Option("--split", help="Dataset split to read.")] = "test",
     labels_from: Annotated[str | None, typer.Option("--labels-from", help="Dataset naming the head's outputs.")] = None,
@@ -30,7 +32,11 @@ def evaluate(
     ] = None,
     device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
 ) -> None:
-    """Evaluate MODEL on a dataset split; print and write the metrics JSON."""
+    """Evaluate MODEL on a dataset split; print and write the metrics JSON.
+
+    A language-modelling dataset (meta.json "task": "language_modeling", e.g. tinyshakespeare) scores a causal LM:
+    its mean next-token loss and perplexity.
+    """
     checks.at_least("--max-examples", max_examples, 1)
     checks.at_least("--max-length", max_length, 2)
     checks.at_least("--batch-size", batch_size, 1)
@@ -39,8 +45,15 @@ def evaluate(
     checks.checkpoint(model, arch=False)
     if out is not None and out.is_dir():
         raise UsageError(f"--out: {out} is a folder — give the metrics JSON file to write")
-    checks.dataset("--data", data)
-    model = _head_for(model, data)
+    from symfuse.data.text import is_language_modeling, text_split
+
+    if is_language_modeling(data):  # a causal LM's perplexity: no labels, no heads
+        if labels_from is not None:
+            raise UsageError(f"--labels-from: {data} is a language-modelling dataset, without labels — drop it")
+        text_split(data, split)  # a bad split or record fails before the model is loaded
+    else:
+        checks.dataset("--data", data)
+        model = _head_for(model, data)
     from symfuse.evaluate import evaluate_model
 
     metrics = evaluate_model(

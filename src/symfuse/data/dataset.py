@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation", "test")
 TASKS = ("classification", "pair_classification", "regression", "ner")
+LM_ONLY_EVALUATE = (
+    "{source}: a language-modelling dataset (text, no labels) — only `symfuse evaluate` reads it, scoring a causal "
+    "LM's perplexity; fine-tuning, statistics and merges need a classification or NER dataset"
+)
 _EXTS = (".jsonl", ".json", ".csv")
 _SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "val", "dev"), "test": ("test",)}
 
@@ -314,6 +318,8 @@ def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, 
         task, multi = _infer_task(first[0][1])
         meta = {"task": task, "multi_label": multi, "inferred": True}
     task = meta.get("task")
+    if task == "language_modeling":
+        raise DatasetError(LM_ONLY_EVALUATE.format(source=source))
     if task not in TASKS:
         raise DatasetError(f"{source}/meta.json: unknown task {task!r} (expected one of {TASKS})")
     multi = bool(meta.get("multi_label", False))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from symfuse.data.dataset import TASKS, _infer_task, _resolve_local, check_records
+from symfuse.data.dataset import LM_ONLY_EVALUATE, TASKS, _infer_task, _resolve_local, check_records
 from symfuse.data.files import DatasetError, head_records
 from symfuse.data.locate import not_found_message
 
@@ -78,6 +78,8 @@ def probe_dataset(source: str, records: int = PROBE_RECORDS) -> DatasetProbe:
     else:
         task, multi = meta.get("task"), bool(meta.get("multi_label", False))
         declared = meta.get("tags") if task == "ner" else meta.get("labels")
+    if task == "language_modeling":
+        raise DatasetError(LM_ONLY_EVALUATE.format(source=first.parent))
     if task not in TASKS:
         raise DatasetError(f"{first.parent / 'meta.json'}: unknown task {task!r} — give one of {', '.join(TASKS)}")
     known = set(declared) if declared else None

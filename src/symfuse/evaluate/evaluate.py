@@ -18,6 +18,7 @@ from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split
 from symfuse.data.labels import read_label_space
+from symfuse.data.text import is_language_modeling, text_split
 from symfuse.device import resolve_device
 from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model
 from symfuse.evaluate.scoring import score_logits
@@ -62,7 +63,7 @@ def evaluate_model(
     in_domain: bool | None = None,
     scored: list[str] | None = None,
 ) -> dict:
-    """Metrics of a task model on a dataset split, written as JSON.
+    """Metrics of a task model on a dataset split (a causal LM's perplexity on language-modelling data), as JSON.
 
     Classes are matched by name between the head (``config.id2label``, or the labels of ``labels_from``) and the
     dataset; out-of-domain emotion data is scored over the shared classes only (rule in
@@ -70,8 +71,11 @@ def evaluate_model(
     :class:`symfuse.data.labels.LabelSpace`) scores the datasets it learned from in-domain, and never predicts a
     class no training set had.
 
+    A language-modelling dataset (``"task": "language_modeling"`` in its ``meta.json``) is scored by
+    :func:`symfuse.evaluate.language.evaluate_language_model`: ``loss`` (mean next-token NLL) and ``perplexity``.
+
     Args:
-        model: Checkpoint folder with a sequence- or token-classification head.
+        model: Checkpoint folder with a sequence- or token-classification head (a causal LM for language modelling).
         data: Dataset source (see :func:`symfuse.data.load_task_dataset`).
         split: ``test`` | ``validation`` | ``train``.
         labels_from: Dataset whose label list names the head's outputs (for heads saved without names).
@@ -92,6 +96,9 @@ def evaluate_model(
         The metrics (``macro_f1`` / ``f1`` / ``accuracy`` / ``matthews`` / ``pearson`` ... per task, ``loss`` when the
         label spaces are identical, ``primary``, ``n``, ``seconds`` and the settings).
     """
+    if is_language_modeling(str(data)):
+        return _evaluate_lm(model, str(data), split, max_examples, device, batch_size, max_length, seed, out_file,
+                            on_progress)  # fmt: skip
     t0 = time.perf_counter()
     path = resolve_checkpoint(model)
     net, tok = load_task_model(path, device)  # validates the folder (values, tokenizer) before the data is read
@@ -146,4 +153,32 @@ def evaluate_model(
         metrics[metrics["primary"]],
         metrics["n"],
     )
+    return metrics
+
+
+def _evaluate_lm(
+    model: str | Path,
+    data: str,
+    split: str,
+    max_examples: int | None,
+    device: str,
+    batch_size: int,
+    max_length: int,
+    seed: int,
+    out_file: Path | None,
+    on_progress: Callable[[float], None] | None,
+) -> dict:
+    """:func:`evaluate_model` on a language-modelling dataset: the causal LM's loss and perplexity, as JSON."""
+    from symfuse.evaluate.language import evaluate_language_model
+
+    path = resolve_checkpoint(model)
+    texts = text_split(data, split, max_examples, seed)
+    metrics = evaluate_language_model(str(path), texts, resolve_device(device), batch_size, max_length, on_progress)
+    name = Path(data).name if Path(data).is_dir() else data
+    metrics.update({"model": str(model), "data": data, "dataset": name, "split": split, "max_examples": max_examples,
+                    "max_length": max_length})  # fmt: skip
+    out_file = Path(out_file) if out_file else path / f"eval_{name}_{split}.json"
+    write_json_atomic(metrics, out_file)
+    metrics["metrics_file"] = str(out_file)
+    log.info("%s on %s/%s: perplexity = %.4g (%d tokens)", path, name, split, metrics["perplexity"], metrics["tokens"])
     return metrics

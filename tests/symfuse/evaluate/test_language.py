@@ -1,0 +1,106 @@
+"""Causal LMs on language-modelling data: loss and perplexity (library and `symfuse evaluate`), and refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from symfuse.checkpoint import resolve_checkpoint
+from symfuse.data import load_task_dataset
+from symfuse.data.files import DatasetError
+from symfuse.errors import CheckpointError
+from symfuse.evaluate import evaluate_model
+from tests.cli.helpers import run_cli
+from tests.tiny import save_tiny, save_tiny_text_classifier
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TEXTS = [
+    "ROMEO: But soft, what light through yonder window breaks?",
+    "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name.",
+    "NURSE: Anon!",
+    "",  # an empty record: skipped
+    "MERCUTIO: A plague o' both your houses! They have made worms' meat of me.",
+    "FRIAR LAURENCE: These violent delights have violent ends and in their triumph die, like fire and powder.",
+]
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory) -> Path:
+    """A tiny random Llama causal LM reading MiniLM's tokenizer (vocabulary 30522)."""
+    folder = save_tiny(tmp_path_factory.mktemp("lm") / "llama", "llama", head="lm", seed=0, vocab_size=30522)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(resolve_checkpoint("minilm") / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def speeches(tmp_path_factory) -> Path:
+    """A language-modelling dataset folder: meta.json and a test split of speeches."""
+    folder = tmp_path_factory.mktemp("data") / "speeches"
+    folder.mkdir()
+    (folder / "meta.json").write_text(json.dumps({"task": "language_modeling"}))
+    (folder / "test.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    return folder
+
+
+def _alone(lm: Path, max_length: int) -> tuple[float, int]:
+    """The summed next-token NLL of each non-empty text run alone through transformers, and the tokens predicted."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(lm))
+    net = AutoModelForCausalLM.from_pretrained(str(lm)).eval()
+    total, count = 0.0, 0
+    for text in filter(None, TEXTS):
+        ids = tok(text, return_tensors="pt", truncation=True, max_length=max_length)["input_ids"]
+        with torch.no_grad():
+            logits = net(input_ids=ids).logits[0, :-1].double()
+        total += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+        count += ids.shape[1] - 1
+    return total, count
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_loss_is_the_mean_next_token_nll_of_each_text_alone(lm, speeches, tmp_path, batch_size):
+    m = evaluate_model(lm, str(speeches), batch_size=batch_size, max_length=16, out_file=tmp_path / "m.json")
+    total, count = _alone(lm, 16)
+    assert m["tokens"] == count and m["n"] == len([t for t in TEXTS if t])
+    assert m["loss"] == pytest.approx(total / count, rel=1e-5)  # right padding changes nothing
+    assert m["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5) and m["primary"] == "perplexity"
+    assert json.loads((tmp_path / "m.json").read_text())["perplexity"] == m["perplexity"]
+
+
+def test_a_random_model_is_near_the_uniform_perplexity_and_max_examples_subsamples(lm, speeches, tmp_path):
+    m = evaluate_model(lm, str(speeches), max_examples=2, out_file=tmp_path / "m.json")
+    assert m["n"] == 2
+    assert 0.5 * 30522 < m["perplexity"] < 2 * 30522  # a random tiny LM predicts about uniformly
+
+
+def test_the_command_prints_and_writes_the_metrics(lm, speeches, tmp_path):
+    proc = run_cli("evaluate", lm, "--data", speeches, "--max-length", "16", "--out", tmp_path / "e.json")
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout)
+    assert printed["task"] == "language_modeling" and printed["perplexity"] > 1
+    assert json.loads((tmp_path / "e.json").read_text())["loss"] == printed["loss"]
+
+
+def test_refusals_are_one_line(lm, speeches, tmp_path):
+    classifier = save_tiny_text_classifier(tmp_path / "bert")
+    cases = {
+        ("evaluate", classifier, "--data", speeches): "is not a causal language model",
+        ("evaluate", lm, "--data", speeches, "--labels-from", "meld"): "without labels — drop it",
+        ("evaluate", lm, "--data", speeches, "--split", "train"): "no train split — it has test",
+        ("stats", lm, "--data", speeches, "--kind", "gram", "--out", tmp_path / "s"): "only `symfuse evaluate`",
+    }
+    for args, message in cases.items():
+        proc = run_cli(*args)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode != 0 and message in last and "Traceback" not in proc.stderr, (args, proc.stderr)
+    with pytest.raises(CheckpointError, match="is not a causal language model"):
+        evaluate_model(classifier, str(speeches), out_file=tmp_path / "x.json")
+    with pytest.raises(DatasetError, match="a language-modelling dataset"):
+        load_task_dataset(str(speeches))
