@@ -107,10 +107,14 @@ def barrier(
     checks.local_path("B", b)
     checks.checkpoint(a, arch=False)
     checks.checkpoint(b, arch=False)
+    from symfuse.data.text import is_language_modeling, text_split
     from symfuse.evaluate import loss_barrier
 
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
-        checks.dataset("--data", data)
+        if is_language_modeling(data):  # causal LMs: their next-token loss along the path
+            text_split(data, split)
+        else:
+            checks.dataset("--data", data)
         r = loss_barrier(
             a, b, data, tmp, points=points, split=split, max_examples=max_examples, max_length=max_length, device=device
         )

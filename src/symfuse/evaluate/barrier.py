@@ -17,6 +17,7 @@ import torch
 
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split
+from symfuse.data.text import is_language_modeling, text_split
 from symfuse.device import resolve_device
 from symfuse.evaluate.evaluate import write_json_atomic
 from symfuse.evaluate.predict import head_problem_type, load_task_model, run_model
@@ -132,6 +133,8 @@ def loss_barrier(
 ) -> dict:
     """Task-loss barrier between two task models on a dataset split; writes ``barrier.json`` and ``barrier.png``.
 
+    On a language-modelling dataset the models are causal LMs and the loss is the mean next-token NLL.
+
     Args:
         a: First checkpoint (λ = 0); its tokenizer encodes the data.
         b: Second checkpoint (λ = 1), same architecture and head shape.
@@ -150,22 +153,12 @@ def loss_barrier(
     """
     t0 = time.perf_counter()
     dev = resolve_device(device)
-    model_a, tok = load_task_model(a, str(dev))
-    model_b, _ = load_task_model(b, str(dev))
-    problem = head_problem_type(model_a.config)
-    ds = load_task_dataset(data)
-    batches = list(
-        iter_batches(
-            encode_split(ds, tok, split, max_length, max_examples, seed),
-            batch_size,
-            tok.pad_token_id or 0,
-            by_length=True,  # the mean loss is order-free: batch similar lengths, pad little
-        )
-    )
-
-    def loss_fn(m: torch.nn.Module) -> float:
-        return run_model(m, batches, problem, dev, amp=dev.type == "cuda")[2]
-
+    if is_language_modeling(str(data)):
+        model_a, model_b, loss_fn, name = _lm_loss(a, b, str(data), split, max_examples, batch_size, max_length, seed,
+                                                   dev)  # fmt: skip
+    else:
+        model_a, model_b, loss_fn, name = _task_loss(a, b, data, split, max_examples, batch_size, max_length, seed,
+                                                     dev)  # fmt: skip
     lambdas = default_lambdas(points)
     losses = interpolation_losses(model_a, model_b, loss_fn, lambdas)
     result = {
@@ -182,6 +175,41 @@ def loss_barrier(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(result, out_dir / "barrier.json")
-    plot_barrier(lambdas, losses, out_dir / "barrier.png", f"{Path(a).name} → {Path(b).name} on {ds.name}/{split}")
-    log.info("barrier %s -> %s on %s: %.4f at λ=%.2f", a, b, ds.name, result["barrier"], result["argmax_lambda"])
+    plot_barrier(lambdas, losses, out_dir / "barrier.png", f"{Path(a).name} → {Path(b).name} on {name}/{split}")
+    log.info("barrier %s -> %s on %s: %.4f at λ=%.2f", a, b, name, result["barrier"], result["argmax_lambda"])
     return result
+
+
+LossSetup = tuple[torch.nn.Module, torch.nn.Module, Callable[[torch.nn.Module], float], str]
+
+
+def _task_loss(a, b, data, split, max_examples, batch_size, max_length, seed, dev: torch.device) -> LossSetup:
+    """Two task models and the mean task loss on a fixed set of batches of the split."""
+    model_a, tok = load_task_model(a, str(dev))
+    model_b, _ = load_task_model(b, str(dev))
+    problem = head_problem_type(model_a.config)
+    ds = load_task_dataset(data)
+    batches = list(
+        iter_batches(
+            encode_split(ds, tok, split, max_length, max_examples, seed),
+            batch_size,
+            tok.pad_token_id or 0,
+            by_length=True,  # the mean loss is order-free: batch similar lengths, pad little
+        )
+    )
+    return model_a, model_b, lambda m: run_model(m, batches, problem, dev, amp=dev.type == "cuda")[2], ds.name
+
+
+def _lm_loss(a, b, data, split, max_examples, batch_size, max_length, seed, dev: torch.device) -> LossSetup:
+    """Two causal LMs and the mean next-token loss of the split's texts (a language-modelling dataset)."""
+    from symfuse.evaluate.language import load_causal_lm, next_token_nll
+
+    model_a, tok = load_causal_lm(str(a), dev)
+    model_b, _ = load_causal_lm(str(b), dev)
+    texts = text_split(data, split, max_examples, seed)
+
+    def loss_fn(m: torch.nn.Module) -> float:
+        total, count = next_token_nll(m, tok, texts, dev, batch_size, max_length)
+        return total / max(count, 1)
+
+    return model_a, model_b, loss_fn, Path(data).name if Path(data).is_dir() else data

@@ -23,6 +23,7 @@ from symfuse.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 _LM_HEADS = ("ForCausalLM", "LMHeadModel")  # LlamaForCausalLM, GPT2LMHeadModel, ...
+LOGIT_BUDGET = 1 << 26  # logits per forward pass at most (256 MiB of float32): rows = budget / (length * vocabulary)
 
 
 def load_causal_lm(model: str, device: torch.device | str) -> tuple[torch.nn.Module, Any]:
@@ -59,7 +60,13 @@ def next_token_nll(
     max_length: int = 128,
     on_progress: Callable[[float], None] | None = None,
 ) -> tuple[float, int]:
-    """``(summed next-token negative log-likelihood, predicted tokens)`` of ``texts`` (each cut to ``max_length``)."""
+    """``(summed next-token negative log-likelihood, predicted tokens)`` of ``texts`` (each cut to ``max_length``).
+
+    A forward pass takes ``batch_size`` texts, fewer where their logits would pass :data:`LOGIT_BUDGET` (a
+    vocabulary of 49,152 at 128 tokens: 10 texts).
+    """
+    vocab = int(getattr(net.config, "vocab_size", 0) or 1)
+    batch_size = max(1, min(batch_size, LOGIT_BUDGET // (max_length * vocab)))
     total, count = 0.0, 0
     for start in range(0, len(texts), batch_size):
         enc = tok(list(texts[start : start + batch_size]), return_tensors="pt", padding=True, truncation=True,

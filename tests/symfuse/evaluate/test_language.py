@@ -94,7 +94,7 @@ def test_refusals_are_one_line(lm, speeches, tmp_path):
         ("evaluate", classifier, "--data", speeches): "is not a causal language model",
         ("evaluate", lm, "--data", speeches, "--labels-from", "meld"): "without labels — drop it",
         ("evaluate", lm, "--data", speeches, "--split", "train"): "no train split — it has test",
-        ("stats", lm, "--data", speeches, "--kind", "gram", "--out", tmp_path / "s"): "only `symfuse evaluate`",
+        ("stats", lm, "--data", speeches, "--kind", "gram", "--out", tmp_path / "s"): "only `symfuse evaluate` and `barrier`",
     }
     for args, message in cases.items():
         proc = run_cli(*args)
@@ -104,3 +104,19 @@ def test_refusals_are_one_line(lm, speeches, tmp_path):
         evaluate_model(classifier, str(speeches), out_file=tmp_path / "x.json")
     with pytest.raises(DatasetError, match="a language-modelling dataset"):
         load_task_dataset(str(speeches))
+
+
+def test_barrier_of_causal_lms_on_language_modelling_data(lm, speeches, tmp_path):
+    from symfuse.evaluate import loss_barrier
+
+    other = save_tiny(tmp_path / "other", "llama", head="lm", seed=1, vocab_size=30522)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(lm / name, other / name)
+    r = loss_barrier(lm, other, str(speeches), tmp_path / "b", points=3, max_length=16)
+    total, count = _alone(lm, 16)
+    assert r["losses"][0] == pytest.approx(total / count, rel=1e-5)  # λ = 0 is A's next-token loss
+    same = loss_barrier(lm, lm, str(speeches), tmp_path / "same", points=3, max_length=16)
+    assert abs(same["barrier"]) < 1e-6 and len(set(round(x, 6) for x in same["losses"])) == 1
+    proc = run_cli("barrier", lm, other, "--data", speeches, "--points", "3", "--max-length", "16", "--out",
+                   tmp_path / "cli")  # fmt: skip
+    assert proc.returncode == 0 and (tmp_path / "cli" / "barrier.json").is_file(), proc.stderr
