@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split, load_tokenizer
+from symfuse.data.text import is_language_modeling, text_split
+from symfuse.errors import CheckpointError
 from symfuse.evaluate.barrier import barrier_from_losses, interpolate_state, interpolation_losses
 from symfuse.evaluate.predict import forward_logits, head_problem_type, is_causal_lm, load_task_model, task_loss
 
@@ -111,9 +113,22 @@ def make_probe(
     data: str, tokenizer: Any, problem: str, split: str, max_examples: int, batch_size: int, max_length: int,
     seed: int, device: torch.device,
 ) -> Probe:  # fmt: skip
-    """The batches of a dataset split, encoded as :func:`symfuse.evaluate.barrier.loss_barrier` encodes them."""
-    ds = load_task_dataset(data)
-    feats = encode_split(ds, tokenizer, split, max_length, max_examples, seed)
+    """The batches of a dataset split, encoded as :func:`symfuse.evaluate.barrier.loss_barrier` encodes them.
+
+    A language-modelling dataset gives its texts (a seeded subset) to causal LMs, scored by next-token loss.
+
+    Raises:
+        CheckpointError: language-modelling data for models with a task head.
+    """
+    if is_language_modeling(data):
+        if problem != CAUSAL_LM:
+            raise CheckpointError(f"{data}: language-modelling data scores causal LMs; these models have a {problem} "
+                                  "head — give a task dataset with --data")  # fmt: skip
+        texts = text_split(data, split, max_examples, seed)
+        enc = [tokenizer(t, truncation=True, max_length=max_length) for t in texts]
+        feats = [{"input_ids": e["input_ids"], "attention_mask": e["attention_mask"]} for e in enc]
+    else:
+        feats = encode_split(load_task_dataset(data), tokenizer, split, max_length, max_examples, seed)
     batches = list(iter_batches(feats, batch_size, tokenizer.pad_token_id or 0, by_length=True))
     return Probe(batches, problem, device)
 

@@ -94,7 +94,7 @@ def test_refusals_are_one_line(lm, speeches, tmp_path):
         ("evaluate", classifier, "--data", speeches): "is not a causal language model",
         ("evaluate", lm, "--data", speeches, "--labels-from", "meld"): "without labels — drop it",
         ("evaluate", lm, "--data", speeches, "--split", "train"): "no train split — it has test",
-        ("stats", lm, "--data", speeches, "--kind", "gram", "--out", tmp_path / "s"): "only `symfuse evaluate` and `barrier`",
+        ("stats", lm, "--data", speeches, "--kind", "gram", "--out", tmp_path / "s"): "and `inspect --data` read it",
     }
     for args, message in cases.items():
         proc = run_cli(*args)
@@ -120,3 +120,18 @@ def test_barrier_of_causal_lms_on_language_modelling_data(lm, speeches, tmp_path
     proc = run_cli("barrier", lm, other, "--data", speeches, "--points", "3", "--max-length", "16", "--out",
                    tmp_path / "cli")  # fmt: skip
     assert proc.returncode == 0 and (tmp_path / "cli" / "barrier.json").is_file(), proc.stderr
+
+
+def test_inspect_scores_causal_lms_on_language_modelling_data(lm, speeches, tmp_path):
+    other = save_tiny(tmp_path / "other", "llama", head="lm", seed=1, vocab_size=30522)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(lm / name, other / name)
+    proc = run_cli("inspect", lm, other, "--data", speeches, "--max-examples", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "loss along the path (causal_lm, 4 examples of the test split)" in proc.stdout
+    classifier = save_tiny_text_classifier(tmp_path / "bert")
+    twin = save_tiny_text_classifier(tmp_path / "bert2", seed=1)
+    proc = run_cli("inspect", classifier, twin, "--data", speeches)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and "language-modelling data scores causal LMs" in last, proc.stderr
+    assert "Traceback" not in proc.stderr
