@@ -114,6 +114,7 @@ def test_a_process_losing_the_conversion_race_uses_the_winners_folder(tiny, tmp_
     winner = ck.gguf_checkpoint(file)  # what the other process published
     real_is_dir = Path.is_dir
     monkeypatch.setattr(Path, "is_dir", lambda self: False if self == winner else real_is_dir(self))  # not yet seen
+    caplog.clear()  # the winner's own line (kept where another test left the logger at INFO)
     with caplog.at_level(logging.INFO, logger="symfuse.checkpoint"):
         assert ck.gguf_checkpoint(file) == winner
     lines = [r.getMessage() for r in caplog.records]
