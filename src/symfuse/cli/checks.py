@@ -143,6 +143,21 @@ def device(option: str, value: str) -> str:
     return str(resolve_device(value, option))
 
 
+def scored_dataset(option: str, value: str, split: str) -> bool:
+    """Check the data a model is scored on, before any model is loaded; True for a language-modelling dataset.
+
+    A language-modelling dataset (causal LMs' next-token loss) has its split and records read; any other is loaded
+    as a task dataset (:func:`dataset`).
+    """
+    from symfuse.data.text import is_language_modeling, text_split
+
+    if is_language_modeling(value):
+        text_split(value, split)
+        return True
+    dataset(option, value)
+    return False
+
+
 def dataset(option: str, value: str) -> None:
     """Load the dataset once (cached) so that a bad name or file fails before any model is loaded."""
     from symfuse.data import load_task_dataset

@@ -45,14 +45,10 @@ def evaluate(
     checks.checkpoint(model, arch=False)
     if out is not None and out.is_dir():
         raise UsageError(f"--out: {out} is a folder — give the metrics JSON file to write")
-    from symfuse.data.text import is_language_modeling, text_split
-
-    if is_language_modeling(data):  # a causal LM's perplexity: no labels, no heads
+    if checks.scored_dataset("--data", data, split):  # a causal LM's perplexity: no labels, no heads
         if labels_from is not None:
             raise UsageError(f"--labels-from: {data} is a language-modelling dataset, without labels — drop it")
-        text_split(data, split)  # a bad split or record fails before the model is loaded
     else:
-        checks.dataset("--data", data)
         model = _head_for(model, data)
     from symfuse.evaluate import evaluate_model
 
@@ -107,14 +103,10 @@ def barrier(
     checks.local_path("B", b)
     checks.checkpoint(a, arch=False)
     checks.checkpoint(b, arch=False)
-    from symfuse.data.text import is_language_modeling, text_split
     from symfuse.evaluate import loss_barrier
 
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
-        if is_language_modeling(data):  # causal LMs: their next-token loss along the path
-            text_split(data, split)
-        else:
-            checks.dataset("--data", data)
+        checks.scored_dataset("--data", data, split)
         r = loss_barrier(
             a, b, data, tmp, points=points, split=split, max_examples=max_examples, max_length=max_length, device=device
         )

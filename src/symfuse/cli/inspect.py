@@ -60,12 +60,7 @@ def inspect_command(
     if out is not None:
         _check_png(out, overwrite)
     if data is not None:
-        from symfuse.data.text import is_language_modeling, text_split
-
-        if is_language_modeling(data):  # causal LMs' next-token loss on the texts
-            text_split(data, split)
-        else:
-            checks.dataset("--data", data)
+        checks.scored_dataset("--data", data, split)
     device = checks.device("--device", device)
     from symfuse.inspect import inspect_models
     from symfuse.inspect.render import format_report, plot_report

@@ -7,6 +7,8 @@ statistics and merges read classification and NER datasets only.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from symfuse.data.dataset import _resolve_local, subsample_indices
 from symfuse.data.files import DatasetError, read_records
 
@@ -55,3 +57,9 @@ def text_split(source: str, split: str, max_examples: int | None = None, seed: i
     if not texts:
         raise DatasetError(f"{files[split]}: no text in split {split}")
     return [texts[i] for i in subsample_indices(len(texts), max_examples, seed)]
+
+
+def text_dataset_name(source: str) -> str:
+    """The name a language-modelling dataset goes by in reports: its folder's name, or the bare name given."""
+    path = Path(source)
+    return path.name if path.is_dir() else source

@@ -17,7 +17,7 @@ import torch
 
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split
-from symfuse.data.text import is_language_modeling, text_split
+from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
 from symfuse.evaluate.evaluate import write_json_atomic
 from symfuse.evaluate.predict import head_problem_type, load_task_model, run_model
@@ -212,4 +212,4 @@ def _lm_loss(a, b, data, split, max_examples, batch_size, max_length, seed, dev:
         total, count = next_token_nll(m, tok, texts, dev, batch_size, max_length)
         return total / max(count, 1)
 
-    return model_a, model_b, loss_fn, Path(data).name if Path(data).is_dir() else data
+    return model_a, model_b, loss_fn, text_dataset_name(data)

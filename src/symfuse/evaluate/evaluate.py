@@ -18,7 +18,7 @@ from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split
 from symfuse.data.labels import read_label_space
-from symfuse.data.text import is_language_modeling, text_split
+from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
 from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model
 from symfuse.evaluate.scoring import score_logits
@@ -174,7 +174,7 @@ def _evaluate_lm(
     path = resolve_checkpoint(model)
     texts = text_split(data, split, max_examples, seed)
     metrics = evaluate_language_model(str(path), texts, resolve_device(device), batch_size, max_length, on_progress)
-    name = Path(data).name if Path(data).is_dir() else data
+    name = text_dataset_name(data)
     metrics.update({"model": str(model), "data": data, "dataset": name, "split": split, "max_examples": max_examples,
                     "max_length": max_length})  # fmt: skip
     out_file = Path(out_file) if out_file else path / f"eval_{name}_{split}.json"

@@ -8,7 +8,6 @@ equals the one of each text run alone (tested).
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -19,8 +18,6 @@ import torch
 from symfuse.checkpoint import load_hf_model, resolve_checkpoint
 from symfuse.data.batches import load_tokenizer
 from symfuse.errors import CheckpointError
-
-log = logging.getLogger(__name__)
 
 _LM_HEADS = ("ForCausalLM", "LMHeadModel")  # LlamaForCausalLM, GPT2LMHeadModel, ...
 LOGIT_BUDGET = 1 << 26  # logits per forward pass at most (256 MiB of float32): rows = budget / (length * vocabulary)
