@@ -1,4 +1,4 @@
-"""``python -m flows [--quick] [--config run.yaml]``: the same demo as ``python -m flows.pipeline``."""
+"""``python -m flows [--quick] [--config run.yaml] [--store DIR] [--run-id ID] [-v]``: the demo (:mod:`flows.cli`)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""The demo's command line: ``python -m flows.pipeline [--quick] [--config run.yaml] [--store DIR] [--run-id ID] [-v]``.
+"""The demo's command line: ``python -m flows [--quick] [--config run.yaml] [--store DIR] [--run-id ID] [-v]``.
 
 Runs :func:`flows.pipeline.fusion_pipeline` (ephemeral Prefect unless ``PREFECT_API_URL`` points at a server) on the
 embedded demo config or a YAML file, then prints the metrics table from the stored report. A bad ``--config`` or a
@@ -39,9 +39,7 @@ DEMO_DATA_HELP = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The demo's options."""
-    p = argparse.ArgumentParser(
-        prog="python -m flows.pipeline", description=__doc__.splitlines()[0], epilog=DEMO_DATA_HELP
-    )
+    p = argparse.ArgumentParser(prog="python -m flows", description=__doc__.splitlines()[0], epilog=DEMO_DATA_HELP)
     p.add_argument(
         "--quick", action="store_true", help="the reduced demo: crowdflower and meld, 300 examples (target < 90 s)"
     )

@@ -5,7 +5,7 @@ idempotent by content, so re-running the flow (or retrying it) recomputes nothin
 ``config.fan_out == "deployments"`` the fine-tunes and statistics run as flow runs of the stage deployments
 (``flows/stages.py``) on any worker of the pool, awaited together; everything else is unchanged.
 
-    python -m flows.pipeline [--quick] [--config run.yaml] [--store DIR] [--run-id ID]
+    python -m flows [--quick] [--config run.yaml] [--store DIR] [--run-id ID]
 """
 
 from __future__ import annotations
@@ -252,8 +252,4 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    import sys
-
-    from flows.cli import main
-
-    sys.exit(main())
+    raise SystemExit("error: the demo's command is `python -m flows` (same options); flows.pipeline defines the flow")

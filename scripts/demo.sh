@@ -8,7 +8,7 @@
 #   scripts/demo.sh --quick    reduced demo: crowdflower + meld (target < 90 s)
 #   scripts/demo.sh --different-init   where symmetry matters: two models from different seeds aligned with each
 #                              class and merged (examples/different_init.py; models cached after the first run)
-# Other options: --config run.yaml, --store DIR, --run-id ID (see `python -m flows.pipeline --help`).
+# Other options: --config run.yaml, --store DIR, --run-id ID (see `python -m flows --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -20,4 +20,4 @@ if [[ "${1:-}" == "--different-init" ]]; then
   shift
   exec .venv/bin/python examples/different_init.py "$@"
 fi
-exec .venv/bin/python -m flows "$@"  # = python -m flows.pipeline; imports overlap the server start
+exec .venv/bin/python -m flows "$@"  # imports overlap the server start

@@ -41,7 +41,7 @@ def test_quick_demo_runs_on_bundled_data_without_shared(tmp_path):
     store = tmp_path / "store"
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.pipeline", "--quick", "--store", str(store)],
+        [sys.executable, "-m", "flows", "--quick", "--store", str(store)],
         cwd=tmp_path,  # nor a shared/ folder next to the working directory
         env=env,
         capture_output=True,

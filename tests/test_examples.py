@@ -56,10 +56,10 @@ def check_line(line: str) -> None:
     elif line.startswith(PYTHON + "examples/"):
         script, *args = shlex.split(line.removeprefix(PYTHON))
         load_example(Path(script).stem).parse_args(args)
-    elif line.startswith(PYTHON + "-m flows.pipeline"):
+    elif line.startswith(PYTHON + "-m flows "):
         from flows.cli import parse_args
 
-        parse_args(shlex.split(line.removeprefix(PYTHON + "-m flows.pipeline")))
+        parse_args(shlex.split(line.removeprefix(PYTHON + "-m flows ")))
     elif line.startswith("deployments/local_stack.sh"):
         assert (ROOT / "deployments/local_stack.sh").exists()
         assert line.split()[1] in ("start", "status", "stop"), line
@@ -74,7 +74,7 @@ def test_the_readme_has_four_recipes_of_known_commands():
         for line in lines:
             check_line(line)
     inline = (ROOT / "README.md").read_text().split("## Recipes", 1)[1].split("\n## ", 1)[0]
-    check_line(PYTHON + re.search(r"`\.venv/bin/python (-m flows\.pipeline[^`]*)`", inline).group(1))
+    check_line(PYTHON + re.search(r"`\.venv/bin/python (-m flows [^`]*)`", inline).group(1))
     check_line(PYTHON + re.search(r"`\.venv/bin/python (examples/different_init\.py[^`]*)`", inline).group(1))
 
 

@@ -16,7 +16,7 @@ whole). It returns ALL the problems it finds, one line each:
   refit / RegMean++ statistics read it (unless ``allow_label_mismatch``).
 
 ``fusion_pipeline`` raises :class:`RunInputError` (:func:`require_runnable`) before it submits any task, and
-``python -m flows.pipeline`` prints the lines before it starts Prefect.
+``python -m flows`` prints the lines before it starts Prefect.
 """
 
 from __future__ import annotations

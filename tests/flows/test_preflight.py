@@ -38,7 +38,7 @@ def test_the_flow_reports_every_bad_input_before_any_task(tiny_base, memory_root
     assert seconds < 30, seconds
 
 
-def test_python_m_flows_pipeline_refuses_a_missing_dataset_in_seconds_before_prefect_starts(tmp_path):
+def test_python_m_flows_refuses_a_missing_dataset_in_seconds_before_prefect_starts(tmp_path):
     config = {
         "run_id": "missing",
         "base_model": "minilm",
@@ -53,7 +53,7 @@ def test_python_m_flows_pipeline_refuses_a_missing_dataset_in_seconds_before_pre
     env |= {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "PREFECT_HOME": str(tmp_path / "prefect"),
             "SYMFUSE_SHARED_DATASETS": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     start = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "flows.pipeline", "--config", "run.yaml", "--store", "store"],
+    res = subprocess.run([sys.executable, "-m", "flows", "--config", "run.yaml", "--store", "store"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     seconds = time.perf_counter() - start
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
@@ -62,4 +62,14 @@ def test_python_m_flows_pipeline_refuses_a_missing_dataset_in_seconds_before_pre
     assert "Traceback" not in res.stderr + res.stdout
     assert seconds < 30, seconds  # the run this replaces fine-tuned the other sets first (126.7 s)
     # nothing trained or stored, and Prefect never started (no database in PREFECT_HOME)
+    assert not (tmp_path / "store").exists() and not list((tmp_path / "prefect").glob("*.db"))
+
+
+def test_python_m_flows_pipeline_names_the_demo_command_and_runs_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env |= {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "PREFECT_HOME": str(tmp_path / "prefect")}
+    res = subprocess.run([sys.executable, "-m", "flows.pipeline", "--quick", "--store", "store"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 1 and len(lines) == 1 and "`python -m flows`" in lines[0], res.stderr
     assert not (tmp_path / "store").exists() and not list((tmp_path / "prefect").glob("*.db"))
