@@ -21,7 +21,7 @@ from symfuse.data.labels import read_label_space
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
 from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model
-from symfuse.evaluate.scoring import score_logits
+from symfuse.evaluate.scoring import check_shared_classes, score_logits
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ def evaluate_model(
         head_labels = names
     if (head_problem == "token_classification") != ds.is_token_task:
         raise ValueError(f"{path}: a {head_problem} head cannot be evaluated on {ds.name} ({ds.problem_type})")
+    if ds.problem_type not in ("regression", "token_classification"):
+        check_shared_classes(ds, head_labels)  # before the model runs over the split
     feats = encode_split(ds, tok, split, max_length, max_examples, seed)
     batches = iter_batches(feats, batch_size, tok.pad_token_id or 0, by_length=True)  # metrics are order-free
     batches = _tracked(batches, math.ceil(len(feats) / batch_size), f"evaluate on {ds.name}/{split}", on_progress)

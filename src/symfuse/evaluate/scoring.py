@@ -44,6 +44,21 @@ def _entity_type(tag: str) -> str | None:
     return None if tag == "O" else tag.split("-", 1)[-1]
 
 
+def check_shared_classes(dataset: TaskDataset, head_labels: Sequence[str]) -> list[str]:
+    """The dataset's classes the head has too (by name, any case), before anything is computed.
+
+    Raises:
+        DatasetError: if head and dataset share no class.
+    """
+    classes = shared_label_names(dataset.labels, head_labels, restrict=None)
+    if not classes:
+        raise DatasetError(
+            f"{dataset.name}: the model's classes {list(head_labels)} share none with the dataset's "
+            f"{dataset.labels}; pass --labels-from with the dataset the head was trained on"
+        )
+    return classes
+
+
 def score_logits(
     dataset: TaskDataset,
     head_labels: Sequence[str],
@@ -85,12 +100,7 @@ def score_logits(
         in_domain = set(label_index(head_labels)) == set(label_index(dataset.labels))
     classes = list(dataset.labels) if in_domain else shared_label_names(dataset.labels, head_labels)
     if not classes:
-        classes = shared_label_names(dataset.labels, head_labels, restrict=None)
-    if not classes:
-        raise DatasetError(
-            f"{dataset.name}: the model's classes {list(head_labels)} share none with the dataset's "
-            f"{dataset.labels}; pass --labels-from with the dataset the head was trained on"
-        )
+        classes = check_shared_classes(dataset, head_labels)
     if scored and not in_domain:
         classes = shared_label_names(dataset.labels, scored, restrict=None)
     head_index = label_index(head_labels)
