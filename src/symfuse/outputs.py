@@ -8,6 +8,9 @@ Every command and library function that writes a folder goes through :func:`atom
 
 * An existing ``out`` is refused unless ``overwrite`` (:class:`~symfuse.errors.OutputExistsError`), before any
   work when the caller claims the output first (:func:`claim_output`, :func:`check_output`).
+* ``overwrite`` replaces only a folder symfuse wrote (it holds :data:`MARKER`, which every folder written here
+  gets) or an empty one, never the folder the command runs in or one of its parents, and never a folder that is
+  or holds one of the command's inputs: a dataset, a hand-made checkpoint or the model being merged stay.
 * The folder is written to a sibling ``.<name>.tmp-<pid>-<rand>`` and renamed onto ``out`` at the end; an old
   ``out`` (``overwrite``) is exchanged with the new one in one ``renameat2(RENAME_EXCHANGE)`` where the
   filesystem supports it, so it stays readable until the swap.
@@ -33,7 +36,7 @@ import secrets
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -42,6 +45,8 @@ from symfuse.errors import OutputExistsError, OutputLockedError, UsageError
 
 log = logging.getLogger(__name__)
 
+MARKER = ".symfuse-output"
+"""The file every folder written through :func:`atomic_output_dir` holds: what ``overwrite`` may replace."""
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -124,31 +129,64 @@ def clean_stale_temps(out: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def check_output(out: str | os.PathLike, overwrite: bool = False) -> Path:
+def check_output(out: str | os.PathLike, overwrite: bool = False, inputs: Sequence[object] = ()) -> Path:
     """Refuse an output path before any work: an existing ``out`` without ``overwrite``, a file, a bad parent.
 
     Args:
         out: The output folder.
-        overwrite: Whether an existing folder may be replaced (at the end, atomically).
+        overwrite: Whether an existing folder may be replaced (at the end, atomically): only one symfuse wrote
+            (it holds :data:`MARKER`) or an empty one, not the working folder or a parent of it, and not one that
+            is or holds a path of ``inputs``.
+        inputs: The command's inputs (paths; other entries, such as hub ids, never match a folder).
 
     Returns:
         ``out`` as an absolute path.
 
     Raises:
-        OutputExistsError: ``out`` exists and ``overwrite`` is False, or ``out`` is not a folder.
-        UsageError: a parent of ``out`` is a file.
+        OutputExistsError: ``out`` exists and ``overwrite`` is False or may not replace it, or ``out`` is not a
+            folder.
+        UsageError: ``out`` is empty, or a parent of ``out`` is a file.
     """
+    if not os.fspath(out).strip():
+        raise UsageError("--out is empty — give the output folder's path")
     path = Path(os.path.abspath(out))
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise OutputExistsError(f"{out}: exists and is not a folder — choose another --out")
     if path.exists() and not overwrite:
         raise OutputExistsError(f"{out}: already exists — pass --overwrite to replace it, or choose another --out")
+    if path.exists():
+        _check_replaceable(out, path, inputs)
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise UsageError(f"{out}: {parent} is a file, not a folder — choose another --out")
             break
     return path
+
+
+def _check_replaceable(out: str | os.PathLike, path: Path, inputs: Sequence[object]) -> None:
+    """Refuse to replace the working folder (or a parent), an input (or a folder holding one) or a foreign folder."""
+    real = Path(os.path.realpath(path))
+    cwd = Path(os.path.realpath(os.getcwd()))
+    if real == cwd or real in cwd.parents:
+        raise OutputExistsError(f"{out}: is the folder this command runs in, or holds it — choose another --out")
+    for item in inputs:
+        if isinstance(item, str | os.PathLike) and os.fspath(item).strip():
+            other = Path(os.path.realpath(item))
+            if other == real or real in other.parents:
+                raise OutputExistsError(
+                    f"{out}: is or holds the input {os.fspath(item)}, which --overwrite would delete — "
+                    "choose another --out"
+                )
+    try:
+        names = os.listdir(path)
+    except OSError as exc:
+        raise OutputExistsError(f"{out}: cannot be read ({exc.strerror}) — choose another --out") from exc
+    if names and MARKER not in names:
+        raise OutputExistsError(
+            f"{out}: --overwrite replaces only a folder symfuse wrote (it holds {MARKER}) or an empty one, and "
+            "this one is neither — remove it yourself if it should go, or choose another --out"
+        )
 
 
 def _read_pid(fd: int) -> str:
@@ -207,7 +245,7 @@ def _restore_handlers() -> None:
 
 
 @contextlib.contextmanager
-def claim_output(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def claim_output(out: str | os.PathLike, overwrite: bool = False, inputs: Sequence[object] = ()) -> Iterator[Path]:
     """Hold the output's lock for the block, after refusing an existing ``out`` (unless ``overwrite``).
 
     Commands claim their ``--out`` before any work, so that a second writer fails at once and a refused output
@@ -216,7 +254,8 @@ def claim_output(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
 
     Args:
         out: The output folder.
-        overwrite: Whether an existing ``out`` may be replaced at the end.
+        overwrite: Whether an existing ``out`` may be replaced at the end (see :func:`check_output`).
+        inputs: The command's inputs, which ``out`` may not be or hold.
 
     Yields:
         ``out`` as an absolute path.
@@ -225,7 +264,7 @@ def claim_output(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
         OutputExistsError: ``out`` exists and ``overwrite`` is False.
         OutputLockedError: another process holds the lock.
     """
-    path = check_output(out, overwrite)
+    path = check_output(out, overwrite, inputs)
     with _STATE:
         claim = _CLAIMS.get(path)
         if claim is not None and claim.thread != threading.get_ident():
@@ -249,7 +288,7 @@ def claim_output(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Pa
             _install_handlers()
         try:
             clean_stale_temps(path)
-            check_output(out, overwrite)  # it may have appeared before we held the lock
+            check_output(out, overwrite, inputs)  # it may have appeared before we held the lock
         except BaseException:
             _release(claim)
             raise
@@ -323,12 +362,14 @@ def _commit(tmp: Path, claim: _Claim) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False, inputs: Sequence[object] = ()) -> Iterator[Path]:
     """Yield an empty temporary folder next to ``out``; swap it onto ``out`` only if the block succeeds.
 
     Args:
         out: The output folder.
-        overwrite: Replace an existing ``out`` (it stays readable until the final rename).
+        overwrite: Replace an existing ``out`` (it stays readable until the final rename; see
+            :func:`check_output`).
+        inputs: The command's inputs, which ``out`` may not be or hold.
 
     Yields:
         The temporary folder to write into.
@@ -337,7 +378,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
         OutputExistsError: ``out`` exists without ``overwrite``, or appeared / changed while writing.
         OutputLockedError: another process is writing ``out``.
     """
-    with claim_output(out, overwrite) as path:
+    with claim_output(out, overwrite, inputs) as path:
         with _STATE:
             claim = _CLAIMS[path]
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -346,6 +387,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
             _TEMPS.add(tmp)
         try:
             yield tmp
+            (tmp / MARKER).write_text("written by symfuse: --overwrite may replace this folder\n")
             _commit(tmp, claim)
         finally:
             with _STATE:

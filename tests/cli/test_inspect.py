@@ -38,6 +38,11 @@ def test_json_is_one_mapping_with_verdict_reason_and_figures(models):
     assert report["figure"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
     again = CliRunner().invoke(app, ["inspect", str(models["a"]), str(models["d"]), "--out", str(png)])
     assert again.exit_code == 2 and "already exists" in again.output
+    config = models["a"] / "config.json"  # --overwrite replaces a figure, never another file
+    kept = config.read_bytes()
+    cmd = ["inspect", str(models["a"]), str(models["d"]), "--out", str(config), "--overwrite"]
+    refused = CliRunner().invoke(app, cmd)
+    assert refused.exit_code == 2 and "not a PNG image" in refused.output and config.read_bytes() == kept
 
 
 def test_the_table_ends_with_the_verdict(models):

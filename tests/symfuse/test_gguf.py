@@ -190,9 +190,15 @@ def test_convert_cli_errors(tiny, tmp_path):
     r = _run("convert", file, "--out", tmp_path / "o")
     assert r.exit_code == 2 and str(tmp_path / "o") in r.output
     assert [p.name for p in (tmp_path / "o").iterdir()] == ["keep.txt"]
-    r = _run("convert", file, "--out", tmp_path / "o", "--overwrite")
+    r = _run("convert", file, "--out", tmp_path / "o", "--overwrite")  # not a folder symfuse wrote: kept
+    assert r.exit_code == 2 and "only a folder symfuse wrote" in r.output, r.output
+    assert [p.name for p in (tmp_path / "o").iterdir()] == ["keep.txt"]
+    assert _run("convert", file, "--out", tmp_path / "o2", "--dtype", "float16").exit_code == 0
+    r = _run("convert", file, "--out", tmp_path / "o2", "--overwrite")  # what symfuse wrote, it replaces
     assert r.exit_code == 0, r.output
-    assert (tmp_path / "o" / "model.safetensors").exists() and not (tmp_path / "o" / "keep.txt").exists()
+    with safe_open(str(tmp_path / "o2" / "model.safetensors"), "pt") as f:  # the float32 conversion replaced it
+        names = f.keys()
+        assert {f.get_slice(k).get_dtype() for k in names} == {"F32"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".o")]  # no temp folder or lock left
 
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from symfuse.errors import OutputExistsError, OutputLockedError
-from symfuse.outputs import atomic_output_dir, claim_output, clean_stale_temps, lock_path
+from symfuse.errors import OutputExistsError, OutputLockedError, UsageError
+from symfuse.outputs import MARKER, atomic_output_dir, check_output, claim_output, clean_stale_temps, lock_path
 
 
 def _dead_pid() -> int:
@@ -41,26 +41,72 @@ def test_existing_output_is_refused_without_overwrite_and_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def _earlier_output(out):
+    with atomic_output_dir(out) as tmp:  # what an earlier symfuse command wrote
+        (tmp / "old.txt").write_text("old")
+
+
 def test_overwrite_keeps_the_old_version_readable_until_the_swap(tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    _earlier_output(out)
     with atomic_output_dir(out, overwrite=True) as tmp:
         (tmp / "new.txt").write_text("new")
         assert (out / "old.txt").read_text() == "old"
-    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "new.txt"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_failure_removes_the_temp_folder_and_keeps_the_old_version(tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    _earlier_output(out)
     with pytest.raises(RuntimeError), atomic_output_dir(out, overwrite=True) as tmp:
         (tmp / "half.txt").write_text("half")
         raise RuntimeError("boom")
-    assert sorted(p.name for p in out.iterdir()) == ["old.txt"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "old.txt"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def _tree(folder):
+    return {p.relative_to(folder): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def test_overwrite_replaces_an_empty_folder_but_never_a_folder_symfuse_did_not_write(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with atomic_output_dir(empty, overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert (empty / "new.txt").read_text() == "new"
+    data = tmp_path / "data"  # a dataset, a hand-made checkpoint ...
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"text": "x", "label": "joy"}\n')
+    before = _tree(tmp_path)
+    with pytest.raises(OutputExistsError, match="only a folder symfuse wrote"), atomic_output_dir(data, True):
+        pytest.fail("the block must not run")
+    assert _tree(tmp_path) == before
+
+
+def test_overwrite_never_replaces_an_input_a_folder_holding_one_or_the_working_folder(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    model = runs / "model"
+    _earlier_output(runs)  # a symfuse output, which --overwrite could replace ...
+    _earlier_output(model)  # ... but it holds the input
+    before = _tree(tmp_path)
+    for out in (model, runs):
+        with pytest.raises(OutputExistsError, match="is or holds the input"):
+            check_output(out, overwrite=True, inputs=["minilm", None, str(model)])
+    with pytest.raises(OutputExistsError, match="is or holds the input"):  # the same folder through a link
+        (tmp_path / "link").symlink_to(model)
+        check_output(model, overwrite=True, inputs=[tmp_path / "link"])
+    (tmp_path / "link").unlink()
+    monkeypatch.chdir(model)
+    for out in (".", "..", str(model)):
+        with pytest.raises(OutputExistsError, match="runs in"):
+            check_output(out, overwrite=True)
+    with pytest.raises(UsageError, match="--out is empty"):
+        check_output("", overwrite=True)
+    assert _tree(tmp_path) == before
+    monkeypatch.chdir(tmp_path)
+    assert check_output(model, overwrite=True, inputs=[runs / "other"]) == model  # a sibling input is fine
 
 
 def test_an_output_that_appears_while_writing_is_not_deleted(tmp_path):

@@ -165,6 +165,28 @@ def dataset(option: str, value: str) -> None:
     load_task_dataset(value)
 
 
+def metrics_file(option: str, value: Path | None) -> None:
+    """``value`` is a new file, or a metrics JSON an earlier ``evaluate`` wrote (None passes).
+
+    A metrics file is replaced on each run; any other existing file (a model's config or weights, a dataset) is not.
+    """
+    if value is None or not value.exists():
+        return
+    if value.is_dir():
+        raise UsageError(f"{option}: {value} is a folder — give the metrics JSON file to write")
+    import json
+
+    try:
+        found = json.loads(value.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        found = None
+    if not (isinstance(found, dict) and {"dataset", "split", "model"} <= found.keys()):
+        raise UsageError(
+            f"{option}: {value} exists and is not a metrics file of symfuse evaluate — it would be replaced; "
+            "choose another file"
+        )
+
+
 def _unreadable(what: str, value: str | Path, exc: BaseException, fix: str) -> DataError:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return DataError(f"{value}: unreadable {what} ({type(exc).__name__}: {first}) — {fix}")

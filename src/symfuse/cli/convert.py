@@ -36,6 +36,6 @@ def convert(
     from symfuse.outputs import atomic_output_dir
 
     check_gguf(source)  # header, architecture, tensor types: before any work
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, inputs=[source]) as tmp:
         write_gguf_folder(source, tmp, dtype)
     typer.echo(f"wrote {out} ({dtype}) from {source}")

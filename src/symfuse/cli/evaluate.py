@@ -43,8 +43,7 @@ def evaluate(
     device = checks.device("--device", device)
     checks.local_path("MODEL", model)
     checks.checkpoint(model, arch=False)
-    if out is not None and out.is_dir():
-        raise UsageError(f"--out: {out} is a folder — give the metrics JSON file to write")
+    checks.metrics_file("--out", out)
     if checks.scored_dataset("--data", data, split):  # a causal LM's perplexity: no labels, no heads
         if labels_from is not None:
             raise UsageError(f"--labels-from: {data} is a language-modelling dataset, without labels — drop it")
@@ -105,7 +104,7 @@ def barrier(
     checks.checkpoint(b, arch=False)
     from symfuse.evaluate import loss_barrier
 
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, inputs=[a, b, data]) as tmp:
         checks.scored_dataset("--data", data, split)
         r = loss_barrier(
             a, b, data, tmp, points=points, split=split, max_examples=max_examples, max_length=max_length, device=device

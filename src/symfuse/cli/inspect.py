@@ -95,5 +95,9 @@ def _check_png(out: Path, overwrite: bool) -> None:
         raise UsageError(f"--out: {out} is a folder — give the PNG file to write")
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out}: already exists — pass --overwrite to replace it, or choose another --out")
+    if out.exists():
+        with out.open("rb") as f:
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                raise OutputExistsError(f"{out}: exists and is not a PNG image — --overwrite replaces only a PNG file")
     if not out.parent.is_dir():
         raise UsageError(f"--out: {out.parent} is not a folder — create it or choose another --out")

@@ -92,7 +92,7 @@ def match_many_cmd(
     if "residual-orthogonal" in sym:  # one stream map per model: the models are aligned as wholes
         _whole_models(models, out, names, index, sym, max_iter, tol, device, overwrite)
         return
-    with claim_output(out, overwrite):
+    with claim_output(out, overwrite, inputs=models):
         from symfuse.match import assemble_matched, match_many
 
         result = match_many(models, anchor=index, symmetries=sym, max_iter=max_iter, tol=tol, device=device)
@@ -125,7 +125,7 @@ def _whole_models(models, out, names, index, sym, rounds, tol, device, overwrite
     from symfuse.match.universe import match_many_residual_orthogonal
 
     inner = [k for k in sym if k != "residual-orthogonal"]
-    with claim_output(out, overwrite), atomic_output_dir(out, overwrite=overwrite) as tmp:
+    with claim_output(out, overwrite, inputs=models), atomic_output_dir(out, overwrite=overwrite) as tmp:
         result = match_many_residual_orthogonal(models, tmp, names, index, inner, rounds, tol, device)
         report = {"anchor_mode": index if isinstance(index, str) else "model", "symmetries": sym, "device": device,
                   **result}  # fmt: skip

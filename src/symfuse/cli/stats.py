@@ -46,7 +46,7 @@ def stats(
 
     kinds = checks.names_list("--kind", kind, STAT_KINDS, "statistics kinds")
     checks.checkpoint(model, arch=False)
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, inputs=[model, data]) as tmp:
         checks.dataset("--data", data)
         written = collect_stats(
             model,

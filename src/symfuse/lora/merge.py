@@ -217,7 +217,7 @@ def merge_adapters(
         raise UsageError(f"--basis: unknown value {basis!r} — choose from {', '.join(BASES)}")
     if rank is not None and (into_base or rank < 1):
         raise UsageError(f"--rank: {rank} — give a rank >= 1 for an adapter output (none with --into-base)")
-    check_output(out, overwrite)
+    check_output(out, overwrite, inputs=[*adapters, base])
     ads = [read_adapter(a) for a in adapters]
     merger = make_merger(strategy, len(ads), params)
     merger.device = dev

@@ -167,7 +167,8 @@ def assemble_matched(
     """
     t_start = time.perf_counter()
     verify = _verify_mode(verify, logit_check)
-    check_output(out, overwrite)
+    files = [v for v in transforms.values() if not isinstance(v, ModuleTransform)]
+    check_output(out, overwrite, inputs=[getattr(source, "path", source), getattr(anchor, "path", anchor), *files])
     mts = {k: (v if isinstance(v, ModuleTransform) else load_transform(Path(v))) for k, v in transforms.items()}
     src = _reader(source)  # an open reader is reused: each folder is opened and validated once per command
     anc = _reader(anchor) if anchor is not None else None

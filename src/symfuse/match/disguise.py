@@ -62,7 +62,7 @@ def disguise_checkpoint(
         UnknownChoiceError: (a ValueError) an unknown kind, or one without a random draw.
     """
     check_kinds(kinds, "draw", "disguise kinds")
-    check_output(out, overwrite)
+    check_output(out, overwrite, inputs=[source])
     dev = resolve_device(device)
     g = torch.Generator().manual_seed(seed)
     gn = torch.Generator().manual_seed(seed + 1_000_003)

@@ -150,8 +150,9 @@ def publish_alignment(request: AlignRequest, driver: str, step: Step) -> dict[st
             published).
     """
     t0 = time.perf_counter()
-    out = check_output(request.out, request.overwrite)
-    with atomic_output_dir(out, overwrite=request.overwrite) as tmp:
+    inputs = [request.source, request.anchor, request.data]
+    out = check_output(request.out, request.overwrite, inputs)
+    with atomic_output_dir(out, overwrite=request.overwrite, inputs=inputs) as tmp:
         found = step(request, tmp)
         check = _check(found, tmp)
         report = alignment_report(

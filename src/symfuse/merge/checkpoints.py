@@ -301,7 +301,7 @@ def merge_checkpoints(
     """
     start = time.perf_counter()
     MERGERS.require([strategy])  # one line naming the choices
-    check_output(out, overwrite)
+    check_output(out, overwrite, inputs=[*models, *(stats or ()), base])
     plan = plan_merge(strategy, models, out, stats, base, head_refit, device, params)
     out = Path(out)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:

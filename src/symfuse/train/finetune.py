@@ -427,7 +427,7 @@ def finetune(
     """
     cfg = cfg or FinetuneConfig()
     t0 = time.perf_counter()
-    check_output(out, overwrite)
+    check_output(out, overwrite, inputs=[base, data])
     base_path = validate_checkpoint(base, finite=True, tokenizer=True)  # before any data is read
     tok = load_tokenizer(base_path)
     ds = load_task_dataset(data, max_train_examples=cfg.max_train_examples, seed=cfg.seed)
