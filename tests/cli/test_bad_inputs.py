@@ -58,6 +58,7 @@ CASES = [
     C("merge-one-model", f"{MERGE} simple --models {{A}} {OUT}", 2, "--models"),
     C("merge-no-models", f"{MERGE} simple {OUT}", 2, "--models"),
     C("merge-missing-model", f"{MERGE} simple --models {{A}} {{MISSING}} {OUT}", 2, "missing"),
+    C("merge-model-url", f"{MERGE} simple --models s3://bucket/model {{B}} {OUT}", 2, "s3://bucket/model is a URL"),
     C("merge-model-is-a-file", f"{MERGE} simple --models {{A}} {{FILE}} {OUT}", 2, "notes.txt"),
     C("merge-empty-folder", f"{MERGE} simple --models {{A}} {{EMPTY}} {OUT}", 1, "empty"),
     C("merge-garbage-weights", f"{MERGE} simple --models {{A}} {{GARBAGE}} {OUT}", 1, "garbage", verbose=True),

@@ -81,6 +81,11 @@ def local_path(option: str, value: str | Path, folder: bool = True) -> None:
     checked where they are resolved.
     """
     text = str(value)
+    if "://" in text:
+        raise UsageError(
+            f"{option}: {text} is a URL — the command line reads local folders and hub ids; copy it to a local "
+            "folder first (the pipeline reads and writes stores at any fsspec URL)"
+        )
     path = Path(text)
     looks_local = path.exists() or text.startswith(("/", "./", "../", "~")) or text.count("/") > 1
     if not looks_local:
