@@ -46,7 +46,7 @@ def resolve_device(device: str | torch.device | None = "auto", option: str = "de
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise DeviceError(f"{option}: {device!r} asked for, but {_cuda_missing()} — use --device cpu (or auto)")
+        raise DeviceError(f"{option}: {device!r} asked for, but {_cuda_missing()} — use cpu (or auto) instead")
     count = torch.cuda.device_count()
     i = int(index) if index is not None else torch.cuda.current_device()
     if i >= count:

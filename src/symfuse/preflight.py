@@ -9,6 +9,7 @@ whole). It returns ALL the problems it finds, one line each:
 * a model or dataset that is not there, unreadable, or malformed (the file and line named);
 * a split the run reads that the dataset lacks (the fine-tune's train and validation-or-test splits, the
   statistics' train split, the evaluation split, greedy selection's and ``ood_heads: reliable``'s validation);
+* a device this machine does not have (``device: cuda`` on a machine without a GPU);
 * label sets the run cannot use: ``labels: union`` over datasets that are not classification, a model scored on an
   evaluation set with which its head shares no class (every model is scored on every evaluation set; a head without
   class names on none), a brought checkpoint whose head lacks classes of its dataset that its Fisher statistics take
@@ -84,6 +85,7 @@ def check_run(config: RunConfig) -> list[str]:
     trained = [d.name for d in config.datasets if d.checkpoint is None]
     base_problems, base_config = _check_base(config.base_model, tokenizer=bool(trained))
     problems += base_problems
+    problems += _device_problems(config)
     problems += _symmetry_problems(config, base_config)
     probes: dict[str, DatasetProbe] = {}
     for d in config.datasets:
@@ -104,6 +106,21 @@ def check_run(config: RunConfig) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------- models
+
+
+def _device_problems(config: RunConfig) -> list[str]:
+    """The run's device on this machine, which runs the flow and its in-process tasks (match, merge, evaluate).
+
+    ``auto`` and ``cpu`` are always there (torch is not imported for them); a CUDA device this machine lacks is one
+    line, before the fine-tunes start rather than when the first task asks for it.
+    """
+    if config.device in ("auto", "cpu"):
+        return []
+    try:
+        config.resolved_device()
+    except SymfuseError as exc:
+        return [_one_line(exc)]
+    return []
 
 
 def _check_base(base: str, tokenizer: bool) -> tuple[list[str], dict | None]:

@@ -9,10 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from flows.pipeline import fusion_pipeline
-from symfuse.preflight import RunInputError
+from symfuse.preflight import RunInputError, check_run
 from symfuse.store import ArtifactStore, layout
 from tests.flows.conftest import Calls, tiny_config
 
@@ -36,6 +37,19 @@ def test_the_flow_reports_every_bad_input_before_any_task(tiny_base, memory_root
     # nothing ran: no fine-tune (nor any other library call), nothing stored, within seconds
     assert calls.total() == 0 and not ArtifactStore(memory_root).list(layout.run_prefix("t"))
     assert seconds < 30, seconds
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_device_this_machine_lacks_is_refused_before_any_task(tiny_base, memory_root, monkeypatch):
+    calls = Calls(monkeypatch)
+    state = fusion_pipeline(tiny_config(tiny_base, memory_root, device="cuda:3"), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(RunInputError) as info:
+        state.result()
+    assert [p.split(":")[0] for p in info.value.problems] == ["device (run config)"], info.value.problems
+    assert "'cuda:3' asked for" in info.value.problems[0] and "use cpu (or auto)" in info.value.problems[0]
+    assert calls.total() == 0  # no fine-tune started, where the first task used to find out
+    assert check_run(tiny_config(tiny_base, memory_root, device="auto")) == []
 
 
 def test_python_m_flows_refuses_a_missing_dataset_in_seconds_before_prefect_starts(tmp_path):

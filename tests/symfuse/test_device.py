@@ -18,7 +18,7 @@ def test_cpu_and_auto_without_a_gpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("name", ["cuda", "cuda:0", "cuda:9"])
 def test_a_missing_gpu_is_an_error_naming_the_option(name):
-    with pytest.raises(DeviceError, match=rf"^--device: '{name}' asked for, but .* use --device cpu"):
+    with pytest.raises(DeviceError, match=rf"^--device: '{name}' asked for, but .* use cpu \(or auto\) instead"):
         resolve_device(name, "--device")
 
 
