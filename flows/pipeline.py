@@ -23,7 +23,7 @@ from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party
 from symfuse.merge import MERGERS
 from symfuse.preflight import require_runnable
-from tasks.common import warm_imports
+from tasks.common import stop_running_tasks, warm_imports
 from tasks.evaluate import evaluate
 from tasks.fanout import collect_stats_remote, finetune_remote
 from tasks.finetune import bring_checkpoint, finetune
@@ -104,7 +104,13 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     require_runnable(config)  # before any task: every bad input (model, dataset, split, labels), one line each
     with run_lock(config.run_id):  # one flow run per run_id: a second one waits, then reuses what this one stored
         end_orphaned_task_runs()  # a rescheduled run (crash): the lost attempt's task runs end Crashed
-        return run_stages(config)
+        try:
+            return run_stages(config)
+        except Exception:
+            raise  # a failed task: the others finish, and what they store is reused by the next run
+        except BaseException:  # SIGTERM, Ctrl-C, a cancellation: running tasks end at their next step
+            stop_running_tasks()
+            raise
 
 
 def match_stage(T: Any, config: RunConfig, models: dict[str, PrefectFuture]) -> tuple:

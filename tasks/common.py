@@ -192,6 +192,25 @@ class _StageBar:
 
 _BARS: dict[tuple[str, str], _StageBar] = {}
 _BARS_LOCK = threading.Lock()
+_STOPPED: set[str] = set()  # flow runs being stopped: their tasks in this process end at their next progress step
+
+
+class RunStopped(RuntimeError):
+    """Raised in a task's progress callback once its flow run is being stopped (SIGTERM, Ctrl-C, cancellation)."""
+
+
+def stop_running_tasks() -> None:
+    """Make the running tasks of the current flow run (in this process) end at their next step.
+
+    Prefect waits for a flow's running thread-pool tasks when the flow is stopped; without this a fine-tune runs on
+    to its end (for hours, its run already crashed and, in-process, its server gone). Finished tasks keep what they
+    stored; a later run reuses it.
+    """
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is not None and ctx.flow_run is not None:
+        _STOPPED.add(str(ctx.flow_run.id))
 
 
 class Progress:
@@ -209,21 +228,29 @@ class Progress:
         self.min_interval = min_interval
         self.fraction = 0.0
         self.bar: _StageBar | None = None
+        self.flow_run: str | None = None
 
     def __enter__(self) -> Progress:
         from prefect.context import TaskRunContext
 
         ctx = TaskRunContext.get()
         if ctx is not None:
+            self.flow_run = str(ctx.task_run.flow_run_id)
             with _BARS_LOCK:
-                self.bar = _BARS.setdefault((str(ctx.task_run.flow_run_id), self.stage), _StageBar(self.stage))
+                self.bar = _BARS.setdefault((self.flow_run, self.stage), _StageBar(self.stage))
             with self.bar.lock:
                 self.bar.members[self.name] = 0.0
                 self.bar.push()
         return self
 
     def __call__(self, fraction: float) -> None:
-        """Record ``fraction`` (0..1) done; push the stage's value if ``min_interval`` seconds passed."""
+        """Record ``fraction`` (0..1) done; push the stage's value if ``min_interval`` seconds passed.
+
+        Raises:
+            RunStopped: the flow run is being stopped (:func:`stop_running_tasks`).
+        """
+        if self.flow_run in _STOPPED:
+            raise RunStopped(f"{self.name}: its run was stopped; ended at {100 * self.fraction:.0f} %")
         self.fraction = max(self.fraction, min(1.0, float(fraction)))
         if self.bar is None:
             return

@@ -25,9 +25,9 @@ NOISE = (
 )
 
 
-def test_quick_demo_runs_on_bundled_data_without_shared(tmp_path):
+def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SYMFUSE_", "PREFECT_"))}
-    env |= {
+    return env | {
         "SYMFUSE_SHARED_DATASETS": "",  # a clone with no ../shared next to it
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
         "PREFECT_HOME": str(tmp_path / "prefect"),
@@ -38,6 +38,10 @@ def test_quick_demo_runs_on_bundled_data_without_shared(tmp_path):
         "HF_DATASETS_OFFLINE": "1",
         "SYMFUSE_CACHE": str(tmp_path / "cache"),
     }
+
+
+def test_quick_demo_runs_on_bundled_data_without_shared(tmp_path):
+    env = _env(tmp_path)
     store = tmp_path / "store"
     start = time.perf_counter()
     proc = subprocess.run(
@@ -75,3 +79,21 @@ def test_quick_demo_runs_on_bundled_data_without_shared(tmp_path):
     assert again.returncode == 0, out[-4000:]
     assert "accuracy per strategy x matching" in out
     assert "Traceback" not in out and "Error flushing" not in out, out[-4000:]
+
+
+def test_sigterm_stops_the_demo_within_seconds_even_mid_fine_tune(tmp_path):
+    """Prefect waits for a stopped flow's running tasks; the fine-tunes end at their next step (they ran on)."""
+    log = (tmp_path / "stderr").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "flows", "--quick", "--store", str(tmp_path / "store")],
+                            cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
+    deadline = time.monotonic() + 600
+    while "finetune - epoch" not in (tmp_path / "stderr").read_text() and proc.poll() is None:
+        assert time.monotonic() < deadline, "no fine-tune step logged"
+        time.sleep(0.5)
+    start = time.perf_counter()
+    proc.terminate()
+    code = proc.wait(timeout=120)
+    seconds = time.perf_counter() - start
+    text = (tmp_path / "stderr").read_text()
+    assert code != 0 and "its run was stopped" in text, text[-3000:]
+    assert seconds < 20, f"{seconds:.1f} s from SIGTERM to exit"  # 38 s before (the quick fine-tunes' length)
