@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 import symfuse.cli.commands  # noqa: F401  (registers the commands)
 from symfuse.cli import app
+from symfuse.outputs import MARKER
 from tests.tiny import save_tiny
 
 SYM = "rotation,scaling,ffn-permutation,head-permutation"
@@ -47,7 +48,7 @@ def test_named_anchor_recovers_the_disguised_copy_and_keeps_functions(three, tmp
     # the disguised copy's aligned weights equal the anchor's, tensor by tensor
     assert _close(load_file(out / "b" / "model.safetensors"), load_file(a / "model.safetensors"), 1e-4)
     assert _close(load_file(out / "a" / "model.safetensors"), load_file(a / "model.safetensors"), 0)
-    assert sorted(p.name for p in out.iterdir()) == ["a", "b", "c", "symfuse_many_report.json"]  # no lock or temp
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "a", "b", "c", "symfuse_many_report.json"]  # no temp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "aligned", "b", "c"]
 
 
