@@ -14,6 +14,7 @@ import argparse
 import gc
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -98,6 +99,16 @@ def hide_tracebacks_on_console() -> None:
             console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, APILogHandler)
             if console and not isinstance(handler.formatter, _NoTraceback):
                 handler.setFormatter(_NoTraceback(handler.formatter))
+
+
+def exit_on_sigterm() -> None:
+    """End on SIGTERM by raising ``SystemExit(143)``, so that exit handlers run and stop the ephemeral server.
+
+    Python's default action kills the process at once; Prefect, after stopping a flow, re-sends the signal to that
+    default, and the ephemeral server's subprocess was left running (one per stopped demo).
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def start_ephemeral_server() -> threading.Thread | None:
@@ -202,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         hide_tracebacks_on_console()
     start = time.perf_counter()
+    exit_on_sigterm()
     try:
         server = start_ephemeral_server()  # in a thread: ~6 s of start-up while this thread imports and warms up
         from flows.pipeline import fusion_pipeline  # torch, transformers, prefect (``python -m flows``: not yet)
