@@ -7,6 +7,8 @@ Split from :mod:`symfuse.match.closed_form` (which calls :func:`joint_rotation_s
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -107,6 +109,158 @@ def _piece_bounds(
     return lb, arg
 
 
+class _Balanced(NamedTuple):
+    """The per-block problems in the source's balanced coordinates (flattened to N independent 1-D problems)."""
+
+    c: torch.Tensor  # balanced scale per block (block shape)
+    m: torch.Tensor  # (N,) |c A|² = |B / c|²
+    ev: Callable[..., tuple]  # (u, idx, derivs) -> g (and g', g'') on blocks idx (all when None)
+    ka: torch.Tensor  # (N,) upper bound of |Va|_*
+    kb: torch.Tensor  # (N,) upper bound of |Vb|_*
+    k0: torch.Tensor  # (N,) lower bound of g(0)
+    pairs: tuple | None  # under RoPE, the balanced pair vectors (va, vb)
+
+
+def _balanced(ma: torch.Tensor, mb: torch.Tensor, aa: torch.Tensor, bb: torch.Tensor, rope: bool) -> _Balanced:
+    """Rescale to the orbit's canonical scale and precompute what every evaluation of ``g`` needs."""
+    ok = (aa > 1e-300) & (bb > 1e-300)
+    c = torch.where(ok, (bb / aa.clamp_min(1e-300)) ** 0.25, torch.ones_like(aa))
+    m = torch.where(ok, (aa * bb).sqrt(), torch.ones_like(aa)).reshape(-1)
+    if rope:
+        va = (pair_vectors(ma) * c[..., None]).reshape(-1, 2)
+        vb = (pair_vectors(mb) / c[..., None]).reshape(-1, 2)
+        p, q, r = (va * va).sum(-1), (va * vb).sum(-1), (vb * vb).sum(-1)
+
+        def ev(u: torch.Tensor, idx: torch.Tensor | None, derivs: bool) -> tuple:
+            if idx is None:
+                return _pair_eval(p, q, r, u, derivs)
+            return _pair_eval(p[idx], q[idx], r[idx], u, derivs)
+
+        ka, kb, pairs = p.sqrt(), r.sqrt(), (va, vb)
+        k0 = ev(torch.zeros_like(m), None, False)[0]
+    else:
+        dh, cc = ma.shape[-1], c[..., None]
+        va, vb = (ma * cc).reshape(-1, dh, dh), (mb / cc).reshape(-1, dh, dh)
+        gaa, gbb, gab = va.mT @ va, vb.mT @ vb, va.mT @ vb
+        gs, gd = gab + gab.mT, gab.mT - gab
+
+        def ev(u: torch.Tensor, idx: torch.Tensor | None, derivs: bool) -> tuple:
+            if idx is None:
+                return _gram_eval(gaa, gs, gd, gbb, u, derivs)
+            return _gram_eval(gaa[idx], gs[idx], gd[idx], gbb[idx], u, derivs)
+
+        with torch_threads(1):
+            kab = torch.linalg.eigvalsh(torch.stack([gaa, gbb, gaa + gs + gbb])).clamp_min(0).sqrt().sum(-1)
+        ka, kb, k0, pairs = kab[0], kab[1], kab[2], None
+    # eigenvalue-based norms: widen the bracket by their rounding (upper bounds up, the lower bound down)
+    return _Balanced(c, m, ev, ka * (1 + 1e-7), kb * (1 + 1e-7), k0 * (1 - 1e-7), pairs)
+
+
+def _bracket(pb: _Balanced) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[u_lo, u_hi]`` holding every minimiser, from ``h(u) <= h(0)`` and the triangle inequality."""
+    m, k0 = pb.m, pb.k0
+
+    def side(k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
+        # m x² − 2 k1 x <= 2m − 2 k0 + 2 k2 for the minimiser at x = e^{±u} >= 1
+        cc = (2 * m - 2 * k0 + 2 * k2).clamp_min(0)
+        return torch.log((k1 + (k1 * k1 + m * cc).sqrt()) / m).clamp_min(0)
+
+    return -side(pb.kb, pb.ka), side(pb.ka, pb.kb)
+
+
+def _sorted(us: torch.Tensor, gv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = us.argsort(dim=0, stable=True)
+    return us.gather(0, order), gv.gather(0, order)
+
+
+def _global_search(
+    pb: _Balanced, u_lo: torch.Tensor, u_hi: torch.Tensor, grid: int, cells: int, bb_rounds: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Branch and bound over the bracket: evaluated points (K, N) sorted, the best one's index and ``h`` (N,).
+
+    Splits pieces whose lower bound (:func:`_piece_bounds`) may beat the best point by more than
+    ``1e-9 (m + |h|)``, except the best point's own cells, at most ``1 / cells`` of the bracket (left to Newton).
+    """
+    m, ev = pb.m, pb.ev
+    cols, zero = torch.arange(m.numel()), torch.zeros_like(m)
+    frac = torch.arange(1, grid + 1, dtype=m.dtype) / (grid + 1)
+    us = torch.cat([zero[None], u_lo + (u_hi - u_lo) * frac[:, None]])
+    gv = torch.cat([pb.k0[None] / (1 - 1e-7), torch.stack([ev(u, None, False)[0] for u in us[1:]]) if grid else us[1:]])
+    us, gv = _sorted(us, gv)
+    width = (u_hi - u_lo) / cells
+    rounds = 0
+    while True:
+        hs = _h(us, gv, m)
+        best = hs.argmin(0)
+        best_h = hs[best, cols]
+        lb, arg = _piece_bounds(us, gv, m, (u_lo, u_hi, pb.ka, pb.kb))
+        ub = us[best, cols]
+        left, right = torch.cat([u_lo[None], us]), torch.cat([us, u_hi[None]])
+        own = (left == ub) | (right == ub)
+        lb = torch.where(own & (right - left <= width), torch.inf, lb)  # the best point's own cells (narrow)
+        # wide ones are cut at ``width`` from the best point
+        arg = torch.where(own, torch.where(left == ub, ub + 0.999 * width, ub - 0.999 * width), arg)
+        worst = lb.argmin(0)
+        need = lb[worst, cols] < best_h - 1e-9 * (m + best_h.abs())
+        if not bool(need.any()) or rounds >= bb_rounds:
+            break
+        rounds += 1
+        idx = need.nonzero()[:, 0]
+        new_u, new_g = us[-1].clone(), gv[-1].clone()  # certified blocks: a copy of the last point
+        new_u[idx] = arg[worst, cols][idx]
+        new_g[idx] = ev(new_u[idx], idx, False)[0]
+        us, gv = _sorted(torch.cat([us, new_u[None]]), torch.cat([gv, new_g[None]]))
+    if bool(need.any()):
+        log.warning("joint rotation / scale: %d blocks not certified in %d rounds", int(need.sum()), rounds)
+    log.debug("joint rotation / scale: global search certified after %d rounds", rounds)
+    return us, best, best_h
+
+
+def _newton(
+    pb: _Balanced, u: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, best_h: torch.Tensor, tol: float, max_iter: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Safeguarded Newton on ``h`` inside ``[lo, hi]`` per block: the result, the best evaluated point and its ``h``.
+
+    A bisection step towards descent replaces a Newton step that leaves the shrinking bracket; a block stops when
+    ``|Δu| < tol`` or the quadratic-convergence estimate of its next step ``|δ|³ / |δ_prev|²`` is below ``tol / 100``.
+    Returns new tensors (the inputs are not changed) and the number of iterations.
+    """
+    m = pb.m
+    u, lo, hi, best_h = u.clone(), lo.clone(), hi.clone(), best_h.clone()
+    best_u = u.clone()
+    active = torch.arange(m.numel())
+    it = 0
+    prev = torch.full_like(m, torch.inf)  # previous Newton step per block
+    while active.numel() and it < max_iter:
+        it += 1
+        ua, ma_ = u[active], m[active]
+        g, g1, g2 = pb.ev(ua, active, True)
+        x2 = torch.exp(2 * ua)
+        h = ma_ * (x2 + 1 / x2) - 2 * g
+        hp = 2 * ma_ * (x2 - 1 / x2) - 2 * g1
+        hpp = 4 * ma_ * (x2 + 1 / x2) - 2 * g2
+        better = h < best_h[active]
+        best_h[active] = torch.where(better, h, best_h[active])
+        best_u[active] = torch.where(better, ua, best_u[active])
+        la = torch.where(hp < 0, torch.maximum(lo[active], ua), lo[active])
+        ha = torch.where(hp > 0, torch.minimum(hi[active], ua), hi[active])
+        new = ua - hp / torch.where(hpp > 0, hpp, torch.ones_like(hpp))
+        bad = (hpp <= 0) | ~(new >= la) | ~(new <= ha)
+        new = torch.where(bad, torch.where(hp > 0, (ua + la) / 2, (ua + ha) / 2), new)
+        lo[active], hi[active], u[active] = la, ha, new
+        step = (new - ua).abs()
+        # quadratic convergence: the next step would be about |δ|³ / |δ_prev|² (Newton steps only)
+        pa = prev[active]
+        quad = ~bad & torch.isfinite(pa) & (step < 1e-2 * pa) & (step**3 < 1e-2 * tol * pa**2)
+        prev[active] = torch.where(bad, torch.inf, step)
+        active = active[(step >= tol) & (hp != 0) & ~quad]
+    if active.numel():
+        log.warning("joint rotation / scale: no convergence in %d iterations (%d blocks)", it, active.numel())
+    else:
+        log.debug("joint rotation / scale: converged in %d iterations", it)
+    return u, best_u, best_h, it
+
+
 def joint_rotation_scale(
     ma: torch.Tensor,
     mb: torch.Tensor,
@@ -162,129 +316,21 @@ def joint_rotation_scale(
     f64 = torch.float64
     ma, mb, aa, bb = ma.to(f64), mb.to(f64), aa.to(f64), bb.to(f64)
     shape = aa.shape
-    ok = (aa > 1e-300) & (bb > 1e-300)
-    c = torch.where(ok, (bb / aa.clamp_min(1e-300)) ** 0.25, torch.ones_like(aa))  # balanced scale
-    m = torch.where(ok, (aa * bb).sqrt(), torch.ones_like(aa)).reshape(-1)  # |c A|² = |B / c|²
-    # everything below works on N independent 1-D problems (flattened blocks)
-    if rope:
-        va = (pair_vectors(ma) * c[..., None]).reshape(-1, 2)
-        vb = (pair_vectors(mb) / c[..., None]).reshape(-1, 2)
-        p, q, r = (va * va).sum(-1), (va * vb).sum(-1), (vb * vb).sum(-1)
-
-        def ev(u: torch.Tensor, idx: torch.Tensor | None, derivs: bool) -> tuple:
-            if idx is None:
-                return _pair_eval(p, q, r, u, derivs)
-            return _pair_eval(p[idx], q[idx], r[idx], u, derivs)
-
-        ka, kb = p.sqrt(), r.sqrt()
-    else:
-        dh = ma.shape[-1]
-        cc = c[..., None]
-        va, vb = (ma * cc).reshape(-1, dh, dh), (mb / cc).reshape(-1, dh, dh)
-        gaa, gbb, gab = va.mT @ va, vb.mT @ vb, va.mT @ vb
-        gs, gd = gab + gab.mT, gab.mT - gab
-
-        def ev(u: torch.Tensor, idx: torch.Tensor | None, derivs: bool) -> tuple:
-            if idx is None:
-                return _gram_eval(gaa, gs, gd, gbb, u, derivs)
-            return _gram_eval(gaa[idx], gs[idx], gd[idx], gbb[idx], u, derivs)
-
-        with torch_threads(1):
-            kab = torch.linalg.eigvalsh(torch.stack([gaa, gbb, gaa + gs + gbb])).clamp_min(0).sqrt().sum(-1)
-        ka, kb, k0 = kab[0], kab[1], kab[2]
-    # eigenvalue-based norms: widen the bracket by their rounding (upper bounds up, the lower bound down)
-    ka, kb = ka * (1 + 1e-7), kb * (1 + 1e-7)
-    if rope:
-        k0 = ev(torch.zeros_like(m), None, False)[0]
-    k0 = k0 * (1 - 1e-7)
-
-    def side(k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
-        # m x² − 2 k1 x <= 2m − 2 k0 + 2 k2 for the minimiser at x = e^{±u} >= 1
-        cc = (2 * m - 2 * k0 + 2 * k2).clamp_min(0)
-        return torch.log((k1 + (k1 * k1 + m * cc).sqrt()) / m).clamp_min(0)
-
-    u_hi, u_lo = side(ka, kb), -side(kb, ka)
-    cols = torch.arange(m.numel())
-    zero = torch.zeros_like(m)
-    us = torch.cat([zero[None], u_lo + (u_hi - u_lo) * (torch.arange(1, grid + 1, dtype=f64) / (grid + 1))[:, None]])
-    gv = torch.cat([k0[None] / (1 - 1e-7), ev(us[1:], None, False)[0] if rope else us[1:]])
-    if not rope:
-        for i in range(1, grid + 1):
-            gv[i] = ev(us[i], None, False)[0]
-    order = us.argsort(dim=0, stable=True)
-    us, gv = us.gather(0, order), gv.gather(0, order)
-    width = (u_hi - u_lo) / cells
-    rounds = 0
-    while True:  # branch and bound: split pieces whose lower bound may beat the best point
-        hs = _h(us, gv, m)
-        best = hs.argmin(0)
-        best_h = hs[best, cols]
-        lb, arg = _piece_bounds(us, gv, m, (u_lo, u_hi, ka, kb))
-        ub = us[best, cols]
-        left, right = torch.cat([u_lo[None], us]), torch.cat([us, u_hi[None]])
-        own = (left == ub) | (right == ub)
-        small = right - left <= width
-        lb = torch.where(own & small, torch.inf, lb)  # the best point's own cells (narrow): Newton's
-        # wide ones are cut at ``width`` from the best point
-        arg = torch.where(own, torch.where(left == ub, ub + 0.999 * width, ub - 0.999 * width), arg)
-        worst = lb.argmin(0)
-        need = lb[worst, cols] < best_h - 1e-9 * (m + best_h.abs())
-        if not bool(need.any()) or rounds >= bb_rounds:
-            break
-        rounds += 1
-        idx = need.nonzero()[:, 0]
-        new_u, new_g = us[-1].clone(), gv[-1].clone()  # certified blocks: a copy of the last point
-        new_u[idx] = arg[worst, cols][idx]
-        new_g[idx] = ev(new_u[idx], idx, False)[0]
-        us, gv = torch.cat([us, new_u[None]]), torch.cat([gv, new_g[None]])
-        order = us.argsort(dim=0, stable=True)
-        us, gv = us.gather(0, order), gv.gather(0, order)
-    if bool(need.any()):
-        log.warning("joint rotation / scale: %d blocks not certified in %d rounds", int(need.sum()), rounds)
-    log.debug("joint rotation / scale: global search certified after %d rounds", rounds)
-    u = us[best, cols]
-    best_u = u.clone()
-    last = us.shape[0] - 1
+    pb = _balanced(ma, mb, aa, bb, rope)
+    u_lo, u_hi = _bracket(pb)
+    us, best, best_h = _global_search(pb, u_lo, u_hi, grid, cells, bb_rounds)
+    cols, last = torch.arange(pb.m.numel()), us.shape[0] - 1
     lo = torch.where(best > 0, us[(best - 1).clamp_min(0), cols], u_lo)
     hi = torch.where(best < last, us[(best + 1).clamp_max(last), cols], u_hi)
-    active = torch.arange(m.numel())
-    it = 0
-    prev = torch.full_like(m, torch.inf)  # previous Newton step per block
-    while active.numel() and it < max_iter:
-        it += 1
-        ua, ma_ = u[active], m[active]
-        g, g1, g2 = ev(ua, active, True)
-        x2 = torch.exp(2 * ua)
-        h = ma_ * (x2 + 1 / x2) - 2 * g
-        hp = 2 * ma_ * (x2 - 1 / x2) - 2 * g1
-        hpp = 4 * ma_ * (x2 + 1 / x2) - 2 * g2
-        better = h < best_h[active]
-        best_h[active] = torch.where(better, h, best_h[active])
-        best_u[active] = torch.where(better, ua, best_u[active])
-        la = torch.where(hp < 0, torch.maximum(lo[active], ua), lo[active])
-        ha = torch.where(hp > 0, torch.minimum(hi[active], ua), hi[active])
-        new = ua - hp / torch.where(hpp > 0, hpp, torch.ones_like(hpp))
-        bad = (hpp <= 0) | ~(new >= la) | ~(new <= ha)
-        new = torch.where(bad, torch.where(hp > 0, (ua + la) / 2, (ua + ha) / 2), new)
-        lo[active], hi[active], u[active] = la, ha, new
-        step = (new - ua).abs()
-        # quadratic convergence: the next step would be about |δ|³ / |δ_prev|² (Newton steps only)
-        pa = prev[active]
-        quad = ~bad & torch.isfinite(pa) & (step < 1e-2 * pa) & (step**3 < 1e-2 * tol * pa**2)
-        prev[active] = torch.where(bad, torch.inf, step)
-        active = active[(step >= tol) & (hp != 0) & ~quad]
-    if active.numel():
-        log.warning("joint rotation / scale: no convergence in %d iterations (%d blocks)", it, active.numel())
-    else:
-        log.debug("joint rotation / scale: converged in %d iterations", it)
-    pairs = (va, vb) if rope else None
-    rot, h_end = _rotation_at(ma, mb, c, u.reshape(shape), m.reshape(shape), pairs)
+    u, best_u, best_h, it = _newton(pb, us[best, cols], lo, hi, best_h, tol, max_iter)
+    m = pb.m.reshape(shape)
+    rot, h_end = _rotation_at(ma, mb, pb.c, u.reshape(shape), m, pb.pairs)
     # rounding slack: at convergence h_end ~ best_h, and a coin flip must not pick an earlier iterate
-    worse = h_end.reshape(-1) > best_h + 1e-11 * (m + best_h.abs())
+    worse = h_end.reshape(-1) > best_h + 1e-11 * (pb.m + best_h.abs())
     if bool(worse.any()):  # never lose to an evaluated point (grid or Newton iterate)
         u = torch.where(worse, best_u, u)
-        rot, _ = _rotation_at(ma, mb, c, u.reshape(shape), m.reshape(shape), pairs)
-    return rot, c * u.reshape(shape).exp(), it
+        rot, _ = _rotation_at(ma, mb, pb.c, u.reshape(shape), m, pb.pairs)
+    return rot, pb.c * u.reshape(shape).exp(), it
 
 
 def _rotation_at(
