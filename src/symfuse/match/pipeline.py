@@ -10,10 +10,12 @@ into the caller's temporary folder, published only when the whole command succee
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,108 @@ def _check_finite(t: torch.Tensor, src: PreadSource, name: str) -> None:
         )
 
 
+class _Stopwatch:
+    """Seconds per stage, summed over threads into ``timings``."""
+
+    def __init__(self, timings: dict[str, float]):
+        self.timings, self._lock = timings, threading.Lock()
+
+    def tick(self, key: str, t0: float) -> float:
+        """Add ``now - t0`` to ``key``; returns now (the next stage's start)."""
+        now = time.perf_counter()
+        with self._lock:
+            self.timings[key] = self.timings.get(key, 0.0) + now - t0
+        return now
+
+
+@dataclass
+class _ModuleJob:
+    """What matching one module needs: both checkpoints, the output plan, where to compute, and the results."""
+
+    src: CheckpointReader
+    src_io: PreadSource
+    anc_io: PreadSource
+    plan: PlannedCheckpoint
+    symmetries: Sequence[str]
+    dev: torch.device
+    where: str
+    clock: _Stopwatch
+    owner: dict[str, ModuleRef]
+    results: dict[str, tuple[ModuleTransform, float, float]] = field(default_factory=dict)
+
+    def _on_dev(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return w if self.dev.type == "cpu" else {r: t.to(self.dev) for r, t in w.items()}
+
+    def __call__(self, ref: ModuleRef) -> None:
+        """Read, match, transform, check and write module ``ref``; record its transform and distances."""
+        src, tick = self.src, self.clock.tick
+        t0 = time.perf_counter()
+        s, a = read_checked(self.src_io, ref), read_checked(self.anc_io, ref)
+        t0 = tick("io", t0)
+        check_shapes(ref, s, a, f"{src.path} vs {self.anc_io.reader.path}")
+        s, a = self._on_dev(s), self._on_dev(a)
+        mt = match_module_weights(ref, s, a, src.geometry, self.symmetries, self.clock.timings)
+        t0 = time.perf_counter()
+        before = module_sq_distance(s, a)
+        del a  # at most two copies of the module per worker, as while matching: the anchor is read again below
+        t0 = tick("distance", t0)
+        # a soft (OT) map changes the module's function by design; otherwise the invariants are taken now, so
+        # the source module is freed before the transformed one is checked (one module copy while checking)
+        before_inv = module_invariants(ref, s, src.geometry) if is_exact(mt) else None
+        t0 = tick("check", t0)
+        new = mt.apply(s)
+        del s
+        t0 = tick("apply", t0)
+        if before_inv is not None:
+            check_module_transform(ref, before_inv, new, src.geometry, mt, self.where)
+        t0 = tick("check", t0)
+        after = module_sq_distance(new, self._on_dev(self.anc_io.read_module(ref)))  # from the page cache
+        t0 = tick("distance", t0)
+        new = {r: t.cpu() for r, t in new.items()}
+        for name, t in src.spec.write_module(new, ref, src.config, src.prefix).items():
+            if name in self.owner:
+                if tuple(t.shape) != tuple(src.shape(name)):
+                    raise CheckpointError(f"{name}: replacement shape {tuple(t.shape)} != {src.shape(name)}")
+                self.plan.write(name, t)
+        del new
+        tick("write", t0)
+        self.results[ref.key] = (mt.to("cpu"), before, after)
+
+
+def _run_all(jobs: Sequence[Callable[[], None]], workers: int) -> None:
+    """Run ``jobs`` in order (one worker) or on ``workers`` threads; the first failure stops the rest, and is raised."""
+    if workers <= 1:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        try:
+            for f in as_completed(futures):
+                f.result()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # a failed module stops the rest
+            raise
+
+
+def _totals(
+    src: CheckpointReader, owner: dict[str, ModuleRef], results: dict, rest_sq: dict[str, float]
+) -> tuple[float, float]:
+    """Squared distances before and after over the whole checkpoint, summed in storage order."""
+    before = after = 0.0
+    seen: set[str] = set()
+    for name in src.names():  # storage order, as the streaming writer summed them
+        ref = owner.get(name)
+        if ref is None:
+            before += rest_sq[name]
+            after += rest_sq[name]
+        elif ref.key not in seen:
+            seen.add(ref.key)
+            before += results[ref.key][1]
+            after += results[ref.key][2]
+    return before, after
+
+
 def match_and_write(
     src: CheckpointReader,
     anc: CheckpointReader,
@@ -135,110 +239,47 @@ def match_and_write(
         CheckpointError: shapes differ, NaN / inf in an input.
         VerificationError: a transform did not keep its module's function (the module is named).
     """
-    timings = timings if timings is not None else {}
-    lock = threading.Lock()
-
-    def tick(key: str, t0: float) -> float:
-        now = time.perf_counter()
-        with lock:
-            timings[key] = timings.get(key, 0.0) + now - t0
-        return now
-
     refs = src.modules()
-    dev = resolve_device(device)
-    on_dev = (lambda w: w) if dev.type == "cpu" else (lambda w: {r: t.to(dev) for r, t in w.items()})
     if workers is None:
         workers = module_workers(src.geometry.d_model, src.geometry.d_ffn)
+    clock = _Stopwatch(timings if timings is not None else {})
     owner = src.tensor_owners()
     rest = [n for n in src.names() if n not in owner]
     anc_names = {strip_prefix(n, anc.prefix): n for n in anc.names()}
     anc_of = {n: anc_names[strip_prefix(n, src.prefix)] for n in rest if strip_prefix(n, src.prefix) in anc_names}
     plan = PlannedCheckpoint(src, out, shard_bytes)
     src_io, anc_io = PreadSource(src), PreadSource(anc)
-    results: dict[str, tuple[ModuleTransform, float, float]] = {}
     rest_sq: dict[str, float] = {}
-    where = where or str(out)
+    match_one = _ModuleJob(
+        src, src_io, anc_io, plan, symmetries, resolve_device(device), where or str(out), clock, owner
+    )
 
-    def one(ref: ModuleRef) -> None:
+    def copy_rest() -> None:
         t0 = time.perf_counter()
-        s, a = read_checked(src_io, ref), read_checked(anc_io, ref)
-        t0 = tick("io", t0)
-        check_shapes(ref, s, a, f"{src.path} vs {anc.path}")
-        s, a = on_dev(s), on_dev(a)
-        mt = match_module_weights(ref, s, a, src.geometry, symmetries, timings)
-        t0 = time.perf_counter()
-        before = module_sq_distance(s, a)
-        del a  # at most two copies of the module per worker, as while matching: the anchor is read again below
-        t0 = tick("distance", t0)
-        # a soft (OT) map changes the module's function by design; otherwise the invariants are taken now, so
-        # the source module is freed before the transformed one is checked (one module copy while checking)
-        before_inv = module_invariants(ref, s, src.geometry) if is_exact(mt) else None
-        t0 = tick("check", t0)
-        new = mt.apply(s)
-        del s
-        t0 = tick("apply", t0)
-        if before_inv is not None:
-            check_module_transform(ref, before_inv, new, src.geometry, mt, where)
-        t0 = tick("check", t0)
-        after = module_sq_distance(new, on_dev(anc_io.read_module(ref)))  # from the page cache
-        t0 = tick("distance", t0)
-        new = {r: t.cpu() for r, t in new.items()}
-        for name, t in src.spec.write_module(new, ref, src.config, src.prefix).items():
-            if name in owner:
-                if tuple(t.shape) != tuple(src.shape(name)):
-                    raise CheckpointError(f"{name}: replacement shape {tuple(t.shape)} != {src.shape(name)}")
-                plan.write(name, t)
-        del new
-        tick("write", t0)
-        results[ref.key] = (mt.to("cpu"), before, after)
+        _copy_rest(rest, src_io, anc_io, anc_of, plan, rest_sq)
+        clock.tick("rest", t0)
 
-    def job(item: ModuleRef | None) -> None:
-        if item is None:
-            t0 = time.perf_counter()
-            _copy_rest(rest, src_io, anc_io, anc_of, plan, rest_sq)
-            tick("rest", t0)
-            return
+    def module_job(ref: ModuleRef) -> None:
         if workers > 1:  # one torch thread each (no oversubscription)
             with torch_threads(1):
-                one(item)
-        else:
-            one(item)
+                return match_one(ref)
+        match_one(ref)
 
-    order: list[ModuleRef | None] = [*sorted(refs, key=lambda r: r.kind != "ffn"), None]
+    jobs = [functools.partial(module_job, r) for r in sorted(refs, key=lambda r: r.kind != "ffn")] + [copy_rest]
     try:
         with src_io, anc_io:
-            if workers <= 1:
-                for item in order:
-                    job(item)
-            else:
-                with ThreadPoolExecutor(workers) as pool:
-                    futures = [pool.submit(job, item) for item in order]
-                    try:
-                        for f in as_completed(futures):
-                            f.result()
-                    except BaseException:
-                        pool.shutdown(wait=True, cancel_futures=True)  # a failed module stops the rest
-                        raise
+            _run_all(jobs, workers)
             t0 = time.perf_counter()
             plan.finish()
             copy_side_files(src, out)
-            tick("write", t0)
+            clock.tick("write", t0)
     finally:
         plan.close()
+    results = match_one.results
     per_module = [
         {"module": r.key, "kind": r.kind, "distance_before": results[r.key][1] ** 0.5,
          "distance_after": results[r.key][2] ** 0.5}
         for r in sorted(refs)
     ]  # fmt: skip
-    before = after = 0.0
-    seen: set[str] = set()
-    for name in src.names():  # storage order, as the streaming writer summed them
-        ref = owner.get(name)
-        if ref is None:
-            before += rest_sq[name]
-            after += rest_sq[name]
-        elif ref.key not in seen:
-            seen.add(ref.key)
-            before += results[ref.key][1]
-            after += results[ref.key][2]
+    before, after = _totals(src, owner, results, rest_sq)
     return {r.key: results[r.key][0] for r in refs}, per_module, before**0.5, after**0.5
