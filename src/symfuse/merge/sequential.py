@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -174,6 +174,157 @@ def _outside_linears(
     return [m for m in dict.fromkeys(order[:cut]) if m in outside], list(outside)
 
 
+def _common_names(states: Sequence[dict[str, torch.Tensor]], keep: set[str]) -> list[str]:
+    """The tensor names to merge (model 0's order); every model must hold them with the same shapes."""
+    names = [n for n in states[0] if n not in keep]
+    for i, s in enumerate(states[1:], 1):
+        mine = {n for n in s if n not in keep}
+        if mine != set(names):
+            diff = sorted(mine.symmetric_difference(names))[:5]
+            raise ValueError(f"regmean++: model {i}'s tensors differ from model 0's (e.g. {diff})")
+        bad = [n for n in names if s[n].shape != states[0][n].shape]
+        if bad:
+            raise ValueError(f"regmean++: model {i}: {bad[0]} has shape {tuple(s[bad[0]].shape)}, model 0 differs")
+    return names
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """State-dict names sharing storage with another (e.g. an LM head tied to the embeddings)."""
+    ptrs: dict[int, list[str]] = {}
+    for n, t in model.state_dict().items():
+        ptrs.setdefault(t.data_ptr(), []).append(n)
+    return {n for ns in ptrs.values() if len(ns) > 1 for n in ns}
+
+
+class _Stages(NamedTuple):
+    """RegMean++'s stages: tensor names per stage (outside, layer 0 .. L-1, tail) and the modules they need."""
+
+    paths: list[str]  # the layer stack
+    pre: list[str]  # linear modules that run before the stack
+    tail: list[str]  # linear modules after the stack (merged last, on the full merged body)
+    names: list[list[str]]  # tensor names per stage
+    conv1d: list[str]  # weights stored transposed (GPT-2's Conv1D)
+
+
+def _stages(model: nn.Module, names: Sequence[str], batch: Batch, dev: torch.device) -> _Stages:
+    """Split ``names`` into stages (one forward of ``model`` on ``batch`` finds the linear layers before the stack)."""
+    paths = layer_paths(model)
+    in_layer = {n: next((i for i, p in enumerate(paths) if n.startswith(p + ".")), None) for n in names}
+    lins = linear_modules(model)
+    pre, outside = _outside_linears(model, lins, paths, batch, dev)
+    tied = _tied_names(model)
+    tail = [m for m in outside if m not in pre and f"{m}.weight" in names and f"{m}.weight" not in tied]
+    tail_names = {n for m in tail for n in (f"{m}.weight", f"{m}.bias") if n in names}
+    stages = [[n for n in names if in_layer[n] is None and n not in tail_names]]
+    stages += [[n for n in names if in_layer[n] == i] for i in range(len(paths))]
+    stages.append([n for n in names if n in tail_names])
+    conv1d = [f"{m}.weight" for m, mod in lins.items() if is_conv1d(mod)]
+    return _Stages(paths, pre, tail, stages, conv1d)
+
+
+def _load(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> None:
+    missing = model.load_state_dict(dict(merged), strict=False).unexpected_keys
+    if missing:
+        raise ValueError(f"regmean++: merged tensors {missing[:3]} are not in the model")
+
+
+class _MergedPrefixGrams:
+    """RegMean++'s ``collect(stage, merged)``: each model's Grams of a stage, on its data through the merged prefix.
+
+    Each model's hidden states are cached at the boundary of the layer being merged (with every layer's other
+    arguments), so each layer runs once per batch.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        batches: Sequence[Sequence[Batch]],
+        st: _Stages,
+        dev: torch.device,
+        tail_grams: dict[str, list[torch.Tensor]] | None,
+    ):
+        self.models, self.batches, self.st, self.dev, self.tail_grams = models, batches, st, dev, tail_grams
+        self.merged_model = copy.deepcopy(models[0]).eval().to(dev)
+        self.merged_layers = [self.merged_model.get_submodule(p) for p in st.paths]
+        self.cache: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []  # per model, batch: (hidden, mask)
+        self.extra: list[list[list[tuple[tuple, dict]]]] = []  # per model, batch, layer: other layer arguments
+
+    def _grams(self, model: nn.Module, modules: Sequence[str], data: Sequence[Batch]) -> dict[str, torch.Tensor]:
+        if not modules:
+            return {}
+        g = collect_gram(model, data, device=self.dev, progress=False, modules=modules)
+        return {f"{m}.weight": t for m, t in g.grams.items()}
+
+    def __call__(self, stage: int, merged: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """The K models' Grams of ``stage`` (0: before the stack, 1..L: layer ``stage - 1``, L+1: the tail)."""
+        if stage == 0:
+            return [self._grams(m, self.st.pre, b) for m, b in zip(self.models, self.batches, strict=True)]
+        _load(self.merged_model, merged[-1])
+        layer = stage - 1
+        with torch.no_grad():
+            if layer == 0:
+                self._capture()
+            elif layer < len(self.st.paths):
+                self._advance(layer - 1)
+        if layer == len(self.st.paths):
+            return self._tail(merged)
+        return self._layer(layer)
+
+    def _capture(self) -> None:
+        """The merged embeddings' outputs on every model's data, and every layer's other arguments."""
+        for b in self.batches:
+            got = [_capture_layer_inputs(self.merged_model, self.merged_layers, batch, self.dev) for batch in b]
+            masks = [model_inputs(batch, self.dev).get("attention_mask") for batch in b]
+            self.cache.append([(h, m) for (h, _), m in zip(got, masks, strict=True)])
+            self.extra.append([rest for _, rest in got])
+
+    def _advance(self, layer: int) -> None:
+        """Move every cached state through the merged layer ``layer`` (just finished)."""
+        done = self.merged_layers[layer]
+        for i, states in enumerate(self.cache):
+            self.cache[i] = [
+                (_layer_out(done(h, *self.extra[i][j][layer][0], **self.extra[i][j][layer][1])), m)
+                for j, (h, m) in enumerate(states)
+            ]
+
+    def _tail(self, merged: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """Candidate i's own tail on the fully merged body: the Grams of its linear layers after the stack."""
+        body = {n: t for s in merged for n, t in s.items()}
+        out = []
+        for m, b in zip(self.models, self.batches, strict=True):
+            cand = copy.deepcopy(m)
+            _load(cand, body)
+            out.append(self._grams(cand, self.st.tail, b))
+            del cand
+        if self.tail_grams is not None:
+            for name in out[0]:
+                if all(name in o for o in out):
+                    self.tail_grams[name.removesuffix(".weight")] = [o[name] for o in out]
+        return out
+
+    def _layer(self, layer: int) -> list[dict[str, torch.Tensor]]:
+        """Each candidate's own layer ``layer`` on its cached states: the Grams of the layer's linear inputs."""
+        path = self.st.paths[layer]
+        out = []
+        for i, m in enumerate(self.models):
+            cand = m.get_submodule(path)
+            was = cand.training
+            cand.eval().to(self.dev)
+            hooks = _GramHooks({f"{path}.{n}": mod for n, mod in linear_modules(cand).items()})
+            try:
+                with torch.no_grad():
+                    for j, (h, mask) in enumerate(self.cache[i]):
+                        hooks.batch(mask)
+                        args, kwargs = self.extra[i][j][layer]
+                        cand(h, *args, **kwargs)
+            finally:
+                got = hooks.close()
+                cand.train(was)
+            out.append({f"{n}.weight": g for n, g in got.items()})
+        log.info("regmean++: layer %d/%d Grams collected", layer + 1, len(self.st.paths))
+        return out
+
+
 def regmean_plusplus_state(
     models: Sequence[nn.Module],
     batches: Sequence[Sequence[Batch]],
@@ -214,104 +365,13 @@ def regmean_plusplus_state(
     if any(len(b) == 0 for b in batches):
         raise ValueError("regmean++: a model has no data batches; give each model a non-empty data sample")
     dev = resolve_device(device)
-    keep = set(keep)
     states = [_floating_state(m) for m in models]
-    names = [n for n in states[0] if n not in keep]
-    for i, s in enumerate(states[1:], 1):
-        mine = {n for n in s if n not in keep}
-        if mine != set(names):
-            diff = sorted(mine.symmetric_difference(names))[:5]
-            raise ValueError(f"regmean++: model {i}'s tensors differ from model 0's (e.g. {diff})")
-        bad = [n for n in names if s[n].shape != states[0][n].shape]
-        if bad:
-            raise ValueError(f"regmean++: model {i}: {bad[0]} has shape {tuple(s[bad[0]].shape)}, model 0 differs")
-
-    paths = layer_paths(models[0])
-    in_layer = {n: next((i for i, p in enumerate(paths) if n.startswith(p + ".")), None) for n in names}
-    lins = linear_modules(models[0])
-    pre, outside = _outside_linears(models[0], lins, paths, batches[0][0], dev)
-    ptrs: dict[int, list[str]] = {}
-    for n, t in models[0].state_dict().items():
-        ptrs.setdefault(t.data_ptr(), []).append(n)
-    tied = {n for ns in ptrs.values() if len(ns) > 1 for n in ns}  # e.g. an LM head tied to the embeddings
-    tail = [m for m in outside if m not in pre and f"{m}.weight" in names and f"{m}.weight" not in tied]
-    tail_names = {n for m in tail for n in (f"{m}.weight", f"{m}.bias") if n in names}
-    conv1d = [f"{m}.weight" for m, mod in lins.items() if is_conv1d(mod)]
-
-    stages: list[list[str]] = [[n for n in names if in_layer[n] is None and n not in tail_names]]
-    stages += [[n for n in names if in_layer[n] == i] for i in range(len(paths))]
-    stages.append([n for n in names if n in tail_names])
-    tensors = [[{n: s[n] for n in stage} for s in states] for stage in stages]
-
-    merged_model = copy.deepcopy(models[0]).eval().to(dev)
-    merged_layers = [merged_model.get_submodule(p) for p in paths]
-    cache: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []  # per model, per batch: (hidden, mask)
-    extra: list[list[list[tuple[tuple, dict]]]] = []  # per model, per batch, per layer: other layer arguments
-
-    def load(model: nn.Module, merged: Mapping[str, torch.Tensor]) -> None:
-        missing = model.load_state_dict(dict(merged), strict=False).unexpected_keys
-        if missing:
-            raise ValueError(f"regmean++: merged tensors {missing[:3]} are not in the model")
-
-    def grams(model: nn.Module, modules: Sequence[str], data: Sequence[Batch]) -> dict[str, torch.Tensor]:
-        if not modules:
-            return {}
-        g = collect_gram(model, data, device=dev, progress=False, modules=modules)
-        return {f"{m}.weight": t for m, t in g.grams.items()}
-
-    def collect(stage: int, merged: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        if stage == 0:
-            return [grams(m, pre, b) for m, b in zip(models, batches, strict=True)]
-        load(merged_model, merged[-1])
-        layer = stage - 1
-        with torch.no_grad():
-            if layer == 0:  # the merged embeddings' outputs on every model's data, and every layer's arguments
-                for b in batches:
-                    got = [_capture_layer_inputs(merged_model, merged_layers, batch, dev) for batch in b]
-                    masks = [model_inputs(batch, dev).get("attention_mask") for batch in b]
-                    cache.append([(h, m) for (h, _), m in zip(got, masks, strict=True)])
-                    extra.append([rest for _, rest in got])
-            elif layer < len(paths):  # advance through the merged layer just finished
-                done = merged_layers[layer - 1]
-                for i in range(k):
-                    cache[i] = [
-                        (_layer_out(done(h, *extra[i][j][layer - 1][0], **extra[i][j][layer - 1][1])), m)
-                        for j, (h, m) in enumerate(cache[i])
-                    ]
-        if layer == len(paths):  # the tail: candidate i's own tail on the fully merged body
-            body = {n: t for s in merged for n, t in s.items()}
-            out = []
-            for m, b in zip(models, batches, strict=True):
-                cand = copy.deepcopy(m)
-                load(cand, body)
-                out.append(grams(cand, tail, b))
-                del cand
-            if tail_grams is not None:
-                for name in out[0]:
-                    if all(name in o for o in out):
-                        tail_grams[name.removesuffix(".weight")] = [o[name] for o in out]
-            return out
-        out = []
-        for i, m in enumerate(models):
-            cand = m.get_submodule(paths[layer])
-            was = cand.training
-            cand.eval().to(dev)
-            hooks = _GramHooks({f"{paths[layer]}.{n}": mod for n, mod in linear_modules(cand).items()})
-            try:
-                with torch.no_grad():
-                    for j, (h, mask) in enumerate(cache[i]):
-                        hooks.batch(mask)
-                        args, kwargs = extra[i][j][layer]
-                        cand(h, *args, **kwargs)
-            finally:
-                got = hooks.close()
-                cand.train(was)
-            out.append({f"{n}.weight": g for n, g in got.items()})
-        log.info("regmean++: layer %d/%d Grams collected", layer + 1, len(paths))
-        return out
-
+    names = _common_names(states, set(keep))
+    st = _stages(models[0], names, batches[0][0], dev)
+    tensors = [[{n: s[n] for n in stage} for s in states] for stage in st.names]
+    collect = _MergedPrefixGrams(models, batches, st, dev, tail_grams)
     try:
-        merged = regmean_plusplus(tensors, collect, model_weights, alpha, conv1d=conv1d, dtype=dtype)
+        merged = regmean_plusplus(tensors, collect, model_weights, alpha, conv1d=st.conv1d, dtype=dtype)
     finally:
         for m in models:
             m.to("cpu")
