@@ -31,6 +31,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,109 @@ def _lr_lambda(total: int, warmup: int):
     return f
 
 
+@dataclass
+class _Run:
+    """One training run's fixed parts: the model on its device, the optimiser, and what every step needs."""
+
+    model: torch.nn.Module
+    data: TaskDataset
+    cfg: FinetuneConfig
+    dev: torch.device
+    amp: bool
+    amp_dtype: torch.dtype
+    opt: torch.optim.Optimizer
+    cols: list[int] | None  # union head: the dataset's own outputs
+    problem: str
+    pad: int
+    where: str
+    steps_per_epoch: int
+    on_progress: Callable[[float], None] | None
+    scaler: torch.amp.GradScaler = field(init=False)
+    sched: torch.optim.lr_scheduler.LambdaLR = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp and self.amp_dtype == torch.float16)
+        total = self.total
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, _lr_lambda(total, math.ceil(self.cfg.warmup_ratio * total))
+        )
+
+    @property
+    def total(self) -> int:
+        """Optimizer steps in all."""
+        return self.steps_per_epoch * self.cfg.epochs
+
+
+def _step(run: _Run, chunk: list[dict[str, Any]], epoch: int, step: int) -> tuple[float, int]:
+    """One optimizer step on ``chunk`` (micro-batches of ``batch_size``): the summed loss and its term count."""
+    cfg, dev = run.cfg, run.dev
+    micro = [collate(chunk[i : i + cfg.batch_size], run.pad) for i in range(0, len(chunk), cfg.batch_size)]
+    if dev.type == "cuda":  # pinned host memory: the copies overlap the previous micro-batch's compute
+        micro = [{k: v.pin_memory().to(dev, non_blocking=True) for k, v in b.items()} for b in micro]
+    cols = run.cols
+    counts = [_count(b["labels"], run.problem) if cols is None else len(b["labels"]) * len(cols) for b in micro]
+    denom = max(sum(counts), 1)
+    run.opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for batch in micro:
+        with torch.autocast(dev.type, dtype=run.amp_dtype, enabled=run.amp):
+            logits = forward_logits(run.model, batch, dev)
+        logits, gold = own_outputs(logits, batch["labels"].to(dev), cols, run.data.multi_label)
+        loss_sum, _ = task_loss(logits, gold, run.problem)
+        if not torch.isfinite(loss_sum.detach()).all():
+            raise NonFiniteError(
+                f"{run.where}: training loss on {run.data.name} became {float(loss_sum.detach())} at epoch {epoch}, "
+                f"step {step + 1} — nothing was written; lower the learning rate (now {cfg.lr:g}) or check the "
+                "data and the base weights"
+            )
+        run.scaler.scale(loss_sum / denom).backward()
+        total += float(loss_sum.detach())
+    run.scaler.unscale_(run.opt)
+    if cfg.max_grad_norm:
+        torch.nn.utils.clip_grad_norm_([p for g in run.opt.param_groups for p in g["params"]], cfg.max_grad_norm)
+    run.scaler.step(run.opt)
+    run.scaler.update()
+    run.sched.step()
+    return total, denom
+
+
+def _train_epoch(run: _Run, feats: list[dict[str, Any]], epoch: int) -> tuple[float, int]:
+    """One epoch of optimizer steps in its seeded order: the summed training loss and its term count."""
+    from tqdm.auto import tqdm
+
+    cfg, per_epoch = run.cfg, run.steps_per_epoch
+    run.model.train()
+    steps = epoch_steps(
+        feats, cfg.batch_size * cfg.grad_accum, random.Random(cfg.seed * 1000 + epoch), cfg.length_buckets
+    )
+    run_loss, run_n = 0.0, 0
+    log_every = max(1, per_epoch // LOG_LINES_PER_EPOCH)
+    bar = tqdm(range(per_epoch), desc=f"epoch {epoch}/{cfg.epochs}", disable=not cfg.progress, leave=False)
+    for step in bar:
+        loss, n = _step(run, [feats[i] for i in steps[step]], epoch, step)
+        run_loss, run_n = run_loss + loss, run_n + n
+        bar.set_postfix(loss=f"{run_loss / run_n:.4f}")
+        if (step + 1) % log_every == 0 and step + 1 < per_epoch:
+            log.info("epoch %d/%d step %d/%d: train loss %.4f", epoch, cfg.epochs, step + 1, per_epoch,
+                     run_loss / max(run_n, 1))  # fmt: skip
+        if run.on_progress is not None:
+            run.on_progress(((epoch - 1) * per_epoch + step + 1) / max(run.total, 1))
+    bar.close()
+    return run_loss, run_n
+
+
+def _validate(run: _Run, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, Any], float]:
+    """The validation metrics and loss (a union head: over the dataset's own outputs, as in training)."""
+    cols, problem, data = run.cols, run.problem, run.data
+    logits, labels, val_loss = run_model(run.model, batches, problem if cols is None else None, run.dev, run.amp)
+    if cols is not None:
+        pairs = [own_outputs(z, y, cols, data.multi_label) for z, y in zip(logits, labels, strict=True)]
+        logits = [z for z, _ in pairs]
+        terms = sum(y.numel() for _, y in pairs)
+        val_loss = sum(float(task_loss(z, y, problem)[0]) for z, y in pairs) / max(1, terms)
+    return score_logits(data, data.labels, problem, logits, labels), val_loss
+
+
 def train_model(
     model: torch.nn.Module,
     data: TaskDataset,
@@ -227,115 +331,46 @@ def train_model(
     Returns:
         ``(trained model, [{"epoch", "train_loss", "val_loss", <val metrics>, "seconds"}, ...])``.
     """
-    from tqdm.auto import tqdm
-
     dev = resolve_device(device)
     amp = cfg.amp and dev.type == "cuda"
-    amp_dtype = torch.bfloat16 if amp and torch.cuda.is_bf16_supported() else torch.float16
-    scaler = torch.amp.GradScaler("cuda", enabled=amp and amp_dtype == torch.float16)
     where = getattr(model.config, "_name_or_path", "") or "model"
     for name, p in model.state_dict().items():
         check_finite_tensor(p, name, where)
     cols = union_columns(model.config, data, where)  # union head: the outputs of the dataset's own classes
-    problem = data.problem_type if cols is None else "multi_label_classification"
     model = copy.deepcopy(model).to(dev)
     pad = tokenizer.pad_token_id or 0
     train_feats = encode_split(data, tokenizer, "train", cfg.max_length)
     val_split = "validation" if "validation" in data.splits else "test"
-    val_batches = list(
-        iter_batches(
-            encode_split(data, tokenizer, val_split, cfg.max_length, cfg.max_eval_examples, cfg.seed),
-            cfg.eval_batch_size,
-            pad,
-            by_length=True,  # validation metrics are order-free
-        )
-    )
-    step_size = cfg.batch_size * cfg.grad_accum
-    steps_per_epoch = math.ceil(len(train_feats) / step_size)
-    total = steps_per_epoch * cfg.epochs
+    val_feats = encode_split(data, tokenizer, val_split, cfg.max_length, cfg.max_eval_examples, cfg.seed)
+    val_batches = list(iter_batches(val_feats, cfg.eval_batch_size, pad, by_length=True))  # metrics: order-free
     fused = cfg.fused_optimizer and dev.type in ("cpu", "cuda")
-    opt = torch.optim.AdamW(_param_groups(model, cfg), lr=cfg.lr, fused=fused or None)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, math.ceil(cfg.warmup_ratio * total)))
+    run = _Run(
+        model, data, cfg, dev, amp,
+        torch.bfloat16 if amp and torch.cuda.is_bf16_supported() else torch.float16,
+        torch.optim.AdamW(_param_groups(model, cfg), lr=cfg.lr, fused=fused or None),
+        cols, data.problem_type if cols is None else "multi_label_classification", pad, where,
+        math.ceil(len(train_feats) / (cfg.batch_size * cfg.grad_accum)), on_progress,
+    )  # fmt: skip
     history: list[dict[str, Any]] = []
-    best_state, best_score = None, (-math.inf, -math.inf)
-    best_epoch = cfg.epochs
-    log_every = max(1, steps_per_epoch // LOG_LINES_PER_EPOCH)
+    best_state, best_score, best_epoch = None, (-math.inf, -math.inf), cfg.epochs
     _seed_all(cfg.seed)
     for epoch in range(1, cfg.epochs + 1):
         t0 = time.perf_counter()
-        model.train()
-        steps = epoch_steps(train_feats, step_size, random.Random(cfg.seed * 1000 + epoch), cfg.length_buckets)
-        run_loss, run_n = 0.0, 0
-        bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch}/{cfg.epochs}", disable=not cfg.progress, leave=False)
-        for step in bar:
-            chunk = [train_feats[i] for i in steps[step]]
-            micro = [collate(chunk[i : i + cfg.batch_size], pad) for i in range(0, len(chunk), cfg.batch_size)]
-            if dev.type == "cuda":  # pinned host memory: the copies overlap the previous micro-batch's compute
-                micro = [{k: v.pin_memory().to(dev, non_blocking=True) for k, v in b.items()} for b in micro]
-            counts = [_count(b["labels"], problem) if cols is None else len(b["labels"]) * len(cols) for b in micro]
-            denom = max(sum(counts), 1)
-            opt.zero_grad(set_to_none=True)
-            for batch in micro:
-                with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
-                    logits = forward_logits(model, batch, dev)
-                logits, gold = own_outputs(logits, batch["labels"].to(dev), cols, data.multi_label)
-                loss_sum, _ = task_loss(logits, gold, problem)
-                if not torch.isfinite(loss_sum.detach()).all():
-                    value = float(loss_sum.detach())
-                    raise NonFiniteError(
-                        f"{where}: training loss on {data.name} became {value} at epoch {epoch}, step {step + 1} "
-                        f"— nothing was written; lower the learning rate (now {cfg.lr:g}) or check the "
-                        "data and the base weights"
-                    )
-                scaler.scale(loss_sum / denom).backward()
-                run_loss += float(loss_sum.detach())
-            run_n += denom
-            scaler.unscale_(opt)
-            if cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.max_grad_norm)
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            bar.set_postfix(loss=f"{run_loss / run_n:.4f}")
-            done = (epoch - 1) * steps_per_epoch + step + 1
-            if (step + 1) % log_every == 0 and step + 1 < steps_per_epoch:
-                log.info("epoch %d/%d step %d/%d: train loss %.4f", epoch, cfg.epochs, step + 1, steps_per_epoch,
-                         run_loss / max(run_n, 1))  # fmt: skip
-            if on_progress is not None:
-                on_progress(done / max(total, 1))
-        bar.close()
+        run_loss, run_n = _train_epoch(run, train_feats, epoch)
         train_seconds = time.perf_counter() - t0
-        logits, labels, val_loss = run_model(model, val_batches, problem if cols is None else None, dev, amp)
-        if cols is not None:  # the loss of the dataset's own outputs, as in training
-            pairs = [own_outputs(z, y, cols, data.multi_label) for z, y in zip(logits, labels, strict=True)]
-            logits = [z for z, _ in pairs]
-            terms = sum(y.numel() for _, y in pairs)
-            val_loss = sum(float(task_loss(z, y, problem)[0]) for z, y in pairs) / max(1, terms)
-        metrics = score_logits(data, data.labels, problem, logits, labels)
-        record = {
-            "epoch": epoch,
-            "train_loss": run_loss / max(run_n, 1),
-            "val_loss": val_loss,
-            "split": val_split,
-            **_scalars(metrics),
-            "train_seconds": train_seconds,
-            "train_examples_per_s": len(train_feats) / train_seconds,
-            "seconds": time.perf_counter() - t0,
-        }
-        history.append(record)
-        log.info(
-            "epoch %d: train loss %.4f, val loss %.4f, %s %.4f",
-            epoch,
-            record["train_loss"],
-            val_loss,
-            metrics["primary"],
-            metrics[metrics["primary"]],
-        )
-        score = (metrics[metrics["primary"]], -val_loss)  # ties on the metric: lower validation loss wins
+        metrics, val_loss = _validate(run, val_batches)
+        history.append({
+            "epoch": epoch, "train_loss": run_loss / max(run_n, 1), "val_loss": val_loss, "split": val_split,
+            **_scalars(metrics), "train_seconds": train_seconds,
+            "train_examples_per_s": len(train_feats) / train_seconds, "seconds": time.perf_counter() - t0,
+        })  # fmt: skip
+        primary = metrics["primary"]
+        log.info("epoch %d: train loss %.4f, val loss %.4f, %s %.4f", epoch, history[-1]["train_loss"], val_loss,
+                 primary, metrics[primary])  # fmt: skip
+        score = (metrics[primary], -val_loss)  # ties on the metric: lower validation loss wins
         if cfg.keep_best and score > best_score:
-            best_score = score
+            best_score, best_epoch = score, epoch
             best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-            best_epoch = epoch
     for record in history:  # exactly one record is flagged: the epoch whose weights are returned
         record["best"] = record["epoch"] == (best_epoch if cfg.keep_best else len(history))
     if best_state is not None and cfg.keep_best:
