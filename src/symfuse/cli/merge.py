@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -111,63 +112,19 @@ def merge(
     # the parameter flags are shortcuts for --param NAME=VALUE: the strategy's Params validates them all
     shortcuts = {"alpha": alpha, "lam": lam, "density": density, "drop": drop, "combine": combine, "seed": seed}
     shortcuts |= {"dtype": dtype, "epsilon": epsilon, "data": data or None, "max_examples": max_examples}
+    refit_flags = (refit_heads, refit_ridge)
     if config is not None:
         flags = {"--strategy": strategy, "--models": models, "--stats": stats, "--weights": weights, "--base": base}
         flags |= {"--param": param} | {f"--{k}": v for k, v in shortcuts.items()}
         flags |= {"--allow-label-mismatch": allow_label_mismatch or None}
-        clash = [k for k, v in flags.items() if v is not None and v != []]
-        if clash:
-            raise UsageError(
-                f"{', '.join(clash)}: given with --config — put it in {config}, or drop --config and use flags only"
-            )
-        from symfuse.merge_config import load_merge_file
-
-        mf = load_merge_file(config)
-        strategy, models, base, weights = mf.strategy, mf.models, mf.base, mf.weights
-        device_given = (device, "--device") if device is not None else (mf.device, f"{config}: device")
-        stats = [Path(s) for s in mf.stats] if mf.stats is not None else None
-        given = {k: (v, mf.key_of(k)) for k, v in mf.params.items()}
-        refit_given = {k: (v, f"head_refit.{k}") for k, v in (mf.head_refit or {}).items()}
-        if refit_heads or refit_ridge is not None:
-            raise UsageError(f"--refit-heads / --refit-ridge: given with --config — put head_refit: in {config}")
-        refit_on, allow_label_mismatch = mf.head_refit is not None, mf.allow_label_mismatch
+        req = _from_config(config, flags, refit_flags, device)
     else:
-        given = {k: (v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None} | _param_options(
-            param or [], shortcuts
-        )
-        if refit_ridge is not None and not refit_heads:
-            raise UsageError("--refit-ridge: given without --refit-heads — add --refit-heads, or drop it")
-        refit_on, refit_given = refit_heads, {}
-        if refit_ridge is not None:
-            refit_given["ridge"] = (refit_ridge, "--refit-ridge")
-        device_given = (device or "auto", "--device")
-    if strategy is None:
-        raise UsageError("--strategy: missing — give --strategy NAME, or --config merge.yaml")
-    if "device" in given:  # an older spelling (regmean++'s --param device=...): the merge's device
-        if device is not None and device != given["device"][0]:
-            raise UsageError(f"{given['device'][1]}: given with --device — give the device once, with --device")
-        device_given = given.pop("device")
-    dev = checks.device(device_given[1], str(device_given[0]))
-    if refit_on and config is None:  # --data / --max-examples / --device: the refit's (and the merger's if it has them)
-        checks.one_of("--strategy", strategy, MERGERS.names())
-        fields = MERGERS[strategy].Params.model_fields
-        for k in REFIT_SHARED:
-            if k in given:
-                refit_given[k] = given[k] if k in fields else given.pop(k)
-    if refit_on:
-        refit_given.setdefault("device", (dev, device_given[1]))
-    models = list(models or [])
-    try:
-        params = _validate(strategy, models, stats, weights, base, given)
-    except UsageError as exc:
-        if config is None:
-            raise
-        # the shared checks name the flag; in a file it is the key of the same name
-        raise UsageError(f"{config}: {exc}") from exc
-    refit = _refit_options(refit_given, len(models), config) if refit_on else None
-    if not allow_label_mismatch:  # each model's own data: a head sharing no class with it means the wrong data
-        label = refit_given.get("data", given.get("data", (None, "--data")))[1]
-        _check_data_labels(models, (refit or params).get("data") or [], label, config)
+        given = {k: (v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None}
+        given |= _param_options(param or [], shortcuts)
+        req = _Request(strategy, list(models or []), stats, weights, base, given, allow_label_mismatch,
+                       (device or "auto", "--device"), *_refit_flags(*refit_flags))  # fmt: skip
+    strategy, models, stats, base = req.strategy, req.models, req.stats, req.base
+    dev, params, refit = _resolve(req, config, device)
     from symfuse.merge import merge_checkpoints
 
     def run(inputs: list[str], card: dict | None = None) -> Path:
@@ -192,6 +149,82 @@ def merge(
 
 
 REFIT_SHARED = ("data", "max_examples")  # flags a head refit reads (and regmean++ too); the device is the merge's
+
+
+@dataclass
+class _Request:
+    """A merge as asked for, from flags or a merge file; each value with how the user wrote it where it may fail."""
+
+    strategy: str | None
+    models: list[str]
+    stats: list[Path] | None
+    weights: list[float] | None
+    base: str | None
+    given: dict[str, tuple[Any, str]]  # the strategy's parameters: (value, flag or file key)
+    allow_label_mismatch: bool
+    device_given: tuple[Any, str]
+    refit_on: bool
+    refit_given: dict[str, tuple[Any, str]]
+
+
+def _refit_flags(refit_heads: bool, refit_ridge: float | None) -> tuple[bool, dict[str, tuple[Any, str]]]:
+    if refit_ridge is not None and not refit_heads:
+        raise UsageError("--refit-ridge: given without --refit-heads — add --refit-heads, or drop it")
+    return refit_heads, ({"ridge": (refit_ridge, "--refit-ridge")} if refit_ridge is not None else {})
+
+
+def _from_config(
+    config: Path, flags: dict[str, Any], refit_flags: tuple[bool, float | None], device: str | None
+) -> _Request:
+    """The request of a merge file; flags it could hold are refused beside it rather than silently mixed."""
+    clash = [k for k, v in flags.items() if v is not None and v != []]
+    if clash:
+        raise UsageError(
+            f"{', '.join(clash)}: given with --config — put it in {config}, or drop --config and use flags only"
+        )
+    from symfuse.merge_config import load_merge_file
+
+    mf = load_merge_file(config)
+    if refit_flags[0] or refit_flags[1] is not None:
+        raise UsageError(f"--refit-heads / --refit-ridge: given with --config — put head_refit: in {config}")
+    return _Request(
+        mf.strategy, list(mf.models or []), [Path(s) for s in mf.stats] if mf.stats is not None else None,
+        mf.weights, mf.base, {k: (v, mf.key_of(k)) for k, v in mf.params.items()}, mf.allow_label_mismatch,
+        (device, "--device") if device is not None else (mf.device, f"{config}: device"),
+        mf.head_refit is not None, {k: (v, f"head_refit.{k}") for k, v in (mf.head_refit or {}).items()},
+    )  # fmt: skip
+
+
+def _resolve(req: _Request, config: Path | None, device: str | None) -> tuple[Any, dict[str, Any], dict | None]:
+    """Check the request (cheap checks first): the device, the strategy's params and the head refit's options."""
+    given, refit_given, device_given = req.given, req.refit_given, req.device_given
+    if req.strategy is None:
+        raise UsageError("--strategy: missing — give --strategy NAME, or --config merge.yaml")
+    if "device" in given:  # an older spelling (regmean++'s --param device=...): the merge's device
+        if device is not None and device != given["device"][0]:
+            raise UsageError(f"{given['device'][1]}: given with --device — give the device once, with --device")
+        device_given = given.pop("device")
+    dev = checks.device(device_given[1], str(device_given[0]))
+    if req.refit_on and config is None:  # --data / --max-examples: the refit's (and the merger's if it has them)
+        checks.one_of("--strategy", req.strategy, MERGERS.names())
+        fields = MERGERS[req.strategy].Params.model_fields
+        for k in REFIT_SHARED:
+            if k in given:
+                refit_given[k] = given[k] if k in fields else given.pop(k)
+    if req.refit_on:
+        refit_given.setdefault("device", (dev, device_given[1]))
+    try:
+        params = _validate(req.strategy, req.models, req.stats, req.weights, req.base, given)
+    except UsageError as exc:
+        if config is None:
+            raise
+        # the shared checks name the flag; in a file it is the key of the same name
+        raise UsageError(f"{config}: {exc}") from exc
+    refit = _refit_options(refit_given, len(req.models), config) if req.refit_on else None
+    if not req.allow_label_mismatch:  # each model's own data: a head sharing no class with it means the wrong data
+        label = refit_given.get("data", given.get("data", (None, "--data")))[1]
+        _check_data_labels(req.models, (refit or params).get("data") or [], label, config)
+    return dev, params, refit
 
 
 def _refit_options(given: dict[str, tuple[Any, str]], n_models: int, config: Path | None) -> dict[str, Any]:
