@@ -108,6 +108,20 @@ def _history(flow_run_id) -> tuple[list, list, list]:
     return asyncio.run(read())
 
 
+def _settled_history(flow_run_id, timeout: float = 30.0) -> tuple[list, list, list]:
+    """:func:`_history` once every task run is final, or at ``timeout``.
+
+    Prefect 3 records task run states from events, after the flow run's own state: the last task of a completed run
+    (publish) can still read Running for a moment. A task run left Running by a dead attempt stays so, and fails.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        states, logs, tasks = _history(flow_run_id)
+        if all(t.state.is_final() for t in tasks) or time.monotonic() > deadline:
+            return states, logs, tasks
+        time.sleep(1)
+
+
 def _after(logs, text: str):
     """Timestamp of the first log line containing ``text`` (None if none)."""
     return next((line.timestamp for line in sorted(logs, key=lambda x: x.timestamp) if text in line.message), None)
@@ -126,7 +140,7 @@ def test_a_killed_flow_run_process_resumes_within_a_minute_reusing_finished_stag
         final = _wait_final(run.id, timeout=600)
     finally:
         deployed.stop_worker(worker)
-    states, logs, tasks = _history(run.id)
+    states, logs, tasks = _settled_history(run.id)
     print("\n".join(f"{s.timestamp} {s.name}: {s.message}" for s in states))
     print("\n".join(f"{x.timestamp} {x.message[:200]}" for x in sorted(logs, key=lambda x: x.timestamp)
                     if "lock" in x.message or "attempt" in x.message or "Crash" in x.message))  # fmt: skip
@@ -164,7 +178,7 @@ def test_a_lost_worker_is_noticed_and_its_run_rescheduled_without_a_hand(
         for w in workers:
             deployed.stop_worker(w)
     assert final.state.is_completed(), f"{final.state}\n{deployed.log_tail()}"
-    states, _, tasks = _history(run.id)
+    states, _, tasks = _settled_history(run.id)
     crashed = [s for s in states if s.is_crashed()]
     assert crashed and "No heartbeat" in (crashed[0].message or ""), [(s.name, s.message) for s in states]
     noticed = crashed[0].timestamp.timestamp() - killed
