@@ -128,6 +128,80 @@ def _dtype(reader: CheckpointReader) -> torch.dtype:
     return torch.float32 if dts & {torch.float32, torch.float64} else torch.bfloat16
 
 
+class _Replacer:
+    """``write_checkpoint``'s ``replace``: each module transformed and checked when the writer first needs it.
+
+    Distances to the anchor (when given) are summed on the way.
+
+    At most two modules' weights are alive at once (7B widths: source + anchor, then source + new, then new +
+    anchor): the anchor is read twice rather than held while the transform runs.
+    """
+
+    def __init__(
+        self,
+        src: CheckpointReader,
+        src_io: PreadSource,
+        anc_io: PreadSource | None,
+        mts: Mapping[str, ModuleTransform],
+        where: str,
+    ):
+        self.src, self.src_io, self.anc_io, self.mts, self.where = src, src_io, anc_io, mts, where
+        self.owner = src.tensor_owners()
+        anc = anc_io.reader if anc_io is not None else None
+        self.anc_names = {strip_prefix(n, anc.prefix): n for n in anc.names()} if anc is not None else {}
+        self.cache: dict[str, torch.Tensor] = {}  # the written module's other tensors, until the writer asks
+        self.per_module: list[dict[str, Any]] = []
+        self.sq = {"before": 0.0, "after": 0.0}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor to write under ``name`` (``tensor``: the source's)."""
+        if name in self.cache:
+            return self.cache.pop(name)
+        ref = self.owner.get(name)
+        if ref is None:
+            self._outside(name, tensor)
+            return tensor
+        src = self.src
+        self.cache.update(src.spec.write_module(self._module(ref), ref, src.config, src.prefix))
+        src.close()  # unmap what the writer read so far
+        return self.cache.pop(name)
+
+    def _outside(self, name: str, tensor: torch.Tensor) -> None:
+        check_finite({name: tensor}, f"{self.src.path}: tensor")
+        other = self.anc_names.get(strip_prefix(name, self.src.prefix))
+        if self.anc_io is not None and other is not None and tensor.is_floating_point():
+            d = _sq_distance_to(tensor, self.anc_io, other)
+            if d is not None:
+                self.sq["before"] += d
+                self.sq["after"] += d
+
+    def _module(self, ref: ModuleRef) -> dict[str, torch.Tensor]:
+        src, anc_io = self.src, self.anc_io
+        w = read_checked(self.src_io, ref)
+        mt = self.mts.get(ref.key)
+        before = None
+        if anc_io is not None:
+            a = anc_io.read_module(ref)
+            check_shapes(ref, w, a, f"{src.path} vs {anc_io.reader.path}")
+            before = module_distance(w, a)
+            del a
+        # a soft (OT) map changes the module's function by design; otherwise the check's invariants are taken
+        # before the transform, so the source is freed before the transformed module is checked
+        before_inv = module_invariants(ref, w, src.geometry) if mt is not None and is_exact(mt) else None
+        new = mt.apply(w) if mt is not None else w
+        del w
+        if before_inv is not None:
+            check_module_transform(ref, before_inv, new, src.geometry, mt, self.where)
+        if anc_io is not None:
+            after = module_distance(new, anc_io.read_module(ref))
+            self.sq["before"] += before**2
+            self.sq["after"] += after**2
+            self.per_module.append(
+                {"module": ref.key, "kind": ref.kind, "distance_before": before, "distance_after": after}
+            )
+        return new
+
+
 def assemble_matched(
     source: str | Path | CheckpointReader,
     transforms: Mapping[str, Path | ModuleTransform],
@@ -175,55 +249,9 @@ def assemble_matched(
     if anc is not None:
         check_compatible(src, anc)
     out = Path(out)
-    owner = src.tensor_owners()
-    cache: dict[str, torch.Tensor] = {}
-    per_module: list[dict[str, Any]] = []
-    sq = {"before": 0.0, "after": 0.0}
-    anc_names = {strip_prefix(n, anc.prefix): n for n in anc.names()} if anc is not None else {}
-
     src_io = PreadSource(src)
     anc_io = PreadSource(anc) if anc is not None else None
-
-    def replace(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name in cache:
-            return cache.pop(name)
-        ref = owner.get(name)
-        if ref is None:
-            check_finite({name: tensor}, f"{src.path}: tensor")
-            other = anc_names.get(strip_prefix(name, src.prefix))
-            if anc_io is not None and other is not None and tensor.is_floating_point():
-                d = _sq_distance_to(tensor, anc_io, other)
-                if d is not None:
-                    sq["before"] += d
-                    sq["after"] += d
-            return tensor
-        # at most two modules' weights alive at once (7B widths: source + anchor, then source + new, then
-        # new + anchor): the anchor is read twice rather than held while the transform runs
-        w = read_checked(src_io, ref)
-        mt = mts.get(ref.key)
-        before = None
-        if anc_io is not None:
-            a = anc_io.read_module(ref)
-            check_shapes(ref, w, a, f"{src.path} vs {anc_io.reader.path}")
-            before = module_distance(w, a)
-            del a
-        # a soft (OT) map changes the module's function by design; otherwise the check's invariants are taken
-        # before the transform, so the source is freed before the transformed module is checked
-        before_inv = module_invariants(ref, w, src.geometry) if mt is not None and is_exact(mt) else None
-        new = mt.apply(w) if mt is not None else w
-        del w
-        if before_inv is not None:
-            check_module_transform(ref, before_inv, new, src.geometry, mt, str(out))
-        if anc_io is not None:
-            after = module_distance(new, anc_io.read_module(ref))
-            sq["before"] += before**2
-            sq["after"] += after**2
-            per_module.append({"module": ref.key, "kind": ref.kind, "distance_before": before, "distance_after": after})
-        cache.update(src.spec.write_module(new, ref, src.config, src.prefix))
-        del new
-        src.close()  # unmap what the writer read so far
-        return cache.pop(name)
-
+    replace = _Replacer(src, src_io, anc_io, mts, str(out))
     report: dict[str, Any] = {
         "source": str(src.path),
         "anchor": str(anc.path) if anc is not None else None,
@@ -236,12 +264,11 @@ def assemble_matched(
         with atomic_output_dir(out, overwrite=overwrite) as tmp:
             write_checkpoint(src, tmp, replace=replace, shard_bytes=shard_bytes, overwrite=True)
             save_transforms(mts, tmp / TRANSFORMS_FILE)
-            per_module.sort(key=lambda r: ModuleRef.parse(r["module"]))
             if anc is not None:
-                report["distance_before"] = sq["before"] ** 0.5
-                report["distance_after"] = sq["after"] ** 0.5
+                report["distance_before"] = replace.sq["before"] ** 0.5
+                report["distance_after"] = replace.sq["after"] ** 0.5
             report.update(check_written(tmp, src.path, report["exact"], verify, _dtype(src)))  # as written
-            report["per_module"] = per_module
+            report["per_module"] = sorted(replace.per_module, key=lambda r: ModuleRef.parse(r["module"]))
             report.update(extra_report or {})
             report["seconds"] = report.get("seconds", 0.0) + time.perf_counter() - t_start
             (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
