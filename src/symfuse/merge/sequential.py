@@ -32,7 +32,7 @@ from symfuse.arch.registry import get_spec
 from symfuse.device import resolve_device
 from symfuse.errors import UnsupportedArchitecture
 from symfuse.merge.regmean_plusplus import regmean_plusplus
-from symfuse.stats.gram import collect_gram, is_conv1d, linear_modules, model_inputs
+from symfuse.stats.gram import GramHooks, collect_gram, is_conv1d, linear_modules, model_inputs
 
 log = logging.getLogger(__name__)
 
@@ -58,48 +58,6 @@ def layer_paths(model: nn.Module) -> list[str]:
         )
     n = int(spec.geometry(model.config).n_layers)
     return [prefix + spec.layer.format(i=i) for i in range(n)]
-
-
-class _GramHooks:
-    """Forward hooks accumulating the input Gram of named linear modules (collect_gram's rules)."""
-
-    def __init__(self, modules: Mapping[str, nn.Module]):
-        self.sums: dict[str, torch.Tensor] = {}
-        self.rows: dict[str, int] = dict.fromkeys(modules, 0)
-        self.mask: torch.Tensor | None = None
-        self._memo: dict[Any, tuple] = {}
-        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
-
-    def batch(self, mask: torch.Tensor | None) -> None:
-        """Start a batch whose token mask is ``mask`` ((batch, seq), or None)."""
-        self.mask, self._memo = mask, {}
-
-    def _hook(self, name: str):
-        def fn(_mod: nn.Module, args: tuple, _out: object) -> None:
-            x = args[0].detach()
-            key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
-            if key in self._memo:  # q / k / v read one tensor: its Gram once
-                inc, n = self._memo[key][1], self._memo[key][2]
-            else:
-                m = self.mask
-                if m is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(m.shape):
-                    flat = x[m.bool()]
-                else:
-                    flat = x.reshape(-1, x.shape[-1])
-                flat = flat.to(torch.float32)
-                inc, n = (flat.T @ flat).to(torch.float64), flat.shape[0]
-                self._memo[key] = (x, inc, n)
-            self.sums[name] = self.sums[name] + inc if name in self.sums else inc.clone()
-            self.rows[name] += n
-
-        return fn
-
-    def close(self) -> dict[str, torch.Tensor]:
-        """Remove the hooks; the mean Grams ``X^T X / rows`` (CPU, float64) of the modules that saw inputs."""
-        for h in self._handles:
-            h.remove()
-        self._memo = {}
-        return {n: (s / self.rows[n]).cpu() for n, s in self.sums.items() if self.rows[n] > 0}
 
 
 def _floating_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -310,7 +268,7 @@ class _MergedPrefixGrams:
             cand = m.get_submodule(path)
             was = cand.training
             cand.eval().to(self.dev)
-            hooks = _GramHooks({f"{path}.{n}": mod for n, mod in linear_modules(cand).items()})
+            hooks = GramHooks({f"{path}.{n}": mod for n, mod in linear_modules(cand).items()})
             try:
                 with torch.no_grad():
                     for j, (h, mask) in enumerate(self.cache[i]):
@@ -318,9 +276,9 @@ class _MergedPrefixGrams:
                         args, kwargs = self.extra[i][j][layer]
                         cand(h, *args, **kwargs)
             finally:
-                got = hooks.close()
+                hooks.close()
                 cand.train(was)
-            out.append({f"{n}.weight": g for n, g in got.items()})
+            out.append({f"{n}.weight": g for n, g in hooks.means().items()})
         log.info("regmean++: layer %d/%d Grams collected", layer + 1, len(self.st.paths))
         return out
 

@@ -67,6 +67,66 @@ class GramStats:
     same_input: dict[str, str] = field(default_factory=dict)
 
 
+class GramHooks:
+    """Forward hooks summing the input Gram ``X^T X`` of named linear modules, by this module's rules.
+
+    Padding rows are excluded for (batch, seq, in) inputs matching the batch's mask; each batch's product is taken
+    in ``matmul_dtype`` and summed in float64. Modules reading the very same input tensor (q / k / v) share one
+    product per batch, and ``shared`` records which (module -> the first reader) in the current batch.
+
+    Args:
+        modules: Linear modules by name.
+        matmul_dtype: Precision of each batch's product.
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Module], matmul_dtype: torch.dtype = torch.float32):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, int] = dict.fromkeys(modules, 0)
+        self.mask: torch.Tensor | None = None
+        self.shared: dict[str, str] = {}
+        self._dtype = matmul_dtype
+        self._memo: dict[tuple, tuple] = {}
+        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
+
+    def batch(self, mask: torch.Tensor | None) -> None:
+        """Start a batch whose token mask is ``mask`` ((batch, seq), or None)."""
+        self.mask, self._memo, self.shared = mask, {}, {}
+
+    def _hook(self, name: str):
+        def fn(_mod: nn.Module, args: tuple, _out: object) -> None:
+            x = args[0].detach()
+            key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
+            if key in self._memo:  # q/k/v (and similar) read the same input tensor: its Gram once
+                _, inc, n, first = self._memo[key]
+                self.shared[name] = first
+            else:
+                m = self.mask
+                if m is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(m.shape):
+                    flat = x[m.bool()]  # (n_tokens, in): padding excluded
+                else:
+                    flat = x.reshape(-1, x.shape[-1])  # (rows, in)
+                flat = flat.to(self._dtype)
+                inc, n = (flat.T @ flat).to(torch.float64), flat.shape[0]  # (in, in), float64 running sum
+                self._memo[key] = (x, inc, n, name)  # keeping x alive keeps its data_ptr unique during this batch
+            if name in self.sums:
+                self.sums[name] += inc
+            else:
+                self.sums[name] = inc.clone()
+            self.rows[name] += n
+
+        return fn
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles, self._memo = [], {}
+
+    def means(self) -> dict[str, torch.Tensor]:
+        """The mean Grams ``X^T X / rows`` (CPU, float64) of the modules that saw inputs, in the modules' order."""
+        return {n: (self.sums[n] / r).cpu() for n, r in self.rows.items() if r > 0}
+
+
 def collect_gram(
     model: nn.Module,
     batches: Iterable[Mapping[str, torch.Tensor]],
@@ -97,36 +157,7 @@ def collect_gram(
     if modules is not None:
         wanted = set(modules)
         lins = {n: m for n, m in lins.items() if n in wanted}
-    sums: dict[str, torch.Tensor] = {}
-    rows: dict[str, int] = dict.fromkeys(lins, 0)
-    state: dict[str, object] = {"mask": None, "memo": {}, "shared": {}}
-
-    def hook(name: str):
-        def fn(_mod: nn.Module, args: tuple, _out: object) -> None:
-            x = args[0].detach()
-            memo: dict = state["memo"]  # type: ignore[assignment]
-            key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
-            if key in memo:  # q/k/v (and similar) read the same input tensor: compute its Gram once
-                inc, n = memo[key][1], memo[key][2]
-                state["shared"][name] = memo[key][3]  # type: ignore[index]
-            else:
-                mask = state["mask"]
-                if mask is not None and x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
-                    flat = x[mask.bool()]  # (n_tokens, in): padding excluded
-                else:
-                    flat = x.reshape(-1, x.shape[-1])  # (rows, in)
-                flat = flat.to(matmul_dtype)
-                inc, n = (flat.T @ flat).to(torch.float64), flat.shape[0]  # (in, in), float64 running sum
-                memo[key] = (x, inc, n, name)  # keeping x alive keeps its data_ptr unique during this batch
-            if name in sums:
-                sums[name] += inc
-            else:
-                sums[name] = inc.clone()
-            rows[name] += n
-
-        return fn
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in lins.items()]
+    hooks = GramHooks(lins, matmul_dtype)
     was_training = model.training
     model.eval()
     model.to(device)
@@ -137,22 +168,22 @@ def collect_gram(
             for batch in tqdm(batches, desc="gram", disable=not progress, unit="batch"):
                 inputs = model_inputs(batch, device)
                 mask = inputs.get("attention_mask")
-                state["mask"], state["memo"], state["shared"] = mask, {}, {}
+                hooks.batch(mask)
                 model(**inputs)
-                shared: dict[str, str] = state["shared"]  # type: ignore[assignment]
-                same = dict(shared) if same is None else {k: v for k, v in same.items() if shared.get(k) == v}
+                same = (
+                    dict(hooks.shared) if same is None else {k: v for k, v in same.items() if hooks.shared.get(k) == v}
+                )
                 first = next(iter(inputs.values()))
                 n_examples += first.shape[0]
                 n_tokens += int(mask.sum()) if mask is not None else int(first.shape[0] * first.shape[1])
     finally:
-        for h in handles:
-            h.remove()
-        state["memo"] = {}
+        hooks.close()
         model.train(was_training)
+    rows = hooks.rows
     missing = [n for n in lins if rows[n] == 0]
     if missing:
         log.warning("no inputs reached %d linear module(s) (e.g. %s); they get no Gram", len(missing), missing[0])
-    grams = {n: (sums[n] / rows[n]).cpu() for n in lins if rows[n] > 0}  # (in, in) mean X^T X
+    grams = hooks.means()
     return GramStats(
         grams=grams,
         rows={n: rows[n] for n in grams},
