@@ -82,50 +82,62 @@ def transform_stats(
         log.warning("%s: %s maps the whole residual stream (norms folded); recollect %s on the matched model",
                     stats_file, Path(transforms_file).parent, sf.kind)  # fmt: skip
         return None
-    transforms = load_transforms(transforms_file)
-    parts = {p.name for mt in transforms.values() for p in mt.parts}
-    reader = CheckpointReader(model)
-    spec, cfg, prefix = reader.spec, reader.config, reader.prefix
     if sf.kind not in ("gram", "fisher"):
         raise ValueError(f"{stats_file}: kind {sf.kind!r} is neither 'gram' nor 'fisher'")
+    transforms = load_transforms(transforms_file)
+    parts = {p.name for mt in transforms.values() for p in mt.parts}
     unsupported = sorted(p for p in parts if not gram_follows(p))
     if unsupported:
-        log.warning(
-            "%s: %s in %s (statistics cannot follow); recollect %s on the matched model",
-            stats_file,
-            ", ".join(unsupported),
-            transforms_file,
-            sf.kind,
-        )
+        log.warning("%s: %s in %s (statistics cannot follow); recollect %s on the matched model",
+                    stats_file, ", ".join(unsupported), transforms_file, sf.kind)  # fmt: skip
         return None
+    inexact = sorted(p for p in parts if not fisher_follows(p)) if sf.kind == "fisher" else []
+    if inexact:
+        log.info("%s: diagonal Fisher cannot follow %s exactly; recollect it on the matched model", stats_file, inexact)
+        return None
+    reader = CheckpointReader(model)
+    try:
+        out = (_follow_gram if sf.kind == "gram" else _follow_fisher)(sf, transforms, reader)
+    finally:
+        reader.close()
+    return save_stats(out, os.fspath(out_file), _followed_meta(sf, out, stats_file, transforms_file, model))
+
+
+def _follow_gram(sf: StatsFile, transforms: dict, reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    """Each module's Grams under its transform (``apply_to_gram`` of the role's input)."""
+    owner = {}
+    for ref in reader.modules():
+        for role, path in reader.spec.module_paths(ref, reader.config, reader.prefix).items():
+            owner[path] = (ref.key, role)
     out: dict[str, torch.Tensor] = {}
-    if sf.kind == "gram":
-        owner = {}
-        for ref in reader.modules():
-            for role, path in spec.module_paths(ref, cfg, prefix).items():
-                owner[path] = (ref.key, role)
-        for key in sf.keys():  # noqa: SIM118
-            g = sf.get(key)
-            hit = owner.get(key)
-            if hit is not None and hit[0] in transforms:
-                g = transforms[hit[0]].apply_to_gram(hit[1], g)
-            out[key] = g.contiguous()
-    else:
-        inexact = sorted(p for p in parts if not fisher_follows(p))
-        if inexact:
-            log.info(
-                "%s: diagonal Fisher cannot follow %s exactly; recollect it on the matched model", stats_file, inexact
-            )
-            return None
-        out = {k: sf.get(k) for k in sf.keys()}  # noqa: SIM118
-        for ref in reader.modules():
-            mt = transforms.get(ref.key)
-            if mt is None or not mt.parts:
-                continue
-            fisher = spec.read_module(out.__getitem__, out.__contains__, ref, cfg, prefix)
-            for part in mt.parts:
-                fisher = _fisher_part(part).apply(fisher)
-            out.update(spec.write_module(fisher, ref, cfg, prefix))
+    for key in sf.keys():  # noqa: SIM118
+        g = sf.get(key)
+        hit = owner.get(key)
+        if hit is not None and hit[0] in transforms:
+            g = transforms[hit[0]].apply_to_gram(hit[1], g)
+        out[key] = g.contiguous()
+    return out
+
+
+def _follow_fisher(sf: StatsFile, transforms: dict, reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    """The diagonal Fisher of each module moved like its weights (exact parts only: permutations, scalings)."""
+    spec, cfg, prefix = reader.spec, reader.config, reader.prefix
+    out = {k: sf.get(k) for k in sf.keys()}  # noqa: SIM118
+    for ref in reader.modules():
+        mt = transforms.get(ref.key)
+        if mt is None or not mt.parts:
+            continue
+        fisher = spec.read_module(out.__getitem__, out.__contains__, ref, cfg, prefix)
+        for part in mt.parts:
+            fisher = _fisher_part(part).apply(fisher)
+        out.update(spec.write_module(fisher, ref, cfg, prefix))
+    return out
+
+
+def _followed_meta(
+    sf: StatsFile, out: dict[str, torch.Tensor], stats_file: Path, transforms_file: Path, model: str | Path
+) -> dict:
+    """The followed file's metadata: where it came from, and whose statistics it now is (see transform_stats)."""
     meta = dict(sf.meta)
     if sf.kind == "gram" and sf.same_input:  # modules reading one input keep identical Grams; record only those
         meta["same_input"] = {k: v for k, v in sf.same_input.items() if torch.equal(out[k], out[v])}
@@ -140,5 +152,4 @@ def transform_stats(
     own = Path(model) / TRANSFORMS_FILE
     if own.is_file() and file_fingerprint(own) == tfp:
         meta["model_fingerprint"] = model_fingerprint(model)
-    reader.close()
-    return save_stats(out, os.fspath(out_file), meta)
+    return meta
