@@ -10,6 +10,8 @@ whole). It returns ALL the problems it finds, one line each:
 * a split the run reads that the dataset lacks (the fine-tune's train and validation-or-test splits, the
   statistics' train split, the evaluation split, greedy selection's and ``ood_heads: reliable``'s validation);
 * a device this machine does not have (``device: cuda`` on a machine without a GPU);
+* a local store root that is a file (or under one), or not writable;
+* a strategy that cannot merge the run's number of models (one per dataset: slerp two, any merge two or more);
 * label sets the run cannot use: ``labels: union`` over datasets that are not classification, a model scored on an
   evaluation set with which its head shares no class (every model is scored on every evaluation set; a head without
   class names on none), a brought checkpoint whose head lacks classes of its dataset that its Fisher statistics take
@@ -22,6 +24,7 @@ whole). It returns ALL the problems it finds, one line each:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +89,8 @@ def check_run(config: RunConfig) -> list[str]:
     base_problems, base_config = _check_base(config.base_model, tokenizer=bool(trained))
     problems += base_problems
     problems += _device_problems(config)
+    problems += _store_problems(config)
+    problems += _strategy_problems(config)
     problems += _symmetry_problems(config, base_config)
     probes: dict[str, DatasetProbe] = {}
     for d in config.datasets:
@@ -121,6 +126,50 @@ def _device_problems(config: RunConfig) -> list[str]:
     except SymfuseError as exc:
         return [_one_line(exc)]
     return []
+
+
+def _store_problems(config: RunConfig) -> list[str]:
+    """A local store root must be a folder, or a path whose nearest existing parent is a writable folder.
+
+    A URL (``s3://...``) is reached when the run first writes; a file there would fail each task's upload after
+    its work (a fine-tune retried three times), so it is one line now.
+    """
+    root = config.resolved_store_root()
+    scheme, sep, rest = root.partition("://")
+    if sep and scheme != "file":
+        return []
+    path = Path(rest if sep else root).expanduser()
+    fix = "give a folder (created if missing) or a URL such as s3://bucket/prefix in store_root or $SYMFUSE_STORE"
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "is a file" if probe == path else f"is under {probe}, which is a file"
+        return [f"store_root {root}: {what} — {fix}"]
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return [f"store_root {root}: {probe} is not writable by this user — {fix}"]
+    return []
+
+
+def _strategy_problems(config: RunConfig) -> list[str]:
+    """Each strategy must merge as many models as the run has datasets (one model each): slerp two, ..."""
+    from symfuse.merge.registry import MERGERS
+
+    n = len(config.datasets)
+    bad = [s for s in config.strategies if not MERGERS[s].merges(n)]
+    if not bad:
+        return []
+    if n < 2 and all(MERGERS[s].model_count[0] >= 2 for s in bad):
+        return [f"datasets: {n} dataset — a run merges one model per dataset, two or more; add a dataset (or bring "
+                "a checkpoint: {name, checkpoint})"]  # fmt: skip
+    lines = []
+    for s in bad:
+        words = MERGERS[s].count_words()
+        noun = "model" if words == "exactly one" else "models"
+        fit = words.removeprefix("exactly ") + (" dataset" if words == "exactly one" else " datasets")
+        lines.append(f"strategies: {s} merges {words} {noun}, and this run has {n} datasets (one model each) — drop "
+                     f"{s} from strategies, or run it on {fit}")  # fmt: skip
+    return lines
 
 
 def _check_base(base: str, tokenizer: bool) -> tuple[list[str], dict | None]:

@@ -39,7 +39,7 @@ def test_a_bad_config_is_one_line_naming_the_file(tmp_path, capfd):
 
 def test_a_failed_run_is_one_error_line_and_no_traceback(nan_base, memory_root, tmp_path, capfd, console_formatters):
     config = tiny_config(nan_base, memory_root, run_id="cli-fails", strategies=["simple"], anchor="closest",
-                         datasets=[{"name": "meld", "max_train_examples": 8}])  # fmt: skip
+                         datasets=[{"name": n, "max_train_examples": 8} for n in ("meld", "isear")])  # fmt: skip
     cfg = tmp_path / "run.yaml"
     config.to_yaml(cfg)
     assert main(["--config", str(cfg)]) == 1  # the inputs pass the checks; the fine-tune finds the NaN

@@ -143,8 +143,8 @@ def test_second_run_recomputes_nothing(first_run, monkeypatch):
 
 def test_deterministic_error_fails_without_retry(nan_base, memory_root, monkeypatch):
     # weights are read by the fine-tune, not by the checks before the run: the task fails, once
-    config = tiny_config(nan_base, memory_root, datasets=[{"name": "meld", "max_train_examples": 8}],
-                         strategies=["simple"], anchor="closest")  # fmt: skip
+    datasets = [{"name": n, "max_train_examples": 8} for n in ("meld", "isear")]
+    config = tiny_config(nan_base, memory_root, datasets=datasets, strategies=["simple"], anchor="closest")
     state = fusion_pipeline(config, return_state=True)
     assert state.is_failed()
     run = task_runs(state.state_details.flow_run_id, expect=["finetune-meld"])["finetune-meld"]

@@ -52,6 +52,30 @@ def test_a_device_this_machine_lacks_is_refused_before_any_task(tiny_base, memor
     assert check_run(tiny_config(tiny_base, memory_root, device="auto")) == []
 
 
+def test_a_store_root_under_a_file_and_strategies_that_cannot_merge_the_run_are_refused(tiny_base, tmp_path):
+    # both used to pass the checks: a file as store root failed every fine-tune's upload after its work (three
+    # tries each); slerp on three datasets, or one dataset, failed at the merge with the CLI's "--models" line
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    for root, what in [(afile, "is a file"), (afile / "sub" / "dir", f"is under {afile}, which is a file")]:
+        problems = check_run(tiny_config(tiny_base, str(root)))
+        assert len(problems) == 1 and problems[0].startswith(f"store_root {root}: {what} — give a folder"), problems
+    for fine in (str(tmp_path / "new" / "store"), f"file://{tmp_path}/store", "memory://symfuse-fine"):
+        assert check_run(tiny_config(tiny_base, fine)) == [], fine  # created when missing; URLs checked on use
+    root = str(tmp_path / "store")
+    problems = check_run(tiny_config(tiny_base, root, strategies=["slerp", "simple", "passthrough"]))
+    assert [p.split(",")[0] for p in problems] == [
+        "strategies: slerp merges exactly two models",
+        "strategies: passthrough merges exactly one model",
+    ], problems
+    assert all("this run has 3 datasets" in p and "— drop" in p for p in problems)
+    one = tiny_config(tiny_base, root, datasets=[{"name": "meld", "max_train_examples": 8}], anchor="closest")
+    (problem,) = check_run(one)
+    assert problem.startswith("datasets: 1 dataset — a run merges one model per dataset, two or more"), problem
+    pair = [{"name": n, "max_train_examples": 8} for n in ("meld", "isear")]
+    assert check_run(tiny_config(tiny_base, root, datasets=pair, anchor="closest", strategies=["slerp"])) == []
+
+
 def test_python_m_flows_refuses_a_missing_dataset_in_seconds_before_prefect_starts(tmp_path):
     config = {
         "run_id": "missing",

@@ -180,6 +180,23 @@ class Merger:
         self.device = torch.device("cpu")
 
     @classmethod
+    def merges(cls, k: int) -> bool:
+        """Whether this strategy merges ``k`` models (see ``model_count``)."""
+        lo, hi = cls.model_count
+        return lo <= k and (hi is None or k <= hi)
+
+    @classmethod
+    def count_words(cls) -> str:
+        """How many models it merges, in words: ``two or more``, ``exactly two``, ``exactly one``."""
+        lo, hi = cls.model_count
+        words = {1: "one", 2: "two", 3: "three"}
+        if hi is None:
+            return f"{words.get(lo, lo)} or more"
+        if hi == lo:
+            return f"exactly {words.get(lo, lo)}"
+        return f"{words.get(lo, lo)} to {words.get(hi, hi)}"
+
+    @classmethod
     def check_model_count(cls, k: int) -> None:
         """Refuse ``k`` models in one line when this strategy merges another number (see ``model_count``).
 
@@ -187,15 +204,9 @@ class Merger:
             UsageError: ``--models: <k> model(s) given — <what it merges>: <the fix>``.
         """
         lo, hi = cls.model_count
-        if lo <= k and (hi is None or k <= hi):
+        if cls.merges(k):
             return
-        words = {1: "one", 2: "two", 3: "three"}
-        if hi is None:
-            want = f"{words.get(lo, lo)} or more"
-        elif hi == lo:
-            want = f"exactly {words.get(lo, lo)}"
-        else:
-            want = f"{words.get(lo, lo)} to {words.get(hi, hi)}"
+        want = cls.count_words()
         example = " ".join("ABC"[: min(lo, 3)]) + (" [C ...]" if hi is None and lo < 3 else "")
         strategy = f"{cls.name} merges" if (lo, hi) != (2, None) else "give"
         raise UsageError(f"--models: {k} model(s) given — {strategy} {want}: --models {example}")
