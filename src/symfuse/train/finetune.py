@@ -229,10 +229,8 @@ class _Run:
 
     def __post_init__(self) -> None:
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp and self.amp_dtype == torch.float16)
-        total = self.total
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, _lr_lambda(total, math.ceil(self.cfg.warmup_ratio * total))
-        )
+        warmup = math.ceil(self.cfg.warmup_ratio * self.total)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(self.total, warmup))
 
     @property
     def total(self) -> int:
@@ -240,8 +238,8 @@ class _Run:
         return self.steps_per_epoch * self.cfg.epochs
 
 
-def _step(run: _Run, chunk: list[dict[str, Any]], epoch: int, step: int) -> tuple[float, int]:
-    """One optimizer step on ``chunk`` (micro-batches of ``batch_size``): the summed loss and its term count."""
+def _step(run: _Run, chunk: list[dict[str, Any]], epoch: int, step: int) -> tuple[list[float], int]:
+    """One optimizer step on ``chunk`` (micro-batches of ``batch_size``): each one's summed loss, the term count."""
     cfg, dev = run.cfg, run.dev
     micro = [collate(chunk[i : i + cfg.batch_size], run.pad) for i in range(0, len(chunk), cfg.batch_size)]
     if dev.type == "cuda":  # pinned host memory: the copies overlap the previous micro-batch's compute
@@ -250,7 +248,7 @@ def _step(run: _Run, chunk: list[dict[str, Any]], epoch: int, step: int) -> tupl
     counts = [_count(b["labels"], run.problem) if cols is None else len(b["labels"]) * len(cols) for b in micro]
     denom = max(sum(counts), 1)
     run.opt.zero_grad(set_to_none=True)
-    total = 0.0
+    losses = []
     for batch in micro:
         with torch.autocast(dev.type, dtype=run.amp_dtype, enabled=run.amp):
             logits = forward_logits(run.model, batch, dev)
@@ -263,14 +261,14 @@ def _step(run: _Run, chunk: list[dict[str, Any]], epoch: int, step: int) -> tupl
                 "data and the base weights"
             )
         run.scaler.scale(loss_sum / denom).backward()
-        total += float(loss_sum.detach())
+        losses.append(float(loss_sum.detach()))
     run.scaler.unscale_(run.opt)
     if cfg.max_grad_norm:
         torch.nn.utils.clip_grad_norm_([p for g in run.opt.param_groups for p in g["params"]], cfg.max_grad_norm)
     run.scaler.step(run.opt)
     run.scaler.update()
     run.sched.step()
-    return total, denom
+    return losses, denom
 
 
 def _train_epoch(run: _Run, feats: list[dict[str, Any]], epoch: int) -> tuple[float, int]:
@@ -286,8 +284,10 @@ def _train_epoch(run: _Run, feats: list[dict[str, Any]], epoch: int) -> tuple[fl
     log_every = max(1, per_epoch // LOG_LINES_PER_EPOCH)
     bar = tqdm(range(per_epoch), desc=f"epoch {epoch}/{cfg.epochs}", disable=not cfg.progress, leave=False)
     for step in bar:
-        loss, n = _step(run, [feats[i] for i in steps[step]], epoch, step)
-        run_loss, run_n = run_loss + loss, run_n + n
+        losses, n = _step(run, [feats[i] for i in steps[step]], epoch, step)
+        for loss in losses:  # one by one, as they came
+            run_loss += loss
+        run_n += n
         bar.set_postfix(loss=f"{run_loss / run_n:.4f}")
         if (step + 1) % log_every == 0 and step + 1 < per_epoch:
             log.info("epoch %d/%d step %d/%d: train loss %.4f", epoch, cfg.epochs, step + 1, per_epoch,
