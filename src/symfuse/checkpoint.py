@@ -92,6 +92,9 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
         return gguf_checkpoint(path)
     if path.is_dir():
         if not (path / "config.json").exists():
+            if (path / "adapter_config.json").is_file():
+                fold = f"fold it first: symfuse merge-lora --adapters {path} --base BASE --into-base --out OUT"
+                raise CheckpointError(f"{path}: a PEFT adapter (adapter_config.json), not a model — {fold}")
             raise CheckpointError(f"{path}: no config.json; expected a save_pretrained folder")
         return path
     if path.exists() or str(path_or_id).startswith((".", "/")) or str(path_or_id).count("/") > 1:

@@ -249,7 +249,8 @@ def _heads(config: RunConfig, probes: dict[str, DatasetProbe], problems: list[st
             folder = resolve_checkpoint(d.checkpoint)
             heads[d.name] = _head_of(_family(folder), folder)
         except SymfuseError as exc:
-            problems.append(f"checkpoint of {d.name} {d.checkpoint}: {_one_line(exc)}")
+            line = _one_line(exc).removeprefix(f"{d.checkpoint}: ")  # the path once
+            problems.append(f"checkpoint of {d.name} {d.checkpoint}: {line}")
     return heads
 
 

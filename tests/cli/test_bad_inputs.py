@@ -131,6 +131,7 @@ CASES = [
     C("match-max-examples-zero", f"match {{A}} {{B}} {OUT} --data {{DATA}} --max-examples 0", 2, "--max-examples"),
     C("match-workers-zero", f"match {{A}} {{B}} {OUT} --workers 0", 2, "--workers"),
     C("match-missing-source", f"match {{MISSING}} {{B}} {OUT}", 2, "missing"),
+    C("match-adapter-source", f"match {{ADAPTER}} {{B}} {OUT}", 1, "a PEFT adapter (adapter_config.json), not a model"),
     C("match-family-mismatch", f"match {{A}} {{GPT}} {OUT}", 1, "gpt"),
     C("match-nan-anchor", f"match {{A}} {{NAN}} {OUT}", 1, "NaN"),
     C("match-garbage-anchor", f"match {{A}} {{GARBAGE}} {OUT}", 1, "garbage"),
@@ -207,6 +208,7 @@ CASES = [
     C("evaluate-max-examples-negative", "evaluate {A} --data {DATA} --max-examples -3", 2, "--max-examples"),
     C("evaluate-unknown-dataset", "evaluate {A} --data nosuch_dataset", 1, "nosuch_dataset"),
     C("evaluate-missing-model", "evaluate {MISSING} --data {DATA}", 2, "missing"),
+    C("evaluate-adapter", "evaluate {ADAPTER} --data {DATA}", 1, "fold it first: symfuse merge-lora --adapters"),
     C(
         "evaluate-invalid-meta-json",
         "evaluate {CA} --data {BADMETA}",
@@ -291,6 +293,9 @@ def build_inputs(d: Path) -> dict[str, Path]:
     p["SYNTAX"].write_text(f"strategy: simple\nmodels: [{p['A']}, {p['B']}\nparams: {{}}\n")
     p["BADYAML"] = d / "merge.yaml"
     p["BADYAML"].write_text(f"strategy: simple\nmodles: [{p['A']}, {p['B']}]\n")
+    p["ADAPTER"] = d / "adapter"  # a PEFT adapter where a model belongs
+    p["ADAPTER"].mkdir()
+    (p["ADAPTER"] / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
     p["GS"] = d / "stats"
     p["GS"].mkdir()
     (p["GS"] / "gram.safetensors").write_bytes(b"\x00" * 5)

@@ -185,6 +185,14 @@ def test_brought_checkpoints_are_read_and_their_heads_matched(tmp_path):
     missing = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(tmp_path / "nowhere")}]
     problems = check_run(config(datasets=missing))
     assert len(problems) == 1 and problems[0].startswith(f"checkpoint of meld {tmp_path / 'nowhere'}: "), problems
+    lora = tmp_path / "lora"  # an adapter where a model belongs: named as one, with the command that folds it
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    problems = check_run(config(datasets=[{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(lora)}]))
+    assert problems == [
+        f"checkpoint of meld {lora}: a PEFT adapter (adapter_config.json), not a model — fold it first: symfuse "
+        f"merge-lora --adapters {lora} --base BASE --into-base --out OUT"
+    ]
     uri = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": "s3://bucket/meld"}]
     assert check_run(config(datasets=uri)) == []  # a store URI is read when the run brings it
 
