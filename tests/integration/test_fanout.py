@@ -105,11 +105,13 @@ def test_one_pipeline_run_fans_out_over_two_workers(
     root = f"s3://{s3.make_bucket()}/fanout"
     settings = dict(anchor="isear", strategies=["simple", "regmean"], stats={"kinds": ["gram"], "max_examples": 16,
                     "batch_size": 8}, evaluation={"out_of_domain": [], "max_examples": 16},
-                    datasets=[{"name": n, "max_train_examples": 768, "max_eval_examples": 16} for n in NAMES],
+                    datasets=[{"name": n, "max_train_examples": 2048, "max_eval_examples": 16} for n in NAMES],
                     finetune={"epochs": 2, "lr": 1e-3, "batch_size": 8, "max_length": 24})  # fmt: skip
-    # 768 examples: training windows longer than the skew between the two workers' flow-run start-ups (4-7 s seen),
+    # 2048 examples: training windows longer than the skew between the two workers' flow-run start-ups (4-7 s seen),
     # so that runs on different workers do overlap; with 48 examples they ended first, with 128 (6 s windows) the
-    # closest pair missed by 0.06 s once (stop 23); with 512 a 4 s skew left 1.8 s of a 6 s window in CI (stop 40)
+    # closest pair missed by 0.06 s once (stop 23); with 512 a 4 s skew left 1.8 s of a 6 s window in CI (stop 40);
+    # with 768 (5-9 s windows on a quiet box) a 5 s skew plus 2.6 s of the stage run's own start-up missed by 0.9 s
+    # (stop 42)
     config = tiny_config(tiny_base, root, fan_out="deployments", **settings)
     run = run_deployment("fusion-pipeline/fusion-pipeline", parameters={"config": config.model_dump(mode="json")},
                          timeout=900)  # fmt: skip
