@@ -187,7 +187,7 @@ def _check_base(base: str, tokenizer: bool) -> tuple[list[str], dict | None]:
         if tokenizer:
             check_tokenizer(folder)
     except SymfuseError as exc:
-        return [f"base model {base}: {_one_line(exc)}"], raw
+        return [f"base model {base}: {_one_line(exc, base)}"], raw
     return [], raw
 
 
@@ -249,8 +249,7 @@ def _heads(config: RunConfig, probes: dict[str, DatasetProbe], problems: list[st
             folder = resolve_checkpoint(d.checkpoint)
             heads[d.name] = _head_of(_family(folder), folder)
         except SymfuseError as exc:
-            line = _one_line(exc).removeprefix(f"{d.checkpoint}: ")  # the path once
-            problems.append(f"checkpoint of {d.name} {d.checkpoint}: {line}")
+            problems.append(f"checkpoint of {d.name} {d.checkpoint}: {_one_line(exc, d.checkpoint)}")
     return heads
 
 
@@ -316,7 +315,7 @@ def _probe(what: str, source: str, splits: dict[str, str], problems: list[str]) 
     except SymfuseError as exc:
         text = _one_line(exc)  # names the source, or a file in it, first; else it is named here
         label = what if text.startswith(source) or source == what.rsplit(" ", 1)[-1] else f"{what} ({source})"
-        problems.append(f"{label}: {text.removeprefix(f'{source}: ')}")
+        problems.append(f"{label}: {_one_line(exc, source)}")
         return None
     if not probe.read:
         return probe
@@ -435,5 +434,7 @@ def _reads_data(strategies: Iterable[str]) -> bool:
     return any(getattr(MERGERS[s], "needs_data", False) for s in strategies)
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split("\n", 1)[0].split()) or type(exc).__name__
+def _one_line(exc: BaseException, named: str | None = None) -> str:
+    """The error's first line; without the leading ``"<named>: "`` when the caller names that artifact itself."""
+    line = " ".join(str(exc).split("\n", 1)[0].split()) or type(exc).__name__
+    return line.removeprefix(f"{named}: ") if named else line

@@ -193,6 +193,8 @@ def test_brought_checkpoints_are_read_and_their_heads_matched(tmp_path):
         f"checkpoint of meld {lora}: a PEFT adapter (adapter_config.json), not a model — fold it first: symfuse "
         f"merge-lora --adapters {lora} --base BASE --into-base --out OUT"
     ]
+    (problem,) = check_run(config(base_model=str(lora)))  # as the base: its path named once too
+    assert problem.startswith(f"base model {lora}: a PEFT adapter (adapter_config.json), not a model — "), problem
     uri = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": "s3://bucket/meld"}]
     assert check_run(config(datasets=uri)) == []  # a store URI is read when the run brings it
 
