@@ -202,66 +202,11 @@ def build_system(
     n = shape[0]
     if len(shape) != 2 or shape != (n, n):
         raise ValueError(f"regmean: Grams must be square and of one size, got {shape}")
-    others: list[tuple[int, float, torch.Tensor]] = []  # (model, weight, its difference (flat))
-    diffs: list[torch.Tensor | None] = [None] * len(mw)
-    for i, c in enumerate(mw):
-        if i == ref:
-            continue
-        if c == 0.0:  # adds nothing; still refused when corrupt
-            g = _load(grams, i, raw_pool, "gram.raw")
-            if tuple(g.shape) != (n, n):
-                raise ValueError(f"regmean: Grams must be square and of one size, got {tuple(g.shape)} and ({n}, {n})")
-            _check(grams, i, g)
-            continue
-        if chunks.shapes[i] != (n, n):
-            raise ValueError(f"regmean: Grams must be square and of one size, got {chunks.shapes[i]} and ({n}, {n})")
-        diffs[i] = pool.take(f"gram{i}", (n, n), dtype)
-        others.append((i, c, diffs[i].view(-1)))
+    diffs = _difference_buffers(grams, chunks, mw, ref, dtype, pool, raw_pool)
     summed = pool.take("summed", (n, n), dtype)
-    flat_s = summed.view(-1)
-    diags = torch.empty(len(mw), n, dtype=torch.float64)  # each Gram's stored diagonal
-    scale_ref = alpha * sum(mw)  # S = alpha (sum_i c_i) G_r + sum_i c_i alpha (G_i - G_r), diagonal fixed below
-    sums: list[torch.Tensor] = []  # per chunk of S: the finiteness check, while the chunk is in cache
-
-    def one(s: int, e: int) -> None:  # every Gram's chunk [s, e), the reference's and S's kept in cache
-        first = -(-s // (n + 1))  # the diagonal entries k (n + 1) in [s, e)
-        count = (e - 1) // (n + 1) + 1 - first
-        s_, r_ = flat_s[s:e], chunks.read(ref, s, e, "ref")
-        if count > 0:
-            diags[ref, first : first + count] = r_[first * (n + 1) - s :: n + 1][:count]
-        refs = {r_.dtype: r_}  # the reference's chunk in each dtype it is used in, converted once (torch's
-        # mixed-dtype loops run 2-4x slower than a conversion and same-dtype ops)
-
-        def ref_in(dt: torch.dtype) -> torch.Tensor:
-            if dt not in refs:
-                refs[dt] = chunk_buffer("gram.ref", dt, e - s).copy_(r_)
-            return refs[dt]
-
-        torch.mul(ref_in(dtype), scale_ref, out=s_)
-        for i, c, flat_d in others:
-            g_, d_ = chunks.read(i, s, e, "other"), flat_d[s:e]  # one buffer for them all: stays in cache
-            if count > 0:
-                diags[i, first : first + count] = g_[first * (n + 1) - s :: n + 1][:count]
-            # G_i - G_r in the wider of the stored dtypes and the solve's, rounded once into dtype
-            wide = torch.promote_types(torch.promote_types(g_.dtype, r_.dtype), dtype)
-            if g_.dtype != wide:
-                g_ = chunk_buffer("gram.wide", wide, e - s).copy_(g_)
-            if wide == dtype:
-                torch.sub(g_, ref_in(wide), out=d_)
-            else:
-                d_.copy_(torch.sub(g_, ref_in(wide), out=chunk_buffer("gram.diff", wide, e - s)))
-            if alpha != 1.0:
-                d_.mul_(alpha)
-            s_.add_(d_, alpha=c)
-        sums.append(s_.sum())  # in dtype (fast); a float32 overflow is told from a NaN / inf below
-
-    spans(one, n * n, parallel=True)
-    diag_sum = mw[ref] * diags[ref]
-    for i, c, _ in others:
-        diag_sum += c * diags[i]
-        diffs[i].diagonal().copy_(diags[i] - diags[ref])  # type: ignore[union-attr]
-    summed.diagonal().copy_(diag_sum)
-    total = (float(torch.stack(sums).double().sum()) if sums else 0.0) + float(diag_sum.sum())
+    fused = _FusedSum(chunks, diffs, mw, ref, alpha, summed)
+    spans(fused, n * n, parallel=True)
+    total = fused.restore_diagonals()
     if not math.isfinite(total):  # the chunks' sums overflowed, or S holds NaN / inf: sum again in float64
         total = chunked_sum(summed)
     if not math.isfinite(total):  # NaN / inf in a Gram propagate into S (the chunks, then its diagonal): find the file
@@ -276,3 +221,101 @@ def build_system(
         out.copy_(scale_gram(g_ref, alpha)).mul_(sum(mw))
 
     return factor_system(summed, diffs, mw, ref, pool, reference_part)
+
+
+def _difference_buffers(
+    grams: Sequence[torch.Tensor],
+    chunks: Chunks,
+    mw: list[float],
+    ref: int,
+    dtype: torch.dtype,
+    pool: BufferPool,
+    raw_pool: BufferPool,
+) -> list[torch.Tensor | None]:
+    """Per model, the buffer its ``G_i' - G_r'`` is written into: None for the reference and for weight 0.
+
+    A Gram of weight 0 adds nothing, but is still read whole and refused when it has the wrong size or is corrupt.
+    """
+    n = chunks.shapes[ref][0]
+    diffs: list[torch.Tensor | None] = [None] * len(mw)
+    for i, c in enumerate(mw):
+        if i == ref:
+            continue
+        if c == 0.0:
+            g = _load(grams, i, raw_pool, "gram.raw")
+            if tuple(g.shape) != (n, n):
+                raise ValueError(f"regmean: Grams must be square and of one size, got {tuple(g.shape)} and ({n}, {n})")
+            _check(grams, i, g)
+            continue
+        if chunks.shapes[i] != (n, n):
+            raise ValueError(f"regmean: Grams must be square and of one size, got {chunks.shapes[i]} and ({n}, {n})")
+        diffs[i] = pool.take(f"gram{i}", (n, n), dtype)
+    return diffs
+
+
+class _FusedSum:
+    """The fused pass over every Gram's chunk ``[s, e)``, the reference's and ``S``'s kept in cache.
+
+    ``S = alpha (sum_i c_i) G_r + sum_i c_i alpha (G_i - G_r)`` off the diagonal, each difference written into its
+    buffer; the stored diagonals are gathered on the way and put back by :meth:`restore_diagonals`. Called from
+    several threads, each on its own spans.
+    """
+
+    def __init__(
+        self,
+        chunks: Chunks,
+        diffs: list[torch.Tensor | None],
+        mw: list[float],
+        ref: int,
+        alpha: float,
+        summed: torch.Tensor,
+    ):
+        self.chunks, self.diffs, self.mw, self.ref, self.alpha, self.summed = chunks, diffs, mw, ref, alpha, summed
+        self.n, self.dtype = summed.shape[0], summed.dtype
+        self.scale_ref = alpha * sum(mw)  # S's reference term, its diagonal fixed by restore_diagonals
+        self.others = [(i, mw[i], d.view(-1)) for i, d in enumerate(diffs) if d is not None]  # (model, c_i, flat)
+        self.diags = torch.empty(len(mw), self.n, dtype=torch.float64)  # each Gram's stored diagonal
+        self.sums: list[torch.Tensor] = []  # per chunk of S: the finiteness check, while the chunk is in cache
+
+    def __call__(self, s: int, e: int) -> None:
+        n, dtype, chunks = self.n, self.dtype, self.chunks
+        first = -(-s // (n + 1))  # the diagonal entries k (n + 1) in [s, e)
+        count = (e - 1) // (n + 1) + 1 - first
+        s_, r_ = self.summed.view(-1)[s:e], chunks.read(self.ref, s, e, "ref")
+        if count > 0:
+            self.diags[self.ref, first : first + count] = r_[first * (n + 1) - s :: n + 1][:count]
+        refs = {r_.dtype: r_}  # the reference's chunk in each dtype it is used in, converted once (torch's
+        # mixed-dtype loops run 2-4x slower than a conversion and same-dtype ops)
+
+        def ref_in(dt: torch.dtype) -> torch.Tensor:
+            if dt not in refs:
+                refs[dt] = chunk_buffer("gram.ref", dt, e - s).copy_(r_)
+            return refs[dt]
+
+        torch.mul(ref_in(dtype), self.scale_ref, out=s_)
+        for i, c, flat_d in self.others:
+            g_, d_ = chunks.read(i, s, e, "other"), flat_d[s:e]  # one buffer for them all: stays in cache
+            if count > 0:
+                self.diags[i, first : first + count] = g_[first * (n + 1) - s :: n + 1][:count]
+            # G_i - G_r in the wider of the stored dtypes and the solve's, rounded once into dtype
+            wide = torch.promote_types(torch.promote_types(g_.dtype, r_.dtype), dtype)
+            if g_.dtype != wide:
+                g_ = chunk_buffer("gram.wide", wide, e - s).copy_(g_)
+            if wide == dtype:
+                torch.sub(g_, ref_in(wide), out=d_)
+            else:
+                d_.copy_(torch.sub(g_, ref_in(wide), out=chunk_buffer("gram.diff", wide, e - s)))
+            if self.alpha != 1.0:
+                d_.mul_(self.alpha)
+            s_.add_(d_, alpha=c)
+        self.sums.append(s_.sum())  # in dtype (fast); a float32 overflow is told from a NaN / inf by the caller
+
+    def restore_diagonals(self) -> float:
+        """Put the unscaled diagonals into ``S`` and the differences; returns the sum of ``S`` (may not be finite)."""
+        ref, diags = self.ref, self.diags
+        diag_sum = self.mw[ref] * diags[ref]
+        for i, c, _ in self.others:
+            diag_sum += c * diags[i]
+            self.diffs[i].diagonal().copy_(diags[i] - diags[ref])  # type: ignore[union-attr]
+        self.summed.diagonal().copy_(diag_sum)
+        return (float(torch.stack(self.sums).double().sum()) if self.sums else 0.0) + float(diag_sum.sum())

@@ -75,6 +75,9 @@ def regmean_apply(
 ) -> tuple[torch.Tensor, str]:
     """Merge one linear layer's K weights with a factored :class:`GramSystem` of their input.
 
+    Three passes: the weighted mean and the deltas (one fused pass over the K weights), the correction
+    ``S^-1 B`` (products and two triangular solves), and the correction added to the mean in the stored dtype.
+
     Args:
         system: From :func:`gram_system` (same models, same order).
         weights: K weights, (out, in) (``nn.Linear``) or (in, out) (``conv1d``); a lazy sequence is read once.
@@ -92,27 +95,41 @@ def regmean_apply(
     Raises:
         ValueError: if shapes disagree (the message names them).
     """
-    dtype = system.summed.dtype
+    chunks = _weight_chunks(system, weights, conv1d)
+    mean, deltas = _mean_and_deltas(system, chunks)
+    used = _products_dtype(system, mean, deltas, delta_dtype, bf16_tol)
+    x = _correction(system, deltas, conv1d, used, mean.shape) if deltas else None
+    if x is not None and conv1d:
+        mean.add_(x.T)
+        x = None
+    return _finish(mean, x, chunks.stored[0], finite), used
+
+
+def _weight_chunks(system: GramSystem, weights: Sequence[torch.Tensor], conv1d: bool) -> Chunks:
+    """The K weights read in chunks of the solve dtype, their shapes checked against the Gram and each other."""
     n_in = system.summed.shape[0]
-    pool = system.pool
-    chunks = Chunks(weights, pool, "weight.in", dtype)  # K weights in the stored layout, chunks in dtype
+    chunks = Chunks(weights, system.pool, "weight.in", system.summed.dtype)  # the stored layout, chunks in dtype
     shape = chunks.shapes[0]
     for sh in chunks.shapes:
         if len(sh) != 2 or (sh[0] if conv1d else sh[-1]) != n_in or sh != shape:
             raise ValueError(f"regmean: weight {sh} does not match Gram ({n_in}, {n_in}) and weight {shape}")
-    out_dtype = chunks.stored[0]
-    # The weights stay in the stored layout; the products go into B^T (out, in) row-major, nn.Linear's layout:
-    # B^T = sum_i c_i D_i (G_i' - G_r') (the Grams are symmetric; D_i^T for conv1d), which the solve reads as the
-    # column-major (in, out) right-hand side.
-    c = system.weights
-    total = sum(c)
-    mean = torch.empty(shape, dtype=dtype)  # Wbar (the output)
-    others = [i for i, d in enumerate(system.diffs) if d is not None]
-    ds = {i: _take(pool, f"weight{i}", shape, dtype) for i in others}  # D_i = W_i - Wbar
-    share = [ci / total for ci in c]
-    flat_m, flat_d = mean.view(-1), {i: d.view(-1) for i, d in ds.items()}
+    return chunks
 
-    def mean_and_deltas(s: int, e: int) -> None:  # one fused pass, every model's chunk in cache
+
+def _mean_and_deltas(system: GramSystem, chunks: Chunks) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """``Wbar = sum_i c_i W_i / sum_i c_i`` and ``D_i = W_i - Wbar`` for the models with a Gram difference.
+
+    One fused pass: every model's chunk is in cache while the mean's chunk and the deltas' are written.
+    """
+    dtype, shape = system.summed.dtype, chunks.shapes[0]
+    total = sum(system.weights)
+    share = [ci / total for ci in system.weights]
+    mean = torch.empty(shape, dtype=dtype)
+    others = [i for i, d in enumerate(system.diffs) if d is not None]
+    deltas = {i: _take(system.pool, f"weight{i}", shape, dtype) for i in others}
+    flat_m, flat_d = mean.view(-1), {i: d.view(-1) for i, d in deltas.items()}
+
+    def one(s: int, e: int) -> None:
         w, m = chunks(s, e), flat_m[s:e]
         torch.mul(w[0], share[0], out=m)
         for w_, a in zip(w[1:], share[1:], strict=True):
@@ -120,43 +137,63 @@ def regmean_apply(
         for i in others:
             torch.sub(w[i], m, out=flat_d[i][s:e])
 
-    spans(mean_and_deltas, chunks.numel, parallel=True)
-    used = "none"
-    if others:
-        used = str(dtype).removeprefix("torch.")
-        if delta_dtype != "same":
-            scale = float(mean.norm()) or 1.0
-            ratio = max(float(ds[i].norm()) for i in others) / scale
-            if delta_dtype == "bfloat16" or BF16_UNIT * ratio * system.cond <= bf16_tol:
-                used = "bfloat16"
-        b = _take(pool, "rhs", (shape[1], shape[0]) if conv1d else shape, dtype)  # B^T (out, in)
-        if used == "bfloat16":  # one product over the K - 1 models: [c_1 D_1 .. c_m D_m] @ [dG_1; ..; dG_m]
-            dg = system.bf16_diffs()  # (m in, in)
-            dd = torch.cat([ds[i].mul(c[i]).to(torch.bfloat16) for i in others], dim=0 if conv1d else 1)
-            b.copy_((dg.T @ dd).T if conv1d else dd @ dg)  # (in, m in) @ (m in, out); dG^T = dG
-            del dd
-        else:
-            for j, i in enumerate(others):  # the first product overwrites b (beta 0 ignores its contents)
-                a = ds[i].T if conv1d else ds[i]
-                b.addmm_(a, system.diffs[i], beta=1.0 if j else 0.0, alpha=c[i])  # type: ignore[arg-type]
-        if system.factor is not None:  # X^T = B^T S^-1 = (B^T L^-T) L^-1: two triangular solves from the right
-            y = torch.linalg.solve_triangular(system.factor.mT, b, upper=True, left=False)
-            x = torch.linalg.solve_triangular(system.factor, y, upper=False, left=False)  # X^T (out, in)
-            del y
-        else:
-            x = torch.linalg.lstsq(system.summed.double(), b.T.double().contiguous()).solution.to(dtype).T
-        if conv1d:
-            mean.add_(x.T)
-            x = None
+    spans(one, chunks.numel, parallel=True)
+    return mean, deltas
+
+
+def _products_dtype(
+    system: GramSystem, mean: torch.Tensor, deltas: dict[int, torch.Tensor], delta_dtype: str, bf16_tol: float
+) -> str:
+    """The precision of the correction products: ``none`` (no correction), bfloat16 or the solve dtype."""
+    if not deltas:
+        return "none"
+    if delta_dtype != "same":
+        ratio = max(float(d.norm()) for d in deltas.values()) / (float(mean.norm()) or 1.0)
+        if delta_dtype == "bfloat16" or BF16_UNIT * ratio * system.cond <= bf16_tol:
+            return "bfloat16"
+    return str(system.summed.dtype).removeprefix("torch.")
+
+
+def _correction(
+    system: GramSystem, deltas: dict[int, torch.Tensor], conv1d: bool, used: str, shape: torch.Size
+) -> torch.Tensor:
+    """``X^T = B^T S^-1`` (out, in), row-major, with ``B^T = sum_i c_i D_i (G_i' - G_r')`` (``D_i^T`` for conv1d).
+
+    The weights stay in the stored layout; the products go into ``B^T`` (out, in) row-major, nn.Linear's layout,
+    which the solve reads as the column-major (in, out) right-hand side (the Grams are symmetric).
+    """
+    dtype, c = system.summed.dtype, system.weights
+    b = _take(system.pool, "rhs", (shape[1], shape[0]) if conv1d else shape, dtype)  # B^T (out, in)
+    if used == "bfloat16":  # one product over the K - 1 models: [c_1 D_1 .. c_m D_m] @ [dG_1; ..; dG_m]
+        dg = system.bf16_diffs()  # (m in, in)
+        dd = torch.cat([d.mul(c[i]).to(torch.bfloat16) for i, d in deltas.items()], dim=0 if conv1d else 1)
+        b.copy_((dg.T @ dd).T if conv1d else dd @ dg)  # (in, m in) @ (m in, out); dG^T = dG
+        del dd
     else:
-        x = None
+        for j, (i, d) in enumerate(deltas.items()):  # the first product overwrites b (beta 0 ignores its contents)
+            b.addmm_(d.T if conv1d else d, system.diffs[i], beta=1.0 if j else 0.0, alpha=c[i])  # type: ignore[arg-type]
+    if system.factor is None:
+        return torch.linalg.lstsq(system.summed.double(), b.T.double().contiguous()).solution.to(dtype).T
+    # X^T = B^T S^-1 = (B^T L^-T) L^-1: two triangular solves from the right
+    y = torch.linalg.solve_triangular(system.factor.mT, b, upper=True, left=False)
+    return torch.linalg.solve_triangular(system.factor, y, upper=False, left=False)
+
+
+def _finish(
+    mean: torch.Tensor, x: torch.Tensor | None, out_dtype: torch.dtype, finite: list[bool] | None
+) -> torch.Tensor:
+    """``mean + x`` in ``out_dtype``, chunk by chunk, with the output's sum taken while each chunk is in cache.
+
+    Single-threaded chunks: an all-core torch op spins into the next BLAS call. ``x`` (out, in) is row-major like
+    the mean, so its flat view lines up with the mean's.
+    """
     out = mean if mean.dtype == out_dtype else torch.empty(mean.shape, dtype=out_dtype)
-    flat_x = x.reshape(-1) if x is not None else None  # X^T (out, in) is row-major like the mean: a view
-    flat_o = out.view(-1)
+    flat_m, flat_o = mean.view(-1), out.view(-1)
+    flat_x = x.reshape(-1) if x is not None else None
     sums: list[torch.Tensor] = []
     acc = torch.float64 if out_dtype == torch.float64 else torch.float32  # 6x faster than float64 sums here
 
-    def finish(s: int, e: int) -> None:  # single-threaded chunks: an all-core torch op spins into the next BLAS
+    def one(s: int, e: int) -> None:
         m = flat_m[s:e]
         if flat_x is not None:
             m.add_(flat_x[s:e])
@@ -165,10 +202,10 @@ def regmean_apply(
             sums.append(o.sum(dtype=acc))  # list.append is atomic
 
     if flat_x is not None or out is not mean or finite is not None:
-        spans(finish, mean.numel(), parallel=True)
+        spans(one, mean.numel(), parallel=True)
     if finite is not None and math.isfinite(float(torch.stack(sums).double().sum()) if sums else 0.0):
         finite.append(True)
-    return out, used
+    return out
 
 
 def _take(pool: BufferPool | None, slot: str, shape, dtype: torch.dtype) -> torch.Tensor:
