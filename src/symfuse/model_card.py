@@ -111,40 +111,51 @@ def model_card(
             if symmetries
             else "none (inputs merged as they are)"
         ),
-        "- **Heads**: "
-        + (
-            "one merged classification head"
-            if heads == "merged"
-            else "one head over the union of the inputs' classes, each class merged from the inputs that learned it"
-            if heads == "union"
-            else "one merged body; each input's own head in `heads/<dataset>/` (the first input's here)"
-        )
-        + (
-            f"; refitted to the merged body in closed form (ridge {head_refit:g}) to reproduce each input's own "
-            "logits on its own data"
-            if head_refit is not None
-            else ""
-        ),
+        "- **Heads**: " + _heads_line(heads, head_refit),
     ]
     labels = (config.get("id2label") or {}).values()
     if labels:
         lines.append(f"- **Labels** (this folder's head): {', '.join(map(str, labels))}")
+    return "\n".join([*lines, *_inputs_table(inputs), *_METRICS])
+
+
+_HEADS = {
+    "merged": "one merged classification head",
+    "union": "one head over the union of the inputs' classes, each class merged from the inputs that learned it",
+    "per-dataset": "one merged body; each input's own head in `heads/<dataset>/` (the first input's here)",
+}
+
+_METRICS = [
+    "",
+    "## Metrics",
+    "",
+    "The table above gives each input's validation metrics from its fine-tuning (kept epoch). The merged model's "
+    "own evaluation (in- and out-of-domain) is in the report of the symfuse run that made it.",
+    "",
+]
+
+
+def _heads_line(heads: str, head_refit: float | None) -> str:
+    """What the merged model's heads are (``heads`` as in :func:`model_card`), and whether they were refitted."""
+    refit = (
+        f"; refitted to the merged body in closed form (ridge {head_refit:g}) to reproduce each input's own "
+        "logits on its own data"
+        if head_refit is not None
+        else ""
+    )
+    return _HEADS.get(heads, _HEADS["per-dataset"]) + refit
+
+
+def _inputs_table(inputs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The "Inputs" section: one row per input model, one column per metric any of them has."""
     keys = list(dict.fromkeys(k for i in inputs for k in (i.get("metrics") or {})))
-    lines += ["", "## Inputs", "", "| model | dataset | path |" + "".join(f" {k} |" for k in keys)]
+    lines = ["", "## Inputs", "", "| model | dataset | path |" + "".join(f" {k} |" for k in keys)]
     lines.append("| --- | --- | --- |" + " --- |" * len(keys))
     for i in inputs:
         metrics = i.get("metrics") or {}
         cells = "".join(f" {_fmt(metrics[k]) if k in metrics else '-'} |" for k in keys)
         lines.append(f"| {i['name']} | {i.get('dataset') or i['name']} | `{i['path']}` |{cells}")
-    lines += [
-        "",
-        "## Metrics",
-        "",
-        "The table above gives each input's validation metrics from its fine-tuning (kept epoch). The merged model's "
-        "own evaluation (in- and out-of-domain) is in the report of the symfuse run that made it.",
-        "",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 def read_front_matter(text: str) -> dict[str, Any]:
