@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -329,6 +329,38 @@ def ot_align(
         SymfuseError: different families or shapes; ValueError: bad ``mode`` / ``symmetries`` / missing batches.
     """
     spec, geo = check_pair(source, anchor)
+    stats = _checked_stats(mode, symmetries, source, anchor, batches, stats, device)
+    src_state = {k: v.detach().cpu() for k, v in source.state_dict().items()}
+    anc_state = {k: v.detach().cpu() for k, v in anchor.state_dict().items()}
+    prefix = spec.detect_prefix(src_state)
+    state, res_part, exact = dict(src_state), None, True
+    if residual:
+        state, res_part, exact = _align_residual(src_state, anc_state, spec, source.config, prefix, mode, reg, stats)
+    res_exact = exact
+    modules, report = {}, []
+    for ref in spec.modules(source.config):
+        t, moved, ok = _align_module(ref, state, anc_state, (spec, geo, prefix), (source.config, anchor.config),
+                                     mode, reg, stats, symmetries)  # fmt: skip
+        modules[ref.key] = t
+        state.update(spec.write_module(moved, ref, source.config, prefix))
+        exact = exact and ok
+        a = spec.read_module(anc_state.__getitem__, anc_state.__contains__, ref, anchor.config, prefix)
+        s = spec.read_module(src_state.__getitem__, src_state.__contains__, ref, source.config, prefix)
+        report.append(
+            {"module": ref.key, "kind": ref.kind, "before": module_distance(s, a), "after": module_distance(moved, a),
+             "exact": ok}
+        )  # fmt: skip
+    if not exact:
+        log.info("OT alignment (%s, reg %g): soft plans — the aligned source is NOT function-preserving", mode, reg)
+    return OTMatch(res_part, modules, state, exact, res_exact, report)
+
+
+def _checked_stats(mode: str, symmetries: Sequence[str], source, anchor, batches, stats, device: str):
+    """``mode`` and ``symmetries`` checked; the activation statistics ``acts`` needs (collected when not given).
+
+    Raises:
+        ValueError: bad ``mode`` / ``symmetries``, or ``acts`` without batches or statistics.
+    """
     if mode not in ("weights", "acts"):
         raise ValueError(f"unknown OT mode {mode!r}; accepted: weights, acts")
     bad = [s for s in symmetries if s not in ("rotation", "scaling")]
@@ -340,46 +372,55 @@ def ot_align(
         from symfuse.stats.activations import collect_activation_stats
 
         stats = collect_activation_stats(anchor, source, batches, device=device)
-    src_state = {k: v.detach().cpu() for k, v in source.state_dict().items()}
-    anc_state = {k: v.detach().cpu() for k, v in anchor.state_dict().items()}
-    cfg, prefix = source.config, spec.detect_prefix(src_state)
-    state, res_part, res_exact = dict(src_state), None, True
-    if residual:
-        if mode == "acts":
-            cost = -sum(stats.sites[s].correlation() for s in stats.residual_sites()).T  # corr is [A, B]
-        else:
-            f_src, f_anc = (residual_features(st, spec, cfg, prefix) for st in (src_state, anc_state))
-            cost = _sq_dist(f_src, f_anc)
-        res_part, res_exact = _part(transport_plan(cost, reg), ResidualPermutation, ResidualTransport)
-        if res_exact:
-            state = permute_residual(src_state, spec, cfg, res_part.perm, prefix)  # type: ignore[attr-defined]
-        else:
-            state = transport_residual(src_state, spec, cfg, res_part.map, prefix)  # type: ignore[attr-defined]
+    return stats
+
+
+def _align_residual(
+    src_state: dict, anc_state: dict, spec: ArchSpec, cfg, prefix: str, mode: str, reg: float, stats
+) -> tuple[dict, Transform, bool]:
+    """The source's state with its residual stream transported onto the anchor's: ``(state, part, exact)``."""
+    if mode == "acts":
+        cost = -sum(stats.sites[s].correlation() for s in stats.residual_sites()).T  # corr is [A, B]
+    else:
+        f_src, f_anc = (residual_features(st, spec, cfg, prefix) for st in (src_state, anc_state))
+        cost = _sq_dist(f_src, f_anc)
+    part, exact = _part(transport_plan(cost, reg), ResidualPermutation, ResidualTransport)
+    if exact:
+        return permute_residual(src_state, spec, cfg, part.perm, prefix), part, True  # type: ignore[attr-defined]
+    return transport_residual(src_state, spec, cfg, part.map, prefix), part, False  # type: ignore[attr-defined]
+
+
+def _align_module(
+    ref: ModuleRef,
+    state: dict,
+    anc_state: dict,
+    arch: tuple,
+    configs: tuple,
+    mode: str,
+    reg: float,
+    stats,
+    symmetries: Sequence[str],
+) -> tuple[ModuleTransform, Any, bool]:
+    """One module of ``state`` transported onto the anchor's: ``(transform, moved module, exact)``.
+
+    FFN units, and heads when there are several KV heads, by a transport plan; then, for attention, the extra
+    per-head ``rotation`` / ``scaling`` fitted to the weights.
+    """
+    (spec, geo, prefix), (cfg, anchor_cfg) = arch, configs
+    s = spec.read_module(state.__getitem__, state.__contains__, ref, cfg, prefix)
+    a = spec.read_module(anc_state.__getitem__, anc_state.__contains__, ref, anchor_cfg, prefix)
     rotate, scale = "rotation" in symmetries, "scaling" in symmetries
-    modules, report, exact = {}, [], res_exact
-    for ref in spec.modules(cfg):
-        s = spec.read_module(state.__getitem__, state.__contains__, ref, cfg, prefix)
-        a = spec.read_module(anc_state.__getitem__, anc_state.__contains__, ref, anchor.config, prefix)
-        parts: list[Transform] = []
-        ok = True
-        if ref.kind == "ffn" or geo.n_kv_heads > 1:
-            cost = _unit_cost(mode, ref, s, a, geo, stats, rotate, scale)
-            kinds = (FFNPermutation, FFNTransport) if ref.kind == "ffn" else (HeadPermutation, HeadTransport)
-            part, ok = _part(transport_plan(cost, reg), *kinds)
-            parts.append(part)
-        t = ModuleTransform(ref.key, tuple(parts))
+    parts: list[Transform] = []
+    ok = True
+    if ref.kind == "ffn" or geo.n_kv_heads > 1:
+        cost = _unit_cost(mode, ref, s, a, geo, stats, rotate, scale)
+        kinds = (FFNPermutation, FFNTransport) if ref.kind == "ffn" else (HeadPermutation, HeadTransport)
+        part, ok = _part(transport_plan(cost, reg), *kinds)
+        parts.append(part)
+    t = ModuleTransform(ref.key, tuple(parts))
+    moved = t.apply(s)
+    if ref.kind == "attn" and (rotate or scale):
+        extra = tuple(x for x in ("rotation", "scaling") if x in symmetries)
+        t = ModuleTransform(ref.key, match_module_weights(ref, moved, a, geo, extra).compose(t).parts)
         moved = t.apply(s)
-        if ref.kind == "attn" and (rotate or scale):
-            extra = tuple(x for x in ("rotation", "scaling") if x in symmetries)
-            t = ModuleTransform(ref.key, match_module_weights(ref, moved, a, geo, extra).compose(t).parts)
-            moved = t.apply(s)
-        modules[ref.key] = t
-        state.update(spec.write_module(moved, ref, cfg, prefix))
-        exact = exact and ok
-        before = module_distance(spec.read_module(src_state.__getitem__, src_state.__contains__, ref, cfg, prefix), a)
-        report.append(
-            {"module": ref.key, "kind": ref.kind, "before": before, "after": module_distance(moved, a), "exact": ok}
-        )
-    if not exact:
-        log.info("OT alignment (%s, reg %g): soft plans — the aligned source is NOT function-preserving", mode, reg)
-    return OTMatch(res_part, modules, state, exact, res_exact, report)
+    return t, moved, ok
