@@ -316,10 +316,28 @@ def _validate(
 
     ``given`` maps each parameter to its value and how the user wrote it (``--alpha``, ``--param k``, ``params.k``).
     """
-    # checks that need no merger class first: a bad value fails before torch is even imported
+    _check_models(models, weights, base)  # no merger class needed: a bad value fails before torch is imported
+    checks.one_of("--strategy", strategy, MERGERS.names())
+    merger = MERGERS[strategy]  # imports the strategy's module (torch)
+    merger.check_model_count(len(models))  # most merge two or more; slerp exactly two, passthrough one
+    params = _strategy_params(merger, strategy, given, weights)
+    data, data_label = given.get("data", (None, "--data"))
+    _check_fit(merger, strategy, len(models), stats, base, (data, data_label))
+    for s in stats or []:
+        checks.local_path("--stats", s, folder=False)
+    for m in [*models, *([base] if base is not None else [])]:
+        checks.checkpoint(m)
+    if stats:
+        checks.stats_files(stats, merger.required_stats)
+    for d in data or []:
+        checks.dataset(data_label, d)
+    return params
+
+
+def _check_models(models: list[str], weights: list[float] | None, base: str | None) -> None:
+    """The model count, the weights and the model / base paths (no file is read)."""
     if not models:
         raise UsageError("--models: 0 model(s) given — give two or more: --models A B [C ...]")
-    data, data_label = given.get("data", (None, "--data"))
     if weights:
         if len(weights) != len(models):
             raise UsageError(f"--weights: {len(weights)} weight(s) for {len(models)} models — give one per model")
@@ -334,9 +352,12 @@ def _validate(
             )
     if base is not None:
         checks.local_path("--base", base)
-    checks.one_of("--strategy", strategy, MERGERS.names())
-    merger = MERGERS[strategy]  # imports the strategy's module (torch)
-    merger.check_model_count(len(models))  # most merge two or more; slerp exactly two, passthrough one
+
+
+def _strategy_params(
+    merger: Any, strategy: str, given: dict[str, tuple[Any, str]], weights: list[float] | None
+) -> dict[str, Any]:
+    """The strategy's parameters from ``given`` and ``weights``: unknown ones refused, values checked."""
     labels = {k: label for k, (_, label) in given.items()}
     values = {k: v for k, (v, _) in given.items()}
     names = param_names(merger.Params)  # as written: a field's alias (``lambda``) where it has one
@@ -353,31 +374,30 @@ def _validate(
         merger_params(strategy, params, label=lambda k: labels.get(k, default(k)))
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    return params
+
+
+def _check_fit(
+    merger: Any, strategy: str, k: int, stats: list[Path] | None, base: str | None, data: tuple[Any, str]
+) -> None:
+    """The statistics, datasets and base model the strategy needs for ``k`` models: given, and only those."""
+    data, data_label = data
     if stats and not merger.required_stats:
         raise UsageError(f"--stats: --strategy {strategy} reads no statistics — drop --stats")
     if merger.required_stats and not stats:
         kinds = ", ".join(sorted(merger.required_stats))
         raise UsageError(f"--stats: --strategy {strategy} needs {kinds} statistics — give one folder per model")
-    if stats and len(stats) != len(models):
-        raise UsageError(f"--stats: {len(stats)} statistics for {len(models)} models — give one per model, in order")
+    if stats and len(stats) != k:
+        raise UsageError(f"--stats: {len(stats)} statistics for {k} models — give one per model, in order")
     if getattr(merger, "needs_data", False) and not data:
         raise UsageError(
             f"{data_label}: --strategy {strategy} collects its Grams on each model's own data — give one dataset per "
             "model: --data DA DB [...]"
         )
-    if data and (not isinstance(data, list) or len(data) != len(models)):
+    if data and (not isinstance(data, list) or len(data) != k):
         n = len(data) if isinstance(data, list) else 1
-        raise UsageError(f"{data_label}: {n} dataset(s) for {len(models)} models — give one per model, in order")
+        raise UsageError(f"{data_label}: {n} dataset(s) for {k} models — give one per model, in order")
     if merger.needs_base and base is None:
         raise UsageError(f"--base: --strategy {strategy} works on task vectors — give the base model with --base")
     if base is not None and not (merger.needs_base or merger.accepts_base):
         raise UsageError(f"--base: --strategy {strategy} does not use a base model — drop --base")
-    for s in stats or []:
-        checks.local_path("--stats", s, folder=False)
-    for m in [*models, *([base] if base is not None else [])]:
-        checks.checkpoint(m)
-    if stats:
-        checks.stats_files(stats, merger.required_stats)
-    for d in data or []:
-        checks.dataset(data_label, d)
-    return params
