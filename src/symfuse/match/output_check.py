@@ -80,73 +80,90 @@ def _layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     return best
 
 
+_Owned = list[tuple[torch.nn.Module, str, torch.nn.Parameter]]  # (module, parameter name, its meta parameter)
+
+
+def _owned(m: torch.nn.Module) -> _Owned:
+    """Every parameter slot of ``m`` and its submodules, tied parameters once per module that holds them."""
+    return [(mod, pn, p) for mod in m.modules() for pn, p in mod._parameters.items() if p is not None]
+
+
+class _StoredWeights:
+    """Put ``reader``'s weights into a meta-device model's parameter slots, and take them out again.
+
+    A parameter the checkpoint does not store (a fresh head) gets the same seeded values in every model.
+    """
+
+    def __init__(self, model: torch.nn.Module, reader: CheckpointReader):
+        self.reader = reader
+        base = getattr(model, "base_model_prefix", "") or ""
+        self.names: dict[int, tuple[str | None, str]] = {}  # id(parameter): (stored name or None, model name)
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if self.names.get(id(p), (None,))[0] is None:
+                self.names[id(p)] = (self._stored(n, base), n)
+
+    def _stored(self, name: str, base: str) -> str | None:
+        for n in (name, name.removeprefix(base + "."), f"{base}.{name}", self.reader.prefix + name):
+            if self.reader.has(n):
+                return n
+        return None
+
+    def _load(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        s, full = self.names[id(p)]
+        if s is None:  # not stored (a fresh head): the same seeded values in both models
+            g = torch.Generator().manual_seed(zlib.crc32(full.encode()))
+            t = 0.02 * torch.randn(p.shape, generator=g)
+        else:
+            t = self.reader.tensor_file(s).get(s)
+            if t.shape != p.shape:
+                shape = tuple(t.shape)
+                raise VerificationError(f"{self.reader.path}: {s} has shape {shape}, the model wants {p.shape}")
+            t = t.float() if t.is_floating_point() else t
+        return torch.nn.Parameter(t, requires_grad=False)
+
+    def fill(self, items: _Owned) -> None:
+        """Load the weights of ``items`` into their slots (tied parameters are read once)."""
+        done: dict[int, torch.nn.Parameter] = {}
+        for mod, pn, p in items:
+            if id(p) not in done:
+                done[id(p)] = self._load(p)
+            mod._parameters[pn] = done[id(p)]
+
+    @staticmethod
+    def empty(items: _Owned) -> None:
+        """Put the meta parameters back into the slots of ``items`` (the loaded weights are freed)."""
+        for mod, pn, p in items:
+            mod._parameters[pn] = p
+
+
 def _run_streaming(
     model: torch.nn.Module, reader: CheckpointReader, inputs: Mapping[str, torch.Tensor]
 ) -> torch.Tensor:
     """``model`` (built by :func:`_empty_model`) on ``inputs`` with ``reader``'s weights, one layer at a time.
 
-    The model is left as it was built (parameters on the meta device).
+    Each layer's weights are loaded by a forward pre-hook and dropped by a forward hook; the rest (embeddings,
+    final norm, head) stay loaded for the whole pass. The model is left as it was built (parameters on the meta
+    device).
     """
-    base = getattr(model, "base_model_prefix", "") or ""
-
-    def stored(name: str) -> str | None:
-        for n in (name, name.removeprefix(base + "."), f"{base}.{name}", reader.prefix + name):
-            if reader.has(n):
-                return n
-        return None
-
-    names: dict[int, tuple[str | None, str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if names.get(id(p), (None,))[0] is None:
-            names[id(p)] = (stored(n), n)
-
-    def load(p: torch.nn.Parameter) -> torch.nn.Parameter:
-        s, full = names[id(p)]
-        if s is None:  # not stored (a fresh head): the same seeded values in both models
-            g = torch.Generator().manual_seed(zlib.crc32(full.encode()))
-            t = 0.02 * torch.randn(p.shape, generator=g)
-        else:
-            t = reader.tensor_file(s).get(s)
-            if t.shape != p.shape:
-                raise VerificationError(f"{reader.path}: {s} has shape {tuple(t.shape)}, the model wants {p.shape}")
-            t = t.float() if t.is_floating_point() else t
-        return torch.nn.Parameter(t, requires_grad=False)
-
-    Owned = list[tuple[torch.nn.Module, str, torch.nn.Parameter]]
-
-    def owned(m: torch.nn.Module) -> Owned:
-        return [(mod, pn, p) for mod in m.modules() for pn, p in mod._parameters.items() if p is not None]
-
-    def fill(items: Owned) -> None:
-        done: dict[int, torch.nn.Parameter] = {}  # tied parameters are read once
-        for mod, pn, p in items:
-            if id(p) not in done:
-                done[id(p)] = load(p)
-            mod._parameters[pn] = done[id(p)]
-
-    def empty(items: Owned) -> None:
-        for mod, pn, p in items:
-            mod._parameters[pn] = p
-
-    skeleton = owned(model)
+    weights = _StoredWeights(model, reader)
+    skeleton = _owned(model)
     layers = _layer_list(model)
     streamed: set[int] = set()
     hooks = []
-    if layers is not None:
-        for layer in layers:
-            items = owned(layer)
-            streamed.update(id(mod) for mod, _, _ in items)
-            hooks.append(layer.register_forward_pre_hook(lambda _m, _a, items=items: fill(items)))
-            hooks.append(layer.register_forward_hook(lambda _m, _a, _o, items=items: empty(items)))
-    resident = [(mod, pn, p) for mod, pn, p in owned(model) if id(mod) not in streamed]
+    for layer in layers if layers is not None else []:
+        items = _owned(layer)
+        streamed.update(id(mod) for mod, _, _ in items)
+        hooks.append(layer.register_forward_pre_hook(lambda _m, _a, items=items: weights.fill(items)))
+        hooks.append(layer.register_forward_hook(lambda _m, _a, _o, items=items: weights.empty(items)))
+    resident = [(mod, pn, p) for mod, pn, p in skeleton if id(mod) not in streamed]
     try:
-        fill(resident)
+        weights.fill(resident)
         with torch.no_grad(), torch_threads(1):  # a few short sequences: one thread beats two
             out = model(**inputs)
     finally:
         for h in hooks:
             h.remove()
-        empty(skeleton)
+        weights.empty(skeleton)
         reader.close_files()
     return get_spec(model.config).main_output(out).float()  # logits (CLIP: logits_per_image), else hidden states
 
