@@ -126,66 +126,82 @@ def _heads_logits(
     body) share ONE pass of that body: the sub-module is replaced, for the pass, by all of them side by side (only
     their sub-modules are kept). Any other head runs on its own. Models are loaded one at a time.
     """
-    dev = resolve_device(how["device"])
-    enc = (how["split"], how["max_length"], how["max_examples"], how["seed"])
-    order: list[int] = []  # every head sees the examples in ONE order: the first voter's, shortest first
-
-    def run(net: torch.nn.Module, feats: list, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batches = iter_batches([feats[j] for j in order], how["batch_size"], pad)
-        logits, gold, _ = run_model(net, batches, None, dev, amp=dev.type == "cuda")
-        return torch.cat(logits), torch.cat(gold)
-
-    first: _Head | None = None
-    feats: list = []
-    shared: list[tuple[int, torch.nn.Module]] = []  # (voter index, head sub-module) run on the first voter's body
-    name: str | None = None
-    voters: list[_Head] = []
-    out: dict[int, torch.Tensor] = {}
-    gold = torch.empty(0)
+    votes = _Votes(ds, how)
     for model in models:
-        head = _load_head(model, how["device"])
-        if not shared_label_names(ds.labels, head.names):
-            continue
-        i = len(voters)
-        voters.append(head)
-        mine = encode_split(ds, head.tok, *enc)
-        if first is None:
-            first, feats = head, mine
-            order = sorted(range(len(feats)), key=lambda j: len(feats[j]["input_ids"]))  # little padding
-            continue
-        here = head_module(first.net, head.net) if mine == feats else None
-        if here is not None and (name is None or here == name):
-            name = here
-            shared.append((i, head.net.get_submodule(name)))
+        votes.add(_load_head(model, how["device"]))
+    if votes.first is None:
+        return [], [], votes.gold
+    votes.run_shared()
+    return votes.voters, [votes.out[i] for i in range(len(votes.voters))], votes.gold
+
+
+class _Votes:
+    """The voters' logits on one dataset, gathered head by head (see :func:`_heads_logits`)."""
+
+    def __init__(self, ds: TaskDataset, how: Mapping[str, Any]):
+        self.ds, self.how = ds, how
+        self.dev = resolve_device(how["device"])
+        self.order: list[int] = []  # every head sees the examples in ONE order: the first voter's, shortest first
+        self.first: _Head | None = None
+        self.feats: list = []  # the first voter's encoded split
+        self.shared: list[tuple[int, torch.nn.Module]] = []  # (voter index, head sub-module) on the first one's body
+        self.name: str | None = None  # the sub-module the shared heads replace
+        self.voters: list[_Head] = []
+        self.out: dict[int, torch.Tensor] = {}
+        self.gold = torch.empty(0)
+
+    def _run(self, net: torch.nn.Module, feats: list, pad: int) -> torch.Tensor:
+        batches = iter_batches([feats[j] for j in self.order], self.how["batch_size"], pad)
+        logits, gold, _ = run_model(net, batches, None, self.dev, amp=self.dev.type == "cuda")
+        self.gold = torch.cat(gold)
+        return torch.cat(logits)
+
+    def add(self, head: _Head) -> None:
+        """Take ``head`` as a voter if it shares a class with the dataset: its logits now, or its sub-module kept."""
+        if not shared_label_names(self.ds.labels, head.names):
+            return
+        how = self.how
+        i = len(self.voters)
+        self.voters.append(head)
+        mine = encode_split(self.ds, head.tok, how["split"], how["max_length"], how["max_examples"], how["seed"])
+        if self.first is None:
+            self.first, self.feats = head, mine
+            self.order = sorted(range(len(mine)), key=lambda j: len(mine[j]["input_ids"]))  # little padding
+            return
+        here = head_module(self.first.net, head.net) if mine == self.feats else None
+        if here is not None and (self.name is None or here == self.name):
+            self.name = here
+            self.shared.append((i, head.net.get_submodule(here)))
         else:
-            out[i], gold = run(head.net, mine, head.tok.pad_token_id or 0)
+            self.out[i] = self._run(head.net, mine, head.tok.pad_token_id or 0)
         head.net = None  # only the head sub-module (or the logits) is kept
-    if first is None:
-        return [], [], gold
-    pad = first.tok.pad_token_id or 0
 
-    def run_with(module: torch.nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first voter's body on ``feats`` with ``module`` in place of sub-module ``name`` for the pass."""
+    def _run_with(self, module: torch.nn.Module | None) -> torch.Tensor:
+        """The first voter's body on its data with ``module`` in place of sub-module ``name`` for the pass."""
+        first = self.first
+        assert first is not None
+        pad = first.tok.pad_token_id or 0
         if module is None:
-            return run(first.net, feats, pad)
-        own = first.net.get_submodule(name)
-        first.net.set_submodule(name, module)
+            return self._run(first.net, self.feats, pad)
+        own = first.net.get_submodule(self.name)
+        first.net.set_submodule(self.name, module)
         try:
-            return run(first.net, feats, pad)
+            return self._run(first.net, self.feats, pad)
         finally:
-            first.net.set_submodule(name, own)
+            first.net.set_submodule(self.name, own)
 
-    ids = [0, *(i for i, _ in shared)]  # the voters run on the first one's body, in stacking order
-    widths = [len(voters[i].names) for i in ids]
-    stacked = None
-    if shared:
-        stacked, gold = run_with(_Stacked([first.net.get_submodule(name), *(m for _, m in shared)]))
-    if stacked is not None and stacked.shape[-1] == sum(widths):
-        out |= dict(zip(ids, stacked.split(widths, dim=-1), strict=True))
-    else:  # no shared heads, or a model that reshapes its head's output: each head on its own
-        for i, module in [(0, None), *shared]:
-            out[i], gold = run_with(module)
-    return voters, [out[i] for i in range(len(voters))], gold
+    def run_shared(self) -> None:
+        """The first voter and the heads sharing its body: one stacked pass, or each on its own when it must."""
+        ids = [0, *(i for i, _ in self.shared)]  # the voters run on the first one's body, in stacking order
+        widths = [len(self.voters[i].names) for i in ids]
+        stacked = None
+        if self.shared:
+            stacked = self._run_with(_Stacked([self.first.net.get_submodule(self.name), *(m for _, m in self.shared)]))
+        if stacked is not None and stacked.shape[-1] == sum(widths):
+            self.out |= dict(zip(ids, stacked.split(widths, dim=-1), strict=True))
+        else:  # no shared heads, or a model that reshapes its head's output: each head on its own
+            for i, module in [(0, None), *self.shared]:
+                self.out[i] = self._run_with(module)
 
 
 def evaluate_heads(
