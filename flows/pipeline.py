@@ -146,6 +146,31 @@ def match_stage(T: Any, config: RunConfig, models: dict[str, PrefectFuture]) -> 
     return anchor, others, transforms, matched
 
 
+def merge_stage(
+    T: Any, config: RunConfig, anchor: str | None, plain: tuple[dict, dict], aligned: tuple[dict, dict], kinds: list
+) -> dict[str, PrefectFuture]:
+    """One merge task per strategy and variant: ``{"<strategy>-plain" | "<strategy>-matched": future}``.
+
+    ``plain`` is ``(models, stats)`` (stats by ``(model, kind)``); ``aligned`` the matched models and their followed
+    statistics, by model other than the anchor (the anchor's own stand in for it). Each merge takes only the
+    statistics its strategy needs.
+    """
+    (models, stats), (matched, matched_stats) = plain, aligned
+    names = config.dataset_names  # the merge's model order (``models`` lists fine-tuned models first)
+    inputs = {
+        "plain": (models, stats),
+        "matched": ({n: (models[n] if n == anchor else matched[n]) for n in names},
+                    {(n, k): (stats[n, k] if n == anchor else matched_stats[n, k]) for n in names for k in kinds}),
+    }  # fmt: skip
+    pairs = [(s, v) for s in config.strategies for v in VARIANTS]
+    futures = T.merge.map(
+        unmapped(config), [s for s, _ in pairs], [v for _, v in pairs],
+        [inputs[v][0] for _, v in pairs],
+        [{n: [inputs[v][1][n, k] for k in kinds if k in MERGERS[s].required_stats] for n in names} for s, v in pairs],
+    )  # fmt: skip
+    return dict(zip([f"{s}-{v}" for s, v in pairs], futures, strict=True))
+
+
 def run_stages(config: RunConfig) -> dict[str, Any]:
     """The body of :func:`fusion_pipeline` (inside its flow run, holding the run lock)."""
     names = config.dataset_names
@@ -188,22 +213,7 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     }
 
     # 5. Merge every strategy on the plain and on the matched models.
-    inputs = {
-        "plain": (models, stats),
-        "matched": ({n: (models[n] if n == anchor else matched[n]) for n in names},
-                    {(n, k): (stats[n, k] if n == anchor else matched_stats[n, k]) for n in names for k in kinds}),
-    }  # fmt: skip
-    pairs = [(s, v) for s in config.strategies for v in VARIANTS]
-    merged = dict(zip(
-        [f"{s}-{v}" for s, v in pairs],
-        T.merge.map(
-            unmapped(config), [s for s, _ in pairs], [v for _, v in pairs],
-            [inputs[v][0] for _, v in pairs],
-            [{n: [inputs[v][1][n, k] for k in kinds if k in MERGERS[s].required_stats] for n in names}
-             for s, v in pairs],
-        ),
-        strict=True,
-    ))  # fmt: skip
+    merged = merge_stage(T, config, anchor, (models, stats), (matched, matched_stats), kinds)
 
     # 5b. select: greedy — per strategy, the subset of the plain models whose merge scores best on validation data
     #     (flows/select.py); its merge joins the run as "<strategy>-greedy".
