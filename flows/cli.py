@@ -210,8 +210,6 @@ def main(argv: list[str] | None = None) -> int:
         for line in problems:
             print(f"error: {line}", file=sys.stderr)
         return DATA
-    if not args.verbose:
-        hide_tracebacks_on_console()
     start = time.perf_counter()
     exit_on_sigterm()
     try:
@@ -223,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.freeze()  # the imported modules' objects: never garbage, no longer walked by every full collection
         if server is not None:
             server.join()
+        if not args.verbose:  # once Prefect's handlers exist (set up by its import and the server's start)
+            hide_tracebacks_on_console()
         state = fusion_pipeline(config, return_state=True)
         # the ephemeral server stops at exit: wait until it has recorded the run (a real server keeps running)
         ephemeral_done = server is not None and state.is_completed()

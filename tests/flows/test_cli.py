@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +59,23 @@ def test_a_failed_run_is_one_error_line_and_no_traceback(nan_base, memory_root, 
         record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", None, __import__("sys").exc_info())
     assert "boom" not in _NoTraceback(logging.Formatter()).format(record)
     assert "boom" in logging.Formatter().format(record)
+
+
+def test_a_failed_run_in_a_fresh_process_prints_no_traceback(nan_base, tmp_path):
+    """``python -m flows`` as users run it: Prefect's console handlers appear after the command starts, and its flow
+    engine logs the failure with the traceback; without -v the console shows the line, not the traceback."""
+    datasets = [{"name": n, "max_train_examples": 8} for n in ("meld", "isear")]
+    config = tiny_config(nan_base, str(tmp_path / "store"), run_id="fresh", strategies=["simple"], datasets=datasets)
+    config.to_yaml(tmp_path / "run.yaml")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env |= {"PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)]), "PREFECT_HOME": str(tmp_path / "prefect")}
+    res = subprocess.run([sys.executable, "-m", "flows", "--config", "run.yaml"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr + res.stdout, res.stderr[-4000:]
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]  # the server's stop line follows it
+    assert len(errors) == 1 and "NaN" in errors[0] and str(nan_base) in errors[0], errors
 
 
 def test_drain_events_returns_once_the_server_holds_every_task_run_final():
