@@ -38,7 +38,7 @@ import torch
 
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.device import resolve_device
-from symfuse.errors import CheckpointError, MissingStats
+from symfuse.errors import CheckpointError, MissingStats, StatsMismatchError
 from symfuse.io import BufferPool, parallel_reads
 from symfuse.merge.head_refit import RefitOptions, check_refittable, refit_batches, refit_heads
 from symfuse.merge.heads import head_names, union_heads, write_label_space
@@ -122,6 +122,32 @@ def _check_bodies(readers: Sequence[CheckpointReader], separate: bool) -> None:
                 raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, model 0 has {r0.shape(n)}")
 
 
+def _check_fisher(fisher: StatsFile, reader: CheckpointReader) -> None:
+    """Refuse a Fisher file that names none of its model's tensors, or holds one of another shape (headers only).
+
+    Tensors it has no entry for are averaged with the model weights (logged).
+    """
+    keys = fisher.keys()
+    floats = [n for n in reader.names() if reader.dtype(n).is_floating_point]
+    known = [k for k in keys if reader.has(k)]
+    fix = f"recollect it with `symfuse stats {reader.path} --data DATA --kind fisher`"
+    if keys and not known:
+        raise StatsMismatchError(
+            f"{fisher.path}: names none of {reader.path}'s tensors (it has {keys[0]!r}, the model {floats[0]!r}): "
+            f"statistics of another model — {fix}"
+        )
+    for k in known:
+        if tuple(fisher.shape(k)) != tuple(reader.shape(k)):
+            raise StatsMismatchError(
+                f"{fisher.path}: the Fisher of {k} has shape {tuple(fisher.shape(k))}, {reader.path} holds "
+                f"{tuple(reader.shape(k))}: statistics of another model — {fix}"
+            )
+    missing = len(set(floats) - set(known))
+    if missing:
+        log.warning("%s: no Fisher for %d of %s's %d tensors; they are averaged", fisher.path, missing,
+                    reader.path, len(floats))  # fmt: skip
+
+
 def _head_folders(models: Sequence[str | Path], files: Mapping[str, list[StatsFile]]) -> dict[str, str]:
     """Each model's name -> its head folder (``.`` for the first).
 
@@ -175,6 +201,8 @@ def plan_merge(
         for r in readers[1:]
     )
     _check_bodies(readers, separate)
+    for fisher, r in zip(files.get("fisher") or [], readers, strict=False):
+        _check_fisher(fisher, r)
     refit_data = None
     if refit is not None:  # a model without a head, or bad data: refused now, not after the merge
         for r in readers:

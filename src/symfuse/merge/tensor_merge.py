@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from symfuse.checkpoint import CheckpointReader
-from symfuse.errors import MissingStats, NonFiniteError
+from symfuse.errors import MissingStats, NonFiniteError, StatsMismatchError
 from symfuse.io import BufferPool, check_finite_tensor
 from symfuse.merge.base import LazyTensors, TensorInputs, chunked_sum, weighted_mean
 from symfuse.merge.heads import merge_class_rows
@@ -33,6 +33,24 @@ def _finite_loader(
 ) -> Callable[[BufferPool | None, str], torch.Tensor]:
     """``load`` whose result is checked for NaN / inf (naming ``where`` and ``name``) before any maths sees it."""
     return lambda p, s: check_finite_tensor(load(p, s), name, where)
+
+
+def _fisher_loader(
+    load: Callable[[BufferPool | None, str], torch.Tensor], name: str, where: Path
+) -> Callable[[BufferPool | None, str], torch.Tensor]:
+    """``load`` of a diagonal Fisher, refused when it holds a negative entry (a mean of squares never does)."""
+
+    def checked(pool: BufferPool | None, slot: str) -> torch.Tensor:
+        t = load(pool, slot)
+        low = float(t.min()) if t.numel() else 0.0
+        if low < 0:
+            raise StatsMismatchError(
+                f"{where}: the Fisher of {name} has negative entries (as low as {low:.3g}); a diagonal Fisher is a "
+                "mean of squared gradients — recollect it with `symfuse stats MODEL --data DATA --kind fisher`"
+            )
+        return t
+
+    return checked
 
 
 def _gram_inputs(
@@ -143,7 +161,10 @@ class TensorMerge:
         fishers = self.plan.files.get("fisher")
         if fishers is None or not all(f.has(name) for f in fishers):
             return None
-        loads = [checked(lambda p, s, f=f: self.to_dev(f.get(name, p, s)), f.path) for f in fishers]
+        loads = [
+            _fisher_loader(checked(lambda p, s, f=f: self.to_dev(f.get(name, p, s)), f.path), name, f.path)
+            for f in fishers
+        ]
         return LazyTensors(loads, self.plan.merger.pool, "fisher")
 
     def _grams(self, name: str, first: torch.Tensor) -> tuple[Sequence[torch.Tensor] | None, bool, str | None]:

@@ -165,3 +165,41 @@ def test_non_finite_merged_output_is_not_written(pair, tmp_path):
     with pytest.raises(NonFiniteError, match="merged tensor"):
         merge_checkpoints("task-arithmetic", [a, b], tmp_path / "o", base=base, lam=1e300)
     assert not (tmp_path / "o").exists()
+
+
+def _fisher_copy(sb, folder, change):
+    """A copy of ``sb`` whose Fisher file holds ``change(tensors)`` (the metadata kept: it still names B)."""
+    bad = shutil.copytree(sb, folder)
+    file = bad / "fisher.safetensors"
+    sf = StatsFile(file)
+    tensors = change({k: sf.get(k) for k in sf.keys()})  # noqa: SIM118
+    save_stats(tensors, file, {k: v if isinstance(v, str) else json.dumps(v) for k, v in sf.meta.items()})
+    return bad, file
+
+
+def test_a_fisher_that_does_not_fit_its_model_is_refused(pair, tmp_path, caplog):
+    """Negative entries, another shape, no tensor of the model: each refused in one line naming the file."""
+    a, b, sa, sb, _ = pair
+    key = QUERY + ".weight"
+
+    def negative(t):
+        t[key][0, 0] = -0.5
+        return t
+
+    def other_shape(t):
+        t[key] = torch.zeros(t[key].shape[0] + 1, t[key].shape[1])
+        return t
+
+    cases = [(negative, "negative entries"), (other_shape, f"the Fisher of {key} has shape"),
+             (lambda t: {"foo.weight": torch.ones(3)}, "names none of")]  # fmt: skip
+    for i, (change, words) in enumerate(cases):
+        bad, file = _fisher_copy(sb, tmp_path / f"SB{i}", change)
+        with pytest.raises(StatsMismatchError) as err:
+            merge_checkpoints("fisher", [a, b], tmp_path / "o", stats=[sa, bad])
+        assert str(file) in str(err.value) and words in str(err.value) and "\n" not in str(err.value), err.value
+        assert not (tmp_path / "o").exists()
+    # a Fisher of a few tensors merges, and says how many it leaves to the plain average
+    part, _ = _fisher_copy(sb, tmp_path / "part", lambda t: {key: t[key]})
+    with caplog.at_level("WARNING"):
+        merge_checkpoints("fisher", [a, b], tmp_path / "ok", stats=[sa, part])
+    assert any("no Fisher for" in r.getMessage() and str(part) in r.getMessage() for r in caplog.records)
