@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from symfuse.config_schema import ANCHOR_POLICIES, ANCHOR_SCHEMA, NAME_RE, NAME_SCHEMA, enum_of, merge_params_schema
 from symfuse.merge.registry import MERGERS, merger_params
+from symfuse.seeds import Seed
 from symfuse.symmetry.registry import check_kinds, kind_names
 
 STATS_KINDS = ("gram", "fisher")
@@ -72,7 +73,7 @@ def _check_name(value: str, what: str) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DatasetConfig(_Strict):
@@ -121,7 +122,7 @@ class FinetuneSettings(_Strict):
     freeze_embeddings: bool = Field(
         default=False, description="Keep the token embedding table as in the base model (faster; shared exactly)."
     )
-    seed: int = 13
+    seed: Seed = 13
 
 
 class StatsSettings(_Strict):

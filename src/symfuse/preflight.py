@@ -36,6 +36,7 @@ from symfuse.data.labels import (
     head_labels,
     shared_label_names,
     short_names,
+    too_few_classes,
     union_label_names,
     unnamed,
 )
@@ -337,6 +338,12 @@ def _label_problems(
 ) -> list[str]:
     """Label policy and evaluation compatibility (checked where the label sets are known in full)."""
     out: list[str] = []
+    if config.labels == "per-dataset":
+        for d in config.datasets:
+            p = probes.get(d.name)
+            if d.checkpoint is None and p is not None and p.complete:
+                few = too_few_classes(p.task, p.multi_label, p.labels)
+                out += [f"training dataset {d.name} ({p.where}): {few}"] if few else []
     if config.labels == "union":
         for name, p in probes.items():
             if p.read and p.task not in ("classification", "pair_classification"):

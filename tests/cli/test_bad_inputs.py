@@ -198,6 +198,11 @@ CASES = [
     C("finetune-batch-size-zero", f"finetune {{A}} --data {{DATA}} {OUT} --batch-size 0", 2, "--batch-size"),
     C("finetune-unknown-dataset", f"finetune {{A}} --data nosuch_dataset {OUT}", 1, "nosuch_dataset"),
     C("finetune-missing-base", f"finetune {{MISSING}} --data {{DATA}} {OUT}", 2, "missing"),
+    C("finetune-one-class", f"finetune {{CA}} --data {{ONECLASS}} {OUT} --epochs 1", 1, "only one class (joy)"),
+    C("finetune-seed-huge", f"finetune {{A}} --data {{DATA}} {OUT} --seed 99999999999999999999999", 2, "--seed"),
+    C("finetune-head-seed-negative", f"finetune {{A}} --data {{DATA}} {OUT} --head-seed -1", 2, "--head-seed"),
+    C("disguise-seed-huge", f"disguise {{A}} {OUT} --seed 18446744073709551616", 2, "--seed"),
+    C("merge-dare-seed-huge", f"{MERGE} dare --base {{A}} --models {{A}} {{B}} --seed {2**63} {OUT}", 2, "--seed"),
     C("finetune-out-exists", f"finetune {{A}} --data {{DATA}} {OUT}", 2, "{OUT}", pre="dir", verbose=True),
     # --- barrier / evaluate ---
     C("barrier-one-point", f"barrier {{A}} {{B}} --data {{DATA}} {OUT} --points 1", 2, "--points"),
@@ -279,6 +284,7 @@ def build_inputs(d: Path) -> dict[str, Path]:
     config = json.loads((p["A"] / "config.json").read_text())
     (p["MISSPELT"] / "config.json").write_text(json.dumps(config | {"model_type": "bret"}))
     p["BIG"] = toy_dataset(d / "big", labels=("w", "x", "y", "z"))
+    p["ONECLASS"] = toy_dataset(d / "oneclass", labels=("joy",))
     p["GGUF"] = write_gguf(tiny_llama(), d / "tiny.gguf", "Q8_0")
     p["BADGGUF"] = d / "zip.gguf"
     p["BADGGUF"].write_bytes(b"PK\x03\x04 a zip file named .gguf")

@@ -85,6 +85,13 @@ def test_minimal_yaml_gets_defaults(tmp_path):
             r"dare is not in strategies \['simple', 'fisher', 'regmean', 'ties'\]",
         ),
         ({"regmean_alpha": 0.5, "merge_params": {"regmean": {"alpha": 0.4}}}, "both given"),
+        ({"finetune": {"lr": float("inf")}}, r"finetune\.lr\s+Input should be a finite number"),
+        ({"head_refit": {"ridge": float("nan")}}, r"head_refit\.ridge\s+Input should be a finite number"),
+        ({"finetune": {"seed": 2**64}}, r"finetune\.seed\s+Input should be less than or equal to 9223372036854775807"),
+        (
+            {"merge_params": {"dare": {"seed": -1}}, "strategies": ["dare"]},
+            r"merge_params\.dare\.seed: Input should be greater than or equal to 0",
+        ),
     ],
 )
 def test_invalid_configs_are_refused(change, message):

@@ -151,6 +151,19 @@ def test_label_sets_the_run_cannot_score_are_refused(tmp_path):
     ), problems
 
 
+def test_a_training_set_of_one_class_is_refused_unless_the_head_is_a_union(tmp_path):
+    joy = dataset(tmp_path / "joyful", labels=("joy",))
+    ds = [{"name": "meld"}, {"name": "joyful", "source": joy}]
+    problems = check_run(config(datasets=ds, evaluation={"in_domain": False, "out_of_domain": []}))
+    assert problems == [
+        f"training dataset joyful ({joy}): only one class (joy) — a classification head needs two or more to tell "
+        "apart: add records of another class (and list it in meta.json's labels), or train with labels: union "
+        "(--labels union)"
+    ], problems
+    union = config(datasets=ds, labels="union", evaluation={"in_domain": False, "out_of_domain": []})
+    assert check_run(union) == []  # the union holds meld's classes beside joy
+
+
 def test_brought_checkpoints_are_read_and_their_heads_matched(tmp_path):
     from tests.tiny import save_tiny as tiny
 

@@ -10,6 +10,7 @@ from typing import Any
 from typer.core import TyperCommand
 
 from symfuse.errors import DataError, SymfuseError, UsageError
+from symfuse.seeds import seed_problem
 from symfuse.symmetry.registry import Capability, check_kinds, kind_names  # no torch
 
 
@@ -39,6 +40,13 @@ def finite(option: str, value: float | None) -> None:
     """``value`` is a finite number (None passes)."""
     if value is not None and not math.isfinite(value):
         raise UsageError(f"{option}: {value} is not a finite number — give a real number")
+
+
+def seed(option: str, value: int | None) -> None:
+    """``value`` is a seed every generator takes, 0 .. 2^63 - 1 (None passes)."""
+    problem = seed_problem(value) if value is not None else None
+    if problem:
+        raise UsageError(f"{option}: {problem}")
 
 
 def one_of(option: str, value: str | None, choices: Iterable[str]) -> None:

@@ -118,6 +118,7 @@ def disguise(
     (it holds the model in memory) and is undone by `symfuse match --symmetries residual-permutation --data ...`.
     """
     checks.finite("--noise", noise)
+    checks.seed("--seed", seed)
     names = checks.kinds("--kinds", kinds, "draw", "kinds")
     if noise < 0:
         raise UsageError(f"--noise: {noise} is negative — give a relative noise >= 0 (0 keeps the function exactly)")

@@ -62,6 +62,8 @@ def finetune(
 ) -> None:
     """Fine-tune BASE on a dataset and write the fine-tuned checkpoint."""
     checks.at_least("--epochs", epochs, 1)
+    checks.seed("--seed", seed)
+    checks.seed("--head-seed", head_seed)
     checks.at_least("--max-train-examples", max_train_examples, 1)
     checks.at_least("--max-eval-examples", max_eval_examples, 1)
     checks.positive("--lr", lr, "a learning rate")

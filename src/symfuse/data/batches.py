@@ -195,21 +195,51 @@ def make_batches(
         dataset = load_task_dataset(dataset)
     tok = load_tokenizer(tokenizer)
     if isinstance(tokenizer, str | Path):
-        max_length = min(max_length, model_positions(tokenizer) or max_length)
+        max_length = min(max_length, model_positions(tokenizer) or max_length)  # longer texts are cut
     feats = encode_split(dataset, tok, split, max_length, max_examples, seed)
     return list(iter_batches(feats, batch_size, tok.pad_token_id or 0, shuffle=shuffle, seed=seed))
 
 
+# Families whose position ids start after the padding index (RoBERTa's embeddings): pad_token_id + 1 fewer positions.
+_OFFSET_POSITIONS = frozenset(
+    {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "roberta-prelayernorm", "mpnet"}
+)
+
+
+def config_positions(config: Any) -> int | None:
+    """The token positions a model reads, from its config (an object or ``config.json``'s dict), or None if unknown.
+
+    ``max_position_embeddings`` / ``n_positions``, less the offset of RoBERTa-style position ids.
+    """
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    n = get("max_position_embeddings") or get("n_positions")
+    if not isinstance(n, int) or n <= 0:
+        return None
+    if get("model_type") in _OFFSET_POSITIONS:
+        n -= int(get("pad_token_id") or 0) + 1
+    return n if n > 0 else None
+
+
 def model_positions(folder: str | Path) -> int | None:
-    """The positions a checkpoint folder's model reads (``max_position_embeddings`` / ``n_positions``), or None."""
+    """The positions a checkpoint folder's model reads (see :func:`config_positions`), or None."""
     import json
 
     file = Path(folder) / "config.json"
     if not file.is_file():  # "minilm", a hub id: their models read more than any default max_length
         return None
-    raw = json.loads(file.read_text())
-    n = raw.get("max_position_embeddings", raw.get("n_positions"))
-    return n if isinstance(n, int) and n > 0 else None
+    return config_positions(json.loads(file.read_text()))
+
+
+def readable_length(max_length: int, config: Any, what: object = "the model") -> int:
+    """``max_length`` capped at the positions the model of ``config`` reads: longer texts are cut there.
+
+    A longer cap would hand the model position ids it has no embedding for (a size mismatch deep in its forward).
+    """
+    n = config_positions(config)
+    if n is None or max_length <= n:
+        return max_length
+    log.info("%s reads %d token positions: texts are cut at %d tokens (max_length %d)", what, n, n, max_length)
+    return n
 
 
 def batches_per_model(

@@ -117,6 +117,22 @@ def foreign_classes(head: Sequence[str], data: Sequence[str]) -> str | None:
     return f"classes the head lacks: {short_names(missing)} (its classes: {short_names(head)})" if missing else None
 
 
+def too_few_classes(task: str | None, multi_label: bool, labels: Sequence[str]) -> str | None:
+    """Why a dataset cannot train a per-dataset classification head (one class or none), else None.
+
+    A single-label head over one class has nothing to tell apart (and ``transformers`` refuses to load a
+    ``single_label_classification`` head of one output). A union head (``labels: union``) may learn one class from a
+    dataset: the union holds the others.
+    """
+    if task not in ("classification", "pair_classification") or multi_label or len(labels) >= 2:
+        return None
+    which = f"only one class ({labels[0]})" if labels else "no class"
+    return (
+        f"{which} — a classification head needs two or more to tell apart: add records of another class "
+        "(and list it in meta.json's labels), or train with labels: union (--labels union)"
+    )
+
+
 def short_names(names: Sequence[str], n: int = 6) -> str:
     """The first ``n`` names, comma-separated, and how many there are in all (for messages)."""
     return ", ".join(names[:n]) + (f", ... {len(names)} in all" if len(names) > n else "")

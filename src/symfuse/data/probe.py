@@ -31,6 +31,7 @@ class DatasetProbe:
         labels: Class names (tags for NER): declared in ``meta.json``, else those of the first records.
         complete: Whether ``labels`` is the whole label set (declared in ``meta.json``).
         splits: The splits that have a file.
+        multi_label: Whether a record's label is a list of class names.
     """
 
     source: str
@@ -39,6 +40,7 @@ class DatasetProbe:
     labels: tuple[str, ...] = ()
     complete: bool = False
     splits: tuple[str, ...] = ()
+    multi_label: bool = False
 
     @property
     def read(self) -> bool:
@@ -88,4 +90,5 @@ def probe_dataset(source: str, records: int = PROBE_RECORDS) -> DatasetProbe:
         seen |= check_records(file, recs, task, multi, known)
     labels = tuple(declared) if declared else () if task == "regression" else tuple(sorted(seen))
     where = str(first.parent if len(set(files.values())) > 1 or meta is not None else Path(first))
-    return DatasetProbe(source, where, task, labels, bool(declared) or task == "regression", tuple(files))
+    complete = bool(declared) or task == "regression"
+    return DatasetProbe(source, where, task, labels, complete, tuple(files), multi)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from symfuse.data import iter_batches, load_task_dataset
-from symfuse.data.batches import encode_split
+from symfuse.data.batches import encode_split, readable_length
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
 from symfuse.evaluate.evaluate import write_json_atomic
@@ -191,7 +191,7 @@ def _task_loss(a, b, data, split, max_examples, batch_size, max_length, seed, de
     ds = load_task_dataset(data)
     batches = list(
         iter_batches(
-            encode_split(ds, tok, split, max_length, max_examples, seed),
+            encode_split(ds, tok, split, readable_length(max_length, model_a.config, a), max_examples, seed),
             batch_size,
             tok.pad_token_id or 0,
             by_length=True,  # the mean loss is order-free: batch similar lengths, pad little

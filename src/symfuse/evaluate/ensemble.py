@@ -23,7 +23,7 @@ import torch
 
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset
-from symfuse.data.batches import encode_split
+from symfuse.data.batches import encode_split, readable_length
 from symfuse.data.dataset import DatasetError, TaskDataset
 from symfuse.data.labels import label_index, shared_label_names
 from symfuse.device import resolve_device
@@ -163,7 +163,8 @@ class _Votes:
         how = self.how
         i = len(self.voters)
         self.voters.append(head)
-        mine = encode_split(self.ds, head.tok, how["split"], how["max_length"], how["max_examples"], how["seed"])
+        length = readable_length(how["max_length"], head.net.config, "a voter")
+        mine = encode_split(self.ds, head.tok, how["split"], length, how["max_examples"], how["seed"])
         if self.first is None:
             self.first, self.feats = head, mine
             self.order = sorted(range(len(mine)), key=lambda j: len(mine[j]["input_ids"]))  # little padding

@@ -16,7 +16,7 @@ import torch
 
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset
-from symfuse.data.batches import encode_split
+from symfuse.data.batches import encode_split, readable_length
 from symfuse.data.labels import read_label_space
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
@@ -114,7 +114,7 @@ def evaluate_model(
         raise ValueError(f"{path}: a {head_problem} head cannot be evaluated on {ds.name} ({ds.problem_type})")
     if ds.problem_type not in ("regression", "token_classification"):
         check_shared_classes(ds, head_labels)  # before the model runs over the split
-    feats = encode_split(ds, tok, split, max_length, max_examples, seed)
+    feats = encode_split(ds, tok, split, readable_length(max_length, net.config, path), max_examples, seed)
     batches = iter_batches(feats, batch_size, tok.pad_token_id or 0, by_length=True)  # metrics are order-free
     batches = _tracked(batches, math.ceil(len(feats) / batch_size), f"evaluate on {ds.name}/{split}", on_progress)
     dev = resolve_device(device)

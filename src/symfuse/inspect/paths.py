@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from symfuse.data import iter_batches, load_task_dataset
-from symfuse.data.batches import encode_split, load_tokenizer
+from symfuse.data.batches import encode_split, load_tokenizer, readable_length
 from symfuse.data.text import is_language_modeling, text_split
 from symfuse.errors import CheckpointError
 from symfuse.evaluate.barrier import barrier_from_losses, interpolate_state, interpolation_losses
@@ -182,8 +182,7 @@ def path_figures(
     model_a, tok, problem = load_probe_model(anchor, dev)
     model_b, _, _ = load_probe_model(source, dev)
     model_c, _, _ = load_probe_model(aligned, dev)
-    limit = getattr(model_a.config, "max_position_embeddings", None)  # a model of fewer positions than max_length
-    length = min(max_length, limit) if isinstance(limit, int) and limit > 0 else max_length
+    length = readable_length(max_length, model_a.config, anchor)  # a model of fewer positions than max_length
     probe = make_probe(data, tok, problem, split, max_examples, batch_size, length, seed, dev)
     lambdas = [float(x) for x in lambdas]
     return {

@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 
 from symfuse.merge.gta import GtaParams, SparseTaskVectorMerger
 from symfuse.merge.task_vectors import rescale_l1, seeded_uniform
+from symfuse.seeds import Seed
 
 
 def magprune_probs(tau: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
@@ -49,7 +50,7 @@ class DellaParams(GtaParams):
     """DELLA parameters (mergekit's, plus the mask seed)."""
 
     epsilon: float = Field(default=0.15, ge=0, lt=1)  # keep probabilities span density -/+ epsilon
-    seed: int = 0  # the masks' seed (with the tensor name and the model index)
+    seed: Seed = 0  # the masks' seed (with the tensor name and the model index)
     rescale: bool = True
     normalize: bool = True
 

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from symfuse.errors import CheckpointError, NonFiniteError
+from symfuse.seeds import Seed
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +319,7 @@ class RefitOptions(BaseModel):
     max_examples: int | None = Field(default=256, gt=0)
     batch_size: int = Field(default=16, gt=0)
     max_length: int = Field(default=128, gt=0)
-    seed: int = 13
+    seed: Seed = 13
     device: str = "cpu"
 
 

@@ -21,6 +21,7 @@ from pydantic import Field
 from symfuse.errors import MissingStats
 from symfuse.merge.base import MergeParams, Merger, TensorInputs, weighted_mean
 from symfuse.merge.regmean import regmean_solve
+from symfuse.seeds import Seed
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class RegMeanPlusPlusParams(MergeParams):
     max_examples: int | None = Field(default=256, gt=0)  # seeded subset of each dataset (None: all of it)
     batch_size: int = Field(default=16, gt=0)
     max_length: int = Field(default=128, gt=0)
-    seed: int = 13
+    seed: Seed = 13
     device: str = "cpu"
 
 

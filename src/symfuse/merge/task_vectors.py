@@ -22,6 +22,7 @@ import torch
 from pydantic import Field
 
 from symfuse.merge.base import MergeParams, Merger, TensorInputs
+from symfuse.seeds import Seed, torch_seed
 
 
 def task_vectors(t: TensorInputs) -> list[torch.Tensor]:
@@ -57,7 +58,7 @@ def seeded_uniform(shape: torch.Size | tuple[int, ...], seed: int, name: str, in
 
     Drawn on the CPU so that a merge gives the same masks on every device, whatever order tensors come in.
     """
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) * 31 + index)
+    g = torch.Generator().manual_seed(torch_seed(seed * 1_000_003 + zlib.crc32(name.encode()) * 31 + index))
     return torch.rand(tuple(shape), generator=g)
 
 
@@ -157,7 +158,7 @@ class DareParams(MergeParams):
     """DARE parameters."""
 
     drop: float = Field(default=0.9, ge=0, lt=1)  # drop probability of each task-vector entry
-    seed: int = 0
+    seed: Seed = 0
     combine: Literal["task-arithmetic", "ties"] = "task-arithmetic"
     lam: float | None = Field(default=None, allow_inf_nan=False)  # task-arithmetic: None = 1/K; ties: None = 1
     density: float = Field(default=1.0, gt=0, le=1)  # ties trim after the drop (1 = no further trim)

@@ -40,13 +40,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data import TaskDataset, collate, encode_split, iter_batches, load_task_dataset, load_tokenizer
-from symfuse.data.labels import LABEL_SPACE_KEY, columns_of, learned_space, union_columns
+from symfuse.data.batches import readable_length
+from symfuse.data.files import DatasetError
+from symfuse.data.labels import LABEL_SPACE_KEY, columns_of, learned_space, too_few_classes, union_columns
 from symfuse.device import resolve_device
 from symfuse.errors import NonFiniteError
 from symfuse.evaluate.predict import forward_logits, run_model, task_loss
 from symfuse.evaluate.scoring import score_logits
 from symfuse.io import check_finite_tensor
 from symfuse.outputs import atomic_output_dir, check_output
+from symfuse.seeds import Seed
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ class FinetuneConfig(BaseModel):
     max_length: int = Field(128, ge=8)
     max_train_examples: int | None = Field(None, ge=1)
     max_eval_examples: int | None = Field(None, ge=1, description="subsample validation (per-epoch evaluation)")
-    seed: int = 13
+    seed: Seed = 13
     warmup_ratio: float = Field(0.06, ge=0, le=1)
     weight_decay: float = Field(0.01, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
@@ -86,7 +89,7 @@ class FinetuneConfig(BaseModel):
         description="union labels: one binary output per class of this list (the union of every training set's "
         "classes), loss only on the dataset's own; None: a head over the dataset's classes",
     )
-    head_seed: int | None = Field(None, description="seed of the new head's generator; None: seed + HEAD_SEED_OFFSET")
+    head_seed: Seed | None = Field(None, description="seed of the new head's generator; None: seed + HEAD_SEED_OFFSET")
     head_lr_scale: float = Field(
         1.0,
         gt=0,
@@ -339,9 +342,10 @@ def train_model(
     cols = union_columns(model.config, data, where)  # union head: the outputs of the dataset's own classes
     model = copy.deepcopy(model).to(dev)
     pad = tokenizer.pad_token_id or 0
-    train_feats = encode_split(data, tokenizer, "train", cfg.max_length)
+    length = readable_length(cfg.max_length, model.config, where)
+    train_feats = encode_split(data, tokenizer, "train", length)
     val_split = "validation" if "validation" in data.splits else "test"
-    val_feats = encode_split(data, tokenizer, val_split, cfg.max_length, cfg.max_eval_examples, cfg.seed)
+    val_feats = encode_split(data, tokenizer, val_split, length, cfg.max_eval_examples, cfg.seed)
     val_batches = list(iter_batches(val_feats, cfg.eval_batch_size, pad, by_length=True))  # metrics: order-free
     fused = cfg.fused_optimizer and dev.type in ("cpu", "cuda")
     run = _Run(
@@ -466,6 +470,9 @@ def finetune(
     base_path = validate_checkpoint(base, finite=True, tokenizer=True)  # before any data is read
     tok = load_tokenizer(base_path)
     ds = load_task_dataset(data, max_train_examples=cfg.max_train_examples, seed=cfg.seed)
+    few = too_few_classes(ds.task, ds.multi_label, ds.labels) if cfg.label_space is None else None
+    if few:
+        raise DatasetError(f"{data}: {few}")
     if cfg.label_space is not None:  # before any model is built: the union must hold the dataset's classes
         if ds.task not in ("classification", "pair_classification"):
             raise ValueError(f"{data}: union labels need a classification dataset, not {ds.task}")

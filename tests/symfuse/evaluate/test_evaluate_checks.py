@@ -24,3 +24,26 @@ def test_no_shared_class_is_refused_before_the_model_runs(tmp_path, monkeypatch)
     # named as the dataset's own classes, the same head is scored (it runs)
     with pytest.raises(AssertionError, match="the model ran"):
         E.evaluate_model(model, str(data), labels_from=str(data))
+
+
+def test_texts_longer_than_the_models_positions_are_cut_there(tmp_path):
+    """A tiny classifier reads 64 positions; the default max_length is 128 and the texts run to ~300 tokens."""
+    import json
+
+    from symfuse.data.batches import config_positions
+    from symfuse.train import FinetuneConfig, finetune
+
+    model = save_tiny_text_classifier(tmp_path / "m", num_labels=2)
+    data = toy_dataset(tmp_path / "d", labels=("LABEL_0", "LABEL_1"))
+    for split in ("train", "validation", "test"):
+        rows = [{"text": " ".join(["word"] * 300 + [str(i)]), "label": f"LABEL_{i % 2}"} for i in range(6)]
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    metrics = E.evaluate_model(model, str(data), max_length=128)
+    assert metrics["n"] == 6 and 0 <= metrics["accuracy"] <= 1
+    cfg = FinetuneConfig(epochs=1, batch_size=3, max_length=512, max_train_examples=6, progress=False)
+    report = json.loads((finetune(model, str(data), tmp_path / "ft", cfg) / "symfuse_train.json").read_text())
+    assert len(report["epochs"]) == 1
+    # RoBERTa's position ids start after the padding index: 2 of its 514 embeddings are never read
+    assert config_positions({"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1}) == 512
+    assert config_positions({"model_type": "gpt2", "n_positions": 1024}) == 1024
+    assert config_positions({"model_type": "bert"}) is None
