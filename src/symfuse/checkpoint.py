@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from symfuse.arch import ArchSpec, Geometry, ModuleRef, ModuleWeights, get_spec, supported_model_types
-from symfuse.errors import CheckpointError, NonFiniteError, UnsupportedArchitecture
+from symfuse.errors import CheckpointError, NonFiniteError, SymfuseError, UnsupportedArchitecture
 from symfuse.gguf_in import GGUF_DTYPES, check_gguf, gguf_cache_key, is_gguf_path, write_gguf_folder
 from symfuse.io import (
     TensorFile,
@@ -244,9 +244,30 @@ def load_hf_model(
             config = transformers.AutoConfig.from_pretrained(str(path))
             arch = (getattr(config, "architectures", None) or [None])[0]
             cls = (getattr(transformers, arch, None) if arch else None) or transformers.AutoModel
-        out = cls.from_pretrained(str(path), **kwargs)
+        try:
+            out = cls.from_pretrained(str(path), **kwargs)
+        except RuntimeError as exc:
+            if "ignore_mismatched_sizes" not in str(exc):
+                raise
+            raise _size_mismatch(path, cls, kwargs) from exc
     (out[0] if isinstance(out, tuple) else out).eval()
     return out
+
+
+def _size_mismatch(path: Path, cls: Any, kwargs: dict[str, Any]) -> CheckpointError:
+    """The error for weights of other shapes than ``config.json`` builds: the first such tensor, both shapes, the fix.
+
+    transformers' own error only points at the table it printed.
+    """
+    kwargs = {k: v for k, v in kwargs.items() if k != "output_loading_info"}
+    _, info = cls.from_pretrained(str(path), ignore_mismatched_sizes=True, output_loading_info=True, **kwargs)
+    bad = sorted(info.get("mismatched_keys") or [("?", (), ())])  # (name, stored shape, built shape)
+    name, stored, built = bad[0][0], tuple(bad[0][1]), tuple(bad[0][2])
+    return CheckpointError(
+        f"{path}: {name} is stored with shape {stored} but config.json builds {built} ({len(bad)} tensor(s) differ) — "
+        "make config.json describe the stored weights (for a head: num_labels / id2label), or re-save the model "
+        "with save_pretrained"
+    )
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:
@@ -285,7 +306,13 @@ class CheckpointReader:
             spec = get_spec(self.config)
         except UnsupportedArchitecture as exc:
             raise unknown_model_type(self.path, self.config.model_type) from exc
-        self.spec, self.prefix = spec.for_checkpoint(self._files)
+        try:
+            self.spec, self.prefix = spec.for_checkpoint(self._files)
+        except SymfuseError as exc:  # a tensor the family always has is missing: a partial or foreign weight file
+            raise CheckpointError(
+                f"{self.path}: {exc} — its weight files are incomplete or of another model; re-save it with "
+                "save_pretrained (or convert it) so that every tensor is there"
+            ) from exc
         try:
             self.geometry: Geometry = self.spec.geometry(self.config)
         except (AttributeError, TypeError, ValueError, ZeroDivisionError) as exc:

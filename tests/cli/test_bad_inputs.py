@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from symfuse.stats.io import save_stats
 from tests.cli.helpers import listing, run_cli, toy_dataset
@@ -58,6 +58,8 @@ CASES = [
     C("merge-one-model", f"{MERGE} simple --models {{A}} {OUT}", 2, "--models"),
     C("merge-no-models", f"{MERGE} simple {OUT}", 2, "--models"),
     C("merge-missing-model", f"{MERGE} simple --models {{A}} {{MISSING}} {OUT}", 2, "missing"),
+    C("merge-tensor-missing", f"{MERGE} simple --models {{A}} {{NOLAYER}} {OUT}", 1, "nolayer: checkpoint does not"),
+    C("merge-other-architecture", f"{MERGE} simple --models {{A}} {{ROBERTA}} {OUT}", 1, "a roberta model, and"),
     C("merge-model-url", f"{MERGE} simple --models s3://bucket/model {{B}} {OUT}", 2, "s3://bucket/model is a URL"),
     C("merge-model-is-a-file", f"{MERGE} simple --models {{A}} {{FILE}} {OUT}", 2, "notes.txt"),
     C("merge-empty-folder", f"{MERGE} simple --models {{A}} {{EMPTY}} {OUT}", 1, "empty"),
@@ -214,6 +216,7 @@ CASES = [
     C("evaluate-unknown-dataset", "evaluate {A} --data nosuch_dataset", 1, "nosuch_dataset"),
     C("evaluate-missing-model", "evaluate {MISSING} --data {DATA}", 2, "missing"),
     C("evaluate-adapter", "evaluate {ADAPTER} --data {DATA}", 1, "fold it first: symfuse merge-lora --adapters"),
+    C("evaluate-head-size-mismatch", "evaluate {HEAD3} --data {DATA}", 1, "classifier.bias is stored with shape (2,)"),
     C(
         "evaluate-invalid-meta-json",
         "evaluate {CA} --data {BADMETA}",
@@ -285,6 +288,15 @@ def build_inputs(d: Path) -> dict[str, Path]:
     (p["MISSPELT"] / "config.json").write_text(json.dumps(config | {"model_type": "bret"}))
     p["BIG"] = toy_dataset(d / "big", labels=("w", "x", "y", "z"))
     p["ONECLASS"] = toy_dataset(d / "oneclass", labels=("joy",))
+    p["HEAD3"] = shutil.copytree(p["CA"], d / "head3")  # config.json says 3 classes, the head holds 2
+    config = json.loads((p["HEAD3"] / "config.json").read_text())
+    config |= {"id2label": {str(i): f"c{i}" for i in range(3)}, "label2id": {f"c{i}": i for i in range(3)}}
+    (p["HEAD3"] / "config.json").write_text(json.dumps(config))
+    p["NOLAYER"] = shutil.copytree(p["A"], d / "nolayer")  # a tensor every BERT has is missing
+    tensors = load_file(p["NOLAYER"] / "model.safetensors")
+    del tensors[next(n for n in tensors if n.endswith("layer.0.attention.output.dense.weight"))]
+    save_file(tensors, p["NOLAYER"] / "model.safetensors", metadata={"format": "pt"})
+    p["ROBERTA"] = save_tiny(d / "roberta", "roberta", seed=1)
     p["GGUF"] = write_gguf(tiny_llama(), d / "tiny.gguf", "Q8_0")
     p["BADGGUF"] = d / "zip.gguf"
     p["BADGGUF"].write_bytes(b"PK\x03\x04 a zip file named .gguf")

@@ -116,10 +116,21 @@ def _check_bodies(readers: Sequence[CheckpointReader], separate: bool) -> None:
         rbody = {n for n in r.names() if not (separate and n in head_names(r))}
         if rbody != set(body):
             diff = sorted(rbody.symmetric_difference(body))[:5]
+            _refuse_other_type(r, r0)
             raise CheckpointError(f"{r.path}: tensors differ from {r0.path} (e.g. {diff}); models cannot be merged")
         for n in body:
             if r.shape(n) != r0.shape(n):
+                _refuse_other_type(r, r0)
                 raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, model 0 has {r0.shape(n)}")
+
+
+def _refuse_other_type(r: CheckpointReader, r0: CheckpointReader) -> None:
+    """Say that two models whose tensors differ are of different architectures, when their configs say so."""
+    if r.config.model_type != r0.config.model_type:
+        raise CheckpointError(
+            f"{r.path}: a {r.config.model_type} model, and {r0.path} a {r0.config.model_type} one — merge models of "
+            "one architecture (fine-tunes of one base, or models trained alike)"
+        )
 
 
 def _check_fisher(fisher: StatsFile, reader: CheckpointReader) -> None:
