@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from symfuse import yaml_io
 from symfuse.config_schema import ANCHOR_POLICIES, ANCHOR_SCHEMA, NAME_RE, NAME_SCHEMA, enum_of, merge_params_schema
 from symfuse.merge.registry import MERGERS, merger_params
 from symfuse.seeds import Seed
@@ -51,14 +52,16 @@ def read_yaml(path: str | os.PathLike) -> Any:
     Raises:
         FileNotFoundError: the file is absent.
         ValueError: ``<path>: not valid YAML at line L, column C (<problem>) — fix the syntax there`` (bytes that are
-            not UTF-8 likewise name their line).
+            not UTF-8 likewise name their line; a mapping key given twice names both lines).
     """
     data = Path(path).read_bytes()
     try:
-        return yaml.safe_load(data.decode("utf-8"))
+        return yaml_io.load(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise ValueError(f"{path}: not UTF-8 at line {line} — re-save it as UTF-8 text") from exc
+    except yaml_io.DuplicateKeyError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

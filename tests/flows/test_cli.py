@@ -39,6 +39,10 @@ def test_a_bad_config_is_one_line_naming_the_file(tmp_path, capfd):
     err = capfd.readouterr().err.strip().splitlines()
     assert err == [f"error: {cfg}: not valid YAML at line 3, column 1 (expected ',' or ']', but got '<scalar>') — "
                    "fix the syntax there"], err  # fmt: skip
+    cfg.write_text("run_id: x\nstrategies: [simple]\nrun_id: y\n")  # the last would win silently
+    assert main(["--config", str(cfg)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"error: {cfg}: line 3: key 'run_id' given twice (first at line 1) — keep one"], err
 
 
 def test_a_failed_run_is_one_error_line_and_no_traceback(nan_base, memory_root, tmp_path, capfd, console_formatters):

@@ -123,6 +123,14 @@ def test_yaml_syntax_errors_name_the_file_line_and_column(tmp_path):
         RunConfig.from_yaml(path)
 
 
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run_id: x\nstrategies: [simple]\ndatasets:\n  - name: meld\n    name: goemotions\n")
+    with pytest.raises(ValueError) as info:
+        RunConfig.from_yaml(path)
+    assert str(info.value) == f"{path}: line 5: key 'name' given twice (first at line 4) — keep one"
+
+
 def test_json_schema_is_a_typed_form():
     schema = RunConfig.model_json_schema()
     props = schema["properties"]

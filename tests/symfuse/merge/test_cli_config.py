@@ -62,6 +62,17 @@ BAD = [
     ("not-a-mapping", "- simple\n", "mapping"),
     ("unused-param", "strategy: simple\nmodels: [{a}, {b}]\nparams: {{alpha: 0.5}}\n", "alpha"),
     ("missing-model", "strategy: simple\nmodels: [{a}, /nonexistent/model]\n", "/nonexistent/model"),
+    ("duplicate-key", "strategy: simple\nmodels: [{a}, {b}]\nstrategy: ties\n", "line 3: key 'strategy' given twice"),
+    (
+        "duplicate-mergekit-key",
+        "merge_method: linear\nmodels:\n  - model: {a}\n  - model: {b}\nmerge_method: ties\n",
+        "line 5: key 'merge_method' given twice",
+    ),
+    (
+        "duplicate-nested-key",
+        "strategy: ties\nbase: {a}\nmodels: [{a}, {b}]\nparams:\n  density: 0.5\n  density: 0.2\n",
+        "line 6: key 'density' given twice",
+    ),
 ]
 
 
