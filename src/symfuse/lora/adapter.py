@@ -15,7 +15,8 @@ the module's rank (its tensors' shape) and ``alpha`` from ``alpha_pattern`` (PEF
 (PEFT's ``get_weight_norm``: ``torch.linalg.norm(W + delta, dim=1)`` for ``nn.Linear``).
 
 What this reader cannot represent exactly is refused in one line naming the file or key: another PEFT type,
-``lora_bias``, embedding / convolution LoRA, ``modules_to_save`` and other tensors that are not a LoRA pair.
+``lora_bias``, embedding / convolution LoRA, ``modules_to_save`` and other tensors that are not a LoRA pair; so is
+a module whose rank is not the config's ``r`` (or its ``rank_pattern`` entry), which PEFT could not load.
 """
 
 from __future__ import annotations
@@ -111,12 +112,15 @@ def is_adapter(folder: str | os.PathLike) -> bool:
     return (Path(folder) / CONFIG).is_file()
 
 
+def _pattern_key(patterns: Mapping[str, Any], key: str) -> str | None:
+    """PEFT's ``get_pattern_key``: the first pattern that matches the end of ``key`` after a dot, else None."""
+    return next((p for p in patterns if re.match(rf"(.*\.)?({p})$", key)), None)
+
+
 def pattern_value(patterns: Mapping[str, Any], key: str, default: Any) -> Any:
-    """PEFT's ``get_pattern_key`` lookup: the first pattern that matches the end of ``key`` after a dot."""
-    for p in patterns:
-        if re.match(rf"(.*\.)?({p})$", key):
-            return patterns[p]
-    return default
+    """The value of the first pattern (PEFT's ``get_pattern_key`` lookup) matching ``key``, else ``default``."""
+    p = _pattern_key(patterns, key)
+    return default if p is None else patterns[p]
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -138,7 +142,22 @@ def _read_config(folder: Path) -> dict[str, Any]:
     for key in ("r", "lora_alpha"):
         if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
             raise CheckpointError(f"{file}: {key} is {cfg.get(key)!r} — it must be a positive number")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(cfg.get(key) or {}, dict):
+            raise CheckpointError(f"{file}: {key} is {cfg[key]!r} — it must map module names to numbers")
     return cfg
+
+
+def _check_rank(cfg: Mapping[str, Any], key: str, rank: int, file: Path) -> None:
+    """PEFT sizes a module's factors from ``r`` (or its ``rank_pattern`` entry) and cannot load another rank."""
+    pattern = _pattern_key(cfg.get("rank_pattern") or {}, key)
+    want = cfg["r"] if pattern is None else cfg["rank_pattern"][pattern]
+    if rank != want:
+        field, via = ("r", "") if pattern is None else ("rank_pattern", f" (rank_pattern {pattern!r})")
+        raise CheckpointError(
+            f"{file.parent}: {PREFIX}{key}{_A} has rank {rank} but {CONFIG} says r = {want}{via} — fix {field} in "
+            f"{CONFIG} or re-save the adapter with PEFT"
+        )
 
 
 def _module_scale(cfg: Mapping[str, Any], key: str, rank: int) -> float:
@@ -161,7 +180,7 @@ def read_adapter(folder: str | os.PathLike) -> LoraAdapter:
 
     Raises:
         CheckpointError: one line naming the file or tensor: not an adapter, an unsupported feature, a missing
-            or misshapen tensor.
+            or misshapen tensor, a rank other than the config's ``r`` / ``rank_pattern`` (PEFT could not load it).
     """
     folder = Path(folder)
     cfg = _read_config(folder)
@@ -192,6 +211,7 @@ def _module(cfg: Mapping[str, Any], key: str, p: dict[str, torch.Tensor], file: 
         )
     if b.shape[1] != a.shape[0]:
         raise CheckpointError(f"{file}: {key}: lora_B {tuple(b.shape)} and lora_A {tuple(a.shape)} differ in rank")
+    _check_rank(cfg, key, int(a.shape[0]), file)
     if bool(cfg.get("use_dora")) != (m is not None):
         what = "has no" if m is None else "has a"
         raise CheckpointError(f"{file}: {key} {what} lora_magnitude_vector but use_dora is {cfg.get('use_dora')}")

@@ -71,6 +71,27 @@ def test_merge_lora_refusals(zoo, tmp_path):
     assert not out.exists()
 
 
+def test_a_rank_that_disagrees_with_the_config_is_refused(zoo, tmp_path):
+    """PEFT sizes lora_A / lora_B from r (or rank_pattern) and cannot load tensors of another rank."""
+    cfg = json.loads((zoo["a2"] / "adapter_config.json").read_text())
+    wrong_r, wrong_pattern = tmp_path / "wrong_r", tmp_path / "wrong_pattern"
+    for folder, change in ((wrong_r, {"r": 16}), (wrong_pattern, {"rank_pattern": {"v_proj": 2}})):
+        shutil.copytree(zoo["a2"], folder)
+        (folder / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+    out = tmp_path / "out"
+    fix = "fix r in adapter_config.json or re-save the adapter with PEFT"
+    _refused(_run("--adapters", wrong_r, zoo["a1"], "--out", out), 1,
+             f"{wrong_r}: base_model.model.model.layers.0.mlp.down_proj.lora_A.weight has rank 4 but "
+             f"adapter_config.json says r = 16 — {fix}")  # fmt: skip
+    _refused(_run("--adapters", zoo["a1"], wrong_pattern, "--out", out), 1,
+             f"{wrong_pattern}: base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight has rank 4 but "
+             "adapter_config.json says r = 2 (rank_pattern 'v_proj') — fix rank_pattern")  # fmt: skip
+    assert not out.exists()
+    patterned = make_adapter(zoo["base"], tmp_path / "patterned", seed=3, rank_pattern={"q_proj": 2})  # PEFT's own
+    assert {m.rank for k, m in read_adapter(patterned).modules.items() if k.endswith("q_proj")} == {2}
+    assert _run("--adapters", patterned, zoo["a1"], "--out", out).exit_code == 0
+
+
 def test_merge_points_adapter_folders_to_merge_lora(zoo, tmp_path):
     res = runner.invoke(app, ["merge", "--strategy", "simple", "--models", str(zoo["a1"]), str(zoo["a2"]),
                               "--out", str(tmp_path / "out")], terminal_width=200)  # fmt: skip
