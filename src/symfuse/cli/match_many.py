@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -17,24 +18,38 @@ REPORT = "symfuse_many_report.json"
 
 
 def output_names(models: list[str]) -> list[str]:
-    """One sub-folder name per model: its folder name, prefixed with its position when two names clash."""
+    """One sub-folder name per model: its folder name, prefixed with its position when two names clash.
+
+    Names that differ only in case clash too: they are one folder on a case-insensitive file system (macOS, Windows).
+    """
     base = [Path(m.rstrip("/")).name or f"model{i}" for i, m in enumerate(models)]
-    if len(set(base)) == len(base):
+    if len({b.casefold() for b in base}) == len(base):
         return base
     return [f"{i}-{b}" for i, b in enumerate(base)]
 
 
 def anchor_index(anchor: str, models: list[str], names: list[str]) -> str | int:
-    """``closest`` / ``barycenter`` as given; a model (as written, or its folder name) as its index."""
+    """``closest`` / ``barycenter`` as given; a model (as written, its output name or folder name) as its index.
+
+    Raises:
+        UsageError: ``anchor`` names no model, or names two different models by their folder name.
+    """
     if anchor in ("closest", "barycenter"):
         return anchor
-    for i, (m, n) in enumerate(zip(models, names, strict=True)):
-        if anchor in (m, n, Path(m.rstrip("/")).name):
-            return i
-    raise UsageError(
-        f"--anchor: {anchor!r} is not closest, barycenter or one of the models ({', '.join(names)}) — "
-        "give closest, barycenter or a model as written on the command line"
-    )
+    found = [i for i, m in enumerate(models) if anchor == m] or [
+        i for i, (m, n) in enumerate(zip(models, names, strict=True)) if anchor in (n, Path(m.rstrip("/")).name)
+    ]
+    if not found:
+        raise UsageError(
+            f"--anchor: {anchor!r} is not closest, barycenter or one of the models ({', '.join(names)}) — "
+            "give closest, barycenter or a model as written on the command line"
+        )
+    if len({os.path.realpath(models[i]) for i in found}) > 1:
+        raise UsageError(
+            f"--anchor: {anchor!r} names {len(found)} models ({', '.join(models[i] for i in found)}) — give the "
+            f"anchor by its path, e.g. --anchor {models[found[0]]}"
+        )
+    return found[0]
 
 
 @app.command("match-many")
@@ -47,7 +62,11 @@ def match_many_cmd(
     ] = None,
     anchor: Annotated[
         str,
-        typer.Option("--anchor", help="closest (model nearest the plain average), barycenter, or one model's name."),
+        typer.Option(
+            "--anchor",
+            help="closest (model nearest the plain average), barycenter, or one model: its path, or its folder name "
+            "when no other model shares it.",
+        ),
     ] = "closest",
     symmetries: Annotated[
         str,

@@ -74,3 +74,35 @@ def test_out_exists_is_refused_and_left_alone(three, tmp_path):
     r = _run("match-many", *three, "--out", out)
     assert r.exit_code == 2 and "aligned" in r.output
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_two_models_with_one_folder_name_need_the_anchor_by_path_and_keep_their_own_outputs(three, tmp_path):
+    a, b, _ = three
+    other = tmp_path / "other"
+    other.mkdir()
+    b = b.rename(other / "a")  # the disguised copy, also in a folder named a
+    out = tmp_path / "aligned"
+    r = _run("match-many", a, b, "--anchor", "a", "--symmetries", SYM, "--out", out)
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert lines[0] == (
+        f"error: --anchor: 'a' names 2 models ({a}, {b}) — give the anchor by its path, e.g. --anchor {a}"
+    )
+    assert not out.exists()
+    r = _run("match-many", a, b, "--anchor", b, "--symmetries", SYM, "--out", out)
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "symfuse_many_report.json").read_text())
+    assert report["anchor"] == str(b) and [m["out"] for m in report["models"]] == ["0-a", "1-a"]
+    assert _close(load_file(out / "1-a" / "model.safetensors"), load_file(b / "model.safetensors"), 0)  # the anchor
+    assert _close(load_file(out / "0-a" / "model.safetensors"), load_file(b / "model.safetensors"), 1e-4)
+    assert not _close(load_file(a / "model.safetensors"), load_file(b / "model.safetensors"), 1e-2)
+
+
+def test_folder_names_that_differ_only_in_case_get_their_own_outputs(three, tmp_path):
+    a, b, _ = three
+    upper = b.rename(tmp_path / "A")  # one folder on a case-insensitive file system (macOS, Windows)
+    out = tmp_path / "aligned"
+    r = _run("match-many", a, upper, "--anchor", "0-a", "--symmetries", SYM, "--out", out)
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "symfuse_many_report.json").read_text())
+    assert report["anchor"] == str(a) and [m["out"] for m in report["models"]] == ["0-a", "1-A"]
