@@ -135,21 +135,38 @@ def _store_problems(config: RunConfig) -> list[str]:
     A URL (``s3://...``) is reached when the run first writes; a file there would fail each task's upload after
     its work (a fine-tune retried three times), so it is one line now.
     """
-    root = config.resolved_store_root()
+    fix = "give a folder (created if missing) or a URL such as s3://bucket/prefix in store_root or $SYMFUSE_STORE"
+    problem = store_root_problem(config.resolved_store_root(), "store_root", fix)
+    return [problem] if problem else []
+
+
+def store_root_problem(root: str, label: str, fix: str) -> str | None:
+    """Why a store root cannot be written (``<label> <root>: <what> — <fix>``), or None.
+
+    A local root must be a folder, or a path whose nearest existing parent is a writable folder; a URL other than
+    ``file://`` is not checked (it is reached when first written).
+
+    Args:
+        root: The store root (a path or URL).
+        label: What the user gave it as (``store_root``, ``--store``).
+        fix: The end of the line: what to give instead.
+
+    Returns:
+        One line naming the root, what is wrong and ``fix``; None when the root is usable.
+    """
     scheme, sep, rest = root.partition("://")
     if sep and scheme != "file":
-        return []
+        return None
     path = Path(rest if sep else root).expanduser()
-    fix = "give a folder (created if missing) or a URL such as s3://bucket/prefix in store_root or $SYMFUSE_STORE"
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
         what = "is a file" if probe == path else f"is under {probe}, which is a file"
-        return [f"store_root {root}: {what} — {fix}"]
+        return f"{label} {root}: {what} — {fix}"
     if not os.access(probe, os.W_OK | os.X_OK):
-        return [f"store_root {root}: {probe} is not writable by this user — {fix}"]
-    return []
+        return f"{label} {root}: {probe} is not writable by this user — {fix}"
+    return None
 
 
 def _strategy_problems(config: RunConfig) -> list[str]:

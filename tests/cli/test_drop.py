@@ -55,3 +55,34 @@ def test_a_plain_copy_in_incoming_is_named_in_a_warning_not_ignored_silently(tmp
     assert line.startswith(f"{copied} has no manifest.json") and "symfuse drop <checkpoint folder> --run r1" in line
     assert pending_checkpoints(store, "r1") == [store.uri(layout.incoming_key("r1", "good"))]
     assert warn_unmarked(ArtifactStore(str(tmp_path / "empty")), "r1", None, warnings.append) == []
+
+
+def test_a_run_the_store_has_no_record_of_is_refused_while_a_new_store_takes_any_run(tmp_path):
+    ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
+    root = tmp_path / "store"
+    store = ArtifactStore(str(root))  # a store with two runs (a fresh store takes a first one: see above)
+    for run in ("r1", "r2"):
+        store.put_dir(layout.model_key(run, "meld"), ckpt, "test")
+    res = run_cli("drop", ckpt, "--run", "r1x", "--store", root)
+    assert res.returncode == 2, res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert line == (
+        f"error: --run r1x: the store {store.root} has no run r1x (its runs: r1, r2) — check "
+        "--run, or start the run first: python -m flows --config RUN.yaml --run-id r1x"
+    ), res.stderr
+    assert sorted(p.name for p in (root / "runs").iterdir()) == ["r1", "r2"]
+    assert run_cli("drop", ckpt, "--run", "r2", "--name", "n", "--store", root).returncode == 0
+
+
+def test_a_store_root_that_is_a_file_is_refused_in_one_line(tmp_path):
+    ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a store\n")
+    for root, what in ((notes, "is a file"), (notes / "store", f"is under {notes}, which is a file")):
+        res = run_cli("drop", ckpt, "--run", "r1", "--store", root)
+        assert res.returncode == 2, res.stderr
+        (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert line == (
+            f"error: --store {root}: {what} — give a folder (created if missing) or a URL such as s3://bucket/prefix"
+        ), res.stderr
+    assert notes.read_text() == "not a store\n"

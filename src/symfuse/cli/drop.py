@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from symfuse.cli import app
 from symfuse.errors import OutputExistsError, UsageError
 
+if TYPE_CHECKING:
+    from symfuse.store import ArtifactStore
+
+SHOWN_RUNS = 5
+
 
 @app.command("drop")
 def drop(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint folder (save_pretrained output, safetensors).")],
-    run: Annotated[str, typer.Option("--run", help="Run id whose watcher (watch-checkpoints) picks it up.")],
+    run: Annotated[
+        str,
+        typer.Option(
+            "--run",
+            help="Run id whose watcher (watch-checkpoints) picks it up: a run the store has (any run in a new store).",
+        ),
+    ],
     dataset: Annotated[
         str | None,
         typer.Option(
@@ -36,7 +47,7 @@ def drop(
     """Validate CHECKPOINT, then store it whole as runs/RUN/incoming/NAME (the watcher ignores plain copies)."""
     if not checkpoint.is_dir():
         raise UsageError(f"CHECKPOINT {checkpoint}: not a folder — give the folder save_pretrained wrote")
-    from symfuse.store import ArtifactStore, layout
+    from symfuse.store import layout
 
     name = name or dataset or checkpoint.resolve().name
     try:
@@ -45,10 +56,10 @@ def drop(
             layout.check_segment(dataset, "--dataset")
     except ValueError as exc:
         raise UsageError(f"{exc}; pick another --run / --name / --dataset") from exc
+    store = _store(store_root, run)
     from symfuse.checkpoint import validate_checkpoint
 
     validate_checkpoint(checkpoint)  # config, headers, shapes, NaN / inf: before anything is uploaded
-    store = ArtifactStore(store_root)
     if store.exists(key) and not replace:
         raise OutputExistsError(
             f"{store.uri(key)} exists; pass --replace to publish a new version of it, or another --name"
@@ -56,3 +67,31 @@ def drop(
     uri = store.put_dir(key, checkpoint, "symfuse drop", meta={"dataset": dataset or name})
     typer.echo(f"dropped {checkpoint} as {uri} (dataset {dataset or name}); the next watch-checkpoints tick of run "
                f"{run!r} emits it for a re-merge")  # fmt: skip
+
+
+def _store(store_root: str | None, run: str) -> ArtifactStore:
+    """The store to drop into: a root that can be written, holding run ``run`` or no run yet.
+
+    A store with no run takes a checkpoint for any run (a watcher may be set up before the run's first start); in a
+    store that has runs, a run it has no folder for is a typo more often than a new run.
+
+    Raises:
+        UsageError: the root is a file (or under one) or not writable; the store has runs but not ``run``.
+    """
+    from symfuse.preflight import store_root_problem
+    from symfuse.store import ArtifactStore, default_root, layout
+
+    root = store_root or default_root()
+    label = "--store" if store_root else "store root ($SYMFUSE_STORE, else ./symfuse-runs)"
+    problem = store_root_problem(root, label, "give a folder (created if missing) or a URL such as s3://bucket/prefix")
+    if problem:
+        raise UsageError(problem)
+    store = ArtifactStore(root)
+    runs = store.folders(layout.runs_prefix())
+    if runs and run not in runs:
+        more = f" and {len(runs) - SHOWN_RUNS} more" if len(runs) > SHOWN_RUNS else ""
+        raise UsageError(
+            f"--run {run}: the store {store.root} has no run {run} (its runs: {', '.join(runs[:SHOWN_RUNS])}{more}) "
+            f"— check --run, or start the run first: python -m flows --config RUN.yaml --run-id {run}"
+        )
+    return store

@@ -58,6 +58,11 @@ def check_segment(value: str, what: str) -> str:
     return value
 
 
+def runs_prefix() -> str:
+    """``runs``: its folders are the store's runs (list them with ``ArtifactStore.folders``)."""
+    return "runs"
+
+
 def run_prefix(run: str) -> str:
     """``runs/{run}``: the prefix holding every artifact of a run."""
     return f"runs/{check_segment(run, 'run id')}"

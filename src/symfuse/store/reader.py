@@ -292,6 +292,19 @@ class ArtifactReader:
             bare = [c for c in children if c.rstrip("/").rsplit("/", 1)[-1] != VERSIONS]
             return sorted(self._rel(c) for c in bare if not self.fs.exists(f"{c.rstrip('/')}/{MANIFEST}"))
 
+    def folders(self, prefix: str) -> list[str]:
+        """Names of the folders directly under ``prefix`` (artifacts or not; hidden ones left out), sorted.
+
+        On an object store a folder is there while some object's key runs through it.
+        """
+        base = self._path(prefix)
+        with self._io(f"{self.root}/{prefix}"):
+            if not self.fs.isdir(base):
+                return []
+            entries = self.fs.ls(base, detail=True)
+        names = (e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+        return sorted(n for n in names if not n.startswith("."))
+
     def _rel(self, path: str) -> str:
         """A backend path relative to the store root."""
         root = self.fs._strip_protocol(self.path).rstrip("/")

@@ -209,6 +209,16 @@ def test_list_shows_only_complete_artifacts(store: ArtifactStore, tmp_path):
     assert store.list("runs/nothing-here") == []
 
 
+def test_folders_are_the_runs_with_or_without_artifacts(store: ArtifactStore, tmp_path):
+    assert store.folders(layout.runs_prefix()) == []  # a new store: no runs/ yet
+    store.put_json(layout.eval_key("r2", "simple-plain", "meld"), {"a": 1}, producer="t")
+    store.put_dir(layout.incoming_key("r1", "m"), make_dir(tmp_path / "src"), producer="t")
+    store.fs.pipe_file(store._path("runs/r3/incoming/copied", "model.safetensors"), b"no manifest")
+    assert store.folders(layout.runs_prefix()) == ["r1", "r2", "r3"]
+    assert store.folders(layout.incoming_prefix("r1")) == ["m"]
+    assert store.folders(layout.incoming_key("r1", "m")) == []  # its versions folder (.v) is left out
+
+
 def test_delete(store: ArtifactStore, tmp_path):
     store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
     data = data_path(store, KEY, "model.safetensors")
