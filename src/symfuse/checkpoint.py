@@ -190,7 +190,10 @@ def config_error(folder: Path, exc: BaseException) -> CheckpointError:
     if model_type not in CONFIG_MAPPING_NAMES:
         return unknown_model_type(folder, model_type)
     text = " ".join(str(exc).split())
-    return CheckpointError(f"{Path(folder) / 'config.json'}: cannot be read ({type(exc).__name__}: {text})")
+    return CheckpointError(
+        f"{Path(folder) / 'config.json'}: cannot be read ({type(exc).__name__}: {text}) — fix that field as the "
+        f"{model_type} config of transformers wants it (save_pretrained writes a valid one)"
+    )
 
 
 # transformers 5 builds models inside context managers (no_init_weights, no_tie_weights, ...) that swap

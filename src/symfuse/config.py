@@ -161,6 +161,12 @@ class EvalSettings(_Strict):
     @field_validator("out_of_domain")
     @classmethod
     def _names(cls, value: list[str]) -> list[str]:
+        for v in value:
+            if "/" in v or "\\" in v:  # a path: evaluation sets are named (their name keys the run's artifacts)
+                raise ValueError(
+                    f"evaluation dataset {v!r}: a name, not a path — put the folder under $SYMFUSE_DATASETS/<name> "
+                    "(or ../shared/datasets/<name>) and give <name>"
+                )
         return [_check_name(v, "evaluation dataset") for v in value]
 
 

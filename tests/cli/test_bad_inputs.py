@@ -59,6 +59,7 @@ CASES = [
     C("merge-no-models", f"{MERGE} simple {OUT}", 2, "--models"),
     C("merge-missing-model", f"{MERGE} simple --models {{A}} {{MISSING}} {OUT}", 2, "missing"),
     C("merge-tensor-missing", f"{MERGE} simple --models {{A}} {{NOLAYER}} {OUT}", 1, "nolayer: checkpoint does not"),
+    C("merge-link-loop", f"{MERGE} simple --models {{A}} {{LOOP}} {OUT}", 2, "symbolic link that leads nowhere"),
     C("merge-other-architecture", f"{MERGE} simple --models {{A}} {{ROBERTA}} {OUT}", 1, "a roberta model, and"),
     C("merge-model-url", f"{MERGE} simple --models s3://bucket/model {{B}} {OUT}", 2, "s3://bucket/model is a URL"),
     C("merge-model-is-a-file", f"{MERGE} simple --models {{A}} {{FILE}} {OUT}", 2, "notes.txt"),
@@ -297,6 +298,8 @@ def build_inputs(d: Path) -> dict[str, Path]:
     del tensors[next(n for n in tensors if n.endswith("layer.0.attention.output.dense.weight"))]
     save_file(tensors, p["NOLAYER"] / "model.safetensors", metadata={"format": "pt"})
     p["ROBERTA"] = save_tiny(d / "roberta", "roberta", seed=1)
+    p["LOOP"] = d / "loop"  # a symbolic link to itself
+    p["LOOP"].symlink_to(p["LOOP"])
     p["GGUF"] = write_gguf(tiny_llama(), d / "tiny.gguf", "Q8_0")
     p["BADGGUF"] = d / "zip.gguf"
     p["BADGGUF"].write_bytes(b"PK\x03\x04 a zip file named .gguf")

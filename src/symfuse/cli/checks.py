@@ -98,6 +98,8 @@ def local_path(option: str, value: str | Path, folder: bool = True) -> None:
     looks_local = path.exists() or text.startswith(("/", "./", "../", "~")) or text.count("/") > 1
     if not looks_local:
         return
+    if not path.exists() and path.is_symlink():
+        raise UsageError(f"{option}: {text} is a symbolic link that leads nowhere (or into a loop) — check the link")
     if not path.exists():
         raise UsageError(f"{option}: {text} does not exist — check the path")
     if folder and not path.is_dir() and path.suffix.lower() != ".gguf":  # a .gguf file is read as a checkpoint

@@ -230,7 +230,7 @@ def _check_file(file: Path, task: str, multi_label: bool, labels: list[str] | No
     known = set(labels) if labels else None
     records = read_records(file)
     if not records:
-        raise DatasetError(f"{file}: no records")
+        raise DatasetError(f"{file}: no records — add records to it, or remove the file")
     _CHECKED[key] = sorted(check_records(file, records, task, multi_label, known))
     return _CHECKED[key]
 
@@ -315,7 +315,7 @@ def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, 
     if meta is None:
         first = read_records(next(iter(files.values())))
         if not first:
-            raise DatasetError(f"{next(iter(files.values()))}: no records")
+            raise DatasetError(f"{next(iter(files.values()))}: no records — add records to it, or remove the file")
         task, multi = _infer_task(first[0][1])
         meta = {"task": task, "multi_label": multi, "inferred": True}
     task = meta.get("task")

@@ -76,7 +76,10 @@ def _json_line(file: Path, lineno: int, line: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{file}:{lineno}: not valid JSON ({exc.msg}); fix or remove that line") from exc
     if not isinstance(rec, dict):
-        raise DatasetError(f"{file}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        raise DatasetError(
+            f"{file}:{lineno}: expected a JSON object, got {type(rec).__name__} — write one object per line, e.g. "
+            '{"text": "...", "label": "joy"}'
+        )
     return rec
 
 
