@@ -114,7 +114,8 @@ def evaluate_model(
         raise ValueError(f"{path}: a {head_problem} head cannot be evaluated on {ds.name} ({ds.problem_type})")
     if ds.problem_type not in ("regression", "token_classification"):
         check_shared_classes(ds, head_labels)  # before the model runs over the split
-    feats = encode_split(ds, tok, split, readable_length(max_length, net.config, path), max_examples, seed)
+    max_length = readable_length(max_length, net.config, path)  # recorded as used: longer texts are cut there
+    feats = encode_split(ds, tok, split, max_length, max_examples, seed)
     batches = iter_batches(feats, batch_size, tok.pad_token_id or 0, by_length=True)  # metrics are order-free
     batches = _tracked(batches, math.ceil(len(feats) / batch_size), f"evaluate on {ds.name}/{split}", on_progress)
     dev = resolve_device(device)

@@ -108,6 +108,12 @@ def _resolve_stats(
     return found
 
 
+_ONE_SHAPE = (
+    "a merge is tensor by tensor, so the models must have the same tensors and shapes (fine-tunes of one base); "
+    "`symfuse inspect A B` lists what differs"
+)
+
+
 def _check_bodies(readers: Sequence[CheckpointReader], separate: bool) -> None:
     """Refuse models whose body tensors (heads aside when kept per model) differ in names or shapes."""
     r0 = readers[0]
@@ -117,11 +123,11 @@ def _check_bodies(readers: Sequence[CheckpointReader], separate: bool) -> None:
         if rbody != set(body):
             diff = sorted(rbody.symmetric_difference(body))[:5]
             _refuse_other_type(r, r0)
-            raise CheckpointError(f"{r.path}: tensors differ from {r0.path} (e.g. {diff}); models cannot be merged")
+            raise CheckpointError(f"{r.path}: tensors differ from {r0.path} (e.g. {diff}) — {_ONE_SHAPE}")
         for n in body:
             if r.shape(n) != r0.shape(n):
                 _refuse_other_type(r, r0)
-                raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, model 0 has {r0.shape(n)}")
+                raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, {r0.path} {r0.shape(n)} — {_ONE_SHAPE}")
 
 
 def _refuse_other_type(r: CheckpointReader, r0: CheckpointReader) -> None:

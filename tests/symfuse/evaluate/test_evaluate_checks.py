@@ -39,7 +39,7 @@ def test_texts_longer_than_the_models_positions_are_cut_there(tmp_path):
         rows = [{"text": " ".join(["word"] * 300 + [str(i)]), "label": f"LABEL_{i % 2}"} for i in range(6)]
         (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     metrics = E.evaluate_model(model, str(data), max_length=128)
-    assert metrics["n"] == 6 and 0 <= metrics["accuracy"] <= 1
+    assert metrics["n"] == 6 and 0 <= metrics["accuracy"] <= 1 and metrics["max_length"] == 64  # as used
     cfg = FinetuneConfig(epochs=1, batch_size=3, max_length=512, max_train_examples=6, progress=False)
     report = json.loads((finetune(model, str(data), tmp_path / "ft", cfg) / "symfuse_train.json").read_text())
     assert len(report["epochs"]) == 1
