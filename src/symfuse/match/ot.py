@@ -339,12 +339,12 @@ def ot_align(
     res_exact = exact
     modules, report = {}, []
     for ref in spec.modules(source.config):
-        t, moved, ok = _align_module(ref, state, anc_state, (spec, geo, prefix), (source.config, anchor.config),
-                                     mode, reg, stats, symmetries)  # fmt: skip
+        a = spec.read_module(anc_state.__getitem__, anc_state.__contains__, ref, anchor.config, prefix)
+        now = spec.read_module(state.__getitem__, state.__contains__, ref, source.config, prefix)
+        t, moved, ok = _align_module(ref, now, a, geo, mode, reg, stats, symmetries)
         modules[ref.key] = t
         state.update(spec.write_module(moved, ref, source.config, prefix))
         exact = exact and ok
-        a = spec.read_module(anc_state.__getitem__, anc_state.__contains__, ref, anchor.config, prefix)
         s = spec.read_module(src_state.__getitem__, src_state.__contains__, ref, source.config, prefix)
         report.append(
             {"module": ref.key, "kind": ref.kind, "before": module_distance(s, a), "after": module_distance(moved, a),
@@ -391,24 +391,13 @@ def _align_residual(
 
 
 def _align_module(
-    ref: ModuleRef,
-    state: dict,
-    anc_state: dict,
-    arch: tuple,
-    configs: tuple,
-    mode: str,
-    reg: float,
-    stats,
-    symmetries: Sequence[str],
+    ref: ModuleRef, s: Any, a: Any, geo: Geometry, mode: str, reg: float, stats, symmetries: Sequence[str]
 ) -> tuple[ModuleTransform, Any, bool]:
-    """One module of ``state`` transported onto the anchor's: ``(transform, moved module, exact)``.
+    """Module ``s`` (the source's, after the residual map) transported onto the anchor's ``a``.
 
     FFN units, and heads when there are several KV heads, by a transport plan; then, for attention, the extra
-    per-head ``rotation`` / ``scaling`` fitted to the weights.
+    per-head ``rotation`` / ``scaling`` fitted to the weights. Returns ``(transform, moved module, exact)``.
     """
-    (spec, geo, prefix), (cfg, anchor_cfg) = arch, configs
-    s = spec.read_module(state.__getitem__, state.__contains__, ref, cfg, prefix)
-    a = spec.read_module(anc_state.__getitem__, anc_state.__contains__, ref, anchor_cfg, prefix)
     rotate, scale = "rotation" in symmetries, "scaling" in symmetries
     parts: list[Transform] = []
     ok = True
