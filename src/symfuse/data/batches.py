@@ -194,8 +194,8 @@ def make_batches(
 
         dataset = load_task_dataset(dataset)
     tok = load_tokenizer(tokenizer)
-    if isinstance(tokenizer, str | Path):
-        max_length = min(max_length, model_positions(tokenizer) or max_length)  # longer texts are cut
+    if isinstance(tokenizer, str | Path):  # a checkpoint folder: its model's positions cap the length
+        max_length = readable_length(max_length, tokenizer, tokenizer)
     feats = encode_split(dataset, tok, split, max_length, max_examples, seed)
     return list(iter_batches(feats, batch_size, tok.pad_token_id or 0, shuffle=shuffle, seed=seed))
 
@@ -233,9 +233,11 @@ def model_positions(folder: str | Path) -> int | None:
 def readable_length(max_length: int, config: Any, what: object = "the model") -> int:
     """``max_length`` capped at the positions the model of ``config`` reads: longer texts are cut there.
 
-    A longer cap would hand the model position ids it has no embedding for (a size mismatch deep in its forward).
+    ``config``: the model's config, ``config.json``'s dict, or the checkpoint folder (a name without a folder, such
+    as ``minilm``, caps nothing). A longer cap would hand the model position ids it has no embedding for (a size
+    mismatch deep in its forward).
     """
-    n = config_positions(config)
+    n = model_positions(config) if isinstance(config, str | Path) else config_positions(config)
     if n is None or max_length <= n:
         return max_length
     log.info("%s reads %d token positions: texts are cut at %d tokens (max_length %d)", what, n, n, max_length)
