@@ -10,8 +10,6 @@ the end, so a half-written checkpoint is never readable under its final name.
 
 from __future__ import annotations
 
-import difflib
-import json
 import logging
 import os
 import shutil
@@ -26,7 +24,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from symfuse.arch import ArchSpec, Geometry, ModuleRef, ModuleWeights, get_spec, supported_model_types
+from symfuse.arch import ArchSpec, Geometry, ModuleRef, ModuleWeights, get_spec
+from symfuse.config_json import config_error, unknown_model_type
 from symfuse.errors import CheckpointError, NonFiniteError, SymfuseError, UnsupportedArchitecture
 from symfuse.gguf_in import GGUF_DTYPES, check_gguf, gguf_cache_key, is_gguf_path, write_gguf_folder
 from symfuse.io import (
@@ -145,55 +144,6 @@ def gguf_checkpoint(file: str | os.PathLike, dtype: str = "float32") -> Path:
             else:
                 log.info("converted GGUF %s to %s (%s); later reads reuse it", file, folder, dtype)
     return folder
-
-
-def read_config_json(folder: Path) -> dict[str, Any]:
-    """A checkpoint folder's ``config.json`` as a dict (no transformers import).
-
-    Raises:
-        CheckpointError: the file is absent, not UTF-8 JSON (line and column named) or not a mapping.
-    """
-    file = Path(folder) / "config.json"
-    fix = "fix or re-export it with save_pretrained"
-    try:
-        data = json.loads(file.read_bytes().decode("utf-8"))
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{file}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}) — {fix}") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file}: cannot be read ({type(exc).__name__}) — {fix}") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__} — {fix}")
-    return data
-
-
-def unknown_model_type(folder: Path, model_type: object) -> UnsupportedArchitecture:
-    """The one-line error for a ``model_type`` no family covers, naming config.json and the known families.
-
-    A name transformers does not know either (a misspelling) also gets the closest family name.
-    """
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    known = supported_model_types()
-    close = [] if model_type in CONFIG_MAPPING_NAMES else difflib.get_close_matches(str(model_type), known, n=1)
-    hint = f"did you mean {close[0]!r}? fix model_type, or " if close else "fix model_type, or "
-    return UnsupportedArchitecture(
-        f"{Path(folder) / 'config.json'}: model_type {model_type!r} is not an architecture symfuse knows — {hint}use "
-        f"a model of a known family ({', '.join(known)})"
-    )
-
-
-def config_error(folder: Path, exc: BaseException) -> CheckpointError:
-    """One line for a ``config.json`` that transformers could not read: bad JSON, an unknown model_type, or else."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    model_type = read_config_json(folder).get("model_type")  # raises for bad JSON (line and column)
-    if model_type not in CONFIG_MAPPING_NAMES:
-        return unknown_model_type(folder, model_type)
-    text = " ".join(str(exc).split())
-    return CheckpointError(
-        f"{Path(folder) / 'config.json'}: cannot be read ({type(exc).__name__}: {text}) — fix that field as the "
-        f"{model_type} config of transformers wants it (save_pretrained writes a valid one)"
-    )
 
 
 # transformers 5 builds models inside context managers (no_init_weights, no_tie_weights, ...) that swap

@@ -235,7 +235,7 @@ def _symmetry_problems(config: RunConfig, base_config: dict | None) -> list[str]
 def _family(folder: Path) -> dict:
     """``config.json`` of a checkpoint folder, whose model_type a family covers (else the error naming the file)."""
     from symfuse.arch import get_spec
-    from symfuse.checkpoint import read_config_json, unknown_model_type
+    from symfuse.config_json import read_config_json, unknown_model_type
     from symfuse.errors import UnsupportedArchitecture
 
     raw = read_config_json(folder)

@@ -267,7 +267,8 @@ def _check_data_labels(models: list[str], data: list[str], label: str, config: P
     Raises:
         UsageError: naming the dataset, its model and the fix (``--allow-label-mismatch`` or the file's key).
     """
-    from symfuse.checkpoint import read_config_json, resolve_checkpoint
+    from symfuse.checkpoint import resolve_checkpoint
+    from symfuse.config_json import read_config_json
     from symfuse.data import load_task_dataset
     from symfuse.data.labels import data_mismatch, head_labels
 
