@@ -28,6 +28,7 @@ from symfuse.config import DATASET_RESOLUTION, DEMO_DATASETS, DEMO_OUT_OF_DOMAIN
 from symfuse.errors import UsageError
 from symfuse.logs import quiet_third_party
 from symfuse.preflight import check_run
+from symfuse.redact import redact
 from symfuse.report import metrics_table, primary_metric
 from symfuse.store import ArtifactStore
 
@@ -56,7 +57,9 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     overrides = {k: v for k, v in {"store_root": args.store, "run_id": args.run_id}.items() if v}
     if args.config:
         config = RunConfig.from_yaml(args.config)
-        return config.model_copy(update=overrides) if overrides else config
+        for field, value in overrides.items():  # validated as the file's fields are (validate_assignment)
+            setattr(config, field, value)
+        return config
     return RunConfig.demo(quick=args.quick, **overrides)
 
 
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = check_run(config)  # every bad input at once, in seconds, before Prefect starts or anything trains
     if problems:
         for line in problems:
-            print(f"error: {line}", file=sys.stderr)
+            print(f"error: {redact(line)}", file=sys.stderr)
         return DATA
     start = time.perf_counter()
     exit_on_sigterm()

@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from symfuse import yaml_io
-from symfuse.config_schema import ANCHOR_POLICIES, ANCHOR_SCHEMA, NAME_RE, NAME_SCHEMA, enum_of, merge_params_schema
+from symfuse.config_schema import ANCHOR_POLICIES, ANCHOR_SCHEMA, NAME_SCHEMA, check_name, enum_of, merge_params_schema
 from symfuse.merge.registry import MERGERS, merger_params
 from symfuse.seeds import Seed
 from symfuse.symmetry.registry import check_kinds, kind_names
@@ -69,12 +69,6 @@ def read_yaml(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path}: not valid YAML{where} ({problem}) — fix the syntax there") from exc
 
 
-def _check_name(value: str, what: str) -> str:
-    if not NAME_RE.match(value):
-        raise ValueError(f"{what} {value!r}: use letters, digits and ._@+=- (it becomes part of artifact keys)")
-    return value
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
@@ -102,7 +96,7 @@ class DatasetConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        return _check_name(value, "dataset name")
+        return check_name(value, "dataset name")
 
     @property
     def data(self) -> str:
@@ -167,7 +161,7 @@ class EvalSettings(_Strict):
                     f"evaluation dataset {v!r}: a name, not a path — put the folder under $SYMFUSE_DATASETS/<name> "
                     "(or ../shared/datasets/<name>) and give <name>"
                 )
-        return [_check_name(v, "evaluation dataset") for v in value]
+        return [check_name(v, "evaluation dataset") for v in value]
 
 
 class HeadRefitSettings(_Strict):
@@ -315,12 +309,12 @@ class RunConfig(_Strict):
     @field_validator("select_on")
     @classmethod
     def _select_on(cls, value: str | None) -> str | None:
-        return None if value is None else _check_name(value, "selection dataset")
+        return None if value is None else check_name(value, "selection dataset")
 
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, value: str) -> str:
-        return _check_name(value, "run id")
+        return check_name(value, "run id")
 
     @field_validator("strategies", mode="before")
     @classmethod

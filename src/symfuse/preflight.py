@@ -143,8 +143,9 @@ def _store_problems(config: RunConfig) -> list[str]:
 def store_root_problem(root: str, label: str, fix: str) -> str | None:
     """Why a store root cannot be written (``<label> <root>: <what> — <fix>``), or None.
 
-    A local root must be a folder, or a path whose nearest existing parent is a writable folder; a URL other than
-    ``file://`` is not checked (it is reached when first written).
+    A local root must be a folder, or a path whose nearest existing parent is a writable folder. A URL other than
+    ``file://`` is checked for its scheme and for a credential inside it
+    (:func:`~symfuse.store.urls.store_url_problem`); it is reached when first written.
 
     Args:
         root: The store root (a path or URL).
@@ -156,7 +157,9 @@ def store_root_problem(root: str, label: str, fix: str) -> str | None:
     """
     scheme, sep, rest = root.partition("://")
     if sep and scheme != "file":
-        return None
+        from symfuse.store.urls import store_url_problem
+
+        return store_url_problem(root, label)
     path = Path(rest if sep else root).expanduser()
     probe = path
     while not probe.exists() and probe != probe.parent:

@@ -6,6 +6,7 @@ right after configuring logging) rewrites log records whose text holds
 - the value of ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_SECURITY_TOKEN`` or ``AWS_ACCESS_KEY_ID``
   (read from the environment when the record is made, so later changes count) or of a credential passed in store
   options (:func:`register_secret`);
+- the ``user:password@`` part of a URL (``s3://KEY:SECRET@bucket``),
 - ``X-Amz-Security-Token: ...``, ``Authorization: AWS4-HMAC-SHA256 Credential=..., Signature=...``,
   ``X-Amz-Credential=`` / ``X-Amz-Signature=`` query parameters, ``aws_session_token=...``-style assignments,
 
@@ -32,6 +33,8 @@ _QUOTE = r"""['"]?"""
 _VALUE = r"""[^'"\s,&;}\]>)]+"""
 _SEP = r"""\s*[:=]\s*(?!b?['"]?\[REDACTED\])b?['"]?"""  # `: b'`, `=`, ... not before what is masked already
 _PATTERNS = (
+    # a credential inside a URL: s3://KEY:SECRET@bucket, http://user:password@host (the whole user part)
+    re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://)(?!\[REDACTED\]@)([^/\s@'\"]+)(?=@)"),
     # headers, canonical requests, dict reprs: X-Amz-Security-Token: v / 'X-Amz-Security-Token': b'v'
     re.compile(rf"(?i)(x-amz-security-token{_QUOTE}{_SEP})({_VALUE})"),
     # Authorization: AWS4-HMAC-SHA256 Credential=AKIA.../..., SignedHeaders=..., Signature=...; presigned URLs

@@ -39,6 +39,7 @@ def C(id: str, args: str, code: int, expect: str, pre: str | None = None, verbos
 
 
 OUT = "--out {OUT}"
+SECRET = "testSECRETvalue99"
 MERGE = "merge --strategy"
 CASES = [
     # --- merge ---
@@ -169,6 +170,17 @@ CASES = [
     C("drop-missing-checkpoint", "drop {MISSING} --run r1 --store {OUT}", 2, "missing"),
     C("drop-nan-checkpoint", "drop {NAN} --run r1 --store {OUT}", 1, "nan", verbose=True),
     C("drop-bad-run-id", "drop {A} --run ../r1 --store {OUT}", 2, "run id"),
+    # a credential inside the store URL: refused, masked, also in -v's traceback (it was printed seven times)
+    C(
+        "drop-store-credentials",
+        f"drop {{A}} --run r1 --store s3://AKIATESTKEY0000:{SECRET}@b/p",
+        2,
+        "--store s3://[REDACTED]@b/p: credentials in the URL are not read",
+        verbose=True,
+    ),
+    C("drop-store-unknown-scheme", "drop {A} --run r1 --store foo://b/p", 2, "unknown storage scheme 'foo'"),
+    # click took the next option as the value: a folder named --overwrite was written, exit 0
+    C("merge-out-is-an-option", f"{MERGE} simple --models {{A}} {{B}} --out --overwrite", 2, "--out: given"),
     C("stats-unknown-kind", f"stats {{A}} --data {{DATA}} {OUT} --kind bogus", 2, "bogus"),
     C("stats-empty-kind", f"stats {{A}} --data {{DATA}} {OUT} --kind ,", 2, "--kind"),
     C("stats-max-examples-zero", f"stats {{A}} --data {{DATA}} {OUT} --max-examples 0", 2, "--max-examples"),
@@ -394,6 +406,7 @@ def test_bad_input_fails_cleanly(case, results, inputs):
 @pytest.mark.parametrize("case", [c for c in CASES if c.verbose], ids=[c.id for c in CASES if c.verbose])
 def test_verbose_adds_the_traceback(case, results):
     res, v = results[case.id]["res"], results[case.id]["verbose"]
+    assert SECRET not in res.stdout + res.stderr + v.stdout + v.stderr
     assert v.returncode == res.returncode
     assert "Traceback (most recent call last)" in v.stderr, v.stderr
     assert v.stderr.strip().splitlines()[-1] == res.stderr.strip().splitlines()[-1]

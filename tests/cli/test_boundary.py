@@ -86,6 +86,14 @@ def _app() -> typer.Typer:
     def data() -> None:
         raise DataError("model.safetensors: holds NaN — re-export it")
 
+    @app.command()
+    def write(out: str = typer.Option("o", "--out"), overwrite: bool = typer.Option(False, "--overwrite")) -> None:
+        typer.echo(f"wrote {out!r}")
+
+    @app.command()
+    def leak() -> None:
+        raise OSError("s3://AKIATESTKEY0000:testSECRETvalue99@bucket/p/runs: store operation failed")
+
     return app
 
 
@@ -95,6 +103,10 @@ def _app() -> typer.Typer:
         (["bug"], 1, "error: internal error: KeyError: 'missing' (run with -v for the traceback)"),
         (["data"], 1, "error: model.safetensors: holds NaN — re-export it"),
         (["data", "--what"], 2, "No such option: --what"),
+        (["write", "--out", "--overwrite"], 2, "error: --out: given '--overwrite', another option of this command"),
+        (["write", "--out", ""], 2, "error: --out: the value is empty — give one (or leave --out out"),
+        (["write", "--out", " "], 2, "error: --out: the value is empty"),
+        (["leak"], 1, "error: s3://[REDACTED]@bucket/p/runs: store operation failed"),
     ],
 )
 def test_boundary_prints_one_line_and_the_traceback_only_with_v(args, code, line):
@@ -108,6 +120,13 @@ def test_boundary_prints_one_line_and_the_traceback_only_with_v(args, code, line
     assert loud.stderr.strip().splitlines()[-1] == lines[0]
     if code == 1:
         assert "Traceback (most recent call last)" in loud.stderr
+    assert "wrote" not in quiet.output + loud.output  # refused before the command ran
+    assert "testSECRETvalue99" not in quiet.output + loud.output  # not in the line, nor in -v's traceback
+
+
+def test_an_option_value_that_only_looks_odd_still_runs():
+    res = CliRunner().invoke(_app(), ["write", "--out", "./--overwrite"])
+    assert res.exit_code == 0 and "wrote './--overwrite'" in res.output
 
 
 def test_merge_help_lists_every_option():

@@ -61,7 +61,15 @@ def test_a_store_root_under_a_file_and_strategies_that_cannot_merge_the_run_are_
         problems = check_run(tiny_config(tiny_base, str(root)))
         assert len(problems) == 1 and problems[0].startswith(f"store_root {root}: {what} — give a folder"), problems
     for fine in (str(tmp_path / "new" / "store"), f"file://{tmp_path}/store", "memory://symfuse-fine"):
-        assert check_run(tiny_config(tiny_base, fine)) == [], fine  # created when missing; URLs checked on use
+        assert check_run(tiny_config(tiny_base, fine)) == [], fine  # created when missing; URLs reached on use
+    # a URL's scheme and a credential inside it are checked now (they failed after the fine-tunes, three tries each,
+    # and the credential was in the run's logs eight times)
+    for url, line in [
+        ("s3://AKIATESTKEY0000:testSECRETvalue99@bucket/p", "store_root s3://[REDACTED]@bucket/p: credentials in"),
+        ("foo://bucket/p", "store_root foo://bucket/p: unknown storage scheme 'foo' — give a local folder"),
+    ]:
+        (problem,) = check_run(tiny_config(tiny_base, url))
+        assert problem.startswith(line) and "testSECRETvalue99" not in problem, problem
     root = str(tmp_path / "store")
     problems = check_run(tiny_config(tiny_base, root, strategies=["slerp", "simple", "passthrough"]))
     assert [p.split(",")[0] for p in problems] == [

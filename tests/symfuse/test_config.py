@@ -66,6 +66,8 @@ def test_minimal_yaml_gets_defaults(tmp_path):
         ({"finetune": {"epochs": 1, "learning_rate": 1e-4}}, "learning_rate"),
         ({"anchor": "nowhere"}, "anchor 'nowhere'"),
         ({"run_id": "a/b"}, "run id"),
+        ({"run_id": "r" * 101}, r"run id 'r{40}\.\.\. \(101 characters\)': use 1-100 letters"),  # a file name's limit
+        ({"run_id": ".."}, "starting with a letter or digit"),
         ({"datasets": []}, "at least 1"),
         ({"datasets": [{"name": "a"}, {"name": "a"}]}, "unique"),
         ({"device": "tpu"}, "device"),

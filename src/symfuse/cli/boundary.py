@@ -8,6 +8,7 @@ traceback is printed first. :func:`exit_status` is the one place exceptions map 
 
 from __future__ import annotations
 
+import itertools
 import sys
 import traceback
 from collections.abc import Sequence
@@ -15,11 +16,12 @@ from typing import Any
 
 import typer
 from typer._click import exceptions as cx  # typer's own click (typer >= 0.20 vendors it)
-from typer.core import TyperGroup
+from typer.core import TyperGroup, TyperOption
 
 from symfuse.errors import MissingStats, OutputExistsError, SymfuseError, UsageError
 from symfuse.io.safetensors import DISK_FULL, DISK_FULL_FIX
 from symfuse.outputs import Terminated
+from symfuse.redact import redact
 
 USAGE, DATA, INTERRUPTED = 2, 1, 130
 VERBOSE_FLAGS = ("-v", "--verbose")
@@ -70,7 +72,7 @@ def one_line(exc: BaseException) -> str:
     """``error: ...`` for ``exc``: the first line of its message (internal errors name their type)."""
     if isinstance(exc, KeyboardInterrupt):
         return "error: interrupted — partial output was removed; run the command again"
-    text = " ".join(_message(exc).split("\n", 1)[0].split())
+    text = " ".join(redact(_message(exc)).split("\n", 1)[0].split())  # no credential on the console
     text = text.removeprefix("error: ")
     if exit_status(exc) is None:
         return f"error: internal error: {type(exc).__name__}: {text} (run with -v for the traceback)"
@@ -80,7 +82,7 @@ def one_line(exc: BaseException) -> str:
 def report(exc: BaseException, verbose: bool) -> int:
     """Print ``exc`` (traceback first with ``verbose``) on stderr; return the exit status."""
     if verbose and not isinstance(exc, cx.UsageError):
-        traceback.print_exception(exc, file=sys.stderr)
+        sys.stderr.write(redact("".join(traceback.format_exception(exc))))
     typer.echo(one_line(exc), err=True)
     return exit_status(exc) or DATA
 
@@ -90,6 +92,27 @@ def split_verbose(args: Sequence[str]) -> tuple[bool, list[str]]:
     verbose = any(a in VERBOSE_FLAGS for a in args)
     rest = [a for a in args if a not in VERBOSE_FLAGS]
     return verbose, (["--verbose"] if verbose else []) + rest
+
+
+def misplaced_value(command: Any, argv: Sequence[str]) -> str | None:
+    """Why an option of ``command`` got no real value in ``argv``, or None.
+
+    click takes the token after an option as its value whatever it is: ``--out --overwrite`` wrote a folder named
+    ``--overwrite``, and ``--out ''`` meant the current folder, ``--store ''`` the default store.
+    """
+    options = {name: p for p in command.params if isinstance(p, TyperOption) for name in p.opts}
+    for option, value in itertools.pairwise(argv):
+        param = options.get(option)
+        if param is None or param.is_flag or param.count:
+            continue
+        if value in options:
+            return (
+                f"{option}: given {value!r}, another option of this command, as its value — give {option} a value "
+                f"(a name starting with '-' is written ./{value})"
+            )
+        if not value.strip():
+            return f"{option}: the value is empty — give one (or leave {option} out for its default)"
+    return None
 
 
 class BoundaryGroup(TyperGroup):
@@ -106,6 +129,10 @@ class BoundaryGroup(TyperGroup):
         """Run the CLI; exit (or return, without ``standalone_mode``) with the status of :func:`exit_status`."""
         verbose, argv = split_verbose(list(sys.argv[1:] if args is None else args))
         try:
+            command = self.commands.get(next((a for a in argv if not a.startswith("-")), ""))
+            problem = misplaced_value(command, argv) if command is not None else None
+            if problem:
+                raise UsageError(problem)
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0
             if code == INTERRUPTED:  # typer turns KeyboardInterrupt into Exit(130)

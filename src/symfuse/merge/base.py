@@ -223,8 +223,9 @@ class Merger:
         w = self.params.weights or [1.0] * k
         if len(w) != k or sum(w) <= 0 or min(w) < 0:
             raise ValueError(f"{self.name}: weights {w} must be {k} non-negative numbers with a positive sum")
-        s = float(sum(w))
-        return [float(x) / s for x in w]
+        top = float(max(w))  # scaled first: weights near the float maximum would sum to inf (every share 0)
+        s = sum(float(x) / top for x in w)
+        return [float(x) / top / s for x in w]
 
     def prepare(self, models: Sequence[Any], keep: frozenset[str] = frozenset()) -> None:
         """Called once with the K checked checkpoint folders before the first :meth:`merge_tensor` (default: nothing).

@@ -28,7 +28,8 @@ from pydantic import BaseModel
 
 MANIFEST = "manifest.json"
 VARIANTS = ("plain", "matched")
-_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+=-]*$")
+SEGMENT_MAX = 100  # with the prefixes and suffixes keys add, under the 255 bytes of a file name
+_SEGMENT = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._@+=-]{{0,{SEGMENT_MAX - 1}}}$")  # config_schema.NAME_RE: the same
 
 
 class _HasKey(Protocol):
@@ -47,12 +48,12 @@ def check_segment(value: str, what: str) -> str:
         The segment, unchanged.
 
     Raises:
-        ValueError: if it is empty, holds ``/`` or characters outside ``[A-Za-z0-9._@+=-]``, or starts with one
-            of ``._@+=-``.
+        ValueError: if it is empty or longer than ``SEGMENT_MAX``, holds ``/`` or characters outside
+            ``[A-Za-z0-9._@+=-]``, or starts with one of ``._@+=-``.
     """
     if not isinstance(value, str) or not _SEGMENT.match(value):
         raise ValueError(
-            f"{what} {value!r} cannot be part of an artifact key: use letters, digits and ._@+=- "
+            f"{what} {value!r} cannot be part of an artifact key: use 1-{SEGMENT_MAX} letters, digits and ._@+=- "
             "(no '/', not starting with a symbol)"
         )
     return value

@@ -34,11 +34,13 @@ from typing import Any
 
 import fsspec
 
+from symfuse.errors import UsageError
 from symfuse.io.memo import FileMemo
 from symfuse.redact import install_log_redaction
 from symfuse.store.errors import ArtifactNotFound, CorruptArtifact, translated
 from symfuse.store.layout import MANIFEST, manifest_digest
 from symfuse.store.s3 import option_secrets, s3_options
+from symfuse.store.urls import store_url_problem
 from symfuse.store.versions import VERSIONS, check_version, split_version_path, version_time
 
 log = logging.getLogger(__name__)
@@ -97,12 +99,17 @@ class ArtifactReader:
 
     Raises:
         ValueError: if ``SYMFUSE_S3_TIMEOUT`` / ``SYMFUSE_S3_ATTEMPTS`` hold no positive number.
+        UsageError: the root's scheme is unknown or not installed, or it holds a credential (see
+            :func:`~symfuse.store.urls.store_url_problem`).
     """
 
     def __init__(
         self, root: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None, **storage_options
     ):
         root = str(root) if root is not None else default_root()
+        problem = store_url_problem(root, "store root")
+        if problem:
+            raise UsageError(problem)
         protocol = fsspec.core.split_protocol(root)[0] or "file"
         self._hint = ""
         is_s3 = protocol in ("s3", "s3a")

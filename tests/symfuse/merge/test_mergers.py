@@ -99,3 +99,14 @@ def test_fisher_chunked_over_large_tensors_and_pooled_inputs(monkeypatch):
     out = fm.merge_tensor(TensorInputs("p", lazy(xs, "t"), w, fisher=lazy(fs, "f")))
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
     assert fs[1][0, 0] == 0.0  # inputs untouched
+
+
+@pytest.mark.parametrize("weights", [[1e308, 1e308, 5e307], [3e-320, 3e-320, 1.5e-320]])
+def test_model_weights_at_the_ends_of_the_float_range_keep_their_shares(weights):
+    """Weights near the float maximum summed to inf (all shares 0: an all-zero merge, exit 0); tiny ones lost digits."""
+    merger = MERGERS["simple"](weights=weights)
+    shares = merger.model_weights(3)
+    assert shares == pytest.approx([0.4, 0.4, 0.2], rel=1e-12)
+    ws = [torch.full((2, 2), v) for v in (1.0, 2.0, 3.0)]
+    out = merger.merge_tensor(TensorInputs("w", ws, shares))
+    torch.testing.assert_close(out, torch.full((2, 2), 0.4 + 0.8 + 0.6))
