@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
+from symfuse.data.holdout import HOLDOUT_FRACTION, HOLDOUT_SPLIT
+from symfuse.data.probe import probe_dataset
 from symfuse.stats import model_fingerprint
 from symfuse.train import FinetuneConfig
 from symfuse.train import finetune as finetune_model
@@ -45,10 +47,18 @@ def union_labels(config: RunConfig) -> list[str] | None:
 
 
 def finetune_keys(config: RunConfig, dataset: str) -> tuple[str, str]:
-    """Store key and content key of the fine-tuned model for ``dataset`` (the same in every process and worker)."""
+    """Store key and content key of the fine-tuned model for ``dataset`` (the same in every process and worker).
+
+    A dataset without a validation split (or a hub dataset, not looked at here) also keys the held-out slice its
+    epochs are scored on (:mod:`symfuse.data.holdout`): a fine-tune stored when such epochs were scored on the test
+    split is not reused.
+    """
     cfg, base = finetune_settings(config, dataset), resolve_checkpoint(config.base_model)
-    ck = content_key({"finetune": cfg, "data": config.dataset(dataset).data}, {"base": model_fingerprint(base)})
-    return layout.model_key(config.run_id, dataset), ck
+    data = config.dataset(dataset).data
+    probe = probe_dataset(data)
+    held_out = not probe.read or "validation" not in probe.splits
+    what = {"finetune": cfg, "data": data, **({"selection": [HOLDOUT_SPLIT, HOLDOUT_FRACTION]} if held_out else {})}
+    return layout.model_key(config.run_id, dataset), content_key(what, {"base": model_fingerprint(base)})
 
 
 @symfuse_task("finetune", "finetune-{dataset}", gpu=True)

@@ -129,8 +129,9 @@ _METRICS = [
     "",
     "## Metrics",
     "",
-    "The table above gives each input's validation metrics from its fine-tuning (kept epoch). The merged model's "
-    "own evaluation (in- and out-of-domain) is in the report of the symfuse run that made it.",
+    "The table above gives each input's validation metrics from its fine-tuning (kept epoch; a dataset without a "
+    "validation split: on records held out of its train split, never its test split). The merged model's own "
+    "evaluation (in- and out-of-domain) is in the report of the symfuse run that made it.",
     "",
 ]
 

@@ -7,8 +7,9 @@ records of each split read by :func:`symfuse.data.probe.probe_dataset`: no tenso
 whole). It returns ALL the problems it finds, one line each:
 
 * a model or dataset that is not there, unreadable, or malformed (the file and line named);
-* a split the run reads that the dataset lacks (the fine-tune's train and validation-or-test splits, the
-  statistics' train split, the evaluation split, greedy selection's and ``ood_heads: reliable``'s validation);
+* a split the run reads that the dataset lacks (the fine-tune's train split, the statistics' train split, the
+  evaluation split, greedy selection's and ``ood_heads: reliable``'s validation; a fine-tune without a validation
+  split scores its epochs on a slice held out of train, never on test: :mod:`symfuse.data.holdout`);
 * a device this machine does not have (``device: cuda`` on a machine without a GPU);
 * a local store root that is a file (or under one), or not writable;
 * a strategy that cannot merge the run's number of models (one per dataset: slerp two, any merge two or more);
@@ -302,8 +303,7 @@ def _training_splits(config: RunConfig, name: str) -> dict[str, str]:
     d = config.dataset(name)
     need: dict[str, str] = {}
     if d.checkpoint is None:
-        need["train"] = "the fine-tune trains on it"
-        need["validation|test"] = "the fine-tune validates on validation (else test)"
+        need["train"] = "the fine-tune trains on it"  # and, without validation, scores epochs on a slice of it
     if _stats_kinds(config) or config.head_refit.enabled or _reads_data(config.strategies):
         need.setdefault("train", "statistics (and head refit) are collected on it")
     if config.evaluation.in_domain:

@@ -101,7 +101,7 @@ def test_every_problem_is_reported_at_once_one_line_each(tmp_path):
 def test_the_splits_a_run_reads_are_required(tmp_path):
     only_train_test = dataset(tmp_path / "tt", splits=("train", "test"))
     ds = [{"name": "crowdflower"}, {"name": "tt", "source": only_train_test}]
-    assert check_run(config(datasets=ds)) == []  # the fine-tune validates on test when there is no validation
+    assert check_run(config(datasets=ds)) == []  # no validation: the fine-tune holds out a slice of train, not test
     for change, why in [
         ({"select": "greedy"}, "greedy selection scores the models on it"),
         ({"evaluation": {"ood_heads": "reliable"}}, "evaluation.ood_heads: reliable rates each head on it"),
@@ -121,10 +121,11 @@ def test_the_splits_a_run_reads_are_required(tmp_path):
     ]
     only_train = dataset(tmp_path / "tr", splits=("train",))
     ds = [{"name": "crowdflower"}, {"name": "tr", "source": only_train}]
-    problems = check_run(config(datasets=ds, evaluation={"in_domain": False, "out_of_domain": []}))
-    assert problems == [
-        f"training dataset tr: no validation or test split in {only_train} (it has train); the fine-tune validates on "
-        "validation (else test) — add validation.jsonl there, or change the run config"
+    # a fine-tune needs train alone (its epochs are scored on a slice held out of it); the evaluation needs test
+    assert check_run(config(datasets=ds, evaluation={"in_domain": False, "out_of_domain": []})) == []
+    assert check_run(config(datasets=ds, evaluation={"out_of_domain": []})) == [
+        f"training dataset tr: no test split in {only_train} (it has train); in-domain evaluation reads it "
+        "(evaluation.split: test) — add test.jsonl there, or change the run config"
     ]
 
 

@@ -85,6 +85,32 @@ def test_oom_split_gives_the_same_model(base, tmp_path, monkeypatch):
         torch.testing.assert_close(split[name], t, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_dataset_without_validation_is_fine_tuned_on_held_out_train_records_and_keyed_apart(base, tmp_path):
+    # the pipeline's fine-tune scores its epochs on a slice held out of train (never on the test split it is then
+    # evaluated on), and its content key says so: a model stored when such epochs were scored on test is not reused;
+    # a dataset with a validation split keeps the key it always had
+    import json
+
+    from symfuse.stats import model_fingerprint
+    from symfuse.store.layout import content_key
+    from tasks.finetune import finetune_keys, finetune_settings
+    from tests.symfuse.train.helpers import no_validation_dataset
+
+    nv = no_validation_dataset(tmp_path / "nv", 20)
+    cfg = config(base, str(tmp_path / "store"), datasets=[{"name": "nv", "source": str(nv)}, {"name": "isear"}],
+                 anchor="nv")  # fmt: skip
+
+    def key_before(name):
+        return content_key({"finetune": finetune_settings(cfg, name), "data": cfg.dataset(name).data},
+                           {"base": model_fingerprint(base)})  # fmt: skip
+
+    assert finetune_keys(cfg, "isear")[1] == key_before("isear") and finetune_keys(cfg, "nv")[1] != key_before("nv")
+    report = json.loads((fetch(ArtifactStore(cfg.resolved_store_root()), finetune.fn(cfg, "nv")) /
+                         "symfuse_train.json").read_text())  # fmt: skip
+    assert report["selection"]["split"] == "train_holdout" and report["selection"]["held_out_of_train"] == 2
+    assert {e["split"] for e in report["epochs"]} == {"train_holdout"}
+
+
 def test_bring_checkpoint_from_folder(base, tmp_path):
     cfg = config(base, str(tmp_path / "store"), datasets=[{"name": "isear", "checkpoint": str(base)}])
     uri = bring_checkpoint.fn(cfg, "isear")

@@ -113,9 +113,9 @@ def finetune(
         folder = run(base, data, out, cfg, device=device, overwrite=overwrite)
     report = json.loads((folder / TRAIN_REPORT).read_text())
     for e in report["epochs"]:
-        primary = e["primary"]
-        typer.echo(
-            f"epoch {e['epoch']}: train loss {e['train_loss']:.4f}  val loss {e['val_loss']:.4f}  "
-            f"{primary} {e[primary]:.4f}{'  (best)' if e.get('best') else ''}"
-        )
+        line = f"epoch {e['epoch']}: train loss {e['train_loss']:.4f}"
+        if e.get("split"):  # scored on validation, else on a slice held out of train (never on test)
+            scored = "val" if e["split"] == "validation" else "held-out"
+            line += f"  {scored} loss {e['val_loss']:.4f}  {e['primary']} {e[e['primary']]:.4f}"
+        typer.echo(line + ("  (best)" if e.get("best") else ""))
     typer.echo(f"wrote {folder} ({report['seconds']:.1f}s)")

@@ -1,7 +1,8 @@
 """Fine-tune a base encoder on one task dataset: plain torch loop over a ``transformers`` task head.
 
 AdamW, linear warm-up (``warmup_ratio`` of the optimizer steps) then linear decay to 0, evaluation on the
-validation split after each epoch, the best epoch (by the dataset's primary metric, ties by validation loss) kept.
+validation split after each epoch (none: on a seeded 10 % held out of train, never on test; see
+:mod:`symfuse.data.holdout`), the best epoch (by the dataset's primary metric, ties by validation loss) kept.
 Seeded and deterministic on CPU; mixed precision on CUDA when ``amp`` (bf16 autocast, or fp16 with loss scaling on
 GPUs without bf16).
 
@@ -39,9 +40,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
-from symfuse.data import TaskDataset, collate, encode_split, iter_batches, load_task_dataset, load_tokenizer
+from symfuse.data import TaskDataset, collate, iter_batches, load_task_dataset, load_tokenizer
 from symfuse.data.batches import readable_length
 from symfuse.data.files import DatasetError
+from symfuse.data.holdout import epoch_selection, selection_features
 from symfuse.data.labels import LABEL_SPACE_KEY, columns_of, learned_space, too_few_classes, union_columns
 from symfuse.device import resolve_device
 from symfuse.errors import NonFiniteError
@@ -67,7 +69,7 @@ class FinetuneConfig(BaseModel):
     batch_size: int = Field(16, ge=1, description="micro-batch; an optimizer step sees batch_size * grad_accum")
     grad_accum: int = Field(1, ge=1)
     max_length: int = Field(128, ge=8)
-    max_train_examples: int | None = Field(None, ge=1)
+    max_train_examples: int | None = Field(None, ge=1, description="seeded train subset; held-out slices come from it")
     max_eval_examples: int | None = Field(None, ge=1, description="subsample validation (per-epoch evaluation)")
     seed: Seed = 13
     warmup_ratio: float = Field(0.06, ge=0, le=1)
@@ -325,14 +327,16 @@ def train_model(
 
     Args:
         model: A task model whose head matches ``data`` (see :func:`finetune`).
-        data: The task (its train and validation splits are used).
+        data: The task: train, and validation to score the epochs; without validation a seeded slice of train
+            (as capped by ``max_train_examples``) is held out for that, never test (:mod:`symfuse.data.holdout`).
         tokenizer: Tokenizer object.
         cfg: Settings.
         device: ``cpu`` or ``cuda[:i]``.
         on_progress: Called with the fraction of optimizer steps done (0..1] after every step.
 
     Returns:
-        ``(trained model, [{"epoch", "train_loss", "val_loss", <val metrics>, "seconds"}, ...])``.
+        ``(trained model, [{"epoch", "train_loss", "split", "val_loss", <val metrics>, "seconds"}, ...])``; nothing
+        to score (``split`` None: no validation, under two train records): no ``val_loss``, the last epoch is kept.
     """
     dev = resolve_device(device)
     amp = cfg.amp and dev.type == "cuda"
@@ -343,9 +347,8 @@ def train_model(
     model = copy.deepcopy(model).to(dev)
     pad = tokenizer.pad_token_id or 0
     length = readable_length(cfg.max_length, model.config, where)
-    train_feats = encode_split(data, tokenizer, "train", length)
-    val_split = "validation" if "validation" in data.splits else "test"
-    val_feats = encode_split(data, tokenizer, val_split, length, cfg.max_eval_examples, cfg.seed)
+    selection, train_feats, val_feats = selection_features(data, tokenizer, length, cfg.seed, cfg.max_eval_examples)
+    val_split = selection.split  # validation, else a slice held out of train (never test), or None: nothing
     val_batches = list(iter_batches(val_feats, cfg.eval_batch_size, pad, by_length=True))  # metrics: order-free
     fused = cfg.fused_optimizer and dev.type in ("cpu", "cuda")
     run = _Run(
@@ -362,20 +365,23 @@ def train_model(
         t0 = time.perf_counter()
         run_loss, run_n = _train_epoch(run, train_feats, epoch)
         train_seconds = time.perf_counter() - t0
-        metrics, val_loss = _validate(run, val_batches)
+        metrics, val_loss = _validate(run, val_batches) if val_split else ({}, math.nan)
         history.append({
-            "epoch": epoch, "train_loss": run_loss / max(run_n, 1), "val_loss": val_loss, "split": val_split,
-            **_scalars(metrics), "train_seconds": train_seconds,
+            "epoch": epoch, "train_loss": run_loss / max(run_n, 1), "split": val_split,
+            **({"val_loss": val_loss, **_scalars(metrics)} if val_split else {}), "train_seconds": train_seconds,
             "train_examples_per_s": len(train_feats) / train_seconds, "seconds": time.perf_counter() - t0,
         })  # fmt: skip
+        if not val_split:  # nothing to score: the last epoch is kept
+            log.info("epoch %d: train loss %.4f (no validation data)", epoch, history[-1]["train_loss"])
+            continue
         primary = metrics["primary"]
-        log.info("epoch %d: train loss %.4f, val loss %.4f, %s %.4f", epoch, history[-1]["train_loss"], val_loss,
-                 primary, metrics[primary])  # fmt: skip
+        log.info("epoch %d: train loss %.4f, %s loss %.4f, %s %.4f", epoch, history[-1]["train_loss"],
+                 "val" if val_split == "validation" else "held-out", val_loss, primary, metrics[primary])  # fmt: skip
         score = (metrics[primary], -val_loss)  # ties on the metric: lower validation loss wins
         if cfg.keep_best and score > best_score:
             best_score, best_epoch = score, epoch
             best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    for record in history:  # exactly one record is flagged: the epoch whose weights are returned
+    for record in history:  # exactly one record is flagged: the epoch whose weights are returned (none scored: last)
         record["best"] = record["epoch"] == (best_epoch if cfg.keep_best else len(history))
     if best_state is not None and cfg.keep_best:
         model.load_state_dict(best_state)
@@ -446,7 +452,8 @@ def finetune(
 
     The head is ``AutoModelForSequenceClassification`` (single-label, multi-label with one sigmoid output per class,
     or 1-output regression) or ``AutoModelForTokenClassification`` (NER); ``config.id2label`` holds the class names.
-    ``symfuse_train.json`` holds the per-epoch metrics, seconds, the config and the data fingerprint.
+    ``symfuse_train.json`` holds the per-epoch metrics, seconds, the config, the data fingerprint and ``selection``
+    (the records that scored the epochs: ``validation``, else ``train_holdout``; see :mod:`symfuse.data.holdout`).
 
     Args:
         base: Base checkpoint folder, ``"minilm"`` or a hub id (its tokenizer files must be in the folder).
@@ -480,6 +487,7 @@ def finetune(
             columns_of(ds.labels, cfg.label_space)
         except ValueError as exc:
             raise ValueError(f"{data}: {exc}; build the union from every training dataset") from None
+    selection = epoch_selection(ds, cfg.seed)  # the split train_model scores the epochs on, for the report
     with _TRAIN_LOCK:  # reproducible from cfg.seed also when other threads fine-tune (see _TRAIN_LOCK)
         model, history = train_model(_build_model(base_path, ds, cfg), ds, tok, cfg, device, on_progress)
     report = {
@@ -489,7 +497,8 @@ def finetune(
         "problem_type": ds.problem_type,
         "labels": ds.labels,
         "label_space": "per-dataset" if cfg.label_space is None else "union",
-        "train_examples": len(ds.splits["train"]),
+        "train_examples": len(selection.train),  # the held-out slice trains nothing
+        "selection": selection.to_json(cfg.max_eval_examples),
         "data_fingerprint": ds.fingerprint,
         "config": cfg.model_dump(),
         "device": str(resolve_device(device)),
