@@ -129,8 +129,9 @@ class BoundaryGroup(TyperGroup):
         """Run the CLI; exit (or return, without ``standalone_mode``) with the status of :func:`exit_status`."""
         verbose, argv = split_verbose(list(sys.argv[1:] if args is None else args))
         try:
-            command = self.commands.get(next((a for a in argv if not a.startswith("-")), ""))
-            problem = misplaced_value(command, argv) if command is not None else None
+            words = [str(a) for a in argv]  # in-process callers pass paths too
+            command = self.commands.get(next((a for a in words if not a.startswith("-")), ""))
+            problem = misplaced_value(command, words) if command is not None else None
             if problem:
                 raise UsageError(problem)
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)

@@ -267,3 +267,30 @@ def batches_per_model(
         make_batches(ds, tok, split, batch_size, max_length, max_examples, seed)
         for ds, tok in zip(datasets, tokenizers, strict=True)
     ]
+
+
+def epoch_steps(
+    features: list[dict[str, Any]], step_size: int, rng: random.Random, length_buckets: int | None
+) -> list[list[int]]:
+    """One epoch's optimizer steps as lists of example indices (see :mod:`symfuse.train.finetune`, batch order).
+
+    Args:
+        features: Encoded examples (``input_ids`` lengths are used).
+        step_size: Examples per optimizer step (``batch_size * grad_accum``).
+        rng: The epoch's seeded generator (consumed).
+        length_buckets: Steps per length-sorted chunk; ``None`` for the plain shuffled order.
+
+    Returns:
+        ``ceil(len(features) / step_size)`` steps covering every example once.
+    """
+    order = list(range(len(features)))
+    rng.shuffle(order)
+    if length_buckets is None:
+        return [order[i : i + step_size] for i in range(0, len(order), step_size)]
+    width = step_size * length_buckets
+    steps = []
+    for start in range(0, len(order), width):
+        chunk = sorted(order[start : start + width], key=lambda i: len(features[i]["input_ids"]))
+        steps += [chunk[i : i + step_size] for i in range(0, len(chunk), step_size)]
+    rng.shuffle(steps)
+    return steps

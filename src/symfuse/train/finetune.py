@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data import TaskDataset, collate, iter_batches, load_task_dataset, load_tokenizer
-from symfuse.data.batches import readable_length
+from symfuse.data.batches import epoch_steps, readable_length
 from symfuse.data.files import DatasetError
 from symfuse.data.holdout import epoch_selection, selection_features
 from symfuse.data.labels import LABEL_SPACE_KEY, columns_of, learned_space, too_few_classes, union_columns
@@ -400,33 +400,6 @@ def own_outputs(
         return logits, labels
     gold = labels.float() if multi_label else torch.nn.functional.one_hot(labels.long(), len(cols)).float()
     return logits[:, cols], gold
-
-
-def epoch_steps(
-    features: list[dict[str, Any]], step_size: int, rng: random.Random, length_buckets: int | None
-) -> list[list[int]]:
-    """One epoch's optimizer steps as lists of example indices (see the module docstring, batch order).
-
-    Args:
-        features: Encoded examples (``input_ids`` lengths are used).
-        step_size: Examples per optimizer step (``batch_size * grad_accum``).
-        rng: The epoch's seeded generator (consumed).
-        length_buckets: Steps per length-sorted chunk; ``None`` for the plain shuffled order.
-
-    Returns:
-        ``ceil(len(features) / step_size)`` steps covering every example once.
-    """
-    order = list(range(len(features)))
-    rng.shuffle(order)
-    if length_buckets is None:
-        return [order[i : i + step_size] for i in range(0, len(order), step_size)]
-    width = step_size * length_buckets
-    steps = []
-    for start in range(0, len(order), width):
-        chunk = sorted(order[start : start + width], key=lambda i: len(features[i]["input_ids"]))
-        steps += [chunk[i : i + step_size] for i in range(0, len(chunk), step_size)]
-    rng.shuffle(steps)
-    return steps
 
 
 def _count(labels: torch.Tensor, problem: str) -> int:

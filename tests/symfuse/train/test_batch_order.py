@@ -5,8 +5,9 @@ import random
 import torch
 
 from symfuse.data import load_task_dataset, load_tokenizer
+from symfuse.data.batches import epoch_steps
 from symfuse.train import FinetuneConfig, train_model
-from symfuse.train.finetune import _build_model, epoch_steps
+from symfuse.train.finetune import _build_model
 from tests.symfuse.train.helpers import save_tiny_base
 
 
