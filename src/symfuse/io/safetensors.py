@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from symfuse.errors import CheckpointError
+from symfuse.io.modes import plain_mode
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -415,6 +416,7 @@ def save_safetensors(
             raise write_error(file, errno.ENOSPC if "No space left" in str(exc) else errno.EIO, str(exc)) from exc
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+        plain_mode(tmp)  # mkstemp made it 0600
         os.replace(tmp, file)
         fsync_dir(file.parent)
     finally:

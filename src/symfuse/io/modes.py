@@ -1,0 +1,45 @@
+"""The permissions of what symfuse writes: the mode a plain ``mkdir`` / ``open`` would give, not a private one.
+
+Outputs are written under temporary names and renamed into place. ``tempfile.mkdtemp`` / ``mkstemp`` make those
+temporaries private (0700 / 0600) whatever the umask, and the rename keeps that mode, so another user (or a worker
+of a pool running as one) could not read a merged model. :func:`plain_mode` gives a finished temporary the mode a
+plain ``os.mkdir`` / ``open`` would have given it (``0o777`` / ``0o666`` less the umask), just before its rename:
+nothing is loosened while it is half-written.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+_UMASK_LOCK = threading.Lock()
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where the system shows it (Linux ``/proc/self/status``).
+
+    Elsewhere it is set to ``0o077`` (never looser) and restored at once, under a lock.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return mask
+
+
+def plain_mode(path: str | os.PathLike) -> None:
+    """Give ``path`` the permissions ``os.mkdir`` (a folder) or ``open`` (a file) would have given it.
+
+    ``0o777 & ~umask`` for a folder, ``0o666 & ~umask`` for a file; set-id and sticky bits it has (a folder's
+    inherited set-group-id) are kept.
+    """
+    st = os.stat(path)
+    base = 0o777 if stat.S_ISDIR(st.st_mode) else 0o666
+    os.chmod(path, (stat.S_IMODE(st.st_mode) & 0o7000) | (base & ~umask()))
