@@ -35,6 +35,7 @@ from symfuse.io import (
     check_tokenizer,
     fsync_dir,
     open_weight_files,
+    plain_mode,
 )
 from symfuse.io.planned import PlannedCheckpoint
 
@@ -403,6 +404,7 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
             if not overwrite:  # it appeared meanwhile: never delete what another writer made
                 raise FileExistsError(f"{out} appeared while it was written; remove it or choose another --out")
             shutil.rmtree(out)
+        plain_mode(tmp)  # mkdtemp made it 0700: the mode a plain mkdir gives, now that it is whole
         try:
             os.replace(tmp, out)
         except OSError as exc:

@@ -14,6 +14,7 @@ from typing import Any
 
 from symfuse.arch import supported_model_types
 from symfuse.errors import CheckpointError, UnsupportedArchitecture
+from symfuse.io.modes import not_readable
 
 
 def read_config_json(folder: Path) -> dict[str, Any]:
@@ -28,6 +29,8 @@ def read_config_json(folder: Path) -> dict[str, Any]:
         data = json.loads(file.read_bytes().decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}) — {fix}") from exc
+    except PermissionError as exc:
+        raise not_readable(file) from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file}: cannot be read ({type(exc).__name__}) — {fix}") from exc
     if not isinstance(data, dict):

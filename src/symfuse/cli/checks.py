@@ -220,6 +220,7 @@ def checkpoint(value: str | Path, arch: bool = True) -> None:
     from safetensors import safe_open
 
     from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
+    from symfuse.io.modes import check_readable
 
     fix = "re-save it with save_pretrained(safe_serialization=True)"
     try:
@@ -231,6 +232,7 @@ def checkpoint(value: str | Path, arch: bool = True) -> None:
         if not files:
             raise DataError(f"{value}: no *.safetensors weights — {fix}")
         for file in files:
+            check_readable(file)  # safe_open says "No such file or directory" for a file it may not read
             with safe_open(str(file), "pt") as f:
                 f.keys()
     except SymfuseError:

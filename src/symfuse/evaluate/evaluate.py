@@ -22,6 +22,7 @@ from symfuse.data.text import is_language_modeling, text_dataset_name, text_spli
 from symfuse.device import resolve_device
 from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model
 from symfuse.evaluate.scoring import check_shared_classes, score_logits
+from symfuse.io import plain_mode
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ def write_json_atomic(data: Any, file: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
     with os.fdopen(fd, "w") as fh:
         json.dump(data, fh, indent=2)
+    plain_mode(tmp)  # mkstemp made it 0600
     os.replace(tmp, file)
     return file
 

@@ -17,6 +17,7 @@ from symfuse.io.folder import (
     expected_module_shapes,
     open_weight_files,
 )
+from symfuse.io.modes import plain_mode, umask
 from symfuse.io.safetensors import (
     DTYPES,
     BufferPool,
@@ -49,7 +50,9 @@ __all__ = [
     "fsync_dir",
     "open_weight_files",
     "parallel_reads",
+    "plain_mode",
     "read_header",
     "rows_per_block",
     "save_safetensors",
+    "umask",
 ]

@@ -26,6 +26,7 @@ import torch
 
 from symfuse.errors import CheckpointError, NonFiniteError, TokenizerError
 from symfuse.io.memo import FileMemo
+from symfuse.io.modes import not_readable
 from symfuse.io.safetensors import BufferPool, TensorFile
 
 WEIGHTS = "model.safetensors"
@@ -48,6 +49,8 @@ def _index_files(folder: Path) -> dict[str, str]:
     index = folder / WEIGHTS_INDEX
     try:
         data = json.loads(index.read_text())
+    except PermissionError as exc:
+        raise not_readable(index) from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{index}: not valid JSON ({exc}) — re-export the checkpoint") from exc
     weight_map = data.get("weight_map") if isinstance(data, dict) else None

@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from symfuse.errors import CheckpointError
+from symfuse.io.modes import not_readable, plain_mode
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -93,8 +94,9 @@ def read_header(file: str | os.PathLike) -> Header:
         The validated header.
 
     Raises:
-        CheckpointError: missing, empty, truncated or garbage file, or a header whose entries lie (unknown
-            dtype, shape that does not match its byte span, spans outside the file or overlapping).
+        CheckpointError: missing, unreadable (permissions), empty, truncated or garbage file, or a header whose
+            entries lie (unknown dtype, shape that does not match its byte span, spans outside the file or
+            overlapping).
     """
     file = Path(file)
     try:
@@ -111,6 +113,8 @@ def read_header(file: str | os.PathLike) -> Header:
         raise CheckpointError(f"{file}: file not found — {_FIX}") from exc
     except IsADirectoryError as exc:
         raise CheckpointError(f"{file}: is a folder, expected a safetensors file — {_FIX}") from exc
+    except PermissionError as exc:
+        raise not_readable(file) from exc
     try:
         header = json.loads(blob)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -415,6 +419,7 @@ def save_safetensors(
             raise write_error(file, errno.ENOSPC if "No space left" in str(exc) else errno.EIO, str(exc)) from exc
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+        plain_mode(tmp)  # mkstemp made it 0600
         os.replace(tmp, file)
         fsync_dir(file.parent)
     finally:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
+from symfuse.config_json import read_config_json
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, UsageError
 from symfuse.lora.adapter import LoraAdapter, LoraModule, read_adapter, write_adapter
@@ -102,6 +103,43 @@ def _check_inputs(adapters: Sequence[LoraAdapter]) -> None:
                 raise CheckpointError(
                     f"{ad.path}: {key} updates a {shape} weight, {seen[1]} a {seen[0]} one — adapters of one base"
                 )
+
+
+def _check_base(adapters: Sequence[LoraAdapter], base: str | os.PathLike) -> None:
+    """Refuse a ``base`` other than the local folder the adapters name; warn when a hub id they name does not match.
+
+    A ``base_model_name_or_path`` that is an existing folder must resolve to ``base``'s folder. Any other name (a hub
+    id, or a folder of another machine) matches when its last component is ``base``'s folder name or the last
+    component of its ``config.json`` ``_name_or_path``; hub copies are often renamed, so a mismatch only warns.
+
+    Raises:
+        CheckpointError: the adapters name an existing local folder that is not ``base``.
+    """
+    ad = next((a for a in adapters if a.base), None)
+    if ad is None:
+        return
+    named, given = Path(str(ad.base)).expanduser(), Path(base).expanduser().resolve()
+    if named.is_dir():
+        if named.resolve() != given:
+            raise CheckpointError(
+                f"{ad.path}: adapter of base {named.resolve()}, but --base is {given} — pass --base {ad.base}, or edit "
+                "base_model_name_or_path in adapter_config.json if that base was moved or copied"
+            )
+        return
+    last = str(ad.base).rstrip("/").rsplit("/", 1)[-1].casefold()
+    try:
+        saved = str(read_config_json(given).get("_name_or_path") or "")
+    except CheckpointError:
+        saved = ""
+    if last not in {given.name.casefold(), saved.rstrip("/").rsplit("/", 1)[-1].casefold()}:
+        log.warning(
+            "%s: adapter of base %s, but --base %s is neither named so nor saved from it (config.json _name_or_path "
+            "%r) — check that it is the model the adapters were trained on",
+            ad.path,
+            ad.base,
+            given,
+            saved,
+        )
 
 
 def _module_keys(adapters: Sequence[LoraAdapter]) -> list[str]:
@@ -208,7 +246,8 @@ def merge_adapters(
         ``out``.
 
     Raises:
-        CheckpointError: a bad adapter, adapters of different bases or kinds, a base without the adapted weights.
+        CheckpointError: a bad adapter, adapters of different bases or kinds, a ``base`` other than the local folder
+            the adapters name, a base without the adapted weights.
         UsageError: a strategy that needs statistics, a missing ``base``, a bad ``basis`` / ``rank``.
     """
     start = time.perf_counter()
@@ -223,6 +262,8 @@ def merge_adapters(
     merger.device = dev
     weights = merger.model_weights(len(ads))
     _check_inputs(ads)
+    if base is not None:
+        _check_base(ads, base)
     if basis == "naive":
         _check_naive_ranks(ads)
     dora = ads[0].dora

@@ -16,7 +16,7 @@ from torch import nn
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data.labels import foreign_classes, head_labels, union_columns
 from symfuse.errors import DataError
-from symfuse.io import fsync_dir
+from symfuse.io import fsync_dir, plain_mode
 from symfuse.stats.fisher import collect_fisher
 from symfuse.stats.gram import collect_gram
 from symfuse.stats.io import STAT_KINDS, StatsFile, save_stats
@@ -233,6 +233,7 @@ def _move_in(tmp: Path, out: Path, fingerprint: str) -> None:
     """
     fsync_dir(tmp)
     if not out.exists():
+        plain_mode(tmp)  # mkdtemp made it 0700
         os.replace(tmp, out)
     else:
         new = {f.name for f in tmp.iterdir()}

@@ -6,7 +6,6 @@ See :mod:`symfuse.store.reader` for the layout and the reading side.
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import json
 import logging
@@ -17,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from symfuse.io.modes import umask
 from symfuse.store.errors import ArtifactNotFound, CorruptArtifact
 from symfuse.store.layout import MANIFEST
 from symfuse.store.reader import JSON_FILE, ArtifactReader, _sha256_file, default_cache_dir, default_root
@@ -35,20 +35,6 @@ from symfuse.store.versions import (
 log = logging.getLogger(__name__)
 
 __all__ = ["JSON_FILE", "ArtifactStore", "default_cache_dir", "default_root"]
-
-
-@functools.cache
-def _umask() -> int:
-    """The process's umask (Linux: read, not set; elsewhere: set and restored once)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 class ArtifactStore(ArtifactReader):
@@ -172,7 +158,7 @@ class ArtifactStore(ArtifactReader):
                 if exc.errno != errno.EXDEV:  # another file system: copy below
                     raise
             else:
-                os.chmod(dest, 0o666 & ~_umask())  # the mode a copy gets (a scratch file may be private: mkstemp)
+                os.chmod(dest, 0o666 & ~umask())  # the mode a copy gets (a scratch file may be private: mkstemp)
                 return
         self.fs.put_file(str(src), dest)
 

@@ -36,6 +36,7 @@ import fsspec
 
 from symfuse.errors import UsageError
 from symfuse.io.memo import FileMemo
+from symfuse.io.modes import plain_mode
 from symfuse.redact import install_log_redaction
 from symfuse.store.errors import ArtifactNotFound, CorruptArtifact, translated
 from symfuse.store.layout import MANIFEST, manifest_digest
@@ -401,6 +402,7 @@ class ArtifactReader:
             tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=self.cache_dir))
             try:
                 self._download(key, manifest, tmp)
+                plain_mode(tmp)  # mkdtemp made it 0700; a shared $SYMFUSE_CACHE is read by other users too
                 try:
                     tmp.rename(target)
                     return target

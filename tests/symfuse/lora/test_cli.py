@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -92,6 +93,57 @@ def test_a_rank_that_disagrees_with_the_config_is_refused(zoo, tmp_path):
     assert _run("--adapters", patterned, zoo["a1"], "--out", out).exit_code == 0
 
 
+def _set_base(adapter, name) -> None:
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(name)}))
+
+
+def _adapters_of(zoo, folder, name):
+    """Copies of a1 and a2 in ``folder`` whose adapter_config.json names the base ``name``."""
+    copies = []
+    for key in ("a1", "a2"):
+        shutil.copytree(zoo[key], folder / key)
+        _set_base(folder / key, name)
+        copies.append(folder / key)
+    return copies
+
+
+def test_into_base_refuses_a_base_other_than_the_local_folder_the_adapters_name(zoo, tmp_path):
+    """Same shapes, another folder: folding into it would be silently wrong; naming the moved base fixes it."""
+    other = tmp_path / "other-base"
+    shutil.copytree(zoo["base"], other)
+    out = tmp_path / "out"
+    res = _run("--adapters", zoo["a1"], zoo["a2"], "--strategy", "simple", "--into-base", "--base", other,
+               "--out", out)  # fmt: skip
+    _refused(res, 1, f"{zoo['a1']}: adapter of base {zoo['base'].resolve()}, but --base is {other.resolve()} — "
+                     f"pass --base {zoo['base']}, or edit base_model_name_or_path")  # fmt: skip
+    assert not out.exists()
+    a1, a2 = _adapters_of(zoo, tmp_path / "moved", other)  # the fix: the adapters name the copy
+    res = _run("--adapters", a1, a2, "--strategy", "simple", "--into-base", "--base", other, "--out", out)
+    assert res.exit_code == 0, res.output
+    assert (out / "model.safetensors").is_file()
+
+
+def test_a_hub_base_is_matched_by_name_and_only_warned_about(zoo, tmp_path, caplog):
+    """A hub id is compared by its last component with --base's folder name or config.json _name_or_path."""
+    renamed = tmp_path / "renamed"
+    shutil.copytree(zoo["base"], renamed)
+    cfg = json.loads((renamed / "config.json").read_text())
+    (renamed / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "org/tiny-llama"}))
+    cases = [("org/base", zoo["base"], False), ("org/tiny-llama", renamed, False), ("org/other-model", renamed, True)]
+    for i, (hub_id, base, warned) in enumerate(cases):
+        a1, a2 = _adapters_of(zoo, tmp_path / f"hub{i}", hub_id)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="symfuse.lora.merge"):
+            res = _run("--adapters", a1, a2, "--strategy", "simple", "--into-base", "--base", base,
+                       "--out", tmp_path / f"out{i}")  # fmt: skip
+        assert res.exit_code == 0, res.output
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == int(warned), (hub_id, warnings)
+        if warned:
+            assert f"adapter of base {hub_id}, but --base {base.resolve()}" in warnings[0], warnings
+
+
 def test_merge_points_adapter_folders_to_merge_lora(zoo, tmp_path):
     res = runner.invoke(app, ["merge", "--strategy", "simple", "--models", str(zoo["a1"]), str(zoo["a2"]),
                               "--out", str(tmp_path / "out")], terminal_width=200)  # fmt: skip
@@ -110,6 +162,8 @@ def test_the_readme_lora_commands_run_as_written(zoo, tmp_path, monkeypatch):
     assert len(lines) == 2
     for name in ("a", "b", "base"):
         shutil.copytree(zoo[{"a": "a1", "b": "a2"}.get(name, name)], tmp_path / "lora" / name)
+    for name in ("a", "b"):  # adapters trained on lora/base (the copies still name the fixture's base)
+        _set_base(tmp_path / "lora" / name, "lora/base")
     monkeypatch.chdir(tmp_path)
     for line in lines:
         args = shlex.split(line.removeprefix(".venv/bin/symfuse "))
