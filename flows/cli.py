@@ -32,6 +32,7 @@ from symfuse.redact import redact
 from symfuse.report import metrics_table, primary_metric
 from symfuse.store import ArtifactStore
 
+TERMINATED = 128 + signal.SIGTERM  # the exit status of a run stopped by SIGTERM
 DEMO_DATA_HELP = (
     f"The embedded demo fine-tunes on {', '.join(DEMO_DATASETS)} and evaluates out of domain on "
     f"{', '.join(DEMO_OUT_OF_DOMAIN)}: subsets bundled with the package (sources and licences in "
@@ -111,7 +112,7 @@ def exit_on_sigterm() -> None:
     default, and the ephemeral server's subprocess was left running (one per stopped demo).
     """
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(TERMINATED))
 
 
 def start_ephemeral_server() -> threading.Thread | None:
@@ -233,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         result = state.result()
     except Exception as exc:  # the failed task's own error, one line (its traceback is in the run's logs)
         return report(exc, args.verbose)
+    except SystemExit as exc:  # exit_on_sigterm's: the run was stopped; say so (it used to end without a word)
+        if exc.code != TERMINATED:
+            raise
+        store = redact(config.resolved_store_root())
+        print(f"error: terminated by SIGTERM — the run stopped; what it finished is in the store {store}, and the "
+              "same command resumes from it", file=sys.stderr)  # fmt: skip
+        return TERMINATED
     print_metrics(result["report"], config)
     print(f"\nanchor: {result['anchor']}; pipeline wall time {time.perf_counter() - start:.0f} s")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,33 @@ def test_a_failed_run_in_a_fresh_process_prints_no_traceback(nan_base, tmp_path)
     assert "Traceback" not in res.stderr + res.stdout, res.stderr[-4000:]
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]  # the server's stop line follows it
     assert len(errors) == 1 and "NaN" in errors[0] and str(nan_base) in errors[0], errors
+
+
+def test_sigterm_mid_run_ends_the_process_with_one_line(tiny_base, tmp_path):
+    """A run stopped by SIGTERM (a pool's worker cancelling it, ``timeout``) used to end with status 143 and no word."""
+    datasets = [{"name": n, "max_train_examples": 8} for n in ("meld", "isear")]
+    config = tiny_config(tiny_base, str(tmp_path / "store"), run_id="stopped", strategies=["simple"], datasets=datasets)
+    config.to_yaml(tmp_path / "run.yaml")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env |= {"PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)]), "PREFECT_HOME": str(tmp_path / "prefect")}
+    proc = subprocess.Popen([sys.executable, "-m", "flows", "--config", "run.yaml"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stderr:  # the first task has started: the flow is running
+            lines.append(line)
+            if "Task run" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines += proc.stderr.readlines()
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    assert proc.returncode == 143, "".join(lines)[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("error: terminated by SIGTERM — the run stopped"), errors
+    assert "Traceback" not in "".join(lines)
 
 
 def test_drain_events_returns_once_the_server_holds_every_task_run_final():
