@@ -18,8 +18,9 @@ from typing import Any
 
 from symfuse.io.modes import umask
 from symfuse.store.errors import ArtifactNotFound, CorruptArtifact
+from symfuse.store.hashing import sha256_file
 from symfuse.store.layout import MANIFEST
-from symfuse.store.reader import JSON_FILE, ArtifactReader, _sha256_file, default_cache_dir, default_root
+from symfuse.store.reader import JSON_FILE, ArtifactReader, default_cache_dir, default_root
 from symfuse.store.versions import (
     VERSIONS,
     gc_grace,
@@ -113,7 +114,7 @@ class ArtifactStore(ArtifactReader):
         # symlinks first: they are copied, and may point at a file of src that ``move`` renames away
         for rel in sorted(files, key=lambda r: not (src / r).is_symlink()):
             sizes[rel] = (src / rel).stat().st_size
-            sha[rel] = _sha256_file(src / rel)
+            sha[rel] = sha256_file(src / rel)
             with self._io(f"{self.uri(key)}/{rel}"):
                 self._put(src / rel, self._path(key, VERSIONS, version, rel), move)
         return self._publish(key, version, files, sizes, sha, producer, inputs, content_key, meta, stage)
@@ -143,7 +144,7 @@ class ArtifactStore(ArtifactReader):
         if file.name == MANIFEST:
             raise ValueError(f"{file}: the name {MANIFEST} is reserved for the store")
         version = new_version()
-        sizes, sha = {file.name: file.stat().st_size}, {file.name: _sha256_file(file)}
+        sizes, sha = {file.name: file.stat().st_size}, {file.name: sha256_file(file)}
         with self._io(f"{self.uri(key)}/{file.name}"):
             self._put(file, self._path(key, VERSIONS, version, file.name), move)
         return self._publish(key, version, [file.name], sizes, sha, producer, inputs, content_key, meta, stage)

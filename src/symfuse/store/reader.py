@@ -35,10 +35,10 @@ from typing import Any
 import fsspec
 
 from symfuse.errors import UsageError
-from symfuse.io.memo import FileMemo
 from symfuse.io.modes import plain_mode
 from symfuse.redact import install_log_redaction
 from symfuse.store.errors import ArtifactNotFound, CorruptArtifact, translated
+from symfuse.store.hashing import matches_sha256
 from symfuse.store.layout import MANIFEST, manifest_digest
 from symfuse.store.s3 import option_secrets, s3_options
 from symfuse.store.urls import store_url_problem
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "./symfuse-runs"
 JSON_FILE = "data.json"
-_CHUNK = 1 << 20
 
 
 def default_root() -> str:
@@ -59,30 +58,6 @@ def default_root() -> str:
 def default_cache_dir() -> Path:
     """Where remote artifacts are downloaded: ``$SYMFUSE_CACHE`` or ``~/.cache/symfuse/artifacts``."""
     return Path(os.environ.get("SYMFUSE_CACHE") or Path.home() / ".cache" / "symfuse" / "artifacts")
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# Files whose sha256 this process already checked against a manifest, by settled identity (symfuse.io.memo): the
-# same unchanged file is hashed once per process however many tasks read it; a rewrite is hashed again.
-_VERIFIED: FileMemo[str] = FileMemo()
-
-
-def _matches_sha256(path: Path, expected: str) -> bool:
-    """Whether ``path`` hashes to ``expected``, hashing an unchanged file at most once per process."""
-    ident, known = _VERIFIED.lookup(path)
-    if known == expected:
-        return True
-    digest = _sha256_file(path)
-    if digest == expected:
-        _VERIFIED.remember(path, ident, digest)
-    return digest == expected
 
 
 class ArtifactReader:
@@ -494,7 +469,7 @@ class ArtifactReader:
                     f"{self.uri(key)}/{rel}: {size} bytes, manifest says {manifest['sizes'][rel]}; "
                     "the artifact is damaged: delete and recompute it"
                 )
-            if sha and not _matches_sha256(file, manifest["sha256"][rel]):
+            if sha and not matches_sha256(file, manifest["sha256"][rel]):
                 raise CorruptArtifact(
                     f"{self.uri(key)}/{rel}: sha256 differs from the manifest; the artifact is damaged: "
                     "delete and recompute it"

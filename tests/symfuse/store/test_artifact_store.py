@@ -86,7 +86,7 @@ def test_local_cache_hashes_an_unchanged_file_once_and_a_rewritten_one_again(tmp
     import time
 
     from symfuse.io import memo
-    from symfuse.store import reader
+    from symfuse.store import hashing
 
     settle = 1.0  # long enough that a busy CI machine still reads twice before the files settle
     monkeypatch.setattr(memo, "SETTLED_NS", int(settle * 1e9))
@@ -94,8 +94,8 @@ def test_local_cache_hashes_an_unchanged_file_once_and_a_rewritten_one_again(tmp
     store = ArtifactStore(str(tmp_path / "root"))
     store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
     hashed = []
-    real = reader._sha256_file
-    monkeypatch.setattr(reader, "_sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    real = hashing.sha256_file
+    monkeypatch.setattr(hashing, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
     folder = store.local_cache(KEY)
     first = len(hashed)
     assert first >= 1 and store.local_cache(KEY) == folder
