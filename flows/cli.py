@@ -25,6 +25,7 @@ import pandas as pd
 
 from symfuse.cli.boundary import DATA, one_line, report
 from symfuse.config import DATASET_RESOLUTION, DEMO_DATASETS, DEMO_OUT_OF_DOMAIN, RunConfig
+from symfuse.config_schema import check_name
 from symfuse.errors import UsageError
 from symfuse.logs import quiet_third_party
 from symfuse.preflight import check_run
@@ -202,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "symfuse,tasks")
     quiet_third_party()  # the pipeline's progress and table, not a load report per checkpoint
     args = parse_args(argv)
+    try:
+        if args.run_id is not None:  # the option's own line, not the file's (the file is fine)
+            check_name(args.run_id, "--run-id: run id")
+    except ValueError as exc:
+        return report(UsageError(f"{exc}"), args.verbose)
     try:
         config = load_config(args)
     except Exception as exc:  # a bad --config: one line naming the file, exit 2

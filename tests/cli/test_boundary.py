@@ -91,6 +91,10 @@ def _app() -> typer.Typer:
         typer.echo(f"wrote {out!r}")
 
     @app.command()
+    def need(out: str = typer.Option(..., "--out")) -> None:
+        typer.echo(f"wrote {out!r}")
+
+    @app.command()
     def leak() -> None:
         raise OSError("s3://AKIATESTKEY0000:testSECRETvalue99@bucket/p/runs: store operation failed")
 
@@ -105,6 +109,7 @@ def _app() -> typer.Typer:
         (["data", "--what"], 2, "No such option: --what"),
         (["write", "--out", "--overwrite"], 2, "error: --out: given '--overwrite', another option of this command"),
         (["write", "--out", ""], 2, "error: --out: the value is empty — give one (or leave --out out"),
+        (["need", "--out", ""], 2, "error: --out: the value is empty — give one"),
         (["write", "--out", " "], 2, "error: --out: the value is empty"),
         (["leak"], 1, "error: s3://[REDACTED]@bucket/p/runs: store operation failed"),
     ],

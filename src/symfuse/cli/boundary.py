@@ -111,7 +111,8 @@ def misplaced_value(command: Any, argv: Sequence[str]) -> str | None:
                 f"(a name starting with '-' is written ./{value})"
             )
         if not value.strip():
-            return f"{option}: the value is empty — give one (or leave {option} out for its default)"
+            default = "" if param.required else f" (or leave {option} out for its default)"
+            return f"{option}: the value is empty — give one{default}"
     return None
 
 
