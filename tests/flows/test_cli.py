@@ -70,15 +70,21 @@ def test_a_failed_run_is_one_error_line_and_no_traceback(nan_base, memory_root, 
     assert "boom" in logging.Formatter().format(record)
 
 
-def test_a_failed_run_in_a_fresh_process_prints_no_traceback(nan_base, tmp_path):
-    """``python -m flows`` as users run it: Prefect's console handlers appear after the command starts, and its flow
-    engine logs the failure with the traceback; without -v the console shows the line, not the traceback."""
+def _fresh_run(base: Path, tmp_path: Path, run_id: str) -> dict[str, str]:
+    """Write ``tmp_path/run.yaml`` (two tiny datasets, simple) and return the env of a fresh ``python -m flows``."""
     datasets = [{"name": n, "max_train_examples": 8} for n in ("meld", "isear")]
-    config = tiny_config(nan_base, str(tmp_path / "store"), run_id="fresh", strategies=["simple"], datasets=datasets)
+    config = tiny_config(base, str(tmp_path / "store"), run_id=run_id, strategies=["simple"], datasets=datasets)
     config.to_yaml(tmp_path / "run.yaml")
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    env |= {"PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)]), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
+    return env | {"PREFECT_HOME": str(tmp_path / "prefect")}
+
+
+def test_a_failed_run_in_a_fresh_process_prints_no_traceback(nan_base, tmp_path):
+    """``python -m flows`` as users run it: Prefect's console handlers appear after the command starts, and its flow
+    engine logs the failure with the traceback; without -v the console shows the line, not the traceback."""
+    env = _fresh_run(nan_base, tmp_path, "fresh")
     res = subprocess.run([sys.executable, "-m", "flows", "--config", "run.yaml"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert res.returncode == 1, res.stderr[-2000:]
@@ -89,12 +95,7 @@ def test_a_failed_run_in_a_fresh_process_prints_no_traceback(nan_base, tmp_path)
 
 def test_sigterm_mid_run_ends_the_process_with_one_line(tiny_base, tmp_path):
     """A run stopped by SIGTERM (a pool's worker cancelling it, ``timeout``) used to end with status 143 and no word."""
-    datasets = [{"name": n, "max_train_examples": 8} for n in ("meld", "isear")]
-    config = tiny_config(tiny_base, str(tmp_path / "store"), run_id="stopped", strategies=["simple"], datasets=datasets)
-    config.to_yaml(tmp_path / "run.yaml")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    env |= {"PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)]), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = _fresh_run(tiny_base, tmp_path, "stopped")
     proc = subprocess.Popen([sys.executable, "-m", "flows", "--config", "run.yaml"], cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     lines = []
