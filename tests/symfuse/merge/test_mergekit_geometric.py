@@ -303,11 +303,9 @@ def test_cli_slerp_merges_two_tiny_checkpoints(tmp_path):
     assert any(not torch.allclose(got[k], wa[k]) for k in wa if wa[k].is_floating_point())
 
 
-def test_arcee_fusion_decides_its_mask_in_float64():
-    # seed 20: float32 inputs whose importances, taken in float32, put one entry on the other side of the threshold
-    # than the float64 ones. The kept entries are the float64 decision's: a GPU's float32 softmax differs from a
-    # CPU's in the last bits, so a float32 decision can differ between devices (the GPU check saw 0.8 % off)
-    g = torch.Generator().manual_seed(20)
+def _float32_flips_the_mask(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(a, b, float64 mask)`` when the float32 importances of these inputs decide another mask, else None."""
+    g = torch.Generator().manual_seed(seed)
     a = torch.randn(64, 512, generator=g)
     b = a + 0.1 * torch.randn(64, 512, generator=g)
     imp32 = fusion_importance(b, a)
@@ -315,6 +313,17 @@ def test_arcee_fusion_decides_its_mask_in_float64():
     q = torch.quantile(imp.reshape(-1), torch.tensor([0.25, 0.5, 0.75], dtype=D), interpolation="lower")
     mask64 = imp >= q[1] + 1.5 * (q[2] - q[0])
     q32 = torch.quantile(imp32.reshape(-1), torch.tensor([0.25, 0.5, 0.75]), interpolation="lower")
-    assert not torch.equal(imp32 >= q32[1] + 1.5 * (q32[2] - q32[0]), mask64)  # the case this test is about
+    return None if torch.equal(imp32 >= q32[1] + 1.5 * (q32[2] - q32[0]), mask64) else (a, b, mask64)
+
+
+def test_arcee_fusion_decides_its_mask_in_float64():
+    # float32 inputs whose importances, taken in float32, put an entry on the other side of the threshold than the
+    # float64 ones. The kept entries are the float64 decision's: a GPU's float32 softmax differs from a CPU's in the
+    # last bits, so a float32 decision can differ between devices (the GPU check saw 0.8 % off). Which seeds give
+    # such inputs depends on the CPU's float32 kernels (seed 20 did on one machine, not on another): the first of
+    # 200 that does is used
+    case = next((c for seed in range(200) if (c := _float32_flips_the_mask(seed)) is not None), None)
+    assert case is not None, "no seed of 200 gives float32 and float64 masks that differ"
+    a, b, mask64 = case
     out = arcee_fusion(a, b)
     assert torch.equal(out != a, mask64 & (a != b))
