@@ -9,14 +9,12 @@ too (the registries import no torch).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from symfuse.merge.registry import MERGERS
+from symfuse.names import NAME_CHARS, NAME_MAX, NAME_RE, is_name
 
-NAME_MAX = 100  # one folder of artifact keys: symfuse.store.layout.check_segment's rule (not imported: no fsspec here)
-NAME_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._@+=-]{{0,{NAME_MAX - 1}}}$")
 ANCHOR_POLICIES = ("closest", "barycenter")
 NAME_SCHEMA = {"pattern": NAME_RE.pattern}
 ANCHOR_SCHEMA = {"pattern": NAME_RE.pattern, "examples": list(ANCHOR_POLICIES)}  # or a dataset name
@@ -28,11 +26,11 @@ def check_name(value: str, what: str) -> str:
     Raises:
         ValueError: it cannot (``what`` names it in the message).
     """
-    if NAME_RE.match(value):
+    if is_name(value):
         return value
     shown = value if len(value) <= 40 else f"{value[:40]}... ({len(value)} characters)"
     raise ValueError(
-        f"{what} {shown!r}: use 1-{NAME_MAX} letters, digits and ._@+=-, starting with a letter or digit (it becomes "
+        f"{what} {shown!r}: use 1-{NAME_MAX} {NAME_CHARS}, starting with a letter or digit (it becomes "
         "part of artifact keys)"
     )
 

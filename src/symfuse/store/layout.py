@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel
 
+from symfuse.names import NAME_CHARS, NAME_MAX, is_name
+
 MANIFEST = "manifest.json"
 VARIANTS = ("plain", "matched")
-SEGMENT_MAX = 100  # with the prefixes and suffixes keys add, under the 255 bytes of a file name
-_SEGMENT = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._@+=-]{{0,{SEGMENT_MAX - 1}}}$")  # config_schema.NAME_RE: the same
 
 
 class _HasKey(Protocol):
@@ -48,12 +47,12 @@ def check_segment(value: str, what: str) -> str:
         The segment, unchanged.
 
     Raises:
-        ValueError: if it is empty or longer than ``SEGMENT_MAX``, holds ``/`` or characters outside
+        ValueError: if it is empty or longer than :data:`~symfuse.names.NAME_MAX`, holds ``/`` or characters outside
             ``[A-Za-z0-9._@+=-]``, or starts with one of ``._@+=-``.
     """
-    if not isinstance(value, str) or not _SEGMENT.match(value):
+    if not is_name(value):
         raise ValueError(
-            f"{what} {value!r} cannot be part of an artifact key: use 1-{SEGMENT_MAX} letters, digits and ._@+=- "
+            f"{what} {value!r} cannot be part of an artifact key: use 1-{NAME_MAX} {NAME_CHARS} "
             "(no '/', not starting with a symbol)"
         )
     return value
