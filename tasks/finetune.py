@@ -5,7 +5,7 @@ from __future__ import annotations
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
 from symfuse.data.holdout import HOLDOUT_FRACTION, HOLDOUT_SPLIT
-from symfuse.data.probe import probe_dataset
+from symfuse.data.probe import split_names
 from symfuse.stats import model_fingerprint
 from symfuse.train import FinetuneConfig
 from symfuse.train import finetune as finetune_model
@@ -55,8 +55,7 @@ def finetune_keys(config: RunConfig, dataset: str) -> tuple[str, str]:
     """
     cfg, base = finetune_settings(config, dataset), resolve_checkpoint(config.base_model)
     data = config.dataset(dataset).data
-    probe = probe_dataset(data)
-    held_out = not probe.read or "validation" not in probe.splits
+    held_out = "validation" not in (split_names(data) or ())  # the file names only: no record is read
     what = {"finetune": cfg, "data": data, **({"selection": [HOLDOUT_SPLIT, HOLDOUT_FRACTION]} if held_out else {})}
     return layout.model_key(config.run_id, dataset), content_key(what, {"base": model_fingerprint(base)})
 

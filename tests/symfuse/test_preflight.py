@@ -12,7 +12,7 @@ import pytest
 from symfuse.config import RunConfig
 from symfuse.data import DatasetError
 from symfuse.data.locate import BUNDLED_DIR
-from symfuse.data.probe import probe_dataset
+from symfuse.data.probe import probe_dataset, split_names
 from symfuse.preflight import RunInputError, check_run, require_runnable
 from tests.tiny import save_tiny
 
@@ -228,3 +228,12 @@ def test_probe_reads_only_the_first_records(tmp_path):
         probe_dataset("d_missing")
     assert probe_dataset("owner/hub-set").read is False  # hub datasets are read by the run
     assert probe_dataset("meld").where == str(BUNDLED_DIR / "meld")
+
+
+def test_split_names_reads_no_record(tmp_path):
+    folder = Path(dataset(tmp_path / "d", splits=("train", "test")))
+    (folder / "train.jsonl").write_text("{not json\n")  # a probe would refuse it; the names do not read it
+    assert split_names(str(folder)) == ("train", "test")
+    assert split_names("owner/hub-set") is None and split_names("hf:owner/hub-set") is None
+    with pytest.raises(DatasetError, match="no dataset of that name"):
+        split_names("d_missing")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from symfuse.data.dataset import LM_ONLY_EVALUATE, TASKS, _infer_task, _resolve_local, check_records
 from symfuse.data.files import DatasetError, head_records
@@ -48,6 +49,26 @@ class DatasetProbe:
         return self.task is not None
 
 
+def split_names(source: str) -> tuple[str, ...] | None:
+    """The splits of ``source`` that have a file, found as :func:`probe_dataset` finds them but reading no record.
+
+    Returns:
+        The split names; None for a hub dataset (``owner/name``, ``hf:<id>``), which is not looked at.
+
+    Raises:
+        DatasetError: a bare name that is found nowhere.
+    """
+    probe = _resolve(str(source))
+    return None if probe is None else tuple(probe[1])
+
+
+def _resolve(source: str) -> tuple[str, dict[str, Path], dict[str, Any] | None] | None:
+    local = None if source.startswith("hf:") else _resolve_local(source)
+    if local is None and "/" not in source and not source.startswith("hf:"):
+        raise DatasetError(not_found_message(source))
+    return local
+
+
 def probe_dataset(source: str, records: int = PROBE_RECORDS) -> DatasetProbe:
     """Resolve ``source`` and read its ``meta.json`` and the first ``records`` records of each split file.
 
@@ -63,10 +84,7 @@ def probe_dataset(source: str, records: int = PROBE_RECORDS) -> DatasetProbe:
             (file and line named), or ``meta.json`` is invalid.
     """
     source = str(source)
-    local = None if source.startswith("hf:") else _resolve_local(source)
-    if local is None:
-        if "/" not in source and not source.startswith("hf:"):
-            raise DatasetError(not_found_message(source))
+    if (local := _resolve(source)) is None:
         return DatasetProbe(source, source.removeprefix("hf:"))
     _name, files, meta = local
     heads = {file: head_records(file, records) for file in dict.fromkeys(files.values())}
