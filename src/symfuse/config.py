@@ -22,14 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from symfuse import yaml_io
 from symfuse.config_schema import ANCHOR_POLICIES, ANCHOR_SCHEMA, NAME_SCHEMA, check_name, enum_of, merge_params_schema
+from symfuse.fields import no_bool_for_numbers
 from symfuse.merge.registry import MERGERS, merger_params
 from symfuse.seeds import Seed
 from symfuse.symmetry.registry import check_kinds, kind_names
 
 STATS_KINDS = ("gram", "fisher")
-# Merge strategies are the names of symfuse.merge.registry.MERGERS, symmetries the kinds of symfuse.symmetry.registry
-# found from weights: read when a config is validated and when the UI form's JSON schema is built, so a strategy or
-# kind registered later is a choice too (the registries import no torch).
+# Strategies and symmetry kinds are read from their registries (no torch) when a config is validated or the UI form's
+# schema is built, so one registered later is a choice too (symfuse.config_schema).
 # The demo's training sets (different label sets: 13 tweet emotions, 28 Reddit emotions, 7 Friends emotions) and its
 # held-out set (Ekman's 6 + neutral on Reddit texts disjoint from the bundled goemotions rows): all redistributable.
 DEMO_DATASETS = ("crowdflower", "goemotions", "meld")
@@ -71,6 +71,7 @@ def read_yaml(path: str | os.PathLike) -> Any:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    _no_bool = field_validator("*", mode="before")(no_bool_for_numbers)
 
 
 class DatasetConfig(_Strict):

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from symfuse.errors import CheckpointError, NonFiniteError
+from symfuse.fields import no_bool_for_numbers
 from symfuse.seeds import Seed
 
 log = logging.getLogger(__name__)
@@ -312,6 +313,7 @@ class RefitOptions(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
+    _no_bool = field_validator("*", mode="before")(no_bool_for_numbers)
 
     data: list[str] = Field(min_length=1)
     ridge: float = Field(default=0.1, gt=0)

@@ -32,6 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from symfuse.fields import no_bool_for_numbers
 from symfuse.registry import Registry
 
 
@@ -39,6 +40,7 @@ class MergeParams(BaseModel):
     """Parameters shared by every merger; subclasses add their own (unknown keys are an error)."""
 
     model_config = ConfigDict(extra="forbid")
+    _no_bool = field_validator("*", mode="before")(no_bool_for_numbers)
 
     weights: list[float] | None = None  # per-model weights (normalised to sum 1); default uniform
 

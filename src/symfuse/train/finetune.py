@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data import TaskDataset, collate, iter_batches, load_task_dataset, load_tokenizer
@@ -49,6 +49,7 @@ from symfuse.device import resolve_device
 from symfuse.errors import NonFiniteError
 from symfuse.evaluate.predict import forward_logits, run_model, task_loss
 from symfuse.evaluate.scoring import score_logits
+from symfuse.fields import no_bool_for_numbers
 from symfuse.io import check_finite_tensor
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.seeds import Seed
@@ -63,6 +64,7 @@ class FinetuneConfig(BaseModel):
     """Fine-tuning settings (paper defaults: batch 16, lr 1e-5, 6 % warm-up)."""
 
     model_config = ConfigDict(extra="forbid")
+    _no_bool = field_validator("*", mode="before")(no_bool_for_numbers)
 
     epochs: int = Field(3, ge=1)
     lr: float = Field(1e-5, gt=0)
