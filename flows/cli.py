@@ -41,15 +41,26 @@ DEMO_DATA_HELP = (
 )
 
 
+class _Once(argparse.Action):
+    """Store the value; an option given twice is an error (argparse would keep the last one without a word)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option}: given twice — give it once")
+        setattr(namespace, self.dest, values)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The demo's options."""
     p = argparse.ArgumentParser(prog="python -m flows", description=__doc__.splitlines()[0], epilog=DEMO_DATA_HELP)
     p.add_argument(
         "--quick", action="store_true", help="the reduced demo: crowdflower and meld, 300 examples (target < 90 s)"
     )
-    p.add_argument("--config", help="RunConfig YAML file (default: the embedded demo)")
-    p.add_argument("--store", help="artifact store root (default: $SYMFUSE_STORE or ./symfuse-runs)")
-    p.add_argument("--run-id", help="run id (names runs/<id>/ in the store)")
+    p.add_argument("--config", action=_Once, help="RunConfig YAML file (default: the embedded demo)")
+    p.add_argument("--store", action=_Once, help="artifact store root (default: $SYMFUSE_STORE or ./symfuse-runs)")
+    p.add_argument("--run-id", action=_Once, help="run id (names runs/<id>/ in the store)")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks (errors are one line without it)")
     return p.parse_args(argv)
 

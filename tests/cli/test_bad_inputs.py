@@ -115,6 +115,7 @@ CASES = [
         2,
         "syntax.yaml: not valid YAML at line 3, column 7 (expected ',' or ']', but got ':') — fix the syntax",
     ),
+    C("merge-model-twice", f"{MERGE} simple --models {{A}} {{B}} {{A}}/ {OUT}", 2, "given twice (as {A} and {A}/)"),
     C("merge-base-not-used", f"{MERGE} simple --base {{A}} --models {{A}} {{B}} {OUT}", 2, "--base"),
     C("merge-base-missing", f"{MERGE} ties --models {{A}} {{B}} {OUT}", 2, "--base"),
     C("merge-option-not-used", f"{MERGE} simple --alpha 0.5 --models {{A}} {{B}} {OUT}", 2, "--alpha"),
@@ -127,6 +128,7 @@ CASES = [
     # --- merge-lora ---
     C("merge-lora-not-an-adapter", f"merge-lora --adapters {{A}} {OUT}", 2, "not a PEFT adapter folder"),
     C("merge-lora-missing-adapter", f"merge-lora --adapters {{MISSING}} {OUT}", 2, "missing", verbose=True),
+    C("merge-lora-adapter-twice", f"merge-lora --adapters {{A}} {{A}} {OUT}", 2, "--adapters: {A} given twice — "),
     C("merge-lora-unknown-basis", f"merge-lora --adapters {{A}} --basis wrong {OUT}", 2, "--basis"),
     # --- match ---
     C("match-empty-symmetries", f"match {{A}} {{B}} {OUT} --symmetries ,", 2, "--symmetries", verbose=True),

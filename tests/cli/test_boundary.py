@@ -112,6 +112,9 @@ def _app() -> typer.Typer:
         (["need", "--out", ""], 2, "error: --out: the value is empty — give one"),
         (["write", "--out", " "], 2, "error: --out: the value is empty"),
         (["leak"], 1, "error: s3://[REDACTED]@bucket/p/runs: store operation failed"),
+        (["write", "--out", "a", "--out", "b"], 2, "error: --out: given twice — give it once"),  # click kept b
+        (["write", "--out=a", "--overwrite", "--out", "b"], 2, "error: --out: given twice — give it once"),
+        (["write", "--overwrite", "--overwrite"], 2, "error: --overwrite: given twice — give it once"),
     ],
 )
 def test_boundary_prints_one_line_and_the_traceback_only_with_v(args, code, line):
@@ -132,6 +135,19 @@ def test_boundary_prints_one_line_and_the_traceback_only_with_v(args, code, line
 def test_an_option_value_that_only_looks_odd_still_runs():
     res = CliRunner().invoke(_app(), ["write", "--out", "./--overwrite"])
     assert res.exit_code == 0 and "wrote './--overwrite'" in res.output
+
+
+def test_a_list_option_given_twice_is_refused_and_a_repeatable_one_is_not(tmp_path):
+    from symfuse.cli import app
+    from symfuse.cli import commands as _commands  # noqa: F401
+
+    args = ["merge", "--strategy", "simple", "--out", str(tmp_path / "o")]
+    twice = CliRunner().invoke(app, [*args, "--models", "a", "b", "--models", "b", "a"])  # click merged four models
+    assert twice.exit_code == 2
+    assert twice.stderr.strip() == "error: --models: given twice — give its values after one --models: --models A B ..."
+    params = CliRunner().invoke(app, [*args, "--models", "a", "b", "--param", "x=1", "--param", "y=2"])
+    assert params.exit_code == 2 and "given twice" not in params.stderr  # --param repeats; the models are missing
+    assert not (tmp_path / "o").exists()
 
 
 def test_merge_help_lists_every_option():

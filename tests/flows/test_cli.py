@@ -50,6 +50,14 @@ def test_a_bad_config_is_one_line_naming_the_file(tmp_path, capfd):
     assert err == [f"error: {cfg}: line 3: key 'run_id' given twice (first at line 1) — keep one"], err
 
 
+@pytest.mark.parametrize("args", [["--store", "a", "--store", "b"], ["--run-id=a", "--run-id", "b"]])
+def test_an_option_given_twice_is_refused(args, capfd):
+    with pytest.raises(SystemExit) as info:  # argparse kept the last value without a word
+        main(args)
+    assert info.value.code == 2
+    assert capfd.readouterr().err.strip().splitlines()[-1].endswith(f"{args[-2]}: given twice — give it once")
+
+
 def test_a_failed_run_is_one_error_line_and_no_traceback(nan_base, memory_root, tmp_path, capfd, console_formatters):
     config = tiny_config(nan_base, memory_root, run_id="cli-fails", strategies=["simple"], anchor="closest",
                          datasets=[{"name": n, "max_train_examples": 8} for n in ("meld", "isear")])  # fmt: skip

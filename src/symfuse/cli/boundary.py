@@ -116,6 +116,30 @@ def misplaced_value(command: Any, argv: Sequence[str]) -> str | None:
     return None
 
 
+def repeated_option(command: Any, argv: Sequence[str]) -> str | None:
+    """Which option of ``command`` is given twice in ``argv`` (by one name or two), or None.
+
+    click keeps the last value of an option given twice (``--out a --out b`` wrote b) and appends the values of a
+    list option (``--models a b --models b a`` merged four models). Options meant to repeat (``--param k=v``) may.
+    """
+    options = {n: p for p in command.params if isinstance(p, TyperOption) for n in (*p.opts, *p.secondary_opts)}
+    lists = set(getattr(command, "multi_value", ()))
+    seen: dict[int, str] = {}
+    for word in argv:
+        if word == "--":
+            break
+        name = word.split("=", 1)[0] if word.startswith("--") else word
+        param = options.get(name)
+        if param is None or param.count or (param.multiple and not lists & set(param.opts)):
+            continue
+        if id(param) in seen:
+            also = f" (also as {seen[id(param)]})" if seen[id(param)] != name else ""
+            fix = f"give its values after one {name}: {name} A B ..." if lists & set(param.opts) else "give it once"
+            return f"{name}: given twice{also} — {fix}"
+        seen[id(param)] = name
+    return None
+
+
 class BoundaryGroup(TyperGroup):
     """The app's click group: runs the command without click's standalone handling and reports errors itself."""
 
@@ -132,7 +156,7 @@ class BoundaryGroup(TyperGroup):
         try:
             words = [str(a) for a in argv]  # in-process callers pass paths too
             command = self.commands.get(next((a for a in words if not a.startswith("-")), ""))
-            problem = misplaced_value(command, words) if command is not None else None
+            problem = (misplaced_value(command, words) or repeated_option(command, words)) if command else None
             if problem:
                 raise UsageError(problem)
             rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)

@@ -106,6 +106,17 @@ def local_path(option: str, value: str | Path, folder: bool = True) -> None:
         raise UsageError(f"{option}: {text} is a file, not a folder — give a folder (or a .gguf file)")
 
 
+def distinct(option: str, values: Sequence[str | Path], what: str) -> None:
+    """No two of ``values`` name one file or folder (``--models a ./a`` would merge ``a`` with itself)."""
+    for i, value in enumerate(values):
+        twin = next((v for v in values[:i] if Path(v).resolve() == Path(value).resolve()), None)
+        if twin is not None:
+            same = "" if str(twin) == str(value) else f" (as {twin} and {value})"
+            raise UsageError(
+                f"{option}: {value} given twice{same} — give each {what} once (--weights weights one more than another)"
+            )
+
+
 class MultiValueCommand(TyperCommand):
     """A command whose ``list`` options take several space-separated values: ``--models A B C``.
 

@@ -344,6 +344,7 @@ def _check_models(models: list[str], weights: list[float] | None, base: str | No
             raise UsageError(f"--weights: {len(weights)} weight(s) for {len(models)} models — give one per model")
         if not all(w >= 0 and w < float("inf") for w in weights) or sum(weights) <= 0:
             raise UsageError(f"--weights: {weights} — give finite weights >= 0 with a positive sum")
+    checks.distinct("--models", models, "model")
     for m in models:
         checks.local_path("--models", m)
         if (Path(m) / "adapter_config.json").is_file():

@@ -97,6 +97,7 @@ def _check(
     """The cheap checks (before torch); returns the strategy's parameters."""
     if not adapters:
         raise UsageError("--adapters: none given — give one or more PEFT adapter folders: --adapters A [B ...]")
+    checks.distinct("--adapters", adapters, "adapter")
     checks.one_of("--basis", basis, BASES)
     checks.one_of("--strategy", strategy, MERGERS.names())
     if weights is not None and len(weights) != len(adapters):
