@@ -1,9 +1,11 @@
 """Retry policy shared by every task: retry transient faults only, shrink the micro-batch after an OOM.
 
 Transient (retried): CUDA out-of-memory, CUDA / driver errors, and storage or connection errors as the store raises
-them (``ConnectionError``, ``TimeoutError``, ``OSError`` other than "not found" / "permission denied" / "exists").
-Deterministic (fail at once): everything else — ``ValueError`` (bad input, shapes, NaN; every ``SymfuseError`` is
-one), ``TypeError``, ``KeyError``, assertion errors, missing artifacts.
+them (``ConnectionError``, ``TimeoutError``, ``OSError`` other than "not found" / "permission denied" / "exists"),
+a download cut short (``IncompleteDownload``).
+Deterministic (fail at once): everything else — ``ValueError`` (bad input, shapes, NaN; most ``SymfuseError`` are
+one), ``TypeError``, ``KeyError``, assertion errors, missing artifacts, a damaged artifact (``CorruptArtifact``:
+the store's own bytes differ from the manifest, so every read finds the same).
 
 Fault injection for tests and demos: ``SYMFUSE_FAIL_ONCE=<pattern>[,<pattern>...]`` makes every task whose name or
 task-run name matches a pattern (``fnmatch``; e.g. ``finetune``, ``match-isear-L00.attn``, ``match-*``) raise a
@@ -20,6 +22,8 @@ import os
 import threading
 
 import torch
+
+from symfuse.store.errors import CorruptArtifact, IncompleteDownload
 
 FAIL_ONCE_ENV = "SYMFUSE_FAIL_ONCE"
 RETRIES = 3
@@ -62,6 +66,8 @@ def is_transient(exc: BaseException) -> bool:
         return "device-side assert" not in text and any(m in text for m in _CUDA_MARKERS)
     if isinstance(exc, ConnectionError | TimeoutError):
         return True
+    if isinstance(exc, CorruptArtifact):  # the store's bytes are damaged: the same on every read
+        return isinstance(exc, IncompleteDownload)
     return isinstance(exc, OSError) and not isinstance(exc, _DETERMINISTIC_OS)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from symfuse.errors import CheckpointError
-from symfuse.store import ArtifactNotFound, CorruptArtifact
+from symfuse.store import ArtifactNotFound, CorruptArtifact, IncompleteDownload
 from tasks import policy
 
 
@@ -19,7 +19,7 @@ from tasks import policy
         ConnectionError("store backend unreachable"),
         TimeoutError("read timed out"),
         OSError("store operation failed (ClientError: 503 SlowDown)"),
-        CorruptArtifact("sha256 differs"),
+        IncompleteDownload("3 of 700 bytes arrived while the store's file is whole"),
         policy.InjectedFault("injected"),
     ],
 )
@@ -36,6 +36,7 @@ def test_transient(exc):
         RuntimeError("CUDA error: device-side assert triggered"),
         FloatingPointError("loss is NaN"),
         ArtifactNotFound("no artifact at memory:///runs/x"),
+        CorruptArtifact("manifest.json is not valid JSON"),  # the store's bytes: every read finds the same
         PermissionError("access denied"),
         KeyError("q"),
         TypeError("bad argument"),

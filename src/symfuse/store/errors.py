@@ -18,7 +18,18 @@ class ArtifactNotFound(SymfuseError, FileNotFoundError):
 
 
 class CorruptArtifact(SymfuseError, OSError):
-    """A downloaded file's size or sha256 differs from the artifact's manifest."""
+    """The store holds a damaged artifact: an invalid manifest, or a file whose size or sha256 differs from it.
+
+    Reading again gives the same bytes, so the pipeline's tasks do not retry it (``tasks.policy``).
+    """
+
+
+class IncompleteDownload(CorruptArtifact):
+    """A downloaded copy differs from the manifest while the store's own file does not.
+
+    A connection cut mid-file, or a cached copy replaced while being read: reading again can succeed, so tasks
+    retry it.
+    """
 
 
 class StoreUnreachable(SymfuseError, ConnectionError):

@@ -37,7 +37,7 @@ import fsspec
 from symfuse.errors import UsageError
 from symfuse.io.modes import plain_mode
 from symfuse.redact import install_log_redaction
-from symfuse.store.errors import ArtifactNotFound, CorruptArtifact, translated
+from symfuse.store.errors import ArtifactNotFound, CorruptArtifact, IncompleteDownload, translated
 from symfuse.store.hashing import matches_sha256
 from symfuse.store.layout import MANIFEST, manifest_digest
 from symfuse.store.s3 import option_secrets, s3_options
@@ -337,7 +337,25 @@ class ArtifactReader:
             dest.parent.mkdir(parents=True, exist_ok=True)
             with self._io(f"{self.uri(key)}/{rel}"):
                 self.fs.get_file(self._data_path(key, manifest, rel), str(dest))
+            self._check_transfer(key, manifest, rel, dest)
         self._verify(key, out, manifest, sha=True)
+
+    def _check_transfer(self, key: str, manifest: Mapping[str, Any], rel: str, dest: Path) -> None:
+        """Raise IncompleteDownload if ``dest`` lacks the manifest's size while the store's file has it.
+
+        A store file of another size is damage, left to :meth:`_verify` (CorruptArtifact: not retried).
+        """
+        want = manifest["sizes"][rel]
+        got = dest.stat().st_size if dest.is_file() else 0
+        if got == want:
+            return
+        with self._io(f"{self.uri(key)}/{rel}"):
+            stored = self.fs.size(self._data_path(key, manifest, rel))
+        if stored == want:
+            raise IncompleteDownload(
+                f"{self.uri(key)}/{rel}: {got} of {want} bytes arrived while the store's file is whole — the transfer "
+                "was cut; run again"
+            )
 
     def local_cache(self, key: str, verify: bool = True) -> Path:
         """A local folder holding the artifact's files, downloaded at most once per content.
@@ -386,7 +404,7 @@ class ArtifactReader:
                         raise
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-        raise CorruptArtifact(f"{self.uri(key)}: the cached copy {target} keeps changing; delete it and retry")
+        raise IncompleteDownload(f"{self.uri(key)}: the cached copy {target} keeps changing; delete it and retry")
 
     def get_file(self, key: str, local_dir: str | os.PathLike | None = None) -> Path:
         """The local path of a one-file artifact (see :meth:`put_file`).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from symfuse.store import ArtifactNotFound, ArtifactStore, CorruptArtifact, layout
+from symfuse.store import ArtifactNotFound, ArtifactStore, CorruptArtifact, IncompleteDownload, layout
 
 KEY = "runs/r1/models/isear"
 
@@ -118,6 +118,26 @@ def test_size_check_catches_truncation_in_local_cache(store: ArtifactStore, tmp_
     with pytest.raises(CorruptArtifact, match=r"model\.safetensors"):
         store.local_cache(KEY)
     assert isinstance(CorruptArtifact("x"), OSError)
+
+
+def test_a_cut_download_is_told_apart_from_a_damaged_store_file(store: ArtifactStore, tmp_path, monkeypatch):
+    store.put_dir(KEY, make_dir(tmp_path / "src"), producer="t")
+    get_file = store.fs.get_file
+
+    def cut(remote, local, **kw):  # the connection drops after 3 bytes of the weights
+        get_file(remote, local, **kw)
+        if str(local).endswith("model.safetensors"):
+            Path(local).write_bytes(Path(local).read_bytes()[:3])
+
+    with monkeypatch.context() as m:
+        m.setattr(store.fs, "get_file", cut)
+        with pytest.raises(IncompleteDownload, match=r"model\.safetensors: 3 of 700 bytes arrived"):
+            store.get_dir(KEY, tmp_path / "cut")
+    assert read_all(store.get_dir(KEY, tmp_path / "again")) == read_all(tmp_path / "src")  # retrying helps
+    store.fs.pipe_file(data_path(store, KEY, "model.safetensors"), b"short")  # the store's own file is damaged
+    with pytest.raises(CorruptArtifact, match=r"model\.safetensors: 5 bytes, manifest says 700") as info:
+        store.get_dir(KEY, tmp_path / "damaged")
+    assert not isinstance(info.value, IncompleteDownload)
 
 
 def test_rewrite_keeps_old_version_readable_during_upload(store: ArtifactStore, tmp_path, monkeypatch):
