@@ -13,11 +13,12 @@ import symfuse.stats
 import tasks.finetune
 from symfuse.checkpoint import default_base_model
 from symfuse.config import RunConfig
-from symfuse.store import ArtifactStore, layout
+from symfuse.store import ArtifactStore, CorruptArtifact, layout
 from tasks import policy
 from tasks.common import fetch
 from tasks.evaluate import describe
 from tasks.finetune import bring_checkpoint, finetune
+from tasks.housekeeping import clean_store
 from tasks.stats import collect_stats
 from tests.tiny import save_tiny
 
@@ -119,6 +120,20 @@ def test_bring_checkpoint_from_folder(base, tmp_path):
     assert bring_checkpoint.fn(cfg, "isear") == uri
     with pytest.raises(ValueError, match="no checkpoint to bring"):
         bring_checkpoint.fn(config(base, str(tmp_path / "store")), "isear")
+
+
+def test_a_damaged_published_record_stops_the_run_at_its_first_task(base, tmp_path):
+    cfg = config(base, str(tmp_path / "store"))
+    assert clean_store.fn(cfg) == []  # a new run: nothing published yet
+    store = ArtifactStore(cfg.resolved_store_root())
+    key = layout.published_key(cfg.run_id)
+    store.put_json(key, {"merged": {}}, "publish")
+    clean_store.fn(cfg)  # a whole record is read and kept
+    assert store.get_json(key) == {"merged": {}}
+    store.fs.pipe_file(store._path(key, layout.MANIFEST), b"{not json")  # publish, the run's last task, fails on it
+    with pytest.raises(CorruptArtifact, match=r"published/manifest\.json is not valid JSON; delete and recompute it"):
+        clean_store.fn(cfg)
+    assert not policy.is_transient(CorruptArtifact("x"))  # and it fails once, not three times
 
 
 def test_describe(base, tmp_path):
