@@ -12,6 +12,7 @@ from typing import Any
 
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
+from symfuse.errors import StatsMismatchError
 from symfuse.merge import MERGERS, REPORT, merge_checkpoints, merger_params
 from symfuse.stats import model_fingerprint
 from tasks.common import (
@@ -121,9 +122,12 @@ def merge(
         files = [fetch_file(store, u) for u in stats_uris]
         with timed() as t:
             maths = {k: v for k, v in params.items() if k not in PLACEMENT}  # the merge's own device: the run's
-            out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
-                                    base=base, card=card, head_refit=refit, device=config.resolved_device(),
-                                    **maths)  # fmt: skip
+            try:
+                out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
+                                        base=base, card=card, head_refit=refit, device=config.resolved_device(),
+                                        **maths)  # fmt: skip
+            except StatsMismatchError as exc:  # the CLI's fix (--models order, `symfuse stats`) means nothing here
+                raise _in_store_terms(exc, {str(links / n): store.uri(u) for n, u in models.items()}) from exc
         written = json.loads((out / REPORT).read_text())["heads"]
         folders = written.get("folders") or {}
         heads = dict(zip(models, folders.values(), strict=True)) if folders else dict.fromkeys(models, ".")
@@ -136,3 +140,14 @@ def merge(
                           heads=heads, model_digests=digests, **refitted)  # fmt: skip
         # merged/* is staged: the run publishes its merged set and report together once all succeeded (publish_run)
         return store.put_dir(key, out, "merge", inputs, ck, meta, move=True, stage=variant != GREEDY)
+
+
+def _in_store_terms(exc: StatsMismatchError, folders: Mapping[str, str]) -> StatsMismatchError:
+    """``exc`` told in the pipeline's terms: the store's URIs for the task's scratch folders, and the pipeline's fix."""
+    what = str(exc).split(" — ")[0]
+    for folder, uri in folders.items():
+        what = what.replace(folder, uri)
+    return StatsMismatchError(
+        f"{what} — the store holds statistics that do not belong to the run's models: delete that statistics "
+        "artifact and run again (the run collects it anew)"
+    )

@@ -136,6 +136,26 @@ def test_a_damaged_published_record_stops_the_run_at_its_first_task(base, tmp_pa
     assert not policy.is_transient(CorruptArtifact("x"))  # and it fails once, not three times
 
 
+def test_statistics_of_another_model_are_told_in_the_pipeline_s_terms(base, tmp_path):
+    from symfuse.errors import StatsMismatchError
+    from tasks.merge import merge
+
+    other = save_tiny(tmp_path / "other", "bert", vocab_size=30522, max_position_embeddings=64, seed=5)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(base / name, other / name)
+    datasets = [{"name": "isear", "checkpoint": str(base), "max_train_examples": 16},
+                {"name": "meld", "checkpoint": str(other), "max_train_examples": 16}]  # fmt: skip
+    cfg = config(base, str(tmp_path / "store"), datasets=datasets)
+    models = {n: bring_checkpoint.fn(cfg, n) for n in ("isear", "meld")}
+    isear_stats = collect_stats.fn(cfg, "isear", models["isear"], "gram")
+    with pytest.raises(StatsMismatchError) as info:  # meld's statistics replaced by isear's in the store
+        merge.fn(cfg, "regmean", "plain", models, {"isear": [isear_stats], "meld": [isear_stats]})
+    line = str(info.value)
+    assert f"not on {models['meld']} (fingerprint" in line, line  # the store's URI, not the task's scratch folder
+    assert line.endswith("delete that statistics artifact and run again (the run collects it anew)"), line
+    assert "--models" not in line and "symfuse stats" not in line and "scratch" not in line
+
+
 def test_describe(base, tmp_path):
     cfg = config(base, str(tmp_path))
     assert describe(cfg, "isear") == ("individual", "isear")
