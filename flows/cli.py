@@ -32,6 +32,7 @@ from symfuse.preflight import check_run
 from symfuse.redact import redact
 from symfuse.report import metrics_table, primary_metric
 from symfuse.store import ArtifactStore
+from symfuse.store.urls import lasting_store_problem
 
 TERMINATED = 128 + signal.SIGTERM  # the exit status of a run stopped by SIGTERM
 DEMO_DATA_HELP = (
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         text = one_line(exc).removeprefix("error: ").removeprefix(f"{where}: ")  # the file named once
         fix = "" if " — " in text else " — fix the file (RunConfig fields: README)"
         return report(UsageError(f"{where}: {text}{fix}"), args.verbose)
+    where = "--store" if args.store else f"store_root of {args.config}" if config.store_root else "$SYMFUSE_STORE"
+    if problem := lasting_store_problem(config.resolved_store_root(), where):
+        return report(UsageError(problem), args.verbose)
     problems = check_run(config)  # every bad input at once, in seconds, before Prefect starts or anything trains
     if problems:
         for line in problems:

@@ -86,3 +86,13 @@ def test_a_store_root_that_is_a_file_is_refused_in_one_line(tmp_path):
             f"error: --store {root}: {what} — give a folder (created if missing) or a URL such as s3://bucket/prefix"
         ), res.stderr
     assert notes.read_text() == "not a store\n"
+
+
+def test_an_in_memory_store_is_refused_since_it_ends_with_the_command(tmp_path):
+    ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
+    res = run_cli("drop", ckpt, "--run", "r1", "--store", "memory://probe")  # exit 0, and the watcher saw nothing
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == (
+        "error: --store memory://probe: an in-memory store ends with this process, and everything the command stores "
+        "with it — give a local folder, file://PATH or s3://bucket/prefix"
+    )

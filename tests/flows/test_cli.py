@@ -58,8 +58,20 @@ def test_an_option_given_twice_is_refused(args, capfd):
     assert capfd.readouterr().err.strip().splitlines()[-1].endswith(f"{args[-2]}: given twice — give it once")
 
 
-def test_a_failed_run_is_one_error_line_and_no_traceback(nan_base, memory_root, tmp_path, capfd, console_formatters):
-    config = tiny_config(nan_base, memory_root, run_id="cli-fails", strategies=["simple"], anchor="closest",
+def test_an_in_memory_store_is_refused_before_the_run(tiny_base, tmp_path, capfd, monkeypatch):
+    config = tiny_config(tiny_base, "memory://kept-nowhere", run_id="mem", strategies=["simple"])
+    config.to_yaml(tmp_path / "run.yaml")  # the run exited 0 and every artifact ended with the process
+    for args, where in ((["--config", str(tmp_path / "run.yaml")], f"store_root of {tmp_path / 'run.yaml'}"),
+                        (["--store", "memory://x"], "--store"), ([], "$SYMFUSE_STORE")):  # fmt: skip
+        monkeypatch.setenv("SYMFUSE_STORE", "memory://x")
+        assert main(args) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {where} memory://"), err
+        assert "an in-memory store ends with this process" in err[0]
+
+
+def test_a_failed_run_is_one_error_line_and_no_traceback(nan_base, tmp_path, capfd, console_formatters):
+    config = tiny_config(nan_base, str(tmp_path / "store"), run_id="cli-fails", strategies=["simple"], anchor="closest",
                          datasets=[{"name": n, "max_train_examples": 8} for n in ("meld", "isear")])  # fmt: skip
     cfg = tmp_path / "run.yaml"
     config.to_yaml(cfg)

@@ -80,10 +80,13 @@ def _store(store_root: str | None, run: str) -> ArtifactStore:
     """
     from symfuse.preflight import store_root_problem
     from symfuse.store import ArtifactStore, default_root, layout
+    from symfuse.store.urls import lasting_store_problem
 
     root = store_root or default_root()
     label = "--store" if store_root else "store root ($SYMFUSE_STORE, else ./symfuse-runs)"
-    problem = store_root_problem(root, label, "give a folder (created if missing) or a URL such as s3://bucket/prefix")
+    problem = lasting_store_problem(root, label) or store_root_problem(
+        root, label, "give a folder (created if missing) or a URL such as s3://bucket/prefix"
+    )
     if problem:
         raise UsageError(problem)
     store = ArtifactStore(root)

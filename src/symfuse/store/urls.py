@@ -68,6 +68,20 @@ def store_url_problem(root: str, label: str) -> str | None:
     return None
 
 
+def lasting_store_problem(root: str, label: str) -> str | None:
+    """Why ``root`` cannot keep what a command stores for later, or None.
+
+    A ``memory://`` store lives in one process: the pipeline's command and ``symfuse drop`` would exit 0 and lose
+    every artifact with it (the library's tests use one inside their own process).
+    """
+    if root.lower().startswith("memory://"):
+        return (
+            f"{label} {root}: an in-memory store ends with this process, and everything the command stores with it "
+            f"— give {_EXAMPLES}"
+        )
+    return None
+
+
 def _endpoint_problem() -> str | None:
     for var in ENDPOINT_VARS:
         value = os.environ.get(var) or ""
