@@ -77,7 +77,8 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
 
     Args:
         path_or_id: Local folder, a ``.gguf`` file (converted once, see :func:`gguf_checkpoint`), ``"minilm"``
-            for the default base model, or a hub id (downloaded with ``huggingface_hub`` when the machine is online).
+            for the default base model, or a hub id, bare or as ``hf:<id>`` (downloaded with ``huggingface_hub``
+            when the machine is online; offline, found in the hub cache or refused).
 
     Returns:
         The folder.
@@ -101,14 +102,18 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
         raise CheckpointError(
             f"{path_or_id}: not a checkpoint folder (give a save_pretrained folder, a .gguf file or a hub id)"
         )
-    try:
-        from huggingface_hub import snapshot_download
+    repo = str(path_or_id).removeprefix("hf:")  # the hub form datasets take is a hub id here too
+    from huggingface_hub import constants, snapshot_download
 
-        return Path(snapshot_download(str(path_or_id), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    try:
+        return Path(snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
     except Exception as exc:  # offline, unknown id, auth ...
+        if constants.HF_HUB_OFFLINE:
+            why = "hub downloads are off here (HF_HUB_OFFLINE) and the hub cache does not hold it"
+        else:
+            why = f"could not be fetched from the hub ({type(exc).__name__}: {exc})"
         raise CheckpointError(
-            f"{path_or_id}: not a local folder and could not be fetched from the hub ({type(exc).__name__}: {exc}); "
-            "pass a local save_pretrained folder"
+            f"{path_or_id}: not a local folder, and {why}; pass a local save_pretrained folder"
         ) from exc
 
 

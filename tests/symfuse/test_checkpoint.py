@@ -2,10 +2,13 @@
 
 from concurrent.futures import ThreadPoolExecutor
 
+import huggingface_hub
+import pytest
 import torch
 import transformers
 
-from symfuse.checkpoint import load_hf_model
+from symfuse.checkpoint import load_hf_model, resolve_checkpoint
+from symfuse.errors import CheckpointError
 from tests.tiny import save_tiny, tiny_model
 
 
@@ -51,3 +54,22 @@ def test_a_misspelt_or_unsupported_model_type_is_one_line_naming_config_json(tmp
     (folder / "config.json").write_text('{"model_type": "bert",\n "hidden_size": }')
     with pytest.raises(ValueError, match=r"config\.json:2:17: not valid JSON \(Expecting value\)"):
         CheckpointReader(folder)
+
+
+def test_a_hub_id_offline_is_one_line_and_the_hf_prefix_names_the_same_id(monkeypatch):
+    asked = []
+
+    def offline(repo, **kw):
+        asked.append(repo)
+        raise huggingface_hub.errors.LocalEntryNotFoundError("cannot find the requested files in the disk cache")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    for given in ("someorg/some-model", "hf:someorg/some-model"):
+        with pytest.raises(CheckpointError) as info:
+            resolve_checkpoint(given)
+        assert str(info.value) == (
+            f"{given}: not a local folder, and hub downloads are off here (HF_HUB_OFFLINE) and the hub cache does not "
+            "hold it; pass a local save_pretrained folder"
+        )
+    assert asked == ["someorg/some-model", "someorg/some-model"]  # 'hf:' was a repo-id error from the hub client
