@@ -96,3 +96,22 @@ def test_an_in_memory_store_is_refused_since_it_ends_with_the_command(tmp_path):
         "error: --store memory://probe: an in-memory store ends with this process, and everything the command stores "
         "with it — give a local folder, file://PATH or s3://bucket/prefix"
     )
+
+
+def test_a_checkpoint_of_another_shape_than_the_run_s_models_is_refused(tmp_path):
+    root = tmp_path / "store"
+    store = ArtifactStore(str(root))
+    run_model = save_tiny(tmp_path / "run-model", "bert", seed=1)
+    store.put_dir(layout.model_key("r1", "meld"), run_model, "finetune")  # the run fine-tuned meld's model
+    gpt = save_tiny(tmp_path / "gpt", "gpt2", seed=3)
+    wide = save_tiny(tmp_path / "wide", "bert", seed=3, hidden_size=64)
+    for ckpt in (gpt, wide):
+        res = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--store", root)
+        assert res.returncode == 2, res.stderr  # exit 0 before: the watcher's re-merge failed later
+        (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert line.startswith(f"error: CHECKPOINT {ckpt}: a ") and " — run r1's model meld is a bert model (d " in line
+        assert line.endswith("the re-merge could not use it: drop a fine-tune of the run's base model"), line
+    assert not store.exists(layout.incoming_key("r1", "meld"))
+    same = run_cli("drop", save_tiny(tmp_path / "same", "bert", seed=3), "--run", "r1", "--dataset", "meld",
+                   "--store", root)  # fmt: skip
+    assert same.returncode == 0, same.stderr

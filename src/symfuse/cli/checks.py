@@ -108,13 +108,21 @@ def local_path(option: str, value: str | Path, folder: bool = True) -> None:
 
 def distinct(option: str, values: Sequence[str | Path], what: str) -> None:
     """No two of ``values`` name one file or folder (``--models a ./a`` would merge ``a`` with itself)."""
+    seen = [_resolved(v) for v in values]
     for i, value in enumerate(values):
-        twin = next((v for v in values[:i] if Path(v).resolve() == Path(value).resolve()), None)
+        twin = next((v for v, where in zip(values[:i], seen, strict=False) if where == seen[i]), None)
         if twin is not None:
             same = "" if str(twin) == str(value) else f" (as {twin} and {value})"
             raise UsageError(
                 f"{option}: {value} given twice{same} — give each {what} once (--weights weights one more than another)"
             )
+
+
+def _resolved(value: str | Path) -> Path:
+    try:
+        return Path(value).resolve()
+    except (OSError, RuntimeError):  # a symbolic-link loop: named by the path checks
+        return Path(value).absolute()
 
 
 class MultiValueCommand(TyperCommand):

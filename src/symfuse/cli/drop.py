@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -60,6 +60,7 @@ def drop(
     from symfuse.checkpoint import validate_checkpoint
 
     validate_checkpoint(checkpoint)  # config, headers, shapes, NaN / inf: before anything is uploaded
+    _check_fits_run(store, run, dataset, checkpoint)
     if store.exists(key) and not replace:
         raise OutputExistsError(
             f"{store.uri(key)} exists; pass --replace to publish a new version of it, or another --name"
@@ -67,6 +68,40 @@ def drop(
     uri = store.put_dir(key, checkpoint, "symfuse drop", meta={"dataset": dataset or name})
     typer.echo(f"dropped {checkpoint} as {uri} (dataset {dataset or name}); the next watch-checkpoints tick of run "
                f"{run!r} emits it for a re-merge")  # fmt: skip
+
+
+def _check_fits_run(store: ArtifactStore, run: str, dataset: str | None, checkpoint: Path) -> None:
+    """Refuse a checkpoint whose family or shapes differ from the run's model (of ``dataset``, else its first one).
+
+    The watcher's re-merge would fail on it, long after the drop said it was taken. A run with no model yet passes.
+    """
+    import json
+
+    from symfuse.store import layout
+
+    names = store.folders(layout.models_prefix(run))
+    name = dataset if dataset in names else (names[0] if names else None)
+    if name is None or not store.exists(key := layout.model_key(run, name)):
+        return
+    theirs, ours = _shape(json.loads(store.read_member(key, "config.json"))), _shape(checkpoint / "config.json")
+    if theirs != ours:
+        raise UsageError(
+            f"CHECKPOINT {checkpoint}: {ours[1]} — run {run}'s model {name} is {theirs[1]}; the re-merge could not use "
+            "it: drop a fine-tune of the run's base model"
+        )
+
+
+def _shape(config: dict | Path) -> tuple[Any, str]:
+    """``(family and geometry, "a <family> model (<shapes>)")`` of a config.json (a path or its parsed dict)."""
+    from transformers import AutoConfig
+
+    from symfuse.arch.registry import get_spec
+    from symfuse.symmetry.widen import describe
+
+    cfg = AutoConfig.from_pretrained(str(config.parent)) if isinstance(config, Path) else AutoConfig.for_model(**config)
+    spec = get_spec(cfg)
+    geometry = spec.geometry(cfg)
+    return (spec.family, geometry), f"a {spec.family} model ({describe(geometry)})"
 
 
 def _store(store_root: str | None, run: str) -> ArtifactStore:

@@ -344,7 +344,6 @@ def _check_models(models: list[str], weights: list[float] | None, base: str | No
             raise UsageError(f"--weights: {len(weights)} weight(s) for {len(models)} models — give one per model")
         if not all(w >= 0 and w < float("inf") for w in weights) or sum(weights) <= 0:
             raise UsageError(f"--weights: {weights} — give finite weights >= 0 with a positive sum")
-    checks.distinct("--models", models, "model")
     for m in models:
         checks.local_path("--models", m)
         if (Path(m) / "adapter_config.json").is_file():
@@ -352,6 +351,7 @@ def _check_models(models: list[str], weights: list[float] | None, base: str | No
                 f"--models: {m} is a PEFT adapter folder (adapter_config.json) — merge adapters with symfuse "
                 "merge-lora --adapters A B ..."
             )
+    checks.distinct("--models", models, "model")
     if base is not None:
         checks.local_path("--base", base)
 
