@@ -35,6 +35,7 @@ from symfuse.store import ArtifactStore
 from symfuse.store.urls import lasting_store_problem
 
 TERMINATED = 128 + signal.SIGTERM  # the exit status of a run stopped by SIGTERM
+STOP_GRACE_S = 20.0  # after SIGTERM, running tasks have this long to end before the process ends anyway
 DEMO_DATA_HELP = (
     f"The embedded demo fine-tunes on {', '.join(DEMO_DATASETS)} and evaluates out of domain on "
     f"{', '.join(DEMO_OUT_OF_DOMAIN)}: subsets bundled with the package (sources and licences in "
@@ -118,14 +119,43 @@ def hide_tracebacks_on_console() -> None:
                 handler.setFormatter(_NoTraceback(handler.formatter))
 
 
-def exit_on_sigterm() -> None:
+def exit_on_sigterm(grace_s: float = STOP_GRACE_S) -> None:
     """End on SIGTERM by raising ``SystemExit(143)``, so that exit handlers run and stop the ephemeral server.
 
     Python's default action kills the process at once; Prefect, after stopping a flow, re-sends the signal to that
-    default, and the ephemeral server's subprocess was left running (one per stopped demo).
+    default, and the ephemeral server's subprocess was left running (one per stopped demo). The orderly exit waits
+    for running tasks, which end at their next step; a task stuck in one long call, or Prefect's clients retrying a
+    server already gone, once held a stopped run for more than ten minutes. So ``grace_s`` after the first SIGTERM,
+    or at a second one, the process stops the ephemeral server and ends at once, saying so.
     """
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(TERMINATED))
+    if threading.current_thread() is not threading.main_thread():
+        return
+    stopping = threading.Event()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if stopping.is_set():
+            _end_now("a second SIGTERM")
+        stopping.set()
+        watchdog = threading.Timer(grace_s, _end_now, [f"the run had not stopped {grace_s:.0f} s after SIGTERM"])
+        watchdog.daemon = True
+        watchdog.start()
+        sys.exit(TERMINATED)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _end_now(why: str) -> None:
+    """Stop the ephemeral server (5 s at most, then killed) and end the process at once with status 143."""
+    try:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        for server in list(SubprocessASGIServer._instances.values()):
+            server.stop()
+    except Exception:  # ending matters more than a clean stop here
+        logging.getLogger(__name__).debug("stopping the ephemeral server failed", exc_info=True)
+    print(f"error: {why} — ended without waiting for the running tasks; what the run finished is in the store",
+          file=sys.stderr, flush=True)  # fmt: skip
+    os._exit(TERMINATED)
 
 
 def start_ephemeral_server() -> threading.Thread | None:

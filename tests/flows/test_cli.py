@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,36 @@ def test_sigterm_mid_run_ends_the_process_with_one_line(tiny_base, tmp_path):
     assert proc.returncode == 143, "".join(lines)[-3000:]
     assert len(errors) == 1 and errors[0].startswith("error: terminated by SIGTERM — the run stopped"), errors
     assert "Traceback" not in "".join(lines)
+
+
+STUCK = """
+import sys, threading, time
+from flows.cli import exit_on_sigterm
+exit_on_sigterm(grace_s=float(sys.argv[1]))
+threading.Thread(target=time.sleep, args=(3600,)).start()  # a task that never reaches its next step
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize(("grace", "signals"), [(1.0, 1), (600.0, 2)])
+def test_a_stopped_run_that_hangs_still_ends(grace, signals, tmp_path):
+    """A run once hung for 10 min after SIGTERM (running tasks never ended): it now ends ``grace`` seconds after the
+    signal, or at a second SIGTERM, with status 143 and a line saying so."""
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    proc = subprocess.Popen([sys.executable, "-c", STUCK, str(grace)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "ready"
+    for _ in range(signals):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    why = "a second SIGTERM" if signals == 2 else "the run had not stopped 1 s after SIGTERM"
+    assert err.strip().splitlines()[-1] == (
+        f"error: {why} — ended without waiting for the running tasks; what the run finished is in the store"
+    ), err
 
 
 def test_drain_events_returns_once_the_server_holds_every_task_run_final():
