@@ -208,6 +208,10 @@ def _check_record(rec: dict[str, Any], task: str, multi_label: bool, labels: set
             return "multi-label 'label' must be a list of class names"
         names = label
     else:
+        if isinstance(label, bool):  # str() gives 'True', the Arrow loader 'true': neither names the class reliably
+            return (
+                f'label {str(label).lower()} is a JSON boolean — write the class as a string ("{str(label).lower()}")'
+            )
         if label is None or isinstance(label, (list, dict, float)):
             return f"label {label!r} must be one class name"
         names = [str(label)]

@@ -37,6 +37,11 @@ def test_bad_record_names_file_and_line(tmp_path):
     _write(tmp_path / "d", "train", [good, good, "", {"label": "joy"}], meta)
     with pytest.raises(DatasetError, match=r"train\.jsonl:4: .*'text'"):
         load_task_dataset(str(tmp_path / "d"))
+    boolean = {"task": "classification", "labels": ["False", "True"]}  # str(True): passed the check, then KeyError
+    _write(tmp_path / "b", "train", [{"text": "ok", "label": True}, {"text": "no", "label": False}], boolean)
+    with pytest.raises(DatasetError, match=r'train\.jsonl:1: .*label true is a JSON boolean — write the class as a '
+                                           r'string \("true"\)'):  # fmt: skip
+        load_task_dataset(str(tmp_path / "b"))
     ner = {"task": "ner", "tags": ["B-x", "I-x", "O"]}
     _write(tmp_path / "n", "train", [{"tokens": ["a", "b"], "tags": ["B-x"]}], ner)
     with pytest.raises(DatasetError, match=r"train\.jsonl:1: .*one tag per token"):
