@@ -417,6 +417,32 @@ def _label_problems(
     return out
 
 
+_HEAD_KINDS = {"token": "token-classification (NER)", "sequence": "sequence-classification", "regression": "regression"}
+
+
+def head_task_problem(folder: str | Path, source: str) -> str | None:
+    """Why the head of the checkpoint in ``folder`` cannot read dataset ``source``'s targets, or None.
+
+    A regression set on a classifier, a classification set on a regression head, NER on a sequence head (and back)
+    failed deep inside the forward pass with a shape or dtype error. Only the kinds are compared: class names are
+    mapped by the commands themselves. A model without a classification head, or a hub dataset, passes.
+    """
+    import json
+
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # the checkpoint checks name it
+        return None
+    data = probe_dataset(source)
+    if head_labels(raw) is None or not data.read or not data.task:
+        return None
+    head = _head_of(raw, Path(folder))
+    if head.kind == _kind(data.task):
+        return None
+    kind, fix = _HEAD_KINDS[head.kind], "give a dataset of its task, or a model fine-tuned on it"
+    return f"a {data.task} dataset, and {folder} has a {kind} head — {fix}"
+
+
 def _scoring_problem(model: str, head: _Head, name: str, data: DatasetProbe) -> str | None:
     """Why the model of ``model`` (its ``head``) cannot be scored on the set ``name`` (``data``), else None.
 

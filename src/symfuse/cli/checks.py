@@ -192,6 +192,14 @@ def scored_dataset(option: str, value: str, split: str) -> bool:
     return False
 
 
+def head_reads(option: str, value: str, model: str | Path) -> None:
+    """Refuse a dataset whose task ``model``'s head cannot score (a regression set on a classifier, ...)."""
+    from symfuse.preflight import head_task_problem
+
+    if problem := head_task_problem(model, value):
+        raise UsageError(f"{option} {value}: {problem}")
+
+
 def dataset(option: str, value: str) -> None:
     """Load the dataset once (cached) so that a bad name or file fails before any model is loaded."""
     from symfuse.data import load_task_dataset

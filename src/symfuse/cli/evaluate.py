@@ -49,6 +49,7 @@ def evaluate(
             raise UsageError(f"--labels-from: {data} is a language-modelling dataset, without labels — drop it")
     else:
         model = _head_for(model, data)
+        checks.head_reads("--data", data, model)
     from symfuse.evaluate import evaluate_model
 
     metrics = evaluate_model(
@@ -105,7 +106,9 @@ def barrier(
     from symfuse.evaluate import loss_barrier
 
     with atomic_output_dir(out, overwrite=overwrite, inputs=[a, b, data]) as tmp:
-        checks.scored_dataset("--data", data, split)
+        if not checks.scored_dataset("--data", data, split):
+            checks.head_reads("--data", data, a)
+            checks.head_reads("--data", data, b)
         r = loss_barrier(
             a, b, data, tmp, points=points, split=split, max_examples=max_examples, max_length=max_length, device=device
         )

@@ -48,6 +48,8 @@ def stats(
     checks.checkpoint(model, arch=False)
     with atomic_output_dir(out, overwrite=overwrite, inputs=[model, data]) as tmp:
         checks.dataset("--data", data)
+        if "fisher" in kinds and fisher_mode == "empirical":  # the data's targets go through the head
+            checks.head_reads("--data", data, model)
         written = collect_stats(
             model,
             data,
