@@ -177,14 +177,17 @@ _MK_NAME = {"lam": "lambda", "drop": "density"}  # symfuse parameter -> mergekit
 _MK_DEFAULT_KEY = {"lam": "parameters.lambda", "drop": "parameters.density", "density": "parameters.density"}
 
 
+_MK_DTYPES = ("float32", "float16", "bfloat16")  # mergekit's dtype_from_name (also with a "torch." prefix)
+
+
 def _extras(doc: dict[str, Any], fail: Callable[[str, str], UsageError]) -> list[str]:
     """Check the keys that do not change the merged numbers; return the info lines to log."""
     notes = []
     for key in ("dtype", "out_dtype"):
         value = doc.get(key)
         if value is not None:
-            if not isinstance(value, str):
-                raise fail(key, f"{value!r} is not a dtype name — give e.g. float16, bfloat16 or float32")
+            if not isinstance(value, str) or value.removeprefix("torch.") not in _MK_DTYPES:
+                raise fail(key, f"{value!r} is not a dtype mergekit merges in — give float32, float16 or bfloat16")
             notes.append(f"{key}: {value} read, not applied — symfuse writes the merged tensors in the inputs' dtype")
     source = doc.get("tokenizer_source")
     first = _first_model(doc)

@@ -233,6 +233,8 @@ REFUSED = {
         "— symfuse writes the first model's tokenizer: list",
     ),
     "tokenizer-config": (two(merge_method="ties", tokenizer={"source": "union"}), "tokenizer: tokenizer settings"),
+    "dtype-not-a-float": (two(merge_method="ties", dtype="int8"), "dtype: 'int8' is not a dtype mergekit merges in"),
+    "out-dtype-unknown": (two(merge_method="ties", out_dtype="banana"), "out_dtype: 'banana' is not a dtype mergekit"),
     "chat-template": (two(merge_method="ties", chat_template="chatml"), "chat_template: not supported yet"),
     "lora": (
         {"models": [{"model": "a"}, {"model": "b+loras/b"}], "merge_method": "linear"},

@@ -165,6 +165,24 @@ def _check_fisher(fisher: StatsFile, reader: CheckpointReader) -> None:
                     reader.path, len(floats))  # fmt: skip
 
 
+def _warn_mixed_dtypes(readers: Sequence[CheckpointReader]) -> None:
+    """Say so when the models store their floating tensors in different dtypes: the first model's dtype is written."""
+
+    def stored(r: CheckpointReader) -> torch.dtype | None:
+        kinds = [r.dtype(n) for n in r.names() if r.dtype(n).is_floating_point]
+        return max(set(kinds), key=kinds.count) if kinds else None
+
+    dtypes = [stored(r) for r in readers]
+    if len({d for d in dtypes if d is not None}) > 1:
+        held = ", ".join(f"{r.path}: {str(d).removeprefix('torch.')}" for r, d in zip(readers, dtypes, strict=True))
+        log.warning(
+            "the models' dtypes differ (%s): the merged tensors are written in the first model's, %s — list "
+            "first the model whose dtype the merge should have",
+            held,
+            str(dtypes[0]).removeprefix("torch."),
+        )
+
+
 def _head_folders(models: Sequence[str | Path], files: Mapping[str, list[StatsFile]]) -> dict[str, str]:
     """Each model's name -> its head folder (``.`` for the first).
 
@@ -218,6 +236,7 @@ def plan_merge(
         for r in readers[1:]
     )
     _check_bodies(readers, separate)
+    _warn_mixed_dtypes(readers)
     for fisher, r in zip(files.get("fisher") or [], readers, strict=False):
         _check_fisher(fisher, r)
     refit_data = None

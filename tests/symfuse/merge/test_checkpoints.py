@@ -135,3 +135,18 @@ def test_missing_stats_and_base_are_clear_errors(copies, tmp_path):
     with pytest.raises(ValueError, match="unknown merge strategy"):
         merge_checkpoints("average", folders, tmp_path / "o4")
     assert not any(p.name.startswith(("o1", "o2", "o3", "o4")) for p in tmp_path.iterdir())
+
+
+def test_models_of_different_dtypes_are_merged_in_the_first_s_and_said_so(tmp_path, caplog):
+    for name, dtype, seed in (("bf", torch.bfloat16, 1), ("fp", torch.float16, 2)):
+        tiny_model("bert", seed=seed).to(dtype).save_pretrained(tmp_path / name)
+    with caplog.at_level("WARNING", logger="symfuse.merge.checkpoints"):
+        out = merge_checkpoints("simple", [tmp_path / "bf", tmp_path / "fp"], tmp_path / "out")
+    assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"({tmp_path / 'bf'}: bfloat16, {tmp_path / 'fp'}: float16)" in warning, warning
+    assert "written in the first model's, bfloat16 — list first the model whose dtype" in warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="symfuse.merge.checkpoints"):
+        merge_checkpoints("simple", [tmp_path / "bf", tmp_path / "bf"], tmp_path / "same")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # one dtype: nothing to say
