@@ -126,12 +126,15 @@ class TaskDataset:
 
 
 def _split_files(folder: Path) -> dict[str, Path]:
+    """Each split's file in ``folder``; two files for one split (``train.jsonl`` and ``train.csv``) are refused."""
     found: dict[str, Path] = {}
     for split, aliases in _SPLIT_ALIASES.items():
-        for alias in aliases:
-            for ext in _EXTS:
-                if (folder / f"{alias}{ext}").is_file() and split not in found:
-                    found[split] = folder / f"{alias}{ext}"
+        files = [folder / f"{a}{ext}" for a in aliases for ext in _EXTS if (folder / f"{a}{ext}").is_file()]
+        if len(files) > 1:
+            names = " and ".join(f.name for f in files)
+            raise DatasetError(f"{folder}: {names} are both the {split} split — keep one, or move the other away")
+        if files:
+            found[split] = files[0]
     return found
 
 

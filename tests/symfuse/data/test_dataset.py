@@ -42,6 +42,10 @@ def test_bad_record_names_file_and_line(tmp_path):
     with pytest.raises(DatasetError, match=r'train\.jsonl:1: .*label true is a JSON boolean — write the class as a '
                                            r'string \("true"\)'):  # fmt: skip
         load_task_dataset(str(tmp_path / "b"))
+    _write(tmp_path / "two", "train", [good, good], meta)  # train.jsonl was read, train.csv ignored without a word
+    (tmp_path / "two" / "train.csv").write_text("text,label\nok,anger\n")
+    with pytest.raises(DatasetError, match=r"two: train\.jsonl and train\.csv are both the train split — keep one"):
+        load_task_dataset(str(tmp_path / "two"))
     ner = {"task": "ner", "tags": ["B-x", "I-x", "O"]}
     _write(tmp_path / "n", "train", [{"tokens": ["a", "b"], "tags": ["B-x"]}], ner)
     with pytest.raises(DatasetError, match=r"train\.jsonl:1: .*one tag per token"):
