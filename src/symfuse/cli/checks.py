@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,23 @@ def dataset(option: str, value: str) -> None:
     from symfuse.data import load_task_dataset
 
     load_task_dataset(value)
+
+
+def writable_file(option: str, value: Path | None) -> None:
+    """The folder ``value`` is written into can be written by this user (None passes).
+
+    A file output is written last, after the work: a folder this user cannot write failed only then, naming a
+    hidden temporary file.
+    """
+    if value is None:
+        return
+    folder = Path(value).absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(
+            f"{option}: {value}: its folder {folder} is not writable by this user — choose another {option}"
+        )
 
 
 def metrics_file(option: str, value: Path | None) -> None:

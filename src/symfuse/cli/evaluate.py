@@ -44,6 +44,7 @@ def evaluate(
     checks.local_path("MODEL", model)
     checks.checkpoint(model, arch=False)
     checks.metrics_file("--out", out)
+    checks.writable_file("--out", out)
     if checks.scored_dataset("--data", data, split):  # a causal LM's perplexity: no labels, no heads
         if labels_from is not None:
             raise UsageError(f"--labels-from: {data} is a language-modelling dataset, without labels — drop it")

@@ -101,3 +101,4 @@ def _check_png(out: Path, overwrite: bool) -> None:
                 raise OutputExistsError(f"{out}: exists and is not a PNG image — --overwrite replaces only a PNG file")
     if not out.parent.is_dir():
         raise UsageError(f"--out: {out.parent} is not a folder — create it or choose another --out")
+    checks.writable_file("--out", out)

@@ -1,0 +1,32 @@
+"""A file output in a folder this user cannot write is refused before the work (it failed after, on a temp file)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from symfuse.cli import app
+from symfuse.cli import commands as _commands  # noqa: F401  (registers the commands)
+from tests.cli.helpers import toy_dataset
+from tests.tiny import save_tiny_text_classifier
+
+
+@pytest.mark.parametrize(("command", "name"), [("evaluate", "e.json"), ("inspect", "i.png")])
+def test_an_unwritable_output_folder_is_refused_before_the_work(command, name, tmp_path, monkeypatch):
+    model = save_tiny_text_classifier(tmp_path / "m", seed=1)
+    data = toy_dataset(tmp_path / "toy")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(locked) else real(p, mode, **kw))
+    import symfuse.evaluate
+
+    monkeypatch.setattr(symfuse.evaluate, "evaluate_model", lambda *a, **k: pytest.fail("evaluated first"))
+    args = [command, str(model), *(["--data", str(data)] if command == "evaluate" else [str(model)])]
+    res = CliRunner().invoke(app, [*args, "--out", str(locked / name)])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: --out: {locked / name}: its folder {locked} is not writable by this user — choose another --out"
+    )
