@@ -58,3 +58,7 @@ class VerificationError(SymfuseError, ValueError):
 
 class DeviceError(UsageError):
     """A device that is not there (``cuda`` without a GPU, ``cuda:3`` on a one-GPU machine) or not supported."""
+
+
+# A Ctrl-C before a command runs (its seconds of imports), said by the console script and by the CLI's entry point.
+INTERRUPTED_STARTING = "error: interrupted while the command was starting — nothing was written"

@@ -122,3 +122,29 @@ def test_sigint_during_merge_removes_the_temp_folder(models, tmp_path):
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1].startswith("error: interrupted") and "Traceback" not in err
     assert not half.exists() and not out.exists() and _leftovers(tmp_path) == []
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line(monkeypatch, capsys):
+    """The seconds of imports before a command runs: a Ctrl-C there printed a KeyboardInterrupt traceback."""
+    import builtins
+
+    import typer
+
+    import symfuse.console
+
+    real_import = builtins.__import__
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def import_interrupted(name, *args, **kwargs):
+        return interrupted() if name == "symfuse.cli" else real_import(name, *args, **kwargs)
+
+    for target, name, fake in ((typer.main, "get_command", interrupted), (builtins, "__import__", import_interrupted)):
+        with monkeypatch.context() as m:  # typer building the command group; the CLI's own import
+            m.setattr(target, name, fake)
+            with pytest.raises(SystemExit) as info:
+                symfuse.console.main()
+        assert info.value.code == 130
+        err = capsys.readouterr().err
+        assert err == "error: interrupted while the command was starting — nothing was written\n", err

@@ -31,8 +31,16 @@ def _setup(verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug lo
 
 
 def main() -> None:
-    """Console-script entry point."""
-    # Command modules register themselves on `app` when imported.
-    from symfuse.cli import commands  # noqa: F401
+    """Console-script entry point (a Ctrl-C before the command runs is one line too, exit 130)."""
+    from symfuse.cli.boundary import INTERRUPTED
+    from symfuse.errors import INTERRUPTED_STARTING
 
-    app(prog_name="symfuse")
+    try:
+        # Command modules register themselves on `app` when imported.
+        from symfuse.cli import commands  # noqa: F401
+
+        command = typer.main.get_command(app)  # typer builds the click group (seconds of imports) before it runs
+    except KeyboardInterrupt:
+        typer.echo(INTERRUPTED_STARTING, err=True)
+        raise SystemExit(INTERRUPTED) from None
+    command.main(prog_name="symfuse")
