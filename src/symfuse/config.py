@@ -46,29 +46,6 @@ DATASET_RESOLUTION = (
 )
 
 
-def read_yaml(path: str | os.PathLike) -> Any:
-    """The YAML document in ``path`` (a run config, a merge file).
-
-    Raises:
-        FileNotFoundError: the file is absent.
-        ValueError: ``<path>: not valid YAML at line L, column C (<problem>) — fix the syntax there`` (bytes that are
-            not UTF-8 likewise name their line; a mapping key given twice names both lines).
-    """
-    data = Path(path).read_bytes()
-    try:
-        return yaml_io.load(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise ValueError(f"{path}: not UTF-8 at line {line} — re-save it as UTF-8 text") from exc
-    except yaml_io.DuplicateKeyError as exc:
-        raise ValueError(f"{path}: {exc}") from exc
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ValueError(f"{path}: not valid YAML{where} ({problem}) — fix the syntax there") from exc
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
     _no_bool = field_validator("*", mode="before")(no_bool_for_numbers)
@@ -433,7 +410,7 @@ class RunConfig(_Strict):
             ValueError: not YAML (the message names the file, line and column) or not a mapping.
             pydantic.ValidationError: if a field is unknown or invalid (the message names it).
         """
-        data = read_yaml(path) or {}
+        data = yaml_io.read_file(path) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of RunConfig fields, got {type(data).__name__}")
         return cls.model_validate(data)

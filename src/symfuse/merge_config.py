@@ -26,7 +26,8 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
-from symfuse.config import _Strict, read_yaml
+from symfuse import yaml_io
+from symfuse.config import _Strict
 from symfuse.errors import UsageError
 from symfuse.merge.registry import MERGERS
 from symfuse.mergekit_config import is_mergekit, translate
@@ -83,7 +84,7 @@ def load_merge_file(path: str | Path) -> MergeFile:
         what = "is a folder" if path.is_dir() else "does not exist"
         raise UsageError(f"--config: {path} {what} — give a merge YAML file")
     try:
-        data: Any = read_yaml(path)
+        data: Any = yaml_io.read_file(path)
     except ValueError as exc:  # names the file, line and column
         raise UsageError(str(exc)) from exc
     if not isinstance(data, dict):

@@ -93,6 +93,9 @@ def check_run(config: RunConfig) -> list[str]:
     problems += _device_problems(config)
     problems += _store_problems(config)
     problems += _strategy_problems(config)
+    if not config.evaluation.in_domain and not config.evaluation.out_of_domain:  # the report would find no metric
+        problems.append("evaluation: in_domain is false and out_of_domain is empty — nothing would be evaluated; set "
+                        "in_domain: true or name a set under out_of_domain")  # fmt: skip
     problems += _symmetry_problems(config, base_config)
     probes: dict[str, DatasetProbe] = {}
     for d in config.datasets:
@@ -174,17 +177,20 @@ def store_root_problem(root: str, label: str, fix: str) -> str | None:
 
 
 def _strategy_problems(config: RunConfig) -> list[str]:
-    """Each strategy must merge as many models as the run has datasets (one model each): slerp two, ..."""
+    """Each strategy's statistics are collected, and it merges as many models as the run has datasets (slerp two)."""
     from symfuse.merge.registry import MERGERS
 
+    kinds = config.stats.kinds
+    lines = [f"stats.kinds: {', '.join(kinds)} lacks {', '.join(sorted(lack))}, which {s} reads — add "
+             f"{', '.join(sorted(lack))} to stats.kinds (or drop {s} from strategies)"
+             for s in config.strategies if (lack := MERGERS[s].required_stats - set(kinds))]  # fmt: skip
     n = len(config.datasets)
     bad = [s for s in config.strategies if not MERGERS[s].merges(n)]
     if not bad:
-        return []
+        return lines
     if n < 2 and all(MERGERS[s].model_count[0] >= 2 for s in bad):
-        return [f"datasets: {n} dataset — a run merges one model per dataset, two or more; add a dataset (or bring "
-                "a checkpoint: {name, checkpoint})"]  # fmt: skip
-    lines = []
+        return [*lines, f"datasets: {n} dataset — a run merges one model per dataset, two or more; add a dataset "
+                "(or bring a checkpoint: {name, checkpoint})"]  # fmt: skip
     for s in bad:
         words = MERGERS[s].count_words()
         noun = "model" if words == "exactly one" else "models"

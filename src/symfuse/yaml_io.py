@@ -4,11 +4,14 @@ It is PyYAML's safe loader refusing a mapping key given twice: plain YAML keeps 
 saying ``strategy: simple`` and later ``strategy: ties`` would run one of the two without a word. Keys brought in by
 a merge key (``<<: *defaults``) may still be overridden. ``load(text, fast=True)`` parses with libyaml where PyYAML
 was built with it (the families parse in ~10 ms instead of ~140 ms); the pure-Python parser's syntax errors say what
-it found (``expected ',' or ']', but got ':'``), so a person's file gets it. This module imports only yaml.
+it found (``expected ',' or ']', but got ':'``), so a person's file gets it; :func:`read_file` reads such a file,
+its errors naming the line. It imports only yaml and the standard library.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -75,3 +78,26 @@ def load(text: str | bytes, fast: bool = False) -> Any:
         yaml.YAMLError: the text is not YAML, or holds a tag the safe loader refuses.
     """
     return yaml.load(text, Loader=FastLoader if fast else Loader)  # both are safe loaders
+
+
+def read_file(path: str | os.PathLike) -> Any:
+    """The YAML document in ``path`` (a run config, a merge file).
+
+    Raises:
+        FileNotFoundError: the file is absent.
+        ValueError: ``<path>: not valid YAML at line L, column C (<problem>) — fix the syntax there`` (bytes that are
+            not UTF-8 likewise name their line; a mapping key given twice names both lines).
+    """
+    data = Path(path).read_bytes()
+    try:
+        return load(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}: not UTF-8 at line {line} — re-save it as UTF-8 text") from exc
+    except DuplicateKeyError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{path}: not valid YAML{where} ({problem}) — fix the syntax there") from exc

@@ -37,6 +37,17 @@ def dataset(folder: Path, labels=("anger", "joy"), splits=("train", "validation"
     return str(folder)
 
 
+NOTHING = ("evaluation: in_domain is false and out_of_domain is empty — nothing would be evaluated; set in_domain: "
+           "true or name a set under out_of_domain")
+
+
+def unevaluated(config: RunConfig) -> list[str]:
+    """``check_run``'s problems but the first, which says the run evaluates nothing (it failed at its report)."""
+    problems = check_run(config)
+    assert problems[:1] == [NOTHING], problems
+    return problems[1:]
+
+
 def config(**overrides) -> RunConfig:
     data = {
         "run_id": "t",
@@ -98,6 +109,14 @@ def test_every_problem_is_reported_at_once_one_line_each(tmp_path):
     assert info.value.problems == problems and str(info.value).splitlines() == problems
 
 
+def test_statistics_a_strategy_reads_must_be_collected():
+    """stats.kinds without gram and a RegMean merge: the run trained both models, then failed in every merge."""
+    problems = check_run(config(stats={"kinds": ["fisher"]}, strategies=["simple", "regmean", "fisher"]))
+    assert problems == [
+        "stats.kinds: fisher lacks gram, which regmean reads — add gram to stats.kinds (or drop regmean from strategies)"
+    ]
+
+
 def test_the_splits_a_run_reads_are_required(tmp_path):
     only_train_test = dataset(tmp_path / "tt", splits=("train", "test"))
     ds = [{"name": "crowdflower"}, {"name": "tt", "source": only_train_test}]
@@ -122,7 +141,7 @@ def test_the_splits_a_run_reads_are_required(tmp_path):
     only_train = dataset(tmp_path / "tr", splits=("train",))
     ds = [{"name": "crowdflower"}, {"name": "tr", "source": only_train}]
     # a fine-tune needs train alone (its epochs are scored on a slice held out of it); the evaluation needs test
-    assert check_run(config(datasets=ds, evaluation={"in_domain": False, "out_of_domain": []})) == []
+    assert unevaluated(config(datasets=ds, evaluation={"in_domain": False, "out_of_domain": []})) == []
     assert check_run(config(datasets=ds, evaluation={"out_of_domain": []})) == [
         f"training dataset tr: no test split in {only_train} (it has train); in-domain evaluation reads it "
         "(evaluation.split: test) — add test.jsonl there, or change the run config"
@@ -143,7 +162,7 @@ def test_label_sets_the_run_cannot_score_are_refused(tmp_path):
     )
     assert problems[1].endswith("— every model is scored on it: drop goemotions_ekman from evaluation.out_of_domain "
                                 "(or select_on)")  # fmt: skip
-    assert check_run(config(datasets=ds, evaluation={"in_domain": False, "out_of_domain": []})) == []
+    assert unevaluated(config(datasets=ds, evaluation={"in_domain": False, "out_of_domain": []})) == []
     ner = dataset(tmp_path / "ner", labels=("B-x", "I-x", "O"), task="ner")
     problems = check_run(config(datasets=[{"name": "meld"}, {"name": "ner", "source": ner}], labels="union"))
     assert problems[0] == (
@@ -155,14 +174,14 @@ def test_label_sets_the_run_cannot_score_are_refused(tmp_path):
 def test_a_training_set_of_one_class_is_refused_unless_the_head_is_a_union(tmp_path):
     joy = dataset(tmp_path / "joyful", labels=("joy",))
     ds = [{"name": "meld"}, {"name": "joyful", "source": joy}]
-    problems = check_run(config(datasets=ds, evaluation={"in_domain": False, "out_of_domain": []}))
+    problems = unevaluated(config(datasets=ds, evaluation={"in_domain": False, "out_of_domain": []}))
     assert problems == [
         f"training dataset joyful ({joy}): only one class (joy) — a classification head needs two or more to tell "
         "apart: add records of another class (and list it in meta.json's labels), or train with labels: union "
         "(--labels union)"
     ], problems
     union = config(datasets=ds, labels="union", evaluation={"in_domain": False, "out_of_domain": []})
-    assert check_run(union) == []  # the union holds meld's classes beside joy
+    assert unevaluated(union) == []  # the union holds meld's classes beside joy
 
 
 def test_brought_checkpoints_are_read_and_their_heads_matched(tmp_path):
@@ -178,15 +197,15 @@ def test_brought_checkpoints_are_read_and_their_heads_matched(tmp_path):
     ]
     # not scored in domain, but its head refit reads meld's texts: refused unless allow_label_mismatch
     quiet = {"evaluation": {"in_domain": False, "out_of_domain": []}, "head_refit": {"enabled": True}}
-    problems = check_run(config(datasets=ds, **quiet))
+    problems = unevaluated(config(datasets=ds, **quiet))
     assert problems == [
         f"checkpoint of meld {unnamed}: its head refit / RegMean++ statistics read meld, which has 7 classes for a "
         "head of 3 unnamed outputs — bring the checkpoint fine-tuned on meld, or set allow_label_mismatch: true"
     ]
-    assert check_run(config(datasets=ds, allow_label_mismatch=True, **quiet)) == []
+    assert unevaluated(config(datasets=ds, allow_label_mismatch=True, **quiet)) == []
     # the empirical Fisher takes meld's classes as the head's targets: refused whatever allow_label_mismatch says
     fisher = {"strategies": ["fisher"], "allow_label_mismatch": True, "evaluation": quiet["evaluation"]}
-    assert check_run(config(datasets=ds, **fisher)) == [
+    assert unevaluated(config(datasets=ds, **fisher)) == [
         f"checkpoint of meld {unnamed}: its Fisher statistics take meld's classes as targets: 7 classes for the 3 "
         "unnamed outputs of the head — bring the checkpoint fine-tuned on meld, or drop the fisher strategy"
     ]
