@@ -37,8 +37,10 @@ def dataset(folder: Path, labels=("anger", "joy"), splits=("train", "validation"
     return str(folder)
 
 
-NOTHING = ("evaluation: in_domain is false and out_of_domain is empty — nothing would be evaluated; set in_domain: "
-           "true or name a set under out_of_domain")
+NOTHING = (
+    "evaluation: in_domain is false and out_of_domain is empty — nothing would be evaluated; set in_domain: "
+    "true or name a set under out_of_domain"
+)
 
 
 def unevaluated(config: RunConfig) -> list[str]:
@@ -113,7 +115,8 @@ def test_statistics_a_strategy_reads_must_be_collected():
     """stats.kinds without gram and a RegMean merge: the run trained both models, then failed in every merge."""
     problems = check_run(config(stats={"kinds": ["fisher"]}, strategies=["simple", "regmean", "fisher"]))
     assert problems == [
-        "stats.kinds: fisher lacks gram, which regmean reads — add gram to stats.kinds (or drop regmean from strategies)"
+        "stats.kinds: fisher lacks gram, which regmean reads — add gram to stats.kinds (or drop regmean from "
+        "strategies)"
     ]
 
 
