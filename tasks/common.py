@@ -152,6 +152,9 @@ def reuse(store: ArtifactStore, key: str, ck: str, what: str) -> str | None:
         what: What the artifact is, for the log line (e.g. ``"fine-tuned model isear"``).
     """
     if not store.exists(key, ck):
+        if store.exists(key):  # e.g. the run id's earlier run had another base model: said, not replaced silently
+            logger().info("stored %s at %s was made from other inputs or settings: recomputing it (the new version "
+                          "replaces it)", what, store.uri(key))  # fmt: skip
         return None
     uri = store.uri(key)
     _REUSED.set(uri)
