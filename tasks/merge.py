@@ -125,6 +125,7 @@ def merge(
             try:
                 out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
                                         base=base, card=card, head_refit=refit, device=config.resolved_device(),
+                                        model_names=list(models),
                                         **maths)  # fmt: skip
             except StatsMismatchError as exc:  # the CLI's fix (--models order, `symfuse stats`) means nothing here
                 raise _in_store_terms(exc, {str(links / n): store.uri(u) for n, u in models.items()}) from exc

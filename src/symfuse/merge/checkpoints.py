@@ -183,18 +183,20 @@ def _warn_mixed_dtypes(readers: Sequence[CheckpointReader]) -> None:
         )
 
 
-def _head_folders(models: Sequence[str | Path], files: Mapping[str, list[StatsFile]]) -> dict[str, str]:
+def _head_folders(
+    models: Sequence[str | Path], files: Mapping[str, list[StatsFile]], given: Sequence[str] | None = None
+) -> dict[str, str]:
     """Each model's name -> its head folder (``.`` for the first).
 
-    One rule: the dataset the model was trained on (its statistics' dataset, else its ``symfuse_train.json``), else
-    its folder name.
+    One rule: the name ``given`` for it, else the dataset the model was trained on (its statistics' dataset, else its
+    ``symfuse_train.json``), else its folder name.
     """
     names: dict[str, str] = {}
     for i, m in enumerate(models):
         ds = trained_on(m)
         for kind_files in files.values():
             ds = kind_files[i].meta.get("dataset") or ds
-        name = str(ds or Path(m).name or f"model{i}")
+        name = str(given[i] if given else ds or Path(m).name or f"model{i}")
         while name in names:
             name = f"{name}-{i}"
         names[name] = "." if i == 0 else f"heads/{name}"
@@ -210,6 +212,7 @@ def plan_merge(
     head_refit: RefitOptions | Mapping[str, Any] | None,
     device: str | torch.device,
     params: dict[str, Any],
+    model_names: Sequence[str] | None = None,
 ) -> MergePlan:
     """Check every input and set the merge up (see :func:`merge_checkpoints` for the arguments and errors)."""
     dev = resolve_device(device)
@@ -252,7 +255,7 @@ def plan_merge(
     merger.pool = BufferPool() if dev.type == "cpu" else None  # reused read buffers: no page faults per tensor
     merger.device = dev
     weights = merger.model_weights(len(readers))
-    names = _head_folders(models, files)
+    names = _head_folders(models, files, model_names)
     return MergePlan(strategy, Path(out), merger, readers, base_reader, files, weights, heads, union, separate, names,
                      refit, refit_data, same_input, dev)  # fmt: skip
 
@@ -328,6 +331,7 @@ def merge_checkpoints(
     card: Mapping[str, Any] | None = None,
     head_refit: RefitOptions | Mapping[str, Any] | None = None,
     device: str | torch.device = "cpu",
+    model_names: Sequence[str] | None = None,
     **params: Any,
 ) -> Path:
     """Merge K checkpoints with a registered strategy and write a ``save_pretrained`` folder.
@@ -350,6 +354,8 @@ def merge_checkpoints(
         device: Where the merge's maths runs (``cpu``, ``cuda``, ``cuda:N``, ``auto``). Off the CPU, one tensor of
             the K models (with its statistics) is on the device at a time, merged with whole-tensor torch ops,
             and written from host memory.
+        model_names: One name per model for its head folder (``heads/<name>``) and the report; None: the dataset each
+            model was trained on (its statistics' or ``symfuse_train.json``'s), else its folder name.
         **params: Strategy parameters (e.g. ``alpha=0.9``, ``weights=[...]``, ``density=0.2``); unknown ones raise.
             A merger that reads the models' data (``needs_data``: regmean++, ``data=[one dataset per model]``) does
             its work in :meth:`~symfuse.merge.base.Merger.prepare`, once the inputs are checked.
@@ -366,7 +372,7 @@ def merge_checkpoints(
     start = time.perf_counter()
     MERGERS.require([strategy])  # one line naming the choices
     check_output(out, overwrite, inputs=[*models, *(stats or ()), base])
-    plan = plan_merge(strategy, models, out, stats, base, head_refit, device, params)
+    plan = plan_merge(strategy, models, out, stats, base, head_refit, device, params, model_names)
     out = Path(out)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         try:

@@ -124,6 +124,16 @@ def test_different_label_sets_keep_one_head_per_dataset(tmp_path):
     assert head_b.config.id2label == {0: "negative", 1: "positive"}
 
 
+def test_given_model_names_name_the_head_folders(tmp_path):
+    """The pipeline names each model after its dataset; a model's own record (here its folder) named it otherwise."""
+    a = _labelled(tmp_path / "emotion", ["anger", "joy", "sadness"], 0)
+    b = _labelled(tmp_path / "sst2", ["negative", "positive"], 1)
+    out = merge_checkpoints("simple", [a, b], tmp_path / "out", model_names=["feelings", "reviews"])
+    report = json.loads((out / "symfuse_report.json").read_text())
+    assert report["heads"]["folders"] == {"feelings": ".", "reviews": "heads/reviews"}
+    assert torch.equal(_weights(out / "heads" / "reviews")["classifier.weight"], _weights(b)["classifier.weight"])
+
+
 def test_missing_stats_and_base_are_clear_errors(copies, tmp_path):
     folders, stats, _ = copies
     with pytest.raises(MissingStats, match="--stats"):
