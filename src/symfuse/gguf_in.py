@@ -128,6 +128,10 @@ def check_gguf(path: str | os.PathLike) -> GgufInfo:
         tokenizer = "tokenizer.ggml.model" in reader.fields
     except Exception as exc:  # truncated or garbled header: the reader raises ValueError, struct.error, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if isinstance(exc, ValueError) and "cannot reshape" in first:  # a tensor's view runs past the end of the file
+            size = path.stat().st_size
+            raise CheckpointError(f"{path}: truncated — its tensor data ends early ({size} bytes on disk); copy or "
+                                  "download the file again") from exc  # fmt: skip
         raise CheckpointError(f"{path}: unreadable GGUF header ({type(exc).__name__}: {first}) — {fix}") from exc
     supported = supported_architectures()
     if architecture not in supported:

@@ -151,6 +151,18 @@ def test_not_a_gguf_file_is_one_line(tmp_path):
         resolve_checkpoint(tmp_path / "missing.gguf")
 
 
+def test_a_file_cut_inside_its_tensor_data_is_called_truncated(tiny, tmp_path):
+    whole = write_gguf(tiny, tmp_path / "whole.gguf", "F32")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])  # the header whole, the tensor data not
+    with pytest.raises(CheckpointError) as info:  # was "unreadable GGUF header (ValueError: cannot reshape ...)"
+        check_gguf(cut)
+    assert str(info.value) == (
+        f"{cut}: truncated — its tensor data ends early ({cut.stat().st_size} bytes on disk); copy or download the "
+        "file again"
+    )
+
+
 def test_unsupported_architecture_and_tensor_type_name_what_is_supported(tmp_path):
     import gguf
 

@@ -329,7 +329,8 @@ def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, 
     if task == "language_modeling":
         raise DatasetError(LM_ONLY_EVALUATE.format(source=source))
     if task not in TASKS:
-        raise DatasetError(f"{source}/meta.json: unknown task {task!r} (expected one of {TASKS})")
+        raise DatasetError(f"{source}/meta.json: unknown task {task!r} — give one of {', '.join(TASKS)} (or "
+                           "language_modeling, which evaluate, barrier and inspect read)")  # fmt: skip
     multi = bool(meta.get("multi_label", False))
     declared = meta.get("tags") if task == "ner" else meta.get("labels")
     seen: set[str] = set()

@@ -101,7 +101,8 @@ def probe_dataset(source: str, records: int = PROBE_RECORDS) -> DatasetProbe:
     if task == "language_modeling":
         raise DatasetError(LM_ONLY_EVALUATE.format(source=first.parent))
     if task not in TASKS:
-        raise DatasetError(f"{first.parent / 'meta.json'}: unknown task {task!r} — give one of {', '.join(TASKS)}")
+        raise DatasetError(f"{first.parent / 'meta.json'}: unknown task {task!r} — give one of {', '.join(TASKS)} (or "
+                           "language_modeling, which evaluate, barrier and inspect read)")  # fmt: skip
     known = set(declared) if declared else None
     seen: set[str] = set()
     for file, recs in heads.items():

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import torch
 
+from symfuse.checkpoint import CheckpointReader
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split, readable_length
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
+from symfuse.errors import CheckpointError
 from symfuse.evaluate.evaluate import write_json_atomic
 from symfuse.evaluate.predict import head_problem_type, load_task_model, run_model
 
@@ -153,6 +155,7 @@ def loss_barrier(
     """
     t0 = time.perf_counter()
     dev = resolve_device(device)
+    check_same_tensors(a, b)
     if is_language_modeling(str(data)):
         model_a, model_b, loss_fn, name = _lm_loss(a, b, str(data), split, max_examples, batch_size, max_length, seed,
                                                    dev)  # fmt: skip
@@ -178,6 +181,27 @@ def loss_barrier(
     plot_barrier(lambdas, losses, out_dir / "barrier.png", f"{Path(a).name} → {Path(b).name} on {name}/{split}")
     log.info("barrier %s -> %s on %s: %.4f at λ=%.2f", a, b, name, result["barrier"], result["argmax_lambda"])
     return result
+
+
+def check_same_tensors(a: str | Path, b: str | Path) -> None:
+    """Refuse two checkpoints whose tensors differ in names or shapes (headers only), naming both and the tensor.
+
+    Raises:
+        CheckpointError: a head of another label set, or another architecture.
+    """
+    ra, rb = CheckpointReader(a), CheckpointReader(b)
+    with ra, rb:
+        names_a, names_b = set(ra.names()), set(rb.names())
+        if names_a != names_b:
+            diff = sorted(names_a ^ names_b)[:3]
+            raise CheckpointError(f"{a} and {b}: their tensors differ (e.g. {diff}) — the barrier interpolates two "
+                                  "models of one architecture")  # fmt: skip
+        for name in sorted(names_a):
+            if ra.shape(name) != rb.shape(name):
+                raise CheckpointError(
+                    f"{a} and {b}: {name} has shape {ra.shape(name)} in one, {rb.shape(name)} in the other — the "
+                    "barrier interpolates two models of one architecture and one label set"
+                )
 
 
 LossSetup = tuple[torch.nn.Module, torch.nn.Module, Callable[[torch.nn.Module], float], str]

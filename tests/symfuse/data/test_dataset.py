@@ -62,6 +62,10 @@ def test_bad_meta_and_bytes_name_the_file_line_and_fix(tmp_path):
     (tmp_path / "d" / "meta.json").write_text(json.dumps({"task": "classification", "labels": "joy"}))
     with pytest.raises(DatasetError, match=r"meta\.json: labels must be a list of class names"):
         load_task_dataset(str(tmp_path / "d"))
+    (tmp_path / "d" / "meta.json").write_text(json.dumps({"task": "summarization"}))
+    with pytest.raises(DatasetError, match=r"meta\.json: unknown task 'summarization' — give one of classification, "
+                                           r"pair_classification, regression, ner \(or language_modeling"):  # fmt: skip
+        load_task_dataset(str(tmp_path / "d"))
     (tmp_path / "d" / "meta.json").write_text(json.dumps(meta))
     train = tmp_path / "d" / "train.jsonl"
     train.write_bytes(train.read_bytes() + '{"text": "café", "label": "joy"}\n'.encode("latin-1"))

@@ -53,6 +53,18 @@ def test_barrier_of_a_model_with_itself_is_zero(tmp_path):
     assert (tmp_path / "out" / "barrier.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_heads_of_two_label_sets_are_refused_naming_both_models(tmp_path):
+    from symfuse.errors import CheckpointError
+    from tests.tiny import save_tiny_text_classifier
+
+    two = save_tiny_text_classifier(tmp_path / "two", seed=1, num_labels=2)
+    three = save_tiny_text_classifier(tmp_path / "three", seed=2, num_labels=3)
+    with pytest.raises(CheckpointError) as info:  # was "classifier.weight: shapes ... differ", naming neither
+        loss_barrier(two, three, "dair_emotion", tmp_path / "out", points=3, max_examples=8)
+    assert str(info.value).startswith(f"{two} and {three}: classifier.bias has shape (2,) in one, (3,) in the other")
+    assert not (tmp_path / "out").exists()
+
+
 def test_bare_encoder_is_refused_for_evaluation():
     from symfuse.errors import CheckpointError
     from symfuse.evaluate import load_task_model
