@@ -23,10 +23,10 @@ from uuid import UUID
 
 import pandas as pd
 
-from symfuse.cli.boundary import DATA, one_line, report
+from symfuse.cli.boundary import DATA, INTERRUPTED, one_line, report
 from symfuse.config import DATASET_RESOLUTION, DEMO_DATASETS, DEMO_OUT_OF_DOMAIN, RunConfig
 from symfuse.config_schema import check_name
-from symfuse.errors import UsageError
+from symfuse.errors import INTERRUPTED_STARTING, UsageError
 from symfuse.logs import quiet_third_party
 from symfuse.preflight import check_run
 from symfuse.redact import redact
@@ -237,7 +237,15 @@ def _task_run_states(client: Any, runs: Any, page: int = 200) -> list[tuple[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the pipeline and print its metrics; returns the exit status."""
+    """Run the pipeline and print its metrics; returns the exit status (a Ctrl-C before the run: one line, 130)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # while the inputs were checked, before the run started
+        print(INTERRUPTED_STARTING, file=sys.stderr)
+        return INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -285,13 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         result = state.result()
     except Exception as exc:  # the failed task's own error, one line (its traceback is in the run's logs)
         return report(exc, args.verbose)
-    except SystemExit as exc:  # exit_on_sigterm's: the run was stopped; say so (it used to end without a word)
-        if exc.code != TERMINATED:
+    except (SystemExit, KeyboardInterrupt) as exc:  # SIGTERM (exit_on_sigterm) or Ctrl-C: say so, no traceback
+        if isinstance(exc, SystemExit) and exc.code != TERMINATED:
             raise
+        why = "terminated by SIGTERM" if isinstance(exc, SystemExit) else "interrupted"
         store = redact(config.resolved_store_root())
-        print(f"error: terminated by SIGTERM — the run stopped; what it finished is in the store {store}, and the "
-              "same command resumes from it", file=sys.stderr)  # fmt: skip
-        return TERMINATED
+        print(f"error: {why} — the run stopped; what it finished is in the store {store}, and the same command "
+              "resumes from it", file=sys.stderr)  # fmt: skip
+        return TERMINATED if isinstance(exc, SystemExit) else INTERRUPTED
     print_metrics(result["report"], config)
     print(f"\nanchor: {result['anchor']}; pipeline wall time {time.perf_counter() - start:.0f} s")
     return 0

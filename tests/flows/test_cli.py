@@ -136,6 +136,28 @@ def test_sigterm_mid_run_ends_the_process_with_one_line(tiny_base, tmp_path):
     assert "Traceback" not in "".join(lines)
 
 
+def test_ctrl_c_before_or_during_the_run_is_one_line(tiny_base, tmp_path, capfd, monkeypatch):
+    """A Ctrl-C 12 s into the run (Prefect starting, imports warming) printed a 78-line KeyboardInterrupt traceback."""
+    import flows.cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    tiny_config(tiny_base, str(tmp_path / "store"), run_id="ctrl-c", strategies=["simple"]).to_yaml(tmp_path / "r.yaml")
+    for where, line in (
+        ("check_run", "error: interrupted while the command was starting — nothing was written"),
+        (
+            "start_ephemeral_server",
+            "error: interrupted — the run stopped; what it finished is in the "
+            f"store {tmp_path / 'store'}, and the same command resumes from it",
+        ),
+    ):
+        with monkeypatch.context() as m:
+            m.setattr(flows.cli, where, interrupted)
+            assert main(["--config", str(tmp_path / "r.yaml")]) == 130
+        assert capfd.readouterr().err.strip().splitlines() == [line]
+
+
 STUCK = """
 import sys, threading, time
 from flows.cli import exit_on_sigterm
