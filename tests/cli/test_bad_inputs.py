@@ -117,6 +117,7 @@ CASES = [
     ),
     C("merge-model-twice", f"{MERGE} simple --models {{A}} {{B}} {{A}}/ {OUT}", 2, "given twice (as {A} and {A}/)"),
     C("merge-base-not-used", f"{MERGE} simple --base {{A}} --models {{A}} {{B}} {OUT}", 2, "--base"),
+    C("merge-base-among-models", f"{MERGE} ties --base {{A}}/ --models {{A}} {{B}} {OUT}", 2, "is among --models too"),
     C("merge-base-missing", f"{MERGE} ties --models {{A}} {{B}} {OUT}", 2, "--base"),
     C("merge-option-not-used", f"{MERGE} simple --alpha 0.5 --models {{A}} {{B}} {OUT}", 2, "--alpha"),
     C("merge-unknown-option", f"{MERGE} simple --models {{A}} {{B}} --bogus 1 {OUT}", 2, "--bogus"),

@@ -119,6 +119,11 @@ def distinct(option: str, values: Sequence[str | Path], what: str) -> None:
             )
 
 
+def same_path(a: str | Path, b: str | Path) -> bool:
+    """Whether ``a`` and ``b`` name one file or folder (``a``, ``./a/``, a link to it)."""
+    return _resolved(a) == _resolved(b)
+
+
 def _resolved(value: str | Path) -> Path:
     try:
         return Path(value).resolve()

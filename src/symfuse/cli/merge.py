@@ -324,6 +324,8 @@ def _validate(
     params = _strategy_params(merger, strategy, given, weights)
     data, data_label = given.get("data", (None, "--data"))
     _check_fit(merger, strategy, len(models), stats, base, (data, data_label))
+    if base is not None and any(checks.same_path(base, m) for m in models):  # a zero task vector: it dilutes
+        raise UsageError(f"--base: {base} is among --models too — the base is not merged; drop it from --models")
     for s in stats or []:
         checks.local_path("--stats", s, folder=False)
     for m in [*models, *([base] if base is not None else [])]:
