@@ -35,7 +35,8 @@ from symfuse.store import ArtifactStore
 from symfuse.store.urls import lasting_store_problem
 
 TERMINATED = 128 + signal.SIGTERM  # the exit status of a run stopped by SIGTERM
-STOP_GRACE_S = 20.0  # after SIGTERM, running tasks have this long to end before the process ends anyway
+STOP_GRACE_S = 20.0  # after SIGTERM / SIGINT, running tasks have this long to end before the process ends anyway
+STOPPED_BY: list[str] = []  # the signal that stopped the run (SIGTERM / SIGINT), set by exit_on_signals' handler
 DEMO_DATA_HELP = (
     f"The embedded demo fine-tunes on {', '.join(DEMO_DATASETS)} and evaluates out of domain on "
     f"{', '.join(DEMO_OUT_OF_DOMAIN)}: subsets bundled with the package (sources and licences in "
@@ -119,33 +120,39 @@ def hide_tracebacks_on_console() -> None:
                 handler.setFormatter(_NoTraceback(handler.formatter))
 
 
-def exit_on_sigterm(grace_s: float = STOP_GRACE_S) -> None:
-    """End on SIGTERM by raising ``SystemExit(143)``, so that exit handlers run and stop the ephemeral server.
+def exit_on_signals(grace_s: float = STOP_GRACE_S) -> None:
+    """End the run on SIGTERM (``SystemExit(143)``) or SIGINT (``KeyboardInterrupt``), and end the process anyway.
 
-    Python's default action kills the process at once; Prefect, after stopping a flow, re-sends the signal to that
+    Python's default SIGTERM kills the process at once; Prefect, after stopping a flow, re-sends the signal to that
     default, and the ephemeral server's subprocess was left running (one per stopped demo). The orderly exit waits
     for running tasks, which end at their next step; a task stuck in one long call, or Prefect's clients retrying a
-    server already gone, once held a stopped run for more than ten minutes. So ``grace_s`` after the first SIGTERM,
-    or at a second one, the process stops the ephemeral server and ends at once, saying so.
+    server already gone (a Ctrl-C reaches the server's process too), once held a stopped run for more than ten
+    minutes. So ``grace_s`` after the first signal, or at a second one, the process stops the ephemeral server and
+    ends at once, saying so. The signal is recorded in :data:`STOPPED_BY`.
     """
     if threading.current_thread() is not threading.main_thread():
         return
-    stopping = threading.Event()
+    STOPPED_BY.clear()
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        if stopping.is_set():
-            _end_now("a second SIGTERM")
-        stopping.set()
-        watchdog = threading.Timer(grace_s, _end_now, [f"the run had not stopped {grace_s:.0f} s after SIGTERM"])
+    def on_signal(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if STOPPED_BY:
+            _end_now(f"a second {name}", signum)
+        STOPPED_BY.append(name)
+        late = f"the run had not stopped {grace_s:.0f} s after {name}"
+        watchdog = threading.Timer(grace_s, _end_now, [late, signum])
         watchdog.daemon = True
         watchdog.start()
-        sys.exit(TERMINATED)
+        if signum == signal.SIGTERM:
+            sys.exit(TERMINATED)
+        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
 
 
-def _end_now(why: str) -> None:
-    """Stop the ephemeral server (5 s at most, then killed) and end the process at once with status 143."""
+def _end_now(why: str, signum: int) -> None:
+    """Stop the ephemeral server (5 s at most, then killed) and end the process at once (143 SIGTERM, 130 SIGINT)."""
     try:
         from prefect.server.api.server import SubprocessASGIServer
 
@@ -155,7 +162,7 @@ def _end_now(why: str) -> None:
         logging.getLogger(__name__).debug("stopping the ephemeral server failed", exc_info=True)
     print(f"error: {why} — ended without waiting for the running tasks; what the run finished is in the store",
           file=sys.stderr, flush=True)  # fmt: skip
-    os._exit(TERMINATED)
+    os._exit(TERMINATED if signum == signal.SIGTERM else INTERRUPTED)
 
 
 def start_ephemeral_server() -> threading.Thread | None:
@@ -238,11 +245,17 @@ def _task_run_states(client: Any, runs: Any, page: int = 200) -> list[tuple[str,
 
 def main(argv: list[str] | None = None) -> int:
     """Run the pipeline and print its metrics; returns the exit status (a Ctrl-C before the run: one line, 130)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
         return _main(argv)
     except KeyboardInterrupt:  # while the inputs were checked, before the run started
         print(INTERRUPTED_STARTING, file=sys.stderr)
         return INTERRUPTED
+    finally:
+        if not STOPPED_BY:  # an in-process caller (a test) gets its handlers back; a stopped run keeps its watchdog's
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -274,7 +287,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"error: {redact(line)}", file=sys.stderr)
         return DATA
     start = time.perf_counter()
-    exit_on_sigterm()
+    exit_on_signals()
     try:
         server = start_ephemeral_server()  # in a thread: ~6 s of start-up while this thread imports and warms up
         from flows.pipeline import fusion_pipeline  # torch, transformers, prefect (``python -m flows``: not yet)
@@ -291,16 +304,18 @@ def _main(argv: list[str] | None) -> int:
         ephemeral_done = server is not None and state.is_completed()
         drain_events(state.state_details.flow_run_id if ephemeral_done else None)
         result = state.result()
-    except Exception as exc:  # the failed task's own error, one line (its traceback is in the run's logs)
-        return report(exc, args.verbose)
-    except (SystemExit, KeyboardInterrupt) as exc:  # SIGTERM (exit_on_sigterm) or Ctrl-C: say so, no traceback
-        if isinstance(exc, SystemExit) and exc.code != TERMINATED:
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:
+        stopped = STOPPED_BY[0] if STOPPED_BY else "SIGINT" if isinstance(exc, KeyboardInterrupt) else None
+        if stopped is None:  # the failed task's own error, one line (its traceback is in the run's logs)
+            if isinstance(exc, Exception):
+                return report(exc, args.verbose)
             raise
-        why = "terminated by SIGTERM" if isinstance(exc, SystemExit) else "interrupted"
+        # SIGTERM or Ctrl-C, whatever the engine raised after it (a ConnectError once the server got the Ctrl-C too)
+        why = "terminated by SIGTERM" if stopped == "SIGTERM" else "interrupted"
         store = redact(config.resolved_store_root())
         print(f"error: {why} — the run stopped; what it finished is in the store {store}, and the same command "
               "resumes from it", file=sys.stderr)  # fmt: skip
-        return TERMINATED if isinstance(exc, SystemExit) else INTERRUPTED
+        return TERMINATED if stopped == "SIGTERM" else INTERRUPTED
     print_metrics(result["report"], config)
     print(f"\nanchor: {result['anchor']}; pipeline wall time {time.perf_counter() - start:.0f} s")
     return 0
