@@ -202,6 +202,9 @@ def _extras(doc: dict[str, Any], fail: Callable[[str, str], UsageError]) -> list
             f"{source} — symfuse writes the first model's tokenizer: list {source} first "
             "under models:, or remove tokenizer_source",
         )
+    if source == "base" and not doc.get("base_model"):  # mergekit refuses it too
+        raise fail("tokenizer_source", "base, and the file names no base_model — name base_model, or remove "
+                   "tokenizer_source")  # fmt: skip
     if source == "base":
         notes.append(
             "tokenizer_source: base — symfuse writes the first model's tokenizer (a fine-tune's is its base's)"

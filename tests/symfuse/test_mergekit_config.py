@@ -232,6 +232,10 @@ REFUSED = {
         two(merge_method="ties", tokenizer_source="b"),
         "— symfuse writes the first model's tokenizer: list",
     ),
+    "tokenizer-base-without-base": (
+        two(merge_method="linear", base_model=None, tokenizer_source="base"),
+        "tokenizer_source: base, and the file names no base_model — name base_model, or remove tokenizer_source",
+    ),
     "tokenizer-config": (two(merge_method="ties", tokenizer={"source": "union"}), "tokenizer: tokenizer settings"),
     "dtype-not-a-float": (two(merge_method="ties", dtype="int8"), "dtype: 'int8' is not a dtype mergekit merges in"),
     "out-dtype-unknown": (two(merge_method="ties", out_dtype="banana"), "out_dtype: 'banana' is not a dtype mergekit"),
@@ -285,8 +289,8 @@ REFUSED = {
 
 def fill(doc, tiny: Path):
     """``doc`` with the model names a, b, base (and {A}, {B}, {BASE}) made paths of the tiny models."""
-    if isinstance(doc, dict):
-        return {k: fill(v, tiny) for k, v in doc.items()}
+    if isinstance(doc, dict):  # tokenizer_source: base is mergekit's keyword, not the model named base
+        return {k: v if (k, v) == ("tokenizer_source", "base") else fill(v, tiny) for k, v in doc.items()}
     if isinstance(doc, list):
         return [fill(v, tiny) for v in doc]
     names = {"a": "a", "b": "b", "base": "base", "{A}": "a", "{B}": "b", "{BASE}": "base"}
