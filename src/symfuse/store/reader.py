@@ -341,21 +341,14 @@ class ArtifactReader:
         self._verify(key, out, manifest, sha=True)
 
     def _check_transfer(self, key: str, manifest: Mapping[str, Any], rel: str, dest: Path) -> None:
-        """Raise IncompleteDownload if ``dest`` lacks the manifest's size while the store's file has it.
-
-        A store file of another size is damage, left to :meth:`_verify` (CorruptArtifact: not retried).
-        """
-        want = manifest["sizes"][rel]
-        got = dest.stat().st_size if dest.is_file() else 0
-        if got == want:
-            return
-        with self._io(f"{self.uri(key)}/{rel}"):
-            stored = self.fs.size(self._data_path(key, manifest, rel))
-        if stored == want:
-            raise IncompleteDownload(
-                f"{self.uri(key)}/{rel}: {got} of {want} bytes arrived while the store's file is whole — the transfer "
-                "was cut; run again"
-            )
+        """IncompleteDownload if ``dest`` lacks its size while the store's file has it (a damaged one: ``_verify``)."""
+        want, got = manifest["sizes"][rel], dest.stat().st_size if dest.is_file() else 0
+        if got != want:
+            with self._io(f"{self.uri(key)}/{rel}"):
+                whole = self.fs.size(self._data_path(key, manifest, rel)) == want
+            if whole:
+                cut = f"{got} of {want} bytes arrived while the store's file is whole — the transfer was cut; run again"
+                raise IncompleteDownload(f"{self.uri(key)}/{rel}: {cut}")
 
     def local_cache(self, key: str, verify: bool = True) -> Path:
         """A local folder holding the artifact's files, downloaded at most once per content.
