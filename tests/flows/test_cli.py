@@ -45,6 +45,10 @@ def test_a_bad_config_is_one_line_naming_the_file(tmp_path, capfd):
     assert main(["--config", str(cfg), "--run-id", "../../escaped"]) == 2  # was taken unchecked, then Prefect failed
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --run-id: run id '../../escaped': use 1-100 letters"), err
+    cfg.write_text("run_id: x\nanchor: nope\ndatasets: [{name: meld}, {name: isear}]\n")  # a whole-config check
+    assert main(["--config", str(cfg)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {cfg}: anchor 'nope': expected 'closest', 'barycenter' or"), err
     cfg.write_text("run_id: x\nstrategies: [simple]\nrun_id: y\n")  # the last would win silently
     assert main(["--config", str(cfg)]) == 2
     err = capfd.readouterr().err.strip().splitlines()

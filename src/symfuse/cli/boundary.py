@@ -56,8 +56,8 @@ def _message(exc: BaseException) -> str:
     errors = getattr(exc, "errors", None)  # pydantic ValidationError: one "field: problem" per error
     if callable(errors) and isinstance(exc, ValueError) and hasattr(exc, "title"):
         try:
-            parts = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors()]
-            return f"{exc.title}: {'; '.join(parts)}"  # type: ignore[attr-defined]
+            found = [(".".join(map(str, e["loc"])), str(e["msg"]).removeprefix("Value error, ")) for e in errors()]
+            return "; ".join(f"{loc}: {msg}" if loc else msg for loc, msg in found)  # not "RunConfig: : Value error,"
         except Exception:
             pass
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
