@@ -321,6 +321,7 @@ def _validate(
     checks.one_of("--strategy", strategy, MERGERS.names())
     merger = MERGERS[strategy]  # imports the strategy's module (torch)
     merger.check_model_count(len(models))  # most merge two or more; slerp exactly two, passthrough one
+    checks.distinct("--models", models, "model")  # after the count: slerp of A B A is three models first
     params = _strategy_params(merger, strategy, given, weights)
     data, data_label = given.get("data", (None, "--data"))
     _check_fit(merger, strategy, len(models), stats, base, (data, data_label))
@@ -353,7 +354,6 @@ def _check_models(models: list[str], weights: list[float] | None, base: str | No
                 f"--models: {m} is a PEFT adapter folder (adapter_config.json) — merge adapters with symfuse "
                 "merge-lora --adapters A B ..."
             )
-    checks.distinct("--models", models, "model")
     if base is not None:
         checks.local_path("--base", base)
 
