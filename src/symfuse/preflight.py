@@ -25,7 +25,6 @@ whole). It returns ALL the problems it finds, one line each:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from symfuse.data.labels import (
 )
 from symfuse.data.probe import DatasetProbe, probe_dataset
 from symfuse.errors import DataError, SymfuseError
+from symfuse.io.modes import can_create_in, nearest_existing
 
 
 class RunInputError(DataError):
@@ -165,13 +165,11 @@ def store_root_problem(root: str, label: str, fix: str) -> str | None:
 
         return store_url_problem(root, label)
     path = Path(rest if sep else root).expanduser()
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = nearest_existing(path)
     if not probe.is_dir():
         what = "is a file" if probe == path else f"is under {probe}, which is a file"
         return f"{label} {root}: {what} — {fix}"
-    if not os.access(probe, os.W_OK | os.X_OK):
+    if not can_create_in(probe):
         return f"{label} {root}: {probe} is not writable by this user — {fix}"
     return None
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -221,10 +220,10 @@ def writable_file(option: str, value: Path | None) -> None:
     """
     if value is None:
         return
-    folder = Path(value).absolute().parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+    from symfuse.io.modes import can_create_in, nearest_existing
+
+    folder = nearest_existing(Path(value).absolute().parent)
+    if folder.is_dir() and not can_create_in(folder):
         raise UsageError(
             f"{option}: {value}: its folder {folder} is not writable by this user — choose another {option}"
         )

@@ -50,6 +50,19 @@ def plain_mode(path: str | os.PathLike) -> None:
     os.chmod(path, (stat.S_IMODE(st.st_mode) & 0o7000) | (base & ~umask()))
 
 
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """``path`` if it exists, else its nearest ancestor that does: where creating ``path`` is decided."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
+
+
+def can_create_in(folder: str | os.PathLike) -> bool:
+    """Whether this user may create files and folders in ``folder`` (write and search permission)."""
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def not_readable(file: str | os.PathLike) -> CheckpointError:
     """The one-line error for a file this user may not read (``PermissionError``)."""
     return CheckpointError(
