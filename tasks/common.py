@@ -25,7 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party  # third-party bars off inside tasks (the user's env wins)
 from symfuse.scratch import scratch_dir
-from symfuse.store import ArtifactStore, content_key, layout
+from symfuse.store import ArtifactNotFound, ArtifactStore, content_key, layout
 from tasks.devices import on_device_slot, task_device
 from tasks.policy import RETRIES, RETRY_DELAYS, maybe_inject_fault, retry_transient
 
@@ -151,10 +151,13 @@ def reuse(store: ArtifactStore, key: str, ck: str, what: str) -> str | None:
         ck: The content key the task would write.
         what: What the artifact is, for the log line (e.g. ``"fine-tuned model isear"``).
     """
-    if not store.exists(key, ck):
-        if store.exists(key):  # e.g. the run id's earlier run had another base model: said, not replaced silently
-            logger().info("stored %s at %s was made from other inputs or settings: recomputing it (the new version "
-                          "replaces it)", what, store.uri(key))  # fmt: skip
+    try:
+        stored = store.manifest(key).get("content_key")  # one read tells both: is it there, and made from what
+    except ArtifactNotFound:
+        return None
+    if stored != ck:  # e.g. the run id's earlier run had another base model: said, not replaced silently
+        logger().info("stored %s at %s was made from other inputs or settings: recomputing it (the new version "
+                      "replaces it)", what, store.uri(key))  # fmt: skip
         return None
     uri = store.uri(key)
     _REUSED.set(uri)
