@@ -6,16 +6,26 @@ an import and printed its traceback. This module imports nothing heavy until :fu
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from symfuse.errors import INTERRUPTED_STARTING
 
 
-def main() -> None:
-    """Run the ``symfuse`` command (:func:`symfuse.cli.main`); exit 130 with one line if interrupted starting."""
+def start(entry: str) -> None:
+    """Import ``module:function``, run it and exit with what it returns; a Ctrl-C during the import: one line, 130.
+
+    The ``symfuse`` command and ``python -m flows`` start through it.
+    """
+    module, _, name = entry.partition(":")
     try:
-        from symfuse.cli import main as cli_main
+        function = getattr(importlib.import_module(module), name)
     except KeyboardInterrupt:
         print(INTERRUPTED_STARTING, file=sys.stderr)
         raise SystemExit(130) from None
-    cli_main()
+    sys.exit(function())
+
+
+def main() -> None:
+    """Run the ``symfuse`` command (:func:`symfuse.cli.main`)."""
+    start("symfuse.cli:main")

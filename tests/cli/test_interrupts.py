@@ -126,13 +126,13 @@ def test_sigint_during_merge_removes_the_temp_folder(models, tmp_path):
 
 def test_ctrl_c_while_the_command_starts_is_one_line(monkeypatch, capsys):
     """The seconds of imports before a command runs: a Ctrl-C there printed a KeyboardInterrupt traceback."""
-    import builtins
+    import importlib
 
     import typer
 
     import symfuse.console
 
-    real_import = builtins.__import__
+    real_import = importlib.import_module
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -140,7 +140,10 @@ def test_ctrl_c_while_the_command_starts_is_one_line(monkeypatch, capsys):
     def import_interrupted(name, *args, **kwargs):
         return interrupted() if name == "symfuse.cli" else real_import(name, *args, **kwargs)
 
-    for target, name, fake in ((typer.main, "get_command", interrupted), (builtins, "__import__", import_interrupted)):
+    for target, name, fake in (
+        (typer.main, "get_command", interrupted),
+        (importlib, "import_module", import_interrupted),
+    ):
         with monkeypatch.context() as m:  # typer building the command group; the CLI's own import
             m.setattr(target, name, fake)
             with pytest.raises(SystemExit) as info:
