@@ -10,6 +10,7 @@ the end, so a half-written checkpoint is never readable under its final name.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -391,6 +392,14 @@ def copy_side_files(reader: CheckpointReader, dest: Path) -> None:
             shutil.copy2(reader.path / side, dest / side)
 
 
+def set_config_dtype(folder: Path, dtype: torch.dtype) -> None:
+    """Name ``dtype`` in ``folder/config.json`` (``dtype``, as transformers 5 writes it; ``torch_dtype`` if there)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    name = str(dtype).removeprefix("torch.")
+    cfg |= {"dtype": name} | ({"torch_dtype": name} if "torch_dtype" in cfg else {})
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 @contextmanager
 def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder next to ``out``; rename it to ``out`` only if the block succeeds.
@@ -429,10 +438,11 @@ def write_checkpoint(
     extra_files: Mapping[str, bytes] | None = None,
     shard_bytes: int = 2 * 1024**3,
     overwrite: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write a copy of ``reader``'s checkpoint with some tensors replaced, streaming and atomically.
 
-    Tensor names, shapes and dtypes are kept; config and tokenizer files are copied.
+    Tensor names and shapes are kept, and dtypes unless ``dtype`` is given; config and tokenizer files are copied.
 
     Args:
         reader: Source checkpoint.
@@ -441,6 +451,7 @@ def write_checkpoint(
         extra_files: More files to write into the folder (name -> bytes).
         shard_bytes: Largest shard size; more than one shard writes an index file.
         overwrite: Replace an existing ``out``.
+        dtype: Write every floating tensor in this dtype (and say so in ``config.json``); None: as stored.
 
     Returns:
         The written folder.
@@ -453,7 +464,7 @@ def write_checkpoint(
         if unknown:
             raise CheckpointError(f"{reader.path}: replacements for unknown tensors {sorted(unknown)[:5]}")
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        plan = PlannedCheckpoint(reader, tmp, shard_bytes)  # header first, each tensor written as it comes
+        plan = PlannedCheckpoint(reader, tmp, shard_bytes, dtype)  # header first, each tensor written as it comes
         try:
             for name, tensor in reader.iter_tensors():
                 new = tensor
@@ -478,6 +489,8 @@ def write_checkpoint(
         finally:
             plan.close()
         copy_side_files(reader, tmp)
+        if dtype is not None:
+            set_config_dtype(tmp, dtype)
         for fname, data in (extra_files or {}).items():
             (tmp / fname).write_bytes(data)
     log.info("wrote checkpoint %s (%d shard(s))", out, len(plan.files))

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from symfuse import yaml_io
 from symfuse.config import _Strict
 from symfuse.errors import UsageError
-from symfuse.merge.registry import MERGERS
+from symfuse.merge.registry import MERGERS, OUT_DTYPE_NAMES
 from symfuse.mergekit_config import is_mergekit, translate
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,11 @@ class MergeFile(_Strict):
         default="auto",
         pattern=r"^(auto|cpu|cuda(:\d+)?)$",
         description="Where the merge runs: auto (CUDA when torch sees a GPU), cpu, cuda or cuda:N (--device wins).",
+    )
+    out_dtype: Literal[OUT_DTYPE_NAMES] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="Write the merged tensors in float32, float16, bfloat16 or float64 (default: the first model's "
+        "dtype; --out-dtype wins).",
     )
     head_refit: dict[str, Any] | None = Field(
         default=None,

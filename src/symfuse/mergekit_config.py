@@ -29,7 +29,8 @@ What it says is merged, the same thing mergekit merges, or refused in one line n
   ``normalize`` / ``rescale`` are refused where symfuse computes otherwise (``ties`` and ``dare_ties`` need
   ``normalize: true``: symfuse takes the weighted mean of the agreeing entries; ``dare`` rescales the kept entries
   by ``1 / density``, mergekit's ``rescale: true`` matches their L1 norm: the same in expectation).
-* ``dtype`` / ``out_dtype``: read, logged, not applied (symfuse writes the inputs' dtype).
+* ``out_dtype`` (else ``dtype``) -> ``out_dtype``: the merged tensors are written in it. symfuse computes in float32
+  (mergekit in ``dtype``), so a float16 / bfloat16 merge may differ from mergekit's in its last bits.
 * ``tokenizer_source``: absent, ``base`` or the first model (symfuse writes the first model's tokenizer).
 * ``slices``: one slice whose sources each cover their model's whole layer stack reads as ``models``.
 
@@ -133,7 +134,8 @@ def translate(doc: dict[str, Any], path: str | os.PathLike) -> Translation:
         raise fail("merge_method", f"{name} is not in symfuse yet (symfuse has: {', '.join(MERGERS.names())})")
     if doc.get("modules"):
         raise fail("modules", "per-module merges are not supported yet — list the models under models:")
-    notes = _extras(doc, fail)
+    out_dtype, notes = _out_dtype(doc, fail)
+    notes += _extras(doc, fail)
     entries = _entries(doc, fail)
     base = doc.get("base_model")
     if base is not None:
@@ -167,6 +169,7 @@ def translate(doc: dict[str, Any], path: str | os.PathLike) -> Translation:
         "base": base,
         "weights": weights,
         "params": params,
+        "out_dtype": out_dtype,
     }
     if weights is not None:
         labels["weights"] = w_label
@@ -180,15 +183,26 @@ _MK_DEFAULT_KEY = {"lam": "parameters.lambda", "drop": "parameters.density", "de
 _MK_DTYPES = ("float32", "float16", "bfloat16")  # mergekit's dtype_from_name (also with a "torch." prefix)
 
 
-def _extras(doc: dict[str, Any], fail: Callable[[str, str], UsageError]) -> list[str]:
-    """Check the keys that do not change the merged numbers; return the info lines to log."""
-    notes = []
+def _out_dtype(doc: dict[str, Any], fail: Callable[[str, str], UsageError]) -> tuple[str | None, list[str]]:
+    """The dtype mergekit writes (``out_dtype``, else ``dtype``; None: neither) and the info line to log.
+
+    mergekit also computes in ``dtype``; symfuse computes in float32 (float64 where its maths needs it) and writes
+    the result in that dtype, so a float16 / bfloat16 merge can differ from mergekit's in its last bits.
+    """
     for key in ("dtype", "out_dtype"):
         value = doc.get(key)
-        if value is not None:
-            if not isinstance(value, str) or value.removeprefix("torch.") not in _MK_DTYPES:
-                raise fail(key, f"{value!r} is not a dtype mergekit merges in — give float32, float16 or bfloat16")
-            notes.append(f"{key}: {value} read, not applied — symfuse writes the merged tensors in the inputs' dtype")
+        if value is not None and (not isinstance(value, str) or value.removeprefix("torch.") not in _MK_DTYPES):
+            raise fail(key, f"{value!r} is not a dtype mergekit merges in — give float32, float16 or bfloat16")
+    key = "out_dtype" if doc.get("out_dtype") is not None else "dtype"
+    if doc.get(key) is None:
+        return None, []
+    name = doc[key].removeprefix("torch.")
+    return name, [f"{key}: {doc[key]}: merged in float32 or wider, written in {name}"]
+
+
+def _extras(doc: dict[str, Any], fail: Callable[[str, str], UsageError]) -> list[str]:
+    """Check the keys that do not change the merged numbers; return the info lines to log."""
+    notes: list[str] = []
     source = doc.get("tokenizer_source")
     first = _first_model(doc)
     if source == "union":

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -30,8 +31,9 @@ def two(a: dict | None = None, b: dict | None = None, **top) -> dict:
     return {"models": models, "base_model": "base", **top}
 
 
-def expected(strategy: str, params: dict, weights=None, base="base") -> MergeFile:
+def expected(strategy: str, params: dict, weights=None, base="base", out_dtype=None) -> MergeFile:
     fields = {"strategy": strategy, "models": ["a", "b"], "params": params, "base": base, "weights": weights}
+    fields |= {"out_dtype": out_dtype}
     return MergeFile.model_validate({k: v for k, v in fields.items() if v is not None})
 
 
@@ -57,7 +59,7 @@ dtype: float16
 @pytest.mark.parametrize(
     ("doc", "want"),
     [
-        (README_TIES, expected("ties", {"density": 0.5, "lam": 1.0}, [1.0, 0.5])),
+        (README_TIES, expected("ties", {"density": 0.5, "lam": 1.0}, [1.0, 0.5], out_dtype="float16")),
         # mergekit's ties keeps everything by default (density 1.0): written out, as symfuse's default is 0.2
         (two(merge_method="ties"), expected("ties", {"density": 1.0, "lam": 1.0})),
         (
@@ -163,7 +165,7 @@ def test_a_mergekit_ties_merge_equals_the_same_merge_from_flags(tiny, tmp_path):
     }
     r = run_cli("merge", "--config", write(tmp_path, doc), tmp_path / "from-yaml", "--device", "cpu")
     assert r.returncode == 0, r.stderr
-    assert "dtype: float32 read, not applied" in r.stderr
+    assert "dtype: float32: merged in float32 or wider, written in float32" in r.stderr
     flags = ["--strategy", "ties", "--base", base, "--models", a, b, "--weights", "1.0", "0.5"]
     r = run_cli(
         "merge", *flags, "--density", "0.5", "--lam", "0.9", "--out", tmp_path / "from-flags", "--device", "cpu"
@@ -173,6 +175,29 @@ def test_a_mergekit_ties_merge_equals_the_same_merge_from_flags(tiny, tmp_path):
     assert got.keys() == want.keys()
     assert all(got[k].dtype == want[k].dtype and got[k].equal(want[k]) for k in want)
     assert any(not got[k].equal(load_file(str(tiny / "a" / "model.safetensors"))[k]) for k in got)  # it merged
+
+
+def test_mergekit_dtype_is_the_dtype_written_out_dtype_first(tiny, tmp_path):
+    """mergekit writes out_dtype, else dtype: so does symfuse (the float32 merge rounded once; config.json says so)."""
+    from safetensors.torch import load_file
+
+    a, b = str(tiny / "a"), str(tiny / "b")
+    r = run_cli("merge", "--models", a, b, "--strategy", "simple", "--out", tmp_path / "fp32", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    want = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    cases = {"bf16": ({"dtype": "bfloat16"}, torch.bfloat16), "fp16": ({"dtype": "bfloat16", "out_dtype": "float16"},
+             torch.float16)}  # fmt: skip
+    for name, (keys, dtype) in cases.items():
+        doc = {"models": [{"model": a}, {"model": b}], "merge_method": "linear", **keys}
+        r = run_cli("merge", "--config", write(tmp_path, doc, f"{name}.yml"), tmp_path / name, "--device", "cpu")
+        assert r.returncode == 0, r.stderr
+        got = load_file(str(tmp_path / name / "model.safetensors"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].to(dtype)) for k in want)
+        assert json.loads((tmp_path / name / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    r = run_cli("merge", "--models", a, b, "--strategy", "simple", "--out", tmp_path / "i8", "--out-dtype", "int8")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --out-dtype: unknown value 'int8'")
+    assert not (tmp_path / "i8").exists()
 
 
 REFUSED = {

@@ -12,7 +12,13 @@ import yaml
 
 from symfuse.cli import app, checks
 from symfuse.errors import UsageError
-from symfuse.merge.registry import MERGERS, RETIRED_PARAMS, merger_params, param_names  # no torch: names only
+from symfuse.merge.registry import (  # no torch: names only
+    MERGERS,
+    OUT_DTYPE_NAMES,
+    RETIRED_PARAMS,
+    merger_params,
+    param_names,
+)
 from symfuse.outputs import claim_output
 
 
@@ -82,6 +88,12 @@ def merge(
             "--allow-label-mismatch", help="Accept --data sharing no class with its model's head (refit, regmean++)."
         ),
     ] = False,
+    out_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--out-dtype", help=f"Write the merged tensors in {'|'.join(OUT_DTYPE_NAMES)} (default: the first model's)."
+        ),
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
     align: Annotated[
         str | None,
@@ -117,19 +129,21 @@ def merge(
         flags = {"--strategy": strategy, "--models": models, "--stats": stats, "--weights": weights, "--base": base}
         flags |= {"--param": param} | {f"--{k}": v for k, v in shortcuts.items()}
         flags |= {"--allow-label-mismatch": allow_label_mismatch or None}
-        req = _from_config(config, flags, refit_flags, device)
+        req = _from_config(config, flags, refit_flags, device, out_dtype)
     else:
         given = {k: (v, f"--{k.replace('_', '-')}") for k, v in shortcuts.items() if v is not None}
         given |= _param_options(param or [], shortcuts)
         req = _Request(strategy, list(models or []), stats, weights, base, given, allow_label_mismatch,
-                       (device or "auto", "--device"), *_refit_flags(*refit_flags))  # fmt: skip
+                       (device or "auto", "--device"), *_refit_flags(*refit_flags), out_dtype)  # fmt: skip
+    if req.out_dtype is not None:  # a merge file's is checked by its schema
+        checks.one_of("--out-dtype", req.out_dtype, OUT_DTYPE_NAMES)
     strategy, models, stats, base = req.strategy, req.models, req.stats, req.base
     dev, params, refit = _resolve(req, config, device)
     from symfuse.merge import merge_checkpoints
 
     def run(inputs: list[str], card: dict | None = None) -> Path:
         return merge_checkpoints(strategy, inputs, out, stats=stats, base=base, overwrite=overwrite, card=card,
-                                 head_refit=refit, device=dev, **params)  # fmt: skip
+                                 head_refit=refit, device=dev, out_dtype=req.out_dtype, **params)  # fmt: skip
 
     kinds = None
     if align is not None:
@@ -165,6 +179,7 @@ class _Request:
     device_given: tuple[Any, str]
     refit_on: bool
     refit_given: dict[str, tuple[Any, str]]
+    out_dtype: str | None = None
 
 
 def _refit_flags(refit_heads: bool, refit_ridge: float | None) -> tuple[bool, dict[str, tuple[Any, str]]]:
@@ -174,7 +189,11 @@ def _refit_flags(refit_heads: bool, refit_ridge: float | None) -> tuple[bool, di
 
 
 def _from_config(
-    config: Path, flags: dict[str, Any], refit_flags: tuple[bool, float | None], device: str | None
+    config: Path,
+    flags: dict[str, Any],
+    refit_flags: tuple[bool, float | None],
+    device: str | None,
+    out_dtype: str | None,
 ) -> _Request:
     """The request of a merge file; flags it could hold are refused beside it rather than silently mixed."""
     clash = [k for k, v in flags.items() if v is not None and v != []]
@@ -192,6 +211,7 @@ def _from_config(
         mf.weights, mf.base, {k: (v, mf.key_of(k)) for k, v in mf.params.items()}, mf.allow_label_mismatch,
         (device, "--device") if device is not None else (mf.device, f"{config}: device"),
         mf.head_refit is not None, {k: (v, f"head_refit.{k}") for k, v in (mf.head_refit or {}).items()},
+        out_dtype or mf.out_dtype,
     )  # fmt: skip
 
 

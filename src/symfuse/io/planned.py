@@ -154,15 +154,22 @@ class PlannedFile:
         self.close()
 
 
-def plan_shards(reader: Any, shard_bytes: int) -> list[list[str]]:
+def stored_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a copy writes a tensor stored as ``stored`` in: ``dtype`` for floating tensors, else unchanged."""
+    return dtype if dtype is not None and stored.is_floating_point else stored
+
+
+def plan_shards(reader: Any, shard_bytes: int, dtype: torch.dtype | None = None) -> list[list[str]]:
     """Tensor names per output shard of a copy of ``reader``, in storage order, each shard at most ``shard_bytes``.
 
-    ``reader`` is a :class:`symfuse.checkpoint.CheckpointReader` (its ``names()`` and ``tensor_file(name)``).
+    ``reader`` is a :class:`symfuse.checkpoint.CheckpointReader` (its ``names()`` and ``tensor_file(name)``);
+    ``dtype``: floating tensors are written in it (None: as stored).
     """
     shards: list[list[str]] = [[]]
     size = 0
     for name in reader.names():
-        nbytes = reader.tensor_file(name).info(name).nbytes
+        info = reader.tensor_file(name).info(name)
+        nbytes = _nbytes(stored_dtype(info.dtype, dtype), info.shape)
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -172,7 +179,7 @@ def plan_shards(reader: Any, shard_bytes: int) -> list[list[str]]:
 
 
 class PlannedCheckpoint:
-    """The weight files of a copy of ``reader`` (same tensors, dtypes and shard split), filled in any order.
+    """The weight files of a copy of ``reader`` (same tensors and dtypes), filled in any order.
 
     One shard is ``model.safetensors``; several are ``model-00000.safetensors`` ... plus the index, written by
     :meth:`finish`. Config and tokenizer files are the caller's (:func:`symfuse.checkpoint.copy_side_files`).
@@ -181,11 +188,12 @@ class PlannedCheckpoint:
         reader: The checkpoint copied (a :class:`symfuse.checkpoint.CheckpointReader`).
         out: Folder to write into (a temporary folder the caller publishes).
         shard_bytes: Largest shard size.
+        dtype: Write the floating tensors in this dtype (None: each in its stored dtype).
     """
 
-    def __init__(self, reader: Any, out: Path, shard_bytes: int):
+    def __init__(self, reader: Any, out: Path, shard_bytes: int, dtype: torch.dtype | None = None):
         self.out = out
-        self.shards = plan_shards(reader, shard_bytes)
+        self.shards = plan_shards(reader, shard_bytes, dtype)
         single = len(self.shards) == 1
         self.files: list[PlannedFile] = []
         self.file_of: dict[str, PlannedFile] = {}
@@ -195,8 +203,8 @@ class PlannedCheckpoint:
                 layout = {}
                 for n in names:
                     info = reader.tensor_file(n).info(n)
-                    layout[n] = (info.dtype, info.shape)
-                    self.dtype[n] = info.dtype
+                    self.dtype[n] = stored_dtype(info.dtype, dtype)
+                    layout[n] = (self.dtype[n], info.shape)
                 name = WEIGHTS if single else f"model-{i:05d}.safetensors"
                 pf = PlannedFile(out / name, layout, {"format": "pt"})
                 self.files.append(pf)

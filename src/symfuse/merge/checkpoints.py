@@ -42,7 +42,7 @@ from symfuse.errors import CheckpointError, MissingStats, StatsMismatchError
 from symfuse.io import BufferPool, parallel_reads
 from symfuse.merge.head_refit import RefitOptions, check_refittable, refit_batches, refit_heads
 from symfuse.merge.heads import head_names, union_heads, write_label_space
-from symfuse.merge.plan import MergePlan
+from symfuse.merge.plan import MergePlan, out_dtype_of
 from symfuse.merge.readers import StreamingReader, untie_mixed
 from symfuse.merge.registry import MERGERS
 from symfuse.merge.tensor_merge import TensorMerge, _gram_inputs  # noqa: F401  (_gram_inputs: tests read spans)
@@ -165,19 +165,19 @@ def _check_fisher(fisher: StatsFile, reader: CheckpointReader) -> None:
                     reader.path, len(floats))  # fmt: skip
 
 
-def _warn_mixed_dtypes(readers: Sequence[CheckpointReader]) -> None:
-    """Say so when the models store their floating tensors in different dtypes: the first model's dtype is written."""
+def _warn_mixed_dtypes(readers: Sequence[CheckpointReader], out_dtype: torch.dtype | None) -> None:
+    """Say so when the models' floating tensors differ in dtype and no ``out_dtype`` is given: model 0's is written."""
 
     def stored(r: CheckpointReader) -> torch.dtype | None:
         kinds = [r.dtype(n) for n in r.names() if r.dtype(n).is_floating_point]
         return max(set(kinds), key=kinds.count) if kinds else None
 
     dtypes = [stored(r) for r in readers]
-    if len({d for d in dtypes if d is not None}) > 1:
+    if out_dtype is None and len({d for d in dtypes if d is not None}) > 1:
         held = ", ".join(f"{r.path}: {str(d).removeprefix('torch.')}" for r, d in zip(readers, dtypes, strict=True))
         log.warning(
             "the models' dtypes differ (%s): the merged tensors are written in the first model's, %s — list "
-            "first the model whose dtype the merge should have",
+            "first the model whose dtype the merge should have, or name it (--out-dtype)",
             held,
             str(dtypes[0]).removeprefix("torch."),
         )
@@ -213,9 +213,10 @@ def plan_merge(
     device: str | torch.device,
     params: dict[str, Any],
     model_names: Sequence[str] | None = None,
+    out_dtype: str | torch.dtype | None = None,
 ) -> MergePlan:
     """Check every input and set the merge up (see :func:`merge_checkpoints` for the arguments and errors)."""
-    dev = resolve_device(device)
+    dev, written = resolve_device(device), out_dtype_of(out_dtype)
     if not models:
         raise ValueError("merge needs at least one model")
     if "device" in MERGERS[strategy].Params.model_fields:  # a merger that runs models (regmean++): the merge's device
@@ -239,7 +240,7 @@ def plan_merge(
         for r in readers[1:]
     )
     _check_bodies(readers, separate)
-    _warn_mixed_dtypes(readers)
+    _warn_mixed_dtypes(readers, written)
     for fisher, r in zip(files.get("fisher") or [], readers, strict=False):
         _check_fisher(fisher, r)
     refit_data = None
@@ -257,7 +258,7 @@ def plan_merge(
     weights = merger.model_weights(len(readers))
     names = _head_folders(models, files, model_names)
     return MergePlan(strategy, Path(out), merger, readers, base_reader, files, weights, heads, union, separate, names,
-                     refit, refit_data, same_input, dev)  # fmt: skip
+                     refit, refit_data, same_input, dev, written)  # fmt: skip
 
 
 def _finish_heads(plan: MergePlan, tmp: Path) -> tuple[str, dict | None]:
@@ -269,7 +270,7 @@ def _finish_heads(plan: MergePlan, tmp: Path) -> tuple[str, dict | None]:
         for rel, r in zip(plan.names.values(), plan.readers, strict=True):
             if rel != ".":
                 write_checkpoint(r, tmp / rel, replace=lambda n, t, r=r: t if n in head_names(r) else merged.get(n),
-                                 shard_bytes=SHARD_BYTES)  # fmt: skip
+                                 shard_bytes=SHARD_BYTES, dtype=plan.out_dtype)  # fmt: skip
     policy = "union" if plan.union is not None else ("per-dataset" if plan.separate else "merged")
     refitted = None
     if plan.refit is not None and plan.refit_data is not None:
@@ -297,6 +298,7 @@ def _write_report(
         "stats": [str(s) for s in stats or []],
         "base": str(base) if base is not None else None,
         "device": str(plan.device),
+        **({"dtype": str(plan.out_dtype).removeprefix("torch.")} if plan.out_dtype is not None else {}),
         "heads": {
             "policy": policy,
             "folders": plan.names if plan.separate else {},
@@ -332,6 +334,7 @@ def merge_checkpoints(
     head_refit: RefitOptions | Mapping[str, Any] | None = None,
     device: str | torch.device = "cpu",
     model_names: Sequence[str] | None = None,
+    out_dtype: str | torch.dtype | None = None,
     **params: Any,
 ) -> Path:
     """Merge K checkpoints with a registered strategy and write a ``save_pretrained`` folder.
@@ -356,6 +359,9 @@ def merge_checkpoints(
             and written from host memory.
         model_names: One name per model for its head folder (``heads/<name>``) and the report; None: the dataset each
             model was trained on (its statistics' or ``symfuse_train.json``'s), else its folder name.
+        out_dtype: Write the merged floating tensors in this dtype (``float32``, ``float16``, ``bfloat16``,
+            ``float64``; ``config.json`` says so); None: in the first model's. The maths accumulates in float32 (or
+            float64) either way; integer tensors are copied as they are.
         **params: Strategy parameters (e.g. ``alpha=0.9``, ``weights=[...]``, ``density=0.2``); unknown ones raise.
             A merger that reads the models' data (``needs_data``: regmean++, ``data=[one dataset per model]``) does
             its work in :meth:`~symfuse.merge.base.Merger.prepare`, once the inputs are checked.
@@ -372,13 +378,13 @@ def merge_checkpoints(
     start = time.perf_counter()
     MERGERS.require([strategy])  # one line naming the choices
     check_output(out, overwrite, inputs=[*models, *(stats or ()), base])
-    plan = plan_merge(strategy, models, out, stats, base, head_refit, device, params, model_names)
+    plan = plan_merge(strategy, models, out, stats, base, head_refit, device, params, model_names, out_dtype)
     out = Path(out)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         try:
             with parallel_reads():  # the merge's reads run between its BLAS calls: the cores are free
                 write_checkpoint(plan.readers[0], tmp, replace=TensorMerge(plan), shard_bytes=SHARD_BYTES,
-                                 overwrite=True)  # fmt: skip
+                                 overwrite=True, dtype=plan.out_dtype)  # fmt: skip
         finally:
             plan.merger.close()
         if plan.readers[0].aliases:  # model 0 ties its LM head, another stores its own: the merge stores one

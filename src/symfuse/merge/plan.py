@@ -10,7 +10,24 @@ import torch
 
 from symfuse.merge.head_refit import RefitOptions
 from symfuse.merge.readers import StreamingReader
+from symfuse.merge.registry import OUT_DTYPE_NAMES
 from symfuse.stats.io import StatsFile
+
+OUT_DTYPES = {name: getattr(torch, name) for name in OUT_DTYPE_NAMES}
+
+
+def out_dtype_of(value: str | torch.dtype | None) -> torch.dtype | None:
+    """The output dtype named by ``value`` (``bfloat16``, ``torch.float16``, a ``torch.dtype``; None: as stored).
+
+    Raises:
+        ValueError: a name or dtype that is not one of :data:`OUT_DTYPES`.
+    """
+    if value is None or (isinstance(value, torch.dtype) and value in OUT_DTYPES.values()):
+        return value
+    name = value.removeprefix("torch.") if isinstance(value, str) else str(value)
+    if name not in OUT_DTYPES:
+        raise ValueError(f"out_dtype: {value!r} is not a floating dtype to write — give one of {', '.join(OUT_DTYPES)}")
+    return OUT_DTYPES[name]
 
 
 @dataclass
@@ -32,6 +49,7 @@ class MergePlan:
         refit: Head refit options, or None; ``refit_data`` its batches.
         same_input: Gram keys whose module reads another's input in every model (one factorisation).
         device: Where the maths runs.
+        out_dtype: The dtype the merged floating tensors are written in (None: the first model's).
     """
 
     strategy: str
@@ -49,6 +67,7 @@ class MergePlan:
     refit_data: Any
     same_input: dict[str, str]
     device: torch.device
+    out_dtype: torch.dtype | None = None
 
     @property
     def on_cpu(self) -> bool:

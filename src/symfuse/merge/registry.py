@@ -93,6 +93,7 @@ def unregister_merger(name: str) -> None:
 
 
 # Parameters that were removed, with why: an older run config or merge file still carrying one is refused by name.
+OUT_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")  # what a merge may write its floating tensors in
 RETIRED_PARAMS = {"linalg": "RegMean's BLAS / LAPACK vendor switch was removed; it always uses torch's"}
 
 

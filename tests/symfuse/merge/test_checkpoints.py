@@ -134,6 +134,32 @@ def test_given_model_names_name_the_head_folders(tmp_path):
     assert torch.equal(_weights(out / "heads" / "reviews")["classifier.weight"], _weights(b)["classifier.weight"])
 
 
+def test_out_dtype_writes_the_merge_in_it_heads_and_config_included(tmp_path, caplog):
+    """fp32 inputs, out_dtype bfloat16: each tensor is the float32 merge rounded once; the folder loads as bf16."""
+    a = _labelled(tmp_path / "emotion", ["anger", "joy", "sadness"], 0)
+    b = _labelled(tmp_path / "sst2", ["negative", "positive"], 1)
+    want = merge_checkpoints("simple", [a, b], tmp_path / "fp32")
+    with caplog.at_level("WARNING", logger="symfuse.merge.checkpoints"):
+        got = merge_checkpoints("simple", [a, b], tmp_path / "bf16", out_dtype="bfloat16")
+    for folder in (".", "heads/sst2"):
+        g, w = _weights(got / folder), _weights(want / folder)
+        assert g.keys() == w.keys() and all(g[k].dtype == torch.bfloat16 for k in g)
+        assert all(torch.equal(g[k], w[k].to(torch.bfloat16)) for k in w)
+        assert json.loads((got / folder / "config.json").read_text())["dtype"] == "bfloat16"
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(got / folder)
+        assert next(model.parameters()).dtype == torch.bfloat16
+    assert json.loads((got / "symfuse_report.json").read_text())["dtype"] == "bfloat16"
+    assert "dtype" not in json.loads((want / "symfuse_report.json").read_text())
+    for name, dtype in (("bf", torch.bfloat16), ("fp", torch.float16)):  # mixed inputs, named output: no warning
+        tiny_model("bert", seed=3).to(dtype).save_pretrained(tmp_path / name)
+    out = merge_checkpoints("simple", [tmp_path / "bf", tmp_path / "fp"], tmp_path / "f32", out_dtype=torch.float32)
+    assert {t.dtype for t in _weights(out).values()} == {torch.float32}
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    with pytest.raises(ValueError, match=r"out_dtype: 'int8' is not a floating dtype to write — give one of float32"):
+        merge_checkpoints("simple", [a, b], tmp_path / "int8", out_dtype="int8")
+    assert not (tmp_path / "int8").exists()
+
+
 def test_missing_stats_and_base_are_clear_errors(copies, tmp_path):
     folders, stats, _ = copies
     with pytest.raises(MissingStats, match="--stats"):
