@@ -75,8 +75,10 @@ _REUSED: contextvars.ContextVar[str | None] = contextvars.ContextVar("symfuse_re
 def shown_cached(fn: Callable) -> Callable:
     """``fn``, ending its task run in Prefect's ``Cached`` state when it returned an artifact :func:`reuse` found.
 
-    Reuse is decided by the store's content keys (not Prefect's result cache); this only names it in the UI. Outside a
-    task run (``.fn()`` calls) the URI is returned as it is.
+    Reuse is decided by the store's content keys (not Prefect's result cache); this only names it in the UI, the way
+    Prefect's own cache hit does: the task run's transaction reads committed, so the engine names the run ``Cached``.
+    The caller gets the URI either way (a flow calling the task directly, a future's ``result()``, ``.fn()``);
+    returning a ``Cached`` state instead handed a direct caller the state object.
     """
 
     @functools.wraps(fn)
@@ -91,9 +93,12 @@ def shown_cached(fn: Callable) -> Callable:
 
         if reused is None or out != reused or TaskRunContext.get() is None:
             return out
-        from prefect.states import Completed
+        from prefect.transactions import TransactionState, get_transaction
 
-        return Completed(name="Cached", data=out, message=f"reused {out}: same inputs and settings")
+        txn = get_transaction()
+        if txn is not None:  # Prefect 3.8's engine names a run whose transaction is committed Cached (a cache hit)
+            txn.state = TransactionState.COMMITTED
+        return out
 
     return run
 
