@@ -8,8 +8,12 @@ so the report shows what matching bought. For fine-tunes of one base nothing is 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from symfuse.checkpoint import CheckpointReader
 from symfuse.config import RunConfig
+from symfuse.config_json import read_config_json
+from symfuse.data.labels import differ_in_classes
 from symfuse.inspect.paths import path_figures
 from symfuse.inspect.verdict import SAME_BASIN
 from tasks.common import (
@@ -68,9 +72,12 @@ def loss_paths(config: RunConfig, name: str, model: str, anchor: str, matched: s
     with timed() as t:
         sa, sb = shapes(a), shapes(b)
         differ = sorted(n for n in sa.keys() | sb.keys() if sa.get(n) != sb.get(n))
+        named = differ_in_classes(read_config_json(Path(a)), read_config_json(Path(b)))
         if differ:
             record = {"skipped": f"{len(differ)} tensors differ in shape from the anchor's (e.g. {differ[0]}): a "
                                  "straight path needs one architecture and one head"}  # fmt: skip
+        elif named:
+            record = {"skipped": f"the anchor and {name}: {named}: a straight path needs one label set, in one order"}
         else:
             record = path_figures(a, b, c, config.dataset(name).data, split=SPLIT, max_examples=MAX_EXAMPLES,
                                   device=config.resolved_device())  # fmt: skip

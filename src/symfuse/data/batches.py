@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from symfuse.data.dataset import TaskDataset, subsample_indices
+from symfuse.data.labels import columns_of
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def encode_split(
     max_length: int = 128,
     max_examples: int | None = None,
     seed: int = 13,
+    space: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Tokenise one split into per-example features (python lists, unpadded).
 
@@ -63,16 +65,23 @@ def encode_split(
         max_length: Truncation length in tokens (special tokens included).
         max_examples: Seeded random subset of this many examples (source order kept).
         seed: Seed of that subset.
+        space: The label space the targets index (a head's classes in output order, :func:`~symfuse.data.labels.
+            target_space`), classes matched by name; None: the dataset's own order.
 
     Returns:
         One dict per example: ``input_ids``, ``attention_mask``, maybe ``token_type_ids``, and ``labels``.
+
+    Raises:
+        ValueError: a class of the dataset missing from ``space``.
     """
     tok = load_tokenizer(tokenizer)
     data = dataset.split(split)
     idx = subsample_indices(len(data), max_examples, seed)
     if len(idx) < len(data):
         data = data.select(idx)
-    l2i = dataset.label2id
+    l2i, width = dataset.label2id, len(dataset.labels)
+    if space is not None:
+        l2i, width = dict(zip(dataset.labels, columns_of(dataset.labels, space), strict=True)), len(space)
     feats: list[dict[str, Any]] = []
     chunk = 1024
     for start in range(0, len(data), chunk):
@@ -96,7 +105,7 @@ def encode_split(
             elif dataset.task == "regression":
                 f["labels"] = float(rows["label"][j])
             elif dataset.multi_label:
-                hot = [0.0] * len(l2i)
+                hot = [0.0] * width
                 for name in rows["label"][j]:
                     hot[l2i[name]] = 1.0
                 f["labels"] = hot

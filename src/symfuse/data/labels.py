@@ -117,6 +117,36 @@ def foreign_classes(head: Sequence[str], data: Sequence[str]) -> str | None:
     return f"classes the head lacks: {short_names(missing)} (its classes: {short_names(head)})" if missing else None
 
 
+def differ_in_classes(config_a: Any, config_b: Any) -> str | None:
+    """How two checkpoints' classification heads name their classes differently (set or order), or None."""
+    a, b = head_labels(config_a) or [], head_labels(config_b) or []
+    if [_key(n) for n in a] == [_key(n) for n in b]:
+        return None
+    return f"their heads name their classes differently ({short_names(a)} / {short_names(b)})"
+
+
+def target_space(head: Sequence[str] | None, data: Sequence[str]) -> list[str] | None:
+    """The label space a head's targets index, for data with classes ``data`` (see :func:`encode_split`'s ``space``).
+
+    A named head: its classes in output order (the data's classes matched by name, case-insensitively). None: the
+    data's own order, for no head, no classes (regression) or a head without names (``LABEL_i``: class i is output i).
+
+    Raises:
+        ValueError: a class of the data that a named head lacks, or more classes than an unnamed head has outputs.
+    """
+    if not head or not data:
+        return None
+    if unnamed(head):
+        if len(data) > len(head):
+            raise ValueError(f"{len(data)} classes for the {len(head)} unnamed outputs of the head")
+        return None
+    index = label_index(head)
+    missing = [str(c) for c in data if _key(c) not in index]
+    if missing:
+        raise ValueError(f"classes the head lacks: {short_names(missing)} (its classes: {short_names(list(head))})")
+    return [str(n) for n in head]
+
+
 def too_few_classes(task: str | None, multi_label: bool, labels: Sequence[str]) -> str | None:
     """Why a dataset cannot train a per-dataset classification head (one class or none), else None.
 

@@ -12,12 +12,15 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from symfuse.checkpoint import CheckpointReader
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split, readable_length
+from symfuse.data.dataset import DatasetError, TaskDataset
+from symfuse.data.labels import differ_in_classes, head_labels, target_space
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError
@@ -140,7 +143,8 @@ def loss_barrier(
     Args:
         a: First checkpoint (λ = 0); its tokenizer encodes the data.
         b: Second checkpoint (λ = 1), same architecture and head shape.
-        data: Dataset source; its labels index the heads' outputs (fine-tuned on this dataset).
+        data: Dataset source (one the models were fine-tuned on): its classes are matched to the heads' outputs by
+            name (a head without names, ``LABEL_i``: class i is output i).
         out_dir: Output folder (created).
         points: Number of λ values in [0, 1].
         split: Dataset split.
@@ -152,6 +156,10 @@ def loss_barrier(
 
     Returns:
         ``{"barrier", "argmax_lambda", "lambdas", "losses", "excess", ...}`` (also in ``barrier.json``).
+
+    Raises:
+        CheckpointError: models of other tensors, or heads naming their classes differently.
+        DatasetError: data with a class the heads lack.
     """
     t0 = time.perf_counter()
     dev = resolve_device(device)
@@ -207,15 +215,35 @@ def check_same_tensors(a: str | Path, b: str | Path) -> None:
 LossSetup = tuple[torch.nn.Module, torch.nn.Module, Callable[[torch.nn.Module], float], str]
 
 
+def head_space(config_a: Any, config_b: Any, ds: TaskDataset, models: tuple[Any, Any]) -> list[str] | None:
+    """The label space both heads' targets index (:func:`~symfuse.data.labels.target_space`): one, or an error.
+
+    Raises:
+        CheckpointError: heads naming their classes differently (another label set or order).
+        DatasetError: data whose classes the heads lack.
+    """
+    if differ := differ_in_classes(config_a, config_b):
+        raise CheckpointError(f"{models[0]} and {models[1]}: {differ} — a straight path needs one label set, in one "
+                              "order")  # fmt: skip
+    try:
+        return target_space(head_labels(config_a), ds.labels)
+    except ValueError as exc:
+        raise DatasetError(
+            f"{ds.source} on {models[0]}: {exc} — give the dataset the models were fine-tuned on"
+        ) from None
+
+
 def _task_loss(a, b, data, split, max_examples, batch_size, max_length, seed, dev: torch.device) -> LossSetup:
     """Two task models and the mean task loss on a fixed set of batches of the split."""
     model_a, tok = load_task_model(a, str(dev))
     model_b, _ = load_task_model(b, str(dev))
     problem = head_problem_type(model_a.config)
     ds = load_task_dataset(data)
+    space = head_space(model_a.config, model_b.config, ds, (a, b))
+    length = readable_length(max_length, model_a.config, a)
     batches = list(
         iter_batches(
-            encode_split(ds, tok, split, readable_length(max_length, model_a.config, a), max_examples, seed),
+            encode_split(ds, tok, split, length, max_examples, seed, space),
             batch_size,
             tok.pad_token_id or 0,
             by_length=True,  # the mean loss is order-free: batch similar lengths, pad little

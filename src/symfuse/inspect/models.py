@@ -15,6 +15,7 @@ from pathlib import Path
 
 from symfuse.arch import Geometry
 from symfuse.checkpoint import CheckpointReader
+from symfuse.data.labels import differ_in_classes
 from symfuse.device import device_name, resolve_device
 from symfuse.errors import UsageError
 from symfuse.inspect.distances import MODULE_KINDS, has_residual_search, weight_figures
@@ -84,6 +85,8 @@ def inspect_pair(
             f"--data: the heads differ ({heads[0]}: {src.shape(heads[0])} vs {anc.shape(heads[0])}) — the loss along "
             "the path needs one head; inspect these models without --data"
         )
+    if data and (named := differ_in_classes(anc.config, src.config)):
+        raise UsageError(f"--data: {named} — the loss along the path needs one label set; inspect them without --data")
     figs, best = weight_figures(src, anc, kinds, residual_iters, device, skip=heads, keep_state=data is not None)
     weights = figs.as_dict()
     paths = _data_figures(src, anc, best, data, device=device, **data_opts) if data else None

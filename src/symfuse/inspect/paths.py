@@ -24,7 +24,7 @@ from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split, load_tokenizer, readable_length
 from symfuse.data.text import is_language_modeling, text_split
 from symfuse.errors import CheckpointError
-from symfuse.evaluate.barrier import barrier_from_losses, interpolate_state, interpolation_losses
+from symfuse.evaluate.barrier import barrier_from_losses, head_space, interpolate_state, interpolation_losses
 from symfuse.evaluate.predict import forward_logits, head_problem_type, is_causal_lm, load_task_model, task_loss
 
 CAUSAL_LM = "causal_lm"
@@ -111,11 +111,12 @@ class Probe:
 
 def make_probe(
     data: str, tokenizer: Any, problem: str, split: str, max_examples: int, batch_size: int, max_length: int,
-    seed: int, device: torch.device,
+    seed: int, device: torch.device, space: Sequence[str] | None = None,
 ) -> Probe:  # fmt: skip
     """The batches of a dataset split, encoded as :func:`symfuse.evaluate.barrier.loss_barrier` encodes them.
 
-    A language-modelling dataset gives its texts (a seeded subset) to causal LMs, scored by next-token loss.
+    A language-modelling dataset gives its texts (a seeded subset) to causal LMs, scored by next-token loss. ``space``:
+    the label space the heads' targets index (:func:`symfuse.evaluate.barrier.head_space`; None: the data's order).
 
     Raises:
         CheckpointError: language-modelling data for models with a task head.
@@ -128,7 +129,7 @@ def make_probe(
         enc = [tokenizer(t, truncation=True, max_length=max_length) for t in texts]
         feats = [{"input_ids": e["input_ids"], "attention_mask": e["attention_mask"]} for e in enc]
     else:
-        feats = encode_split(load_task_dataset(data), tokenizer, split, max_length, max_examples, seed)
+        feats = encode_split(load_task_dataset(data), tokenizer, split, max_length, max_examples, seed, space)
     batches = list(iter_batches(feats, batch_size, tokenizer.pad_token_id or 0, by_length=True))
     return Probe(batches, problem, device)
 
@@ -183,7 +184,10 @@ def path_figures(
     model_b, _, _ = load_probe_model(source, dev)
     model_c, _, _ = load_probe_model(aligned, dev)
     length = readable_length(max_length, model_a.config, anchor)  # a model of fewer positions than max_length
-    probe = make_probe(data, tok, problem, split, max_examples, batch_size, length, seed, dev)
+    space = None
+    if problem != CAUSAL_LM and not is_language_modeling(data):
+        space = head_space(model_a.config, model_b.config, load_task_dataset(data), (anchor, source))
+    probe = make_probe(data, tok, problem, split, max_examples, batch_size, length, seed, dev, space)
     lambdas = [float(x) for x in lambdas]
     return {
         "lambdas": lambdas,

@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+from symfuse.errors import CheckpointError
 from symfuse.evaluate import barrier_from_losses, default_lambdas, interpolation_losses, loss_barrier
 from tests.symfuse.train.helpers import save_tiny_base
 
@@ -51,6 +52,46 @@ def test_barrier_of_a_model_with_itself_is_zero(tmp_path):
     assert r["barrier"] == 0.0 and len(r["losses"]) == 5 and len(set(r["losses"])) == 1
     assert json.loads((tmp_path / "out" / "barrier.json").read_text())["barrier"] == 0.0
     assert (tmp_path / "out" / "barrier.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_targets_follow_the_heads_class_names_not_their_positions(tmp_path):
+    """One classifier saved twice, its head rows (and id2label) in two orders: by name one function, one loss."""
+    from transformers import AutoModelForSequenceClassification
+
+    from symfuse.data import load_task_dataset
+    from symfuse.data.dataset import DatasetError
+
+    base = save_tiny_base(tmp_path / "base")
+    data = list(load_task_dataset("dair_emotion").labels)
+    names = data[::-1]
+    assert names != data  # the head's order is not the dataset's
+    torch.manual_seed(3)
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=6, id2label=dict(enumerate(names)))
+    model.save_pretrained(tmp_path / "reversed")
+    order = [names.index(n) for n in data]  # the dataset's order, as rows of the reversed head
+    with torch.no_grad():
+        model.classifier.weight.copy_(model.classifier.weight[order].clone())
+        model.classifier.bias.copy_(model.classifier.bias[order].clone())
+    model.config.id2label, model.config.label2id = dict(enumerate(data)), {n: i for i, n in enumerate(data)}
+    model.save_pretrained(tmp_path / "dataset-order")
+    losses = {}
+    for m in ("reversed", "dataset-order"):
+        for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+            (tmp_path / m / f).write_bytes((base / f).read_bytes())
+        r = loss_barrier(tmp_path / m, tmp_path / m, "dair_emotion", tmp_path / f"out-{m}", points=2, max_examples=32,
+                         max_length=32)  # fmt: skip
+        losses[m] = r["losses"][0]
+    assert losses["reversed"] == pytest.approx(losses["dataset-order"], rel=1e-5), losses
+    with pytest.raises(CheckpointError, match="their heads name their classes differently"):
+        loss_barrier(tmp_path / "reversed", tmp_path / "dataset-order", "dair_emotion", tmp_path / "o", points=2)
+    few = AutoModelForSequenceClassification.from_pretrained(base, num_labels=6, id2label=dict(enumerate(
+        ["anger", "fear", "joy", "love", "sadness", "calm"])))  # fmt: skip
+    few.save_pretrained(tmp_path / "few")
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "few" / f).write_bytes((base / f).read_bytes())
+    with pytest.raises(DatasetError, match=r"dair_emotion on .*few: classes the head lacks: surprise \(its classes"):
+        loss_barrier(tmp_path / "few", tmp_path / "few", "dair_emotion", tmp_path / "o", points=2)
+    assert not (tmp_path / "o").exists()
 
 
 def test_heads_of_two_label_sets_are_refused_naming_both_models(tmp_path):

@@ -128,3 +128,17 @@ def test_a_run_report_opens_with_the_verdict_and_its_figures(bert, tmp_path):
     row = f"| {record['pairs'][0]['model']} | align-first | {total['before']:.4g} | {total['after']['all']:.4g} |"
     assert row in sections[1]
     assert "Will these models merge?" not in build_report(_evals(), [], [], tmp_path / "none").markdown
+
+
+def test_heads_naming_their_classes_differently_are_refused_with_data_before_any_work(tmp_path):
+    import json
+
+    a = save_tiny_text_classifier(tmp_path / "a", seed=0, num_labels=2)
+    b = save_tiny_text_classifier(tmp_path / "b", seed=1, num_labels=2)
+    for folder, names in ((a, ["anger", "joy"]), (b, ["joy", "anger"])):  # one shape, two orders
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg |= {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
+        (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UsageError, match=r"--data: their heads name their classes differently \(anger, joy / joy, "):
+        inspect_models([a, b], data=str(toy_dataset(tmp_path / "toy")), device="cpu")
+    assert inspect_models([a, b], device="cpu")["pairs"][0]["compatible"]  # without data: weights only
