@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 
@@ -20,7 +21,7 @@ from tasks.evaluate import describe
 from tasks.finetune import bring_checkpoint, finetune
 from tasks.housekeeping import clean_store
 from tasks.stats import collect_stats
-from tests.tiny import save_tiny
+from tests.tiny import save_tiny, save_tiny_text_classifier
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -286,3 +287,23 @@ def test_out_of_domain_the_most_reliable_head_answers_alone(base, tmp_path):
     # isear's own model lacks surprise: scored over the six all the same, surprise at F1 0
     own = store.get_json(evaluate.fn(voting, "isear", models["isear"], "goemotions_ekman"))
     assert own["metrics"]["classes"] == six and own["metrics"]["per_class_f1"]["surprise"] == 0.0
+
+
+def test_a_loss_path_between_heads_naming_their_classes_differently_is_recorded_skipped(base, tmp_path):
+    """Same head shape, the classes in two orders: no straight path (it was scored by position); the record says so."""
+    from tasks.paths import loss_paths
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    uris = {}
+    for name, labels in (("anchor", ["anger", "joy"]), ("model", ["joy", "anger"])):
+        folder = save_tiny_text_classifier(tmp_path / name, seed=len(uris))
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg |= {"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        uris[name] = store.put_dir(f"runs/u/models/{name}", folder, "test")
+    inspection = store.put_json("runs/u/inspect", {"pairs": [{"model": "isear", "verdict": "align-first"}]}, "test")
+    cfg = config(base, str(tmp_path / "store"))
+    uri = loss_paths.fn(cfg, "isear", uris["model"], uris["anchor"], uris["model"], inspection)
+    record = store.get_json(uri)
+    assert record["model"] == "isear" and "plain" not in record, record
+    assert record["skipped"].startswith("the anchor and isear: their heads name their classes differently (anger, joy")
