@@ -179,7 +179,7 @@ def plan_shards(reader: Any, shard_bytes: int, dtype: torch.dtype | None = None)
 
 
 class PlannedCheckpoint:
-    """The weight files of a copy of ``reader`` (same tensors and dtypes), filled in any order.
+    """The weight files of a copy of ``reader`` (same tensors, in their dtypes or ``dtype``), filled in any order.
 
     One shard is ``model.safetensors``; several are ``model-00000.safetensors`` ... plus the index, written by
     :meth:`finish`. Config and tokenizer files are the caller's (:func:`symfuse.checkpoint.copy_side_files`).
