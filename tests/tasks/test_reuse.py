@@ -1,6 +1,7 @@
 """A stored artifact is reused only with the same content key; one made from other inputs is said to be recomputed."""
 
 import logging
+import uuid
 
 from symfuse.store import ArtifactStore
 from tasks.common import reuse
@@ -28,7 +29,7 @@ def test_a_reused_artifact_reads_cached_and_a_flow_calling_the_task_gets_its_uri
 
     from tasks.common import symfuse_task
 
-    store = ArtifactStore("memory://reuse-flow-test")
+    store = ArtifactStore(f"memory://reuse-flow-{uuid.uuid4().hex}")  # memory:// lives as long as the process
     key = "runs/r/eval/simple-plain/isear"
 
     @symfuse_task("probe", "probe-{ck}")
