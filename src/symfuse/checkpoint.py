@@ -10,7 +10,6 @@ the end, so a half-written checkpoint is never readable under its final name.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -26,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from symfuse.arch import ArchSpec, Geometry, ModuleRef, ModuleWeights, get_spec
-from symfuse.config_json import config_error, unknown_model_type
+from symfuse.config_json import config_error, read_config_json, unknown_model_type, update_config_json
 from symfuse.errors import CheckpointError, NonFiniteError, SymfuseError, UnsupportedArchitecture
 from symfuse.gguf_in import GGUF_DTYPES, check_gguf, gguf_cache_key, is_gguf_path, write_gguf_folder
 from symfuse.io import (
@@ -394,10 +393,9 @@ def copy_side_files(reader: CheckpointReader, dest: Path) -> None:
 
 def set_config_dtype(folder: Path, dtype: torch.dtype) -> None:
     """Name ``dtype`` in ``folder/config.json`` (``dtype``, as transformers 5 writes it; ``torch_dtype`` if there)."""
-    cfg = json.loads((folder / "config.json").read_text())
     name = str(dtype).removeprefix("torch.")
-    cfg |= {"dtype": name} | ({"torch_dtype": name} if "torch_dtype" in cfg else {})
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    older = "torch_dtype" in read_config_json(folder)
+    update_config_json(folder, {"dtype": name} | ({"torch_dtype": name} if older else {}))
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,16 @@ def read_config_json(folder: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__} — {fix}")
     return data
+
+
+def update_config_json(folder: Path, updates: Mapping[str, Any]) -> None:
+    """Set ``updates`` in ``folder/config.json`` (a folder being written), in the layout ``save_pretrained`` writes.
+
+    Raises:
+        CheckpointError: as :func:`read_config_json`.
+    """
+    config = read_config_json(folder) | dict(updates)
+    (Path(folder) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def unknown_model_type(folder: Path, model_type: object) -> UnsupportedArchitecture:

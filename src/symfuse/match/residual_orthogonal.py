@@ -203,9 +203,8 @@ def write_state(reader: Any, state: Mapping[str, torch.Tensor], folder: Path, un
     ``untied``: the LM head is its own tensor now (``config.tie_word_embeddings = False``; the same class loads it).
     ``config``: written instead of ``reader``'s (a widened model, :mod:`symfuse.symmetry.widen`).
     """
-    import json
-
     from symfuse.checkpoint import copy_side_files
+    from symfuse.config_json import update_config_json
     from symfuse.io import save_safetensors
 
     save_safetensors(dict(state), folder / "model.safetensors", {"format": "pt"})
@@ -213,9 +212,7 @@ def write_state(reader: Any, state: Mapping[str, torch.Tensor], folder: Path, un
     if config is not None:
         config.to_json_file(folder / "config.json", use_diff=True)
     if untied:
-        cfg = json.loads((folder / "config.json").read_text())
-        cfg["tie_word_embeddings"] = False
-        (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+        update_config_json(folder, {"tie_word_embeddings": False})
 
 
 def _hidden_states(folder, batches, device) -> list[torch.Tensor]:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
+from symfuse.config_json import update_config_json
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, MissingStats, StatsMismatchError
 from symfuse.io import BufferPool, parallel_reads
@@ -388,8 +389,7 @@ def merge_checkpoints(
         finally:
             plan.merger.close()
         if plan.readers[0].aliases:  # model 0 ties its LM head, another stores its own: the merge stores one
-            cfg = json.loads((tmp / "config.json").read_text())
-            (tmp / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}, indent=2))
+            update_config_json(tmp, {"tie_word_embeddings": False})
         policy, refitted = _finish_heads(plan, tmp)
         report = _write_report(plan, tmp, policy, refitted, models, stats, base, card, start)
     log.info("merged %d models with %s into %s in %.1f s", len(plan.readers), strategy, out, report["seconds"])

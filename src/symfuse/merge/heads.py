@@ -11,7 +11,6 @@ model learned keeps the first model's (untrained) row. Head tensors that are not
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from symfuse.checkpoint import CheckpointReader
+from symfuse.config_json import update_config_json
 from symfuse.data.labels import LABEL_SPACE_KEY, LabelSpace, read_label_space
 from symfuse.errors import CheckpointError
 from symfuse.merge.base import TensorInputs
@@ -154,7 +154,4 @@ def _all(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def write_label_space(folder: Path, space: LabelSpace) -> None:
     """Set the union label metadata in ``folder/config.json`` (a folder being written, not yet published)."""
-    file = Path(folder) / "config.json"
-    config = json.loads(file.read_text())
-    config[LABEL_SPACE_KEY] = space.to_json()
-    file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    update_config_json(Path(folder), {LABEL_SPACE_KEY: space.to_json()})
