@@ -177,6 +177,7 @@ def make_batches(
     max_examples: int | None = None,
     seed: int = 13,
     shuffle: bool = False,
+    space: Sequence[str] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Tokenised, padded batches of one split — the input of statistics collection and evaluation.
 
@@ -189,6 +190,7 @@ def make_batches(
         max_examples: Seeded random subset of this many examples.
         seed: Seed of the subset and of ``shuffle``.
         shuffle: Seeded shuffle of the example order.
+        space: The label space the targets index (see :func:`encode_split`); None: the dataset's own order.
 
     Returns:
         Batches ``{"input_ids", "attention_mask", ["token_type_ids"], "labels"}`` (see the module docstring).
@@ -205,7 +207,7 @@ def make_batches(
     tok = load_tokenizer(tokenizer)
     if isinstance(tokenizer, str | Path):  # a checkpoint folder: its model's positions cap the length
         max_length = readable_length(max_length, tokenizer, tokenizer)
-    feats = encode_split(dataset, tok, split, max_length, max_examples, seed)
+    feats = encode_split(dataset, tok, split, max_length, max_examples, seed, space)
     return list(iter_batches(feats, batch_size, tok.pad_token_id or 0, shuffle=shuffle, seed=seed))
 
 

@@ -103,18 +103,12 @@ def data_mismatch(head: Sequence[str], data: Sequence[str]) -> str | None:
 
 
 def foreign_classes(head: Sequence[str], data: Sequence[str]) -> str | None:
-    """Why a head cannot take data's classes as its targets (empirical Fisher), else None.
-
-    Classes are matched by exact name (a head without names, ``LABEL_i``: by count, class ``i`` as output ``i``).
-    """
-    if not head or not data:
-        return None
-    if unnamed(head):
-        return (
-            None if len(data) <= len(head) else f"{len(data)} classes for the {len(head)} unnamed outputs of the head"
-        )
-    missing = [c for c in data if c not in head]
-    return f"classes the head lacks: {short_names(missing)} (its classes: {short_names(head)})" if missing else None
+    """Why a head cannot take data's classes as its targets, else None: :func:`target_space`'s refusal, as text."""
+    try:
+        target_space(head, data)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def differ_in_classes(config_a: Any, config_b: Any) -> str | None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
-from symfuse.data.labels import foreign_classes, head_labels, union_columns
+from symfuse.data.labels import head_labels, target_space, union_columns
 from symfuse.errors import DataError
 from symfuse.io import fsync_dir, plain_mode
 from symfuse.stats.fisher import collect_fisher
@@ -56,33 +56,31 @@ def load_model(model: str | os.PathLike) -> nn.Module:
     return load_hf_model(model)
 
 
-def _label_map(model: nn.Module, labels: Sequence[str]) -> dict[int, int] | None:
-    """Dataset label id -> model label id, when the model names the dataset's labels in another order."""
-    l2i = {str(k): int(v) for k, v in (getattr(model.config, "label2id", None) or {}).items()}
-    if not labels or not set(labels) <= set(l2i):
-        return None
-    mapping = {i: l2i[name] for i, name in enumerate(labels)}
-    return None if all(i == j for i, j in mapping.items()) else mapping
+def check_fisher_targets(config: Any, ds: Any, where: object) -> list[str] | None:
+    """The label space the empirical Fisher's targets index: the head's classes matched by name, or a refusal.
 
-
-def check_fisher_targets(config: Any, ds: Any, where: object) -> None:
-    """Refuse data whose classes the head does not have: the empirical Fisher takes each example's class as target.
+    The empirical Fisher takes each example's class as the target of the head's output OF THAT NAME (matched
+    case-insensitively, as evaluation and the loss barrier do; :func:`~symfuse.data.labels.target_space`).
 
     Args:
         config: The model's config (its head's ``id2label``).
         ds: The :class:`~symfuse.data.TaskDataset` (``source``, ``task``, ``labels``).
         where: The model, for the message.
 
+    Returns:
+        The head's classes in output order, or None: the dataset's own order (no head names, regression).
+
     Raises:
         DataError: a class of the data missing from a named head, or more classes than an unnamed head has outputs.
     """
     head = head_labels(config)
-    problem = None if head is None or ds.task == "regression" else foreign_classes(head, ds.labels)
-    if problem:
+    try:
+        return None if head is None or ds.task == "regression" else target_space(head, ds.labels)
+    except ValueError as exc:
         raise DataError(
-            f"{ds.source} on {where}: {problem} — give the data the model was trained on, or use --fisher-mode sampled "
+            f"{ds.source} on {where}: {exc} — give the data the model was trained on, or use --fisher-mode sampled "
             "(targets drawn from the model)"
-        )
+        ) from None
 
 
 def collect_stats(
@@ -144,9 +142,10 @@ def collect_stats(
     net = load_hf_model(folder, validate=False)
     ds = load_task_dataset(data)
     # refused before any pass: a union head without the data's classes, or classes the head does not have
+    space = None
     if "fisher" in kinds and union_columns(net.config, ds, folder) is None and fisher_mode == "empirical":
-        check_fisher_targets(net.config, ds, folder)
-    batches = make_batches(ds, folder, split, batch_size, max_length, max_examples, seed)
+        space = check_fisher_targets(net.config, ds, folder)
+    batches = make_batches(ds, folder, split, batch_size, max_length, max_examples, seed, space=space)
     common: dict[str, Any] = {
         "model": str(folder),
         "dataset": ds.name,
@@ -211,7 +210,6 @@ def _collect_into(
                 seed=seed,
                 device=device,
                 progress=progress,
-                label_map=_label_map(net, ds.labels),
                 columns=union_columns(net.config, ds, common["model"]),  # a union head: its own classes
             )  # type: ignore[arg-type]
             meta = {

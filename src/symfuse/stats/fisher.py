@@ -105,15 +105,6 @@ def log_likelihood(
     return -0.5 * ((_f(labels).view(-1) - _f(logits).view(-1)) ** 2).sum()
 
 
-def _remap_labels(model: nn.Module, label_map: Mapping[int, int] | None, labels: torch.Tensor) -> torch.Tensor:
-    if not label_map or labels.is_floating_point():
-        return labels
-    out = labels.clone()
-    for src, dst in label_map.items():
-        out[labels == src] = dst
-    return out
-
-
 def collect_fisher(
     model: nn.Module,
     batches: Iterable[Mapping[str, torch.Tensor]],
@@ -121,7 +112,6 @@ def collect_fisher(
     seed: int = 0,
     device: str | torch.device = "cpu",
     progress: bool = True,
-    label_map: Mapping[int, int] | None = None,
     columns: Sequence[int] | None = None,
 ) -> FisherStats:
     """Diagonal Fisher of every trainable parameter over a stream of labelled batches.
@@ -140,7 +130,6 @@ def collect_fisher(
         seed: Seed of the label sampling.
         device: Where to run.
         progress: Show a tqdm progress bar.
-        label_map: Dataset label id -> model label id, when the two orders differ.
         columns: A union head's outputs of the dataset's own classes (:func:`symfuse.data.labels.union_columns`,
             in the dataset's label order): the likelihood is the training loss's, independent Bernoullis over
             those outputs only, with the gold class (or the multi-hot gold) as target; the other classes' rows
@@ -169,9 +158,8 @@ def collect_fisher(
             labels = batch.get("labels")
             if mode == "empirical" and labels is None:
                 raise ValueError("empirical Fisher needs gold labels: the batches carry no 'labels'")
-            if labels is not None:
-                own = columns is not None
-                labels = _own_targets(labels, columns) if own else _remap_labels(model, label_map, labels)
+            if labels is not None and columns is not None:
+                labels = _own_targets(labels, columns)
             first = next(iter(inputs.values()))
             mask = inputs.get("attention_mask")
             lengths = [
