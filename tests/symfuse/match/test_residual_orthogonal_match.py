@@ -77,6 +77,42 @@ def test_cli_refinement_on_data_stays_exact(tmp_path):
     assert proc.returncode == 2 and "--refine: refines residual-orthogonal's map on data" in proc.stderr
 
 
+def _named(folder, seed, names, rows=None):
+    """A GPT-2 classifier over ``names``; ``rows``: its head's rows reordered (with the names) to that order."""
+    import transformers as T
+
+    folder = _gpt2_classifier(folder, seed)
+    model = T.AutoModelForSequenceClassification.from_pretrained(folder)
+    if rows is not None:
+        with torch.no_grad():
+            model.score.weight.copy_(model.score.weight[rows].clone())
+        names = [names[i] for i in rows]
+    model.config.id2label, model.config.label2id = dict(enumerate(names)), {n: i for i, n in enumerate(names)}
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_refinement_reads_targets_by_class_name_and_refuses_two_label_spaces(tmp_path):
+    from symfuse.data import load_task_dataset
+    from symfuse.errors import CheckpointError
+
+    data = list(load_task_dataset("meld").labels)
+    names = data[::-1]
+    order = [names.index(c) for c in data]  # the reversed heads' rows in the dataset's order
+    kinds = ["residual-orthogonal", "ffn-permutation"]
+    last = {}
+    for tag, rows in (("reversed", None), ("dataset-order", order)):  # one pair of functions, two head orders
+        a, b = _named(tmp_path / f"a-{tag}", 1, names, rows), _named(tmp_path / f"b-{tag}", 2, names, rows)
+        report = align_checkpoints(b, a, tmp_path / f"m-{tag}", kinds, "meld", max_examples=32, refine=4,
+                                   device="cpu")  # fmt: skip
+        last[tag] = report["refine"]["last_loss"]
+    assert last["reversed"] == pytest.approx(last["dataset-order"], rel=1e-6), last
+    with pytest.raises(CheckpointError, match="their heads name their classes differently"):
+        align_checkpoints(tmp_path / "b-reversed", tmp_path / "a-dataset-order", tmp_path / "o", kinds, "meld",
+                          max_examples=32, refine=4, device="cpu")  # fmt: skip
+    assert not (tmp_path / "o").exists()
+
+
 def test_statistics_do_not_follow_a_stream_map_they_are_recollected(tmp_path):
     from symfuse.stats import transform_stats
     from symfuse.stats.io import save_stats
