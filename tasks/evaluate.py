@@ -108,16 +108,17 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
             # rated on each head's own validation split, never on the split the model is scored on
             rating = rate_heads({n: d for d, n in chosen}, {n: config.dataset(n).data for _, n in chosen},
                                 load_task_dataset(data).labels, **(common | {"split": "validation"}),
-                                scored=scored)  # fmt: skip
+                                scored=scored, on_progress=lambda f: progress(f / 2))  # fmt: skip
             best = most_reliable(rating)
             chosen = [(d, n) for d, n in chosen if n == best]
+        rest = (lambda f: progress(0.5 + f / 2)) if rating else progress  # the rating was the first half
         if len(chosen) > 1:
             metrics = evaluate_heads([d for d, _ in chosen], data, out_file=tmp / "metrics.json", scored=scored,
-                                     **common)  # fmt: skip
+                                     on_progress=rest, **common)  # fmt: skip
         else:
             # a model never trained on ``dataset`` scores it out of domain even if the label sets are equal
             own = dataset == model if model in config.dataset_names else in_domain
-            metrics = evaluate_model(chosen[0][0], data, out_file=tmp / "metrics.json", on_progress=progress,
+            metrics = evaluate_model(chosen[0][0], data, out_file=tmp / "metrics.json", on_progress=rest,
                                      in_domain=None if own else False, scored=scored, **common)  # fmt: skip
     head = "+".join(h for _, h in chosen)
     metrics.pop("metrics_file", None)

@@ -13,8 +13,9 @@ head this is that head's own prediction.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,11 +123,14 @@ def _heads_logits(
 ) -> tuple[list[_Head], list[torch.Tensor], torch.Tensor]:
     """The heads sharing a class with ``ds``, their logits ``(n, classes)`` on it, and the gold labels.
 
+    ``how``: the settings of :func:`evaluate_heads`, and ``on_progress`` (None, or called with the fraction of the
+    ``len(models)`` heads' passes done after every batch).
+
     Heads whose model equals the first voter's except in one sub-module (a merged model's per-dataset heads: one
     body) share ONE pass of that body: the sub-module is replaced, for the pass, by all of them side by side (only
     their sub-modules are kept). Any other head runs on its own. Models are loaded one at a time.
     """
-    votes = _Votes(ds, how)
+    votes = _Votes(ds, how, len(models))
     for model in models:
         votes.add(_load_head(model, how["device"]))
     if votes.first is None:
@@ -138,8 +142,9 @@ def _heads_logits(
 class _Votes:
     """The voters' logits on one dataset, gathered head by head (see :func:`_heads_logits`)."""
 
-    def __init__(self, ds: TaskDataset, how: Mapping[str, Any]):
+    def __init__(self, ds: TaskDataset, how: Mapping[str, Any], heads: int = 1):
         self.ds, self.how = ds, how
+        self.heads, self.done = max(1, heads), 0  # voters to run, and how many have had their pass
         self.dev = resolve_device(how["device"])
         self.order: list[int] = []  # every head sees the examples in ONE order: the first voter's, shortest first
         self.first: _Head | None = None
@@ -150,11 +155,22 @@ class _Votes:
         self.out: dict[int, torch.Tensor] = {}
         self.gold = torch.empty(0)
 
-    def _run(self, net: torch.nn.Module, feats: list, pad: int) -> torch.Tensor:
+    def _run(self, net: torch.nn.Module, feats: list, pad: int, heads: int = 1) -> torch.Tensor:
+        """Logits of ``net`` on ``feats`` (in :attr:`order`): one pass for ``heads`` voters."""
         batches = iter_batches([feats[j] for j in self.order], self.how["batch_size"], pad)
-        logits, gold, _ = run_model(net, batches, None, self.dev, amp=self.dev.type == "cuda")
+        tracked = self._tracked(batches, math.ceil(len(feats) / self.how["batch_size"]), heads)
+        logits, gold, _ = run_model(net, tracked, None, self.dev, amp=self.dev.type == "cuda")
         self.gold = torch.cat(gold)
         return torch.cat(logits)
+
+    def _tracked(self, batches: Iterable[Any], total: int, heads: int) -> Iterator[Any]:
+        """Yield ``batches``; after each, report the fraction of every voter's pass done (``how["on_progress"]``)."""
+        report: Callable[[float], None] | None = self.how.get("on_progress")
+        for i, batch in enumerate(batches, 1):
+            yield batch
+            if report is not None:
+                report(min(1.0, (self.done + heads * i / max(total, 1)) / self.heads))
+        self.done += heads
 
     def add(self, head: _Head) -> None:
         """Take ``head`` as a voter if it shares a class with the dataset: its logits now, or its sub-module kept."""
@@ -177,17 +193,17 @@ class _Votes:
             self.out[i] = self._run(head.net, mine, head.tok.pad_token_id or 0)
         head.net = None  # only the head sub-module (or the logits) is kept
 
-    def _run_with(self, module: torch.nn.Module | None) -> torch.Tensor:
+    def _run_with(self, module: torch.nn.Module | None, heads: int) -> torch.Tensor:
         """The first voter's body on its data with ``module`` in place of sub-module ``name`` for the pass."""
         first = self.first
         assert first is not None
         pad = first.tok.pad_token_id or 0
         if module is None:
-            return self._run(first.net, self.feats, pad)
+            return self._run(first.net, self.feats, pad, heads)
         own = first.net.get_submodule(self.name)
         first.net.set_submodule(self.name, module)
         try:
-            return self._run(first.net, self.feats, pad)
+            return self._run(first.net, self.feats, pad, heads)
         finally:
             first.net.set_submodule(self.name, own)
 
@@ -197,12 +213,13 @@ class _Votes:
         widths = [len(self.voters[i].names) for i in ids]
         stacked = None
         if self.shared:
-            stacked = self._run_with(_Stacked([self.first.net.get_submodule(self.name), *(m for _, m in self.shared)]))
+            modules = [self.first.net.get_submodule(self.name), *(m for _, m in self.shared)]
+            stacked = self._run_with(_Stacked(modules), len(ids))
         if stacked is not None and stacked.shape[-1] == sum(widths):
             self.out |= dict(zip(ids, stacked.split(widths, dim=-1), strict=True))
         else:  # no shared heads, or a model that reshapes its head's output: each head on its own
             for i, module in [(0, None), *self.shared]:
-                self.out[i] = self._run_with(module)
+                self.out[i] = self._run_with(module, 1)
 
 
 def evaluate_heads(
@@ -216,6 +233,7 @@ def evaluate_heads(
     seed: int = 13,
     out_file: Path | None = None,
     scored: list[str] | None = None,
+    on_progress: Callable[[float], None] | None = None,
 ) -> dict:
     """Metrics of several classification heads (checkpoint folders sharing a body) voting on a dataset, as JSON.
 
@@ -231,6 +249,8 @@ def evaluate_heads(
         out_file: Where to write the JSON (default ``<first model>/eval_<dataset>_<split>_heads.json``).
         scored: The classes to score, whatever the heads have (see :func:`symfuse.evaluate.scoring.score_logits`);
             None: those the heads share with the dataset.
+        on_progress: Called with the fraction of the heads' passes done (0..1] after every batch (it may raise to
+            stop the evaluation).
 
     Returns:
         The metrics of :func:`symfuse.evaluate.scoring.score_logits` plus ``heads`` (the folders that voted),
@@ -242,7 +262,7 @@ def evaluate_heads(
     t0 = time.perf_counter()
     ds = load_task_dataset(data)
     how = dict(split=split, max_examples=max_examples, device=device, batch_size=batch_size, max_length=max_length,
-               seed=seed)  # fmt: skip
+               seed=seed, on_progress=on_progress)  # fmt: skip
     heads, logits, gold = _heads_logits(models, ds, how)
     if not heads:
         raise DatasetError(f"{ds.name}: none of the {len(models)} heads shares a class with {ds.labels}")

@@ -14,7 +14,7 @@ the macro-F1 over the scored classes if each missing class scores 0 (as it does 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from symfuse.data import load_task_dataset
@@ -48,6 +48,7 @@ def rate_heads(
     max_length: int = 128,
     seed: int = 13,
     scored: Sequence[str] | None = None,
+    on_progress: Callable[[float], None] | None = None,
 ) -> dict[str, float]:
     """Each head's score on its own dataset's ``split``, over the classes it shares with ``target_labels``.
 
@@ -62,6 +63,7 @@ def rate_heads(
         max_length: Truncation length in tokens.
         seed: Seed of the subsets.
         scored: The classes the set is scored over (see the module docstring); None: each head's own shared ones.
+        on_progress: Called with the fraction of the heads rated (0..1) after every batch (it may raise to stop).
 
     Returns:
         Dataset name -> the primary metric (e.g. macro-F1) of its head, for every head sharing a class with
@@ -73,9 +75,11 @@ def rate_heads(
     how = dict(split=split, max_examples=max_examples, device=device, batch_size=batch_size, max_length=max_length,
                seed=seed)  # fmt: skip
     scores: dict[str, float] = {}
-    for name, folder in heads.items():
+    for k, (name, folder) in enumerate(heads.items()):
         ds = load_task_dataset(data[name])
         require_rating_split(ds, split)
+        if on_progress is not None:
+            how["on_progress"] = lambda f, k=k: on_progress((k + f) / len(heads))
         rated, logits, gold = _heads_logits([folder], ds, how)
         if not rated:
             continue

@@ -109,6 +109,27 @@ def test_heads_on_one_body_share_one_pass_with_the_same_votes(heads, tmp_path, m
     assert len(calls) == 2 and mixed[0].shape[1] == 7
 
 
+class Stop(Exception):
+    pass
+
+
+def test_voting_reports_its_progress_and_stops_when_the_callback_raises(heads, tmp_path):
+    """Each batch of each voter's pass reports (a Ctrl-C of the pipeline ends the task there); the values rise to 1."""
+    kw = dict(max_examples=40, max_length=32, batch_size=8)  # 40 examples: 5 batches per pass, two heads
+    seen = []
+    evaluate_heads([heads["isear"], heads["meld"]], "goemotions_ekman", out_file=tmp_path / "v.json",
+                   on_progress=seen.append, **kw)  # fmt: skip
+    assert len(seen) == 10 and seen == sorted(seen) and seen[-1] == pytest.approx(1.0) and seen[0] > 0, seen
+
+    def stop(fraction):
+        raise Stop
+
+    with pytest.raises(Stop):
+        evaluate_heads([heads["isear"], heads["meld"]], "goemotions_ekman", out_file=tmp_path / "w.json",
+                       on_progress=stop, **kw)  # fmt: skip
+    assert not (tmp_path / "w.json").exists()
+
+
 def test_the_task_picks_every_sharing_head_to_vote_or_the_closest(tmp_path):
     folder = tmp_path / "merged"
     fake = {"dair": ["sadness", "love"], "meld": ["anger", "joy", "neutral"], "sst": ["neg", "pos"]}

@@ -31,6 +31,14 @@ def test_each_head_is_rated_on_its_own_validation_split_as_the_ood_set_scores(he
     assert most_reliable({"a": 0.5, "b": 0.5, "c": 0.1}) == "a"  # ties: the first (merge order)
 
 
+def test_the_rating_reports_its_progress_head_by_head(heads):
+    seen = []
+    rate_heads({n: heads[n] for n in ("isear", "meld")}, {"isear": "isear", "meld": "meld"}, EKMAN_SET,
+               on_progress=seen.append, **(KW | {"batch_size": 8}))  # fmt: skip
+    assert seen == sorted(seen) and seen[-1] == pytest.approx(1.0) and len(seen) == 10, seen
+    assert max(f for f in seen if f <= 0.5) == pytest.approx(0.5)  # isear's pass: the first half
+
+
 def test_the_rating_follows_the_classes_the_target_set_asks_about(heads):
     """Rated for a set of two classes, a head is scored over those two only (by hand from its logits)."""
     got = rate_heads({"meld": heads["meld"]}, {"meld": "meld"}, ["Joy", "sadness"], **KW)
