@@ -94,13 +94,23 @@ def split_verbose(args: Sequence[str]) -> tuple[bool, list[str]]:
     return verbose, (["--verbose"] if verbose else []) + rest
 
 
+def _options(command: Any, secondary: bool = False) -> dict[str, TyperOption]:
+    """``command``'s options by each of their names (``--flag``; with ``secondary``, ``--no-flag`` too)."""
+    return {
+        name: p
+        for p in command.params
+        if isinstance(p, TyperOption)
+        for name in (*p.opts, *(p.secondary_opts if secondary else ()))
+    }
+
+
 def misplaced_value(command: Any, argv: Sequence[str]) -> str | None:
     """Why an option of ``command`` got no real value in ``argv``, or None.
 
     click takes the token after an option as its value whatever it is: ``--out --overwrite`` wrote a folder named
     ``--overwrite``, and ``--out ''`` meant the current folder, ``--store ''`` the default store.
     """
-    options = {name: p for p in command.params if isinstance(p, TyperOption) for name in p.opts}
+    options = _options(command)
     for option, value in itertools.pairwise(argv):
         param = options.get(option)
         if param is None or param.is_flag or param.count:
@@ -122,7 +132,7 @@ def repeated_option(command: Any, argv: Sequence[str]) -> str | None:
     click keeps the last value of an option given twice (``--out a --out b`` wrote b) and appends the values of a
     list option (``--models a b --models b a`` merged four models). Options meant to repeat (``--param k=v``) may.
     """
-    options = {n: p for p in command.params if isinstance(p, TyperOption) for n in (*p.opts, *p.secondary_opts)}
+    options = _options(command, secondary=True)
     lists = set(getattr(command, "multi_value", ()))
     seen: dict[int, str] = {}
     for word in argv:
