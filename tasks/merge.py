@@ -16,6 +16,7 @@ from symfuse.errors import StatsMismatchError
 from symfuse.merge import MERGERS, REPORT, merge_checkpoints, merger_params
 from symfuse.stats import model_fingerprint
 from tasks.common import (
+    Progress,
     content_key,
     fetch,
     fetch_file,
@@ -120,12 +121,12 @@ def merge(
         for name, uri in models.items():
             (links / name).symlink_to(fetch(store, uri), target_is_directory=True)
         files = [fetch_file(store, u) for u in stats_uris]
-        with timed() as t:
+        with timed() as t, Progress(f"merge-{strategy}-{variant}") as progress:
             maths = {k: v for k, v in params.items() if k not in PLACEMENT}  # the merge's own device: the run's
             try:
                 out = merge_checkpoints(strategy, [links / n for n in models], tmp / "out", stats=files or None,
                                         base=base, card=card, head_refit=refit, device=config.resolved_device(),
-                                        model_names=list(models),
+                                        model_names=list(models), on_progress=progress,
                                         **maths)  # fmt: skip
             except StatsMismatchError as exc:  # the CLI's fix (--models order, `symfuse stats`) means nothing here
                 raise _in_store_terms(exc, {str(links / n): store.uri(u) for n, u in models.items()}) from exc

@@ -102,7 +102,8 @@ def test_ui_artifacts_render_without_the_store(first_run):
     assert f"`{uri}`" in merged_md and "t-card-regmean-matched" in merged_md  # a URI to copy, not a dead file:// link
     # one progress artifact per stage (not one per task), each naming its tasks, all ended at 100 %
     progress = {a.description.split(":")[0]: a for a in by_type["progress"]}
-    assert len(progress) == len(by_type["progress"]) and {"finetune", "stats", "eval"} <= set(progress), progress
+    assert len(progress) == len(by_type["progress"]), progress
+    assert {"finetune", "stats", "eval", "merge"} <= set(progress), progress
     assert all(a.data == 100 for a in by_type["progress"])
     assert "isear 100 %" in progress["finetune"].description and "meld 100 %" in progress["finetune"].description
     # the model card, rendered in the UI; its inputs are store URIs, not the worker's deleted scratch folders

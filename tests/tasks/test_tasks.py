@@ -287,25 +287,31 @@ def test_out_of_domain_the_most_reliable_head_answers_alone(base, tmp_path):
     # isear's own model lacks surprise: scored over the six all the same, surprise at F1 0
     own = store.get_json(evaluate.fn(voting, "isear", models["isear"], "goemotions_ekman"))
     assert own["metrics"]["classes"] == six and own["metrics"]["per_class_f1"]["surprise"] == 0.0
-    _a_stopped_run_ends_its_vote_at_the_first_batch(voting, uri)
+    _a_stopped_run_ends_its_vote_and_merge_at_their_first_step(voting, uri, models)
 
 
-def _a_stopped_run_ends_its_vote_at_the_first_batch(voting, uri):
-    """A Ctrl-C / SIGTERM of the pipeline (stop_running_tasks) ends a voting evaluation at its next batch."""
+def _a_stopped_run_ends_its_vote_and_merge_at_their_first_step(voting, uri, models):
+    """A Ctrl-C / SIGTERM of the pipeline (stop_running_tasks) ends a voting evaluation at its next batch and a
+    merge at its next tensor (both ran to their end)."""
     from prefect import flow
 
     from tasks.common import RunStopped, stop_running_tasks
     from tasks.evaluate import evaluate
+    from tasks.merge import merge
 
     other = voting.model_copy(update={"evaluation": voting.evaluation.model_copy(update={"max_examples": 20})})
 
     @flow
-    def stopped():
+    def stopped(step):
         stop_running_tasks()
-        return evaluate(other, "simple-plain", uri, "goemotions_ekman")
+        return step()
 
-    with pytest.raises(RunStopped, match="its run was stopped; ended at 0 %"):
-        stopped()
+    for name, step in (
+        ("eval-simple-plain-goemotions_ekman", lambda: evaluate(other, "simple-plain", uri, "goemotions_ekman")),
+        ("merge-task-arithmetic-plain", lambda: merge(voting, "task-arithmetic", "plain", models, {})),
+    ):
+        with pytest.raises(RunStopped, match=f"{name}: its run was stopped; ended at 0 %"):
+            stopped(step)
 
 
 def test_a_loss_path_between_heads_naming_their_classes_differently_is_recorded_skipped(base, tmp_path):

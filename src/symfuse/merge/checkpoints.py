@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -336,6 +336,7 @@ def merge_checkpoints(
     device: str | torch.device = "cpu",
     model_names: Sequence[str] | None = None,
     out_dtype: str | torch.dtype | None = None,
+    on_progress: Callable[[float], None] | None = None,
     **params: Any,
 ) -> Path:
     """Merge K checkpoints with a registered strategy and write a ``save_pretrained`` folder.
@@ -363,6 +364,8 @@ def merge_checkpoints(
         out_dtype: Write the merged floating tensors in this dtype (``float32``, ``float16``, ``bfloat16``,
             ``float64``; ``config.json`` says so); None: in the first model's. The maths accumulates in float32 (or
             float64) either way; integer tensors are copied as they are.
+        on_progress: Called with the fraction of the elements merged (0..1] after every tensor; it may raise to stop
+            the merge (nothing is written then).
         **params: Strategy parameters (e.g. ``alpha=0.9``, ``weights=[...]``, ``density=0.2``); unknown ones raise.
             A merger that reads the models' data (``needs_data``: regmean++, ``data=[one dataset per model]``) does
             its work in :meth:`~symfuse.merge.base.Merger.prepare`, once the inputs are checked.
@@ -384,7 +387,7 @@ def merge_checkpoints(
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         try:
             with parallel_reads():  # the merge's reads run between its BLAS calls: the cores are free
-                write_checkpoint(plan.readers[0], tmp, replace=TensorMerge(plan), shard_bytes=SHARD_BYTES,
+                write_checkpoint(plan.readers[0], tmp, replace=TensorMerge(plan, on_progress), shard_bytes=SHARD_BYTES,
                                  overwrite=True, dtype=plan.out_dtype)  # fmt: skip
         finally:
             plan.merger.close()

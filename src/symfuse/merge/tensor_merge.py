@@ -87,11 +87,14 @@ def _tensor_spans(name: str, first: torch.Tensor, others: Sequence[CheckpointRea
 class TensorMerge:
     """``replace(name, tensor)`` for :func:`~symfuse.checkpoint.write_checkpoint`: model 0's tensor -> the merged."""
 
-    def __init__(self, plan: MergePlan):
+    def __init__(self, plan: MergePlan, on_progress: Callable[[float], None] | None = None):
+        """``on_progress``: called with the fraction of model 0's elements merged after every tensor (or None)."""
         self.plan = plan
         self.r0 = plan.readers[0]
         dev = plan.device
         self.to_dev: Callable[[torch.Tensor], torch.Tensor] = (lambda t: t) if plan.on_cpu else (lambda t: t.to(dev))
+        self.on_progress = on_progress
+        self.done, self.total = 0, max(1, sum(math.prod(self.r0.shape(n)) for n in self.r0.names()))
 
     def __call__(self, name: str, first: torch.Tensor) -> torch.Tensor:
         """The merged tensor ``name`` (in host memory), its inputs and output checked finite."""
@@ -112,6 +115,9 @@ class TensorMerge:
                 f"{plan.out}: merged tensor {name!r} came out NaN / inf with {plan.strategy} (inputs were finite) — "
                 "nothing was written; try --dtype float64, a larger --epsilon / smaller --alpha, or another strategy"
             )
+        self.done += first.numel()
+        if self.on_progress is not None:
+            self.on_progress(min(1.0, self.done / self.total))
         return merged if plan.on_cpu else merged.cpu()
 
     def _name_the_bad_input(self, name: str, first: torch.Tensor) -> None:

@@ -45,6 +45,28 @@ def copies(tmp_path_factory):
     return folders, stats, base
 
 
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("strategy", ["simple", "regmean"])
+def test_a_merge_reports_its_progress_tensor_by_tensor_and_a_raising_callback_stops_it(copies, tmp_path, strategy):
+    """The fraction of the elements merged after every tensor, rising to 1; a raise (a stopped run) writes nothing."""
+    folders, stats, _ = copies
+    seen = []
+    merge_checkpoints(strategy, folders, tmp_path / "out", stats=stats, on_progress=seen.append)
+    sizes = [t.numel() for t in _weights(folders[0]).values()]
+    assert len(seen) == len(sizes) and seen == sorted(seen) and seen[0] > 0 and seen[-1] == pytest.approx(1.0), seen
+
+    def stop(fraction):
+        if fraction > 0.5:
+            raise Stop
+
+    with pytest.raises(Stop):
+        merge_checkpoints(strategy, folders, tmp_path / "stopped", stats=stats, on_progress=stop)
+    assert not (tmp_path / "stopped").exists() and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 # regmean++ reads the models' data (tiny models without a tokenizer here): its copies test is in stats/test_sequential
 @pytest.mark.parametrize("strategy", sorted(n for n, m in MERGERS.items() if not m.needs_data))
 def test_every_merger_over_copies_returns_the_model(copies, tmp_path, strategy):
