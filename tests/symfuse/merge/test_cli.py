@@ -106,3 +106,40 @@ def test_cli_stats_then_regmean_merge_on_real_text(tmp_path):
     assert res.exit_code == 0, res.output
     report = json.loads((tmp_path / "o" / "symfuse_report.json").read_text())
     assert report["counters"]["regmean_solves"] == 14 and "lstsq_fallback" not in report["counters"]
+
+
+def test_a_merge_on_a_terminal_shows_a_progress_bar_and_a_pipe_gets_none(tmp_path):
+    """stderr a terminal: a bar that reaches 100 %, log lines above it; stderr a pipe (a log, CI): no bar."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import termios
+
+    from tests.cli.helpers import cli_command, cli_env, run_cli
+
+    folders = [save_tiny(tmp_path / f"m{i}", "bert", seed=i, head="base") for i in range(2)]
+    args = ("merge", "--strategy", "simple", "--models", *folders)
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
+    proc = subprocess.Popen(cli_command(*args, "--out", tmp_path / "tty"), env=cli_env(), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=child)  # fmt: skip
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the terminal closed: the command ended
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    seen = b"".join(chunks).decode(errors="replace")
+    assert proc.wait(timeout=120) == 0, seen
+    assert "merging (simple): 100%" in seen, seen
+    lines = [ln.strip() for ln in seen.replace("\r", "\n").splitlines() if "symfuse" in ln]
+    assert lines and all(ln.startswith("INFO symfuse.") for ln in lines), seen  # never glued to the bar
+    piped = run_cli(*args, "--out", tmp_path / "piped")
+    assert piped.returncode == 0 and "merging (simple)" not in piped.stderr, piped.stderr
