@@ -68,3 +68,28 @@ def assert_merge_refused(tmp_path: Path, strategy: str, args: str, code: int, ex
     assert res.returncode == code, res.stderr
     assert 1 <= len(lines) <= 2 and lines[-1].startswith("error: ") and expect in lines[-1], res.stderr
     assert "Traceback" not in res.stderr and listing(tmp_path) == before
+
+
+def run_on_terminal(*args: object, columns: int = 120, timeout: float = 300) -> tuple[int, str]:
+    """Run ``symfuse ARGS`` with stderr on a pseudo-terminal ``columns`` wide: ``(exit status, what it showed)``."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    proc = subprocess.Popen(cli_command(*args), env=cli_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=child)  # fmt: skip
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the terminal closed: the command ended
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    return proc.wait(timeout=timeout), b"".join(chunks).decode(errors="replace")

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sys
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,6 +11,7 @@ import typer
 import yaml
 
 from symfuse.cli import app, checks
+from symfuse.cli.bars import fraction_bar
 from symfuse.errors import UsageError
 from symfuse.merge.registry import (  # no torch: names only
     MERGERS,
@@ -145,7 +143,7 @@ def merge(
     from symfuse.merge import merge_checkpoints
 
     def run(inputs: list[str], card: dict | None = None) -> Path:
-        with _bar(f"merging ({strategy})") as shown:
+        with fraction_bar(f"merging ({strategy})") as shown:
             return merge_checkpoints(strategy, inputs, out, stats=stats, base=base, overwrite=overwrite, card=card,
                                      head_refit=refit, device=dev, out_dtype=req.out_dtype, on_progress=shown,
                                      **params)  # fmt: skip
@@ -168,19 +166,6 @@ def merge(
 
 
 REFIT_SHARED = ("data", "max_examples")  # flags a head refit reads (and regmean++ too); the device is the merge's
-
-
-@contextlib.contextmanager
-def _bar(what: str) -> Iterator[Callable[[float], None]]:
-    """A fraction callback drawing a merge's progress bar when stderr is a terminal (log lines printed above it)."""
-    if not sys.stderr.isatty():  # a log file, CI, a pipe: the summary line only
-        yield lambda fraction: None
-        return
-    from tqdm.auto import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    with logging_redirect_tqdm(), tqdm(total=100, desc=what, leave=False, bar_format="{l_bar}{bar}| {elapsed}") as bar:
-        yield lambda fraction: bar.update(max(0, round(100 * fraction) - bar.n))
 
 
 @dataclass

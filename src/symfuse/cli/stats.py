@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from symfuse.cli import app, checks
+from symfuse.cli.bars import terminal_bars
 from symfuse.config import DATASET_RESOLUTION
 from symfuse.outputs import atomic_output_dir
 
@@ -46,7 +47,7 @@ def stats(
 
     kinds = checks.names_list("--kind", kind, STAT_KINDS, "statistics kinds")
     checks.checkpoint(model, arch=False)
-    with atomic_output_dir(out, overwrite=overwrite, inputs=[model, data]) as tmp:
+    with terminal_bars(), atomic_output_dir(out, overwrite=overwrite, inputs=[model, data]) as tmp:
         checks.dataset("--data", data)
         if "fisher" in kinds and fisher_mode == "empirical":  # the data's targets go through the head
             checks.head_reads("--data", data, model)

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from symfuse.cli import app, checks
+from symfuse.cli.bars import terminal_bars
 from symfuse.config import DATASET_RESOLUTION
 from symfuse.errors import UsageError
 from symfuse.outputs import claim_output
@@ -108,7 +109,7 @@ def finetune(
         head_lr_scale=head_lr_scale,
         freeze_embeddings=freeze_embeddings,
     )
-    with claim_output(out, overwrite):
+    with terminal_bars(), claim_output(out, overwrite):
         checks.dataset("--data", data)
         folder = run(base, data, out, cfg, device=device, overwrite=overwrite)
     report = json.loads((folder / TRAIN_REPORT).read_text())

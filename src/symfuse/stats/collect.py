@@ -117,7 +117,7 @@ def collect_stats(
         max_length: Truncation length in tokens.
         fisher_mode: ``empirical`` or ``sampled``.
         seed: Subset and sampling seed.
-        progress: Show progress bars.
+        progress: Show progress bars when stderr is a terminal.
         on_progress: Called with the fraction done (0..1] after every batch of every kind.
         gram_dtype: How the Grams are stored (:data:`GRAM_DTYPES`; accumulated in float64 either way).
             ``float32`` halves the file and what a float32 RegMean merge reads, at a relative rounding of

@@ -129,7 +129,7 @@ def collect_fisher(
             example in the stream's order, so batching does not change them).
         seed: Seed of the label sampling.
         device: Where to run.
-        progress: Show a tqdm progress bar.
+        progress: Show a tqdm progress bar when stderr is a terminal.
         columns: A union head's outputs of the dataset's own classes (:func:`symfuse.data.labels.union_columns`,
             in the dataset's label order): the likelihood is the training loss's, independent Bernoullis over
             those outputs only, with the gold class (or the multi-hot gold) as target; the other classes' rows
@@ -153,7 +153,7 @@ def collect_fisher(
     n_examples = n_tokens = 0
     batched = True  # until a batch shows the model's per-example gradients cannot be read from its modules
     try:
-        for batch in tqdm(batches, desc=f"fisher ({mode})", disable=not progress, unit="batch"):
+        for batch in tqdm(batches, desc=f"fisher ({mode})", disable=None if progress else True, unit="batch"):
             inputs = model_inputs(batch, "cpu")
             labels = batch.get("labels")
             if mode == "empirical" and labels is None:

@@ -144,7 +144,7 @@ def collect_gram(
         model: A transformers model (any head).
         batches: Tokenised batches (``input_ids`` / ``attention_mask`` ... ; other keys are ignored).
         device: Where to run the forward passes.
-        progress: Show a tqdm progress bar.
+        progress: Show a tqdm progress bar when stderr is a terminal.
         modules: Restrict to these module names (default: every linear layer).
         matmul_dtype: Precision of each batch's ``X^T X`` product (float32: about 3x faster on CPU, relative
             error ~1e-7 per batch); the running sums are float64 either way.
@@ -165,7 +165,7 @@ def collect_gram(
     same: dict[str, str] | None = None
     try:
         with torch.no_grad():
-            for batch in tqdm(batches, desc="gram", disable=not progress, unit="batch"):
+            for batch in tqdm(batches, desc="gram", disable=None if progress else True, unit="batch"):
                 inputs = model_inputs(batch, device)
                 mask = inputs.get("attention_mask")
                 hooks.batch(mask)

@@ -289,7 +289,9 @@ def _train_epoch(run: _Run, feats: list[dict[str, Any]], epoch: int) -> tuple[fl
     )
     run_loss, run_n = 0.0, 0
     log_every = max(1, per_epoch // LOG_LINES_PER_EPOCH)
-    bar = tqdm(range(per_epoch), desc=f"epoch {epoch}/{cfg.epochs}", disable=not cfg.progress, leave=False)
+    bar = tqdm(
+        range(per_epoch), desc=f"epoch {epoch}/{cfg.epochs}", disable=None if cfg.progress else True, leave=False
+    )
     for step in bar:
         losses, n = _step(run, [feats[i] for i in steps[step]], epoch, step)
         for loss in losses:  # one by one, as they came

@@ -13,6 +13,7 @@ from symfuse.cli import app
 from symfuse.cli import commands as _commands  # noqa: F401  (registers the commands)
 from symfuse.data import shared_datasets_dir
 from symfuse.stats import StatsFile
+from tests.cli.helpers import run_cli
 from tests.tiny import save_tiny, tiny_config
 
 runner = CliRunner()
@@ -108,38 +109,38 @@ def test_cli_stats_then_regmean_merge_on_real_text(tmp_path):
     assert report["counters"]["regmean_solves"] == 14 and "lstsq_fallback" not in report["counters"]
 
 
+def _log_lines(shown: str) -> list[str]:
+    """The lines of terminal output that name a symfuse logger, split at carriage returns too."""
+    return [ln.strip() for ln in shown.replace("\r", "\n").splitlines() if "symfuse." in ln]
+
+
 def test_a_merge_on_a_terminal_shows_a_progress_bar_and_a_pipe_gets_none(tmp_path):
     """stderr a terminal: a bar that reaches 100 %, log lines above it; stderr a pipe (a log, CI): no bar."""
-    import fcntl
-    import os
-    import pty
-    import struct
-    import subprocess
-    import termios
-
-    from tests.cli.helpers import cli_command, cli_env, run_cli
+    from tests.cli.helpers import run_on_terminal
 
     folders = [save_tiny(tmp_path / f"m{i}", "bert", seed=i, head="base") for i in range(2)]
     args = ("merge", "--strategy", "simple", "--models", *folders)
-    main, child = pty.openpty()
-    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
-    proc = subprocess.Popen(cli_command(*args, "--out", tmp_path / "tty"), env=cli_env(), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=child)  # fmt: skip
-    os.close(child)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(main, 4096)
-        except OSError:  # the terminal closed: the command ended
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(main)
-    seen = b"".join(chunks).decode(errors="replace")
-    assert proc.wait(timeout=120) == 0, seen
-    assert "merging (simple): 100%" in seen, seen
-    lines = [ln.strip() for ln in seen.replace("\r", "\n").splitlines() if "symfuse" in ln]
-    assert lines and all(ln.startswith("INFO symfuse.") for ln in lines), seen  # never glued to the bar
+    code, shown = run_on_terminal(*args, "--out", tmp_path / "tty")
+    assert code == 0 and "merging (simple): 100%" in shown, shown
+    lines = _log_lines(shown)
+    assert lines and all(ln.startswith("INFO symfuse.") for ln in lines), shown  # never glued to the bar
     piped = run_cli(*args, "--out", tmp_path / "piped")
     assert piped.returncode == 0 and "merging (simple)" not in piped.stderr, piped.stderr
+
+
+def test_stats_bars_are_drawn_on_a_terminal_only(tmp_path):
+    """A statistics run to a log file used to fill it with tqdm's carriage-return bars."""
+    from tests.cli.helpers import run_on_terminal
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
+    cfg = tiny_config("bert", vocab_size=tok.vocab_size, num_labels=6)
+    transformers.BertForSequenceClassification(cfg).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    args = ("stats", tmp_path / "m", "--data", "dair_emotion", "--kind", "gram,fisher", "--max-examples", "12",
+            "--batch-size", "4")  # fmt: skip
+    code, shown = run_on_terminal(*args, "--out", tmp_path / "tty")
+    assert code == 0 and "gram: 3batch" in shown and "fisher (empirical): 3batch" in shown, shown
+    lines = _log_lines(shown)
+    assert lines and all(ln.startswith("INFO symfuse.") for ln in lines), shown
+    piped = run_cli(*args, "--out", tmp_path / "piped")
+    assert piped.returncode == 0 and "batch/s" not in piped.stderr, piped.stderr
