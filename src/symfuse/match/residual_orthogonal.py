@@ -342,16 +342,14 @@ def _initial_map(src: Any, anc: Any, request: AlignRequest, group: str, dev: tor
     """
     if request.data is None:
         return None, []
-    from symfuse.data import make_batches
+    from symfuse.data import load_task_dataset, make_batches
+    from symfuse.evaluate.barrier import head_space
     from symfuse.symmetry.widen import widening_map
 
-    space = None
-    if request.refine:  # its loss is the task's along the path: both heads one label space, the data's classes in it
-        from symfuse.data import load_task_dataset
-        from symfuse.evaluate.barrier import head_space
-
-        space = head_space(src.config, anc.config, load_task_dataset(request.data), (src.path, anc.path))
-    labelled = make_batches(request.data, src.path, "train", 16, 128, request.max_examples, space=space)
+    ds = load_task_dataset(request.data)
+    # the refinement's loss is the task's along the path: both heads one label space, the data's classes in it
+    space = head_space(src.config, anc.config, ds, (src.path, anc.path)) if request.refine else None
+    labelled = make_batches(ds, src.path, "train", 16, 128, request.max_examples, space=space)
     batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in labelled]
     hidden = _hidden_states(src.path, batches, dev)
     if widened_from is not None:
