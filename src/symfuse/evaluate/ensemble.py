@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from symfuse.data.batches import encode_split, readable_length
 from symfuse.data.dataset import DatasetError, TaskDataset
 from symfuse.data.labels import label_index, shared_label_names
 from symfuse.device import resolve_device
-from symfuse.evaluate.evaluate import write_json_atomic
+from symfuse.evaluate.evaluate import tracked_batches, write_json_atomic
 from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model
 from symfuse.evaluate.scoring import score_logits
 
@@ -156,21 +156,19 @@ class _Votes:
         self.gold = torch.empty(0)
 
     def _run(self, net: torch.nn.Module, feats: list, pad: int, heads: int = 1) -> torch.Tensor:
-        """Logits of ``net`` on ``feats`` (in :attr:`order`): one pass for ``heads`` voters."""
-        batches = iter_batches([feats[j] for j in self.order], self.how["batch_size"], pad)
-        tracked = self._tracked(batches, math.ceil(len(feats) / self.how["batch_size"]), heads)
-        logits, gold, _ = run_model(net, tracked, None, self.dev, amp=self.dev.type == "cuda")
+        """Logits of ``net`` on ``feats`` (in :attr:`order`): one pass for ``heads`` voters.
+
+        Its batches are logged and reported as the share of every voter's pass done (``how["on_progress"]``).
+        """
+        report: Callable[[float], None] | None = self.how.get("on_progress")
+        done, share = self.done / self.heads, heads / self.heads
+        batches = tracked_batches(iter_batches([feats[j] for j in self.order], self.how["batch_size"], pad),
+                           math.ceil(len(feats) / self.how["batch_size"]), f"{self.ds.name} votes",
+                           None if report is None else lambda f: report(min(1.0, done + share * f)))  # fmt: skip
+        logits, gold, _ = run_model(net, batches, None, self.dev, amp=self.dev.type == "cuda")
+        self.done += heads
         self.gold = torch.cat(gold)
         return torch.cat(logits)
-
-    def _tracked(self, batches: Iterable[Any], total: int, heads: int) -> Iterator[Any]:
-        """Yield ``batches``; after each, report the fraction of every voter's pass done (``how["on_progress"]``)."""
-        report: Callable[[float], None] | None = self.how.get("on_progress")
-        for i, batch in enumerate(batches, 1):
-            yield batch
-            if report is not None:
-                report(min(1.0, (self.done + heads * i / max(total, 1)) / self.heads))
-        self.done += heads
 
     def add(self, head: _Head) -> None:
         """Take ``head`` as a voter if it shares a class with the dataset: its logits now, or its sub-module kept."""

@@ -39,7 +39,7 @@ def write_json_atomic(data: Any, file: Path) -> Path:
     return file
 
 
-def _tracked(batches, total: int, what: str, on_progress: Callable[[float], None] | None):
+def tracked_batches(batches, total: int, what: str, on_progress: Callable[[float], None] | None):
     """Yield ``batches``, logging ~10 INFO lines and calling ``on_progress`` with the fraction done after each."""
     every = max(1, total // 10)
     for i, batch in enumerate(batches, 1):
@@ -119,7 +119,8 @@ def evaluate_model(
     max_length = readable_length(max_length, net.config, path)  # recorded as used: longer texts are cut there
     feats = encode_split(ds, tok, split, max_length, max_examples, seed)
     batches = iter_batches(feats, batch_size, tok.pad_token_id or 0, by_length=True)  # metrics are order-free
-    batches = _tracked(batches, math.ceil(len(feats) / batch_size), f"evaluate on {ds.name}/{split}", on_progress)
+    total = math.ceil(len(feats) / batch_size)
+    batches = tracked_batches(batches, total, f"evaluate on {ds.name}/{split}", on_progress)
     dev = resolve_device(device)
     same_space = head_labels == ds.labels and head_problem == ds.problem_type
     loss_problem = ds.problem_type if same_space or ds.problem_type == "regression" else None
