@@ -2,7 +2,8 @@
 
 Public API: :func:`load_task_dataset` -> :class:`TaskDataset`; :func:`make_batches` (tokenised, padded batches with
 ``labels``: class ids, float multi-hot, float scores, or NER tag ids on first sub-tokens and -100 elsewhere);
-the lower-level :func:`encode_split` / :func:`collate` / :func:`iter_batches`; :func:`shared_label_names` for
+the lower-level :func:`encode_split` / :func:`collate` / :func:`iter_batches` (and :func:`tracked_batches`, which
+logs and reports a pass over them); :func:`shared_label_names` for
 out-of-domain evaluation; :func:`dataset_search_path` / :func:`bundled_datasets` (where a bare name is found: see
 :mod:`symfuse.data.locate`).
 """
@@ -15,6 +16,7 @@ from symfuse.data.batches import (
     iter_batches,
     load_tokenizer,
     make_batches,
+    tracked_batches,
 )
 from symfuse.data.dataset import (
     SPLITS,
@@ -44,4 +46,5 @@ __all__ = [
     "shared_datasets_dir",
     "shared_label_names",
     "subsample_indices",
+    "tracked_batches",
 ]

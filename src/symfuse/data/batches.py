@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from symfuse.data.labels import columns_of
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+LOG_LINES = 10  # INFO lines per tracked pass
 
 
 def load_tokenizer(tokenizer: Any) -> Any:
@@ -305,3 +306,26 @@ def epoch_steps(
         steps += [chunk[i : i + step_size] for i in range(0, len(chunk), step_size)]
     rng.shuffle(steps)
     return steps
+
+
+def tracked_batches(
+    batches: Iterable[Any], total: int, what: str, on_progress: Callable[[float], None] | None = None,
+    start: float = 0.0, share: float = 1.0,
+) -> Iterator[Any]:  # fmt: skip
+    """Yield ``batches``; after each, call ``on_progress(start + share * done / total)`` and log ~10 INFO lines.
+
+    Args:
+        batches: The batches (any iterable; a generator is consumed lazily).
+        total: How many batches there are.
+        what: What the batches are for, in the log lines (e.g. ``"gram statistics"``).
+        on_progress: Progress callback (fraction of the whole job, 0..1), or None.
+        start: Fraction of the whole job done before these batches.
+        share: Fraction of the whole job these batches are.
+    """
+    every = max(1, total // LOG_LINES)
+    for i, batch in enumerate(batches, 1):
+        yield batch
+        if i % every == 0 or i == total:
+            log.info("%s: batch %d/%d", what, i, total)
+        if on_progress is not None:
+            on_progress(start + share * min(1.0, i / max(total, 1)))

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from symfuse.checkpoint import resolve_checkpoint
-from symfuse.data import iter_batches, load_task_dataset
+from symfuse.data import iter_batches, load_task_dataset, tracked_batches
 from symfuse.data.batches import encode_split, readable_length
 from symfuse.data.dataset import DatasetError, TaskDataset
 from symfuse.data.labels import label_index, shared_label_names
 from symfuse.device import resolve_device
-from symfuse.evaluate.evaluate import tracked_batches, write_json_atomic
+from symfuse.evaluate.evaluate import write_json_atomic
 from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model
 from symfuse.evaluate.scoring import score_logits
 
@@ -163,8 +163,8 @@ class _Votes:
         report: Callable[[float], None] | None = self.how.get("on_progress")
         done, share = self.done / self.heads, heads / self.heads
         batches = tracked_batches(iter_batches([feats[j] for j in self.order], self.how["batch_size"], pad),
-                           math.ceil(len(feats) / self.how["batch_size"]), f"{self.ds.name} votes",
-                           None if report is None else lambda f: report(min(1.0, done + share * f)))  # fmt: skip
+                                  math.ceil(len(feats) / self.how["batch_size"]), f"{self.ds.name} votes",
+                                  report, done, share)  # fmt: skip
         logits, gold, _ = run_model(net, batches, None, self.dev, amp=self.dev.type == "cuda")
         self.done += heads
         self.gold = torch.cat(gold)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from symfuse.checkpoint import resolve_checkpoint
-from symfuse.data import iter_batches, load_task_dataset
+from symfuse.data import iter_batches, load_task_dataset, tracked_batches
 from symfuse.data.batches import encode_split, readable_length
 from symfuse.data.labels import read_label_space
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
@@ -37,17 +37,6 @@ def write_json_atomic(data: Any, file: Path) -> Path:
     plain_mode(tmp)  # mkstemp made it 0600
     os.replace(tmp, file)
     return file
-
-
-def tracked_batches(batches, total: int, what: str, on_progress: Callable[[float], None] | None):
-    """Yield ``batches``, logging ~10 INFO lines and calling ``on_progress`` with the fraction done after each."""
-    every = max(1, total // 10)
-    for i, batch in enumerate(batches, 1):
-        yield batch
-        if i % every == 0 or i == total:
-            log.info("%s: batch %d/%d", what, i, total)
-        if on_progress is not None:
-            on_progress(min(1.0, i / max(total, 1)))
 
 
 def evaluate_model(

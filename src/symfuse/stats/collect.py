@@ -6,7 +6,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
+from symfuse.data.batches import tracked_batches
 from symfuse.data.labels import head_labels, target_space, union_columns
 from symfuse.errors import DataError
 from symfuse.io import fsync_dir, plain_mode
@@ -24,31 +25,7 @@ from symfuse.stats.ownership import model_fingerprint
 
 log = logging.getLogger(__name__)
 
-LOG_LINES = 10  # INFO lines per statistics kind
 GRAM_DTYPES = ("float64", "float32")  # how Grams are stored (always accumulated in float64)
-
-
-def tracked(
-    batches: Sequence[Any], what: str, on_progress: Callable[[float], None] | None = None, start: float = 0.0,
-    share: float = 1.0,
-) -> Iterator[Any]:  # fmt: skip
-    """Yield ``batches``; after each, call ``on_progress(start + share * done / total)`` and log ~10 INFO lines.
-
-    Args:
-        batches: The batches (a sized sequence).
-        what: What the batches are for, in the log lines (e.g. ``"gram"``).
-        on_progress: Progress callback (fraction of the whole job, 0..1), or None.
-        start: Fraction done before these batches.
-        share: Fraction of the whole job these batches are.
-    """
-    total = len(batches)
-    every = max(1, total // LOG_LINES)
-    for i, batch in enumerate(batches, 1):
-        yield batch
-        if i % every == 0 or i == total:
-            log.info("%s: batch %d/%d", what, i, total)
-        if on_progress is not None:
-            on_progress(start + share * i / max(total, 1))
 
 
 def load_model(model: str | os.PathLike) -> nn.Module:
@@ -188,7 +165,8 @@ def _collect_into(
 ) -> None:
     """Collect each kind and write ``out_dir/<kind>.safetensors`` (Grams stored in ``gram_dtype``)."""
     for i, kind in enumerate(kinds):
-        stream = tracked(batches, f"{kind} statistics", on_progress, i / len(kinds), 1 / len(kinds))
+        share = 1 / len(kinds)
+        stream = tracked_batches(batches, len(batches), f"{kind} statistics", on_progress, i * share, share)
         if kind == "gram":
             g = collect_gram(net, stream, device=device, progress=progress)
             meta = {
