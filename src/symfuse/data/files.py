@@ -47,10 +47,11 @@ def decode(file: Path, data: bytes | None = None) -> str:
 
 
 def read_meta(file: Path) -> dict[str, Any]:
-    """A dataset's ``meta.json``: a JSON mapping whose ``labels`` / ``tags`` (when given) list class names.
+    """A dataset's ``meta.json``: a JSON mapping whose ``labels`` / ``tags`` (when given) list class names, each once.
 
     Raises:
-        DatasetError: the file is not UTF-8, not JSON (line and column named) or not such a mapping.
+        DatasetError: the file is not UTF-8, not JSON (line and column named) or not such a mapping, or a class is
+            listed twice (case-insensitively: heads and data match classes by name so).
     """
     text = decode(file)
     try:
@@ -67,7 +68,20 @@ def read_meta(file: Path) -> dict[str, Any]:
         names = meta.get(key)
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise DatasetError(f"{file}: {key} must be a list of class names, got {names!r} — fix the file")
+        if twice := _listed_twice(names or []):
+            raise DatasetError(f"{file}: {key} lists {twice} twice (class names are matched case-insensitively) — "
+                               "list each class once")  # fmt: skip
     return meta
+
+
+def _listed_twice(names: list[str]) -> str | None:
+    """The first name listed again (case-insensitively), as both spellings when they differ; else None."""
+    seen: dict[str, str] = {}
+    for n in names:
+        if (first := seen.get(n.casefold())) is not None:
+            return repr(n) if first == n else f"{first!r} and {n!r}"
+        seen[n.casefold()] = n
+    return None
 
 
 def _json_line(file: Path, lineno: int, line: str) -> dict[str, Any]:

@@ -62,6 +62,10 @@ def test_bad_meta_and_bytes_name_the_file_line_and_fix(tmp_path):
     (tmp_path / "d" / "meta.json").write_text(json.dumps({"task": "classification", "labels": "joy"}))
     with pytest.raises(DatasetError, match=r"meta\.json: labels must be a list of class names"):
         load_task_dataset(str(tmp_path / "d"))
+    for labels, twice in ((["anger", "joy", "joy"], "'joy'"), (["Joy", "anger", "joy"], "'Joy' and 'joy'")):
+        (tmp_path / "d" / "meta.json").write_text(json.dumps({"task": "classification", "labels": labels}))
+        with pytest.raises(DatasetError, match=rf"meta\.json: labels lists {twice} twice .* — list each class once"):
+            load_task_dataset(str(tmp_path / "d"))  # a head got two outputs named joy, one never trained
     (tmp_path / "d" / "meta.json").write_text(json.dumps({"task": "summarization"}))
     with pytest.raises(DatasetError, match=r"meta\.json: unknown task 'summarization' — give one of classification, "
                                            r"pair_classification, regression, ner \(or language_modeling"):  # fmt: skip
