@@ -155,6 +155,20 @@ def test_shapes_must_agree_with_the_config(tiny, tmp_path):
         CheckpointReader(folder)
 
 
+@pytest.mark.parametrize(("family", "head"), [("bert", "seq"), ("roberta", "seq"), ("gpt2", "seq"), ("llama", "token")])
+def test_a_head_of_other_classes_than_the_config_names_is_refused(family, head, tmp_path):
+    folder = save_tiny(tmp_path / "m", family, head=head)  # 3 classes
+    with CheckpointReader(folder) as r:
+        assert r.config.num_labels == 3
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["id2label"] = {str(i): f"c{i}" for i in range(4)}  # the labels edited, the head left at 3 outputs
+    cfg["label2id"] = {f"c{i}": i for i in range(4)}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: 4 classes \(num_labels / id2label\) but no tensor of "
+                                              r"the \w+For\w+Classification head has 4 outputs \(.*\[3"):  # fmt: skip
+        CheckpointReader(folder)
+
+
 def test_integer_tensors_are_never_transformed(tiny, tmp_path):
     from symfuse.match import disguise_checkpoint
 

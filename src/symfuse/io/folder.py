@@ -5,7 +5,7 @@
   files inside the folder (no absolute path, no ``..``), each of which exists and holds the tensors the index
   says it holds.
 * :func:`check_module_shapes`: every attention / FFN tensor the architecture spec needs is present, floating
-  point and shaped as the config says.
+  point and shaped as the config says; a classification head has as many outputs as the config names classes.
 * :func:`check_finite` / :func:`check_finite_tensor`: a streamed NaN / inf check, chunk by chunk.
 * :func:`check_tokenizer`: the tokenizer files a tokenizing command needs.
 
@@ -149,9 +149,11 @@ def check_module_shapes(
 ) -> None:
     """Every attention / FFN weight the spec needs is stored, floating point and shaped as the config says.
 
+    A classification head must store as many outputs as the config names classes (:func:`_check_head_outputs`).
+
     Raises:
         CheckpointError: a missing weight, an integer / bool module tensor, or a shape that disagrees with
-            ``config.json``.
+            ``config.json`` (a classification head of another number of classes included).
     """
     for ref in spec.modules(config):
         names = spec.tensor_names(ref, config, prefix)
@@ -179,6 +181,38 @@ def check_module_shapes(
                     f"{files[name]}: {name} has shape {list(info.shape)} but config.json implies {list(shape)} — "
                     "the config and the weights do not belong together"
                 )
+    _check_head_outputs(folder, config, prefix, files, tensor_files)
+
+
+# transformers builds these heads' output layer with config.num_labels outputs (len(id2label))
+_CLASS_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForImageClassification")
+
+
+def _check_head_outputs(
+    folder: Path, config: Any, prefix: str, files: dict[str, Path], tensor_files: dict[Path, TensorFile]
+) -> None:
+    """A classification head stores an output layer of as many outputs as ``config.json`` names classes.
+
+    Headers only: some head tensor (outside the base model's ``prefix``) must have ``num_labels`` rows. A config
+    whose ``id2label`` was edited without the head (or the reverse) would be merged or aligned with the wrong class
+    names, and refused only when a model is built from it.
+
+    Raises:
+        CheckpointError: no head tensor has ``num_labels`` rows.
+    """
+    arch = (getattr(config, "architectures", None) or [""])[0] or ""
+    if not prefix or not arch.endswith(_CLASS_HEADS):
+        return
+    head = {n: tuple(tensor_files[f].info(n).shape) for n, f in files.items() if not n.startswith(prefix)}
+    classes = config.num_labels
+    if not head or any(shape and shape[0] == classes for shape in head.values()):
+        return
+    shapes = ", ".join(f"{n} {list(s)}" for n, s in sorted(head.items())[:3])
+    raise CheckpointError(
+        f"{folder}/config.json: {classes} classes (num_labels / id2label) but no tensor of the {arch} head has "
+        f"{classes} outputs ({shapes}) — make config.json describe the stored head, or re-save the model with "
+        "save_pretrained"
+    )
 
 
 def check_finite_tensor(t: torch.Tensor, name: str, where: str | os.PathLike) -> torch.Tensor:
