@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from symfuse.errors import CheckpointError
+from symfuse.io import read_header
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -140,12 +141,35 @@ def _read_config(folder: Path) -> dict[str, Any]:
     if cfg.get("use_dora") and cfg.get("fan_in_fan_out"):
         raise CheckpointError(f"{file}: use_dora with fan_in_fan_out is not supported — use an nn.Linear model")
     for key in ("r", "lora_alpha"):
-        if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
-            raise CheckpointError(f"{file}: {key} is {cfg.get(key)!r} — it must be a positive number")
+        if not _positive(cfg.get(key), whole=key == "r"):
+            raise CheckpointError(f"{file}: {key} is {cfg.get(key)!r} — it must be a positive {_NUMBER[key == 'r']}")
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(cfg.get(key) or {}, dict):
             raise CheckpointError(f"{file}: {key} is {cfg[key]!r} — it must map module names to numbers")
+        for name, value in (cfg.get(key) or {}).items():
+            _check_pattern(file, key, name, value)
     return cfg
+
+
+_NUMBER = ("finite number", "whole number")
+
+
+def _positive(value: Any, whole: bool) -> bool:
+    """A positive finite number (a whole one if ``whole``); a JSON boolean is not one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return False
+    return not whole or float(value).is_integer()
+
+
+def _check_pattern(file: Path, key: str, name: str, value: Any) -> None:
+    """A ``rank_pattern`` / ``alpha_pattern`` entry: a regular expression PEFT can match, a positive number."""
+    try:
+        re.compile(name)
+    except re.error as exc:
+        raise CheckpointError(f"{file}: {key} key {name!r} is not a regular expression ({exc}) — fix it") from None
+    if not _positive(value, whole=key == "rank_pattern"):
+        raise CheckpointError(f"{file}: {key}[{name!r}] is {value!r} — it must be a positive "
+                              f"{_NUMBER[key == 'rank_pattern']}")  # fmt: skip
 
 
 def _check_rank(cfg: Mapping[str, Any], key: str, rank: int, file: Path) -> None:
@@ -188,6 +212,7 @@ def read_adapter(folder: str | os.PathLike) -> LoraAdapter:
     if not file.is_file():
         raise CheckpointError(f"{folder}: no {WEIGHTS} — save the adapter with safetensors (PEFT's default)")
     parts: dict[str, dict[str, torch.Tensor]] = {}
+    read_header(file)  # a cut or garbage file is one line naming it, not safetensors' own error
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
             key, suffix = _split(name, file)

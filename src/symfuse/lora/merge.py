@@ -92,8 +92,6 @@ def _check_inputs(adapters: Sequence[LoraAdapter]) -> None:
                 f"{ad.path}: use_dora is {ad.dora}, {first.path} has {first.dora} — merge DoRA adapters only with "
                 "DoRA adapters"
             )
-        if bool(ad.config.get("fan_in_fan_out")) != bool(first.config.get("fan_in_fan_out")):
-            raise CheckpointError(f"{ad.path}: fan_in_fan_out differs from {first.path} — adapters of one base")
     shapes: dict[str, tuple[tuple[int, int], Path]] = {}
     for ad in adapters:
         for key, m in ad.modules.items():
@@ -183,12 +181,22 @@ def _check_naive_ranks(adapters: Sequence[LoraAdapter]) -> None:
 
 
 class _Base:
-    """The base checkpoint's weights of the adapted modules, and their row norms (DoRA)."""
+    """The base checkpoint's weights of the adapted modules, as ``(out, in)``, and their row norms (DoRA).
 
-    def __init__(self, base: str | os.PathLike, fan_in_fan_out: bool):
+    A weight is stored ``(in, out)`` where the base's layer is a GPT-2 style ``Conv1D``: the attention and FFN
+    weights of a ``conv1d`` family (:meth:`transposed`). PEFT decides so per layer from the layer's type (it sets
+    ``fan_in_fan_out`` for a ``Conv1D`` and clears it for an ``nn.Linear``, whatever the config says), so the
+    config's one flag is not read here: a GPT-2 classifier's adapter of ``attn.c_proj`` and ``score`` holds both.
+    """
+
+    def __init__(self, base: str | os.PathLike):
         self.reader = CheckpointReader(base)
         self.names = set(self.reader.names())
-        self.transposed = fan_in_fan_out
+        self.conv1d = set(self.reader.tensor_owners()) if self.reader.spec.conv1d else set()
+
+    def transposed(self, key: str) -> bool:
+        """Whether module ``key``'s weight is stored ``(in, out)`` (a ``Conv1D``)."""
+        return f"{key}.weight" in self.conv1d
 
     def check(self, key: str, shape: tuple[int, int]) -> None:
         """Refuse a base without module ``key``'s weight of ``shape`` (``(out, in)``)."""
@@ -199,7 +207,7 @@ class _Base:
                 "trained on"
             )
         have = tuple(self.reader.shape(name))
-        if (have[::-1] if self.transposed else have) != shape:
+        if (have[::-1] if self.transposed(key) else have) != shape:
             raise CheckpointError(
                 f"{self.reader.path}: {name} is {have}, the adapters update a {shape} weight — give the base model "
                 "they were trained on"
@@ -208,7 +216,7 @@ class _Base:
     def weight(self, key: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """``W`` of module ``key`` as ``(out, in)`` float64 on ``device``."""
         w = self.reader.get(f"{key}.weight").to(device, F64)
-        return w.T if self.transposed else w
+        return w.T if self.transposed(key) else w
 
 
 def _row_norm(w: torch.Tensor) -> torch.Tensor:
@@ -273,7 +281,7 @@ def merge_adapters(
     keys = _module_keys(ads)
     sums = [sum(ad.modules[k].rank for ad in ads if k in ad.modules) for k in keys]
     out_rank = rank or (ads[0].modules[keys[0]].rank if basis == "naive" else max(sums))
-    bw = _Base(base, bool(ads[0].config.get("fan_in_fan_out"))) if base is not None else None
+    bw = _Base(base) if base is not None else None
     for key in keys if bw is not None else ():
         m = next(ad.modules[key] for ad in ads if key in ad.modules)
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
@@ -321,6 +329,8 @@ def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path) -> dict
     for key in keys:
         left, core, mag = job.module(key)
         b, a, errors[key] = low_rank(left, core, rank)
+        b, a = (_finite(t.to(job.ads[0].dtype), key, job) for t in (b, a))
+        _finite((b.to(F64) @ a.to(F64)).to(b.dtype), key, job)  # the update PEFT will add, in the stored dtype
         factors[key] = (b.cpu(), a.cpu(), mag.cpu() if mag is not None else None)
     write_adapter(tmp, adapter_config(job.ads, rank, keys), factors, job.ads[0].dtype)
     return errors
@@ -339,6 +349,16 @@ def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path) -> None:
         w = bw.weight(key, job.device) + (left @ core if left is not None else core)
         if mag is not None:
             w = (mag / _row_norm(w))[:, None] * w
-        return (w.T if bw.transposed else w).to("cpu", stored.dtype).contiguous()
+        return _finite((w.T if bw.transposed(key) else w).to("cpu", stored.dtype), key, job).contiguous()
 
     write_checkpoint(bw.reader, tmp, replace=replace, overwrite=True)
+
+
+def _finite(t: torch.Tensor, key: str, job: _Job) -> torch.Tensor:
+    """``t``, or an error when the merged update of module ``key`` overflowed (inf / NaN): nothing is written."""
+    if torch.isfinite(t).all():
+        return t
+    raise CheckpointError(
+        f"{key}: the merged update holds inf / NaN in {t.dtype} — an adapter's scale (lora_alpha / r) or its "
+        f"weights are too large ({', '.join(str(ad.path) for ad in job.ads)}); check the adapters' configs"
+    )

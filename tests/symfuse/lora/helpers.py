@@ -21,10 +21,11 @@ def tiny_base(folder: Path) -> Path:
 
 
 def make_adapter(
-    base: Path, out: Path, seed: int, r: int = 4, alpha: float = 8, targets: list[str] | None = None, **kw
-) -> Path:
-    """A PEFT adapter of ``base`` with random non-zero A and B (DoRA: random magnitudes too), saved to ``out``."""
-    model = T.AutoModelForCausalLM.from_pretrained(str(base))
+    base: Path, out: Path, seed: int, r: int = 4, alpha: float = 8, targets: list[str] | None = None,
+    auto: type = T.AutoModelForCausalLM, **kw,
+) -> Path:  # fmt: skip
+    """A PEFT adapter of ``base`` (loaded with ``auto``) with random non-zero A and B (DoRA: random magnitudes too)."""
+    model = auto.from_pretrained(str(base))
     torch.manual_seed(seed)
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or TARGETS, init_lora_weights=False, **kw)
     peft = get_peft_model(model, cfg)
@@ -42,11 +43,11 @@ def modules(adapter: Path) -> list[str]:
     return sorted({n[len(PREFIX) : -len(".lora_A.weight")] for n in names if n.endswith(".lora_A.weight")})
 
 
-def effective_weights(base: Path, adapter: Path | None) -> dict[str, torch.Tensor]:
-    """Every adapted weight of ``base`` with ``adapter`` merged by PEFT (``merge_and_unload``), float64."""
+def effective_weights(base: Path, adapter: Path | None, auto: type = T.AutoModelForCausalLM) -> dict[str, torch.Tensor]:
+    """Every weight of ``base`` (loaded with ``auto``) with ``adapter`` merged by PEFT (merge_and_unload), float64."""
     from peft import PeftModel
 
-    model = T.AutoModelForCausalLM.from_pretrained(str(base))
+    model = auto.from_pretrained(str(base))
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     return {k: v.detach().to(torch.float64) for k, v in model.state_dict().items()}

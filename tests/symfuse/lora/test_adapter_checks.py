@@ -1,0 +1,100 @@
+"""Adapters PEFT applies per layer type, configs that cannot be applied, updates that overflow."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+
+import pytest
+import torch
+import transformers as T
+
+from symfuse.errors import CheckpointError
+from symfuse.lora import merge_adapters
+from tests.symfuse.lora.helpers import effective_weights, make_adapter, tiny_base
+from tests.tiny import save_tiny
+
+
+def _merged_into_base(adapter, base, out, auto):
+    merge_adapters([adapter], out, "simple", base=base, into_base=True)
+    return {k: v.double() for k, v in auto.from_pretrained(str(out)).state_dict().items()}
+
+
+def _worst(got, want, base):
+    changed = [k for k in want if not torch.equal(want[k], base[k])]
+    assert changed
+    return max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in changed), changed
+
+
+def test_a_gpt2_adapter_of_conv1d_and_linear_layers_goes_into_the_base_as_peft_merges_it(tmp_path):
+    # PEFT sets fan_in_fan_out per layer (on for Conv1D, off for the nn.Linear score) and saves the last value (off)
+    auto = T.AutoModelForSequenceClassification
+    base = save_tiny(tmp_path / "gpt2", "gpt2", head="seq")
+    adapter = make_adapter(base, tmp_path / "ad", seed=1, targets=["attn.c_proj", "score"], auto=auto)
+    assert json.loads((adapter / "adapter_config.json").read_text())["fan_in_fan_out"] is False
+    got = _merged_into_base(adapter, base, tmp_path / "out", auto)
+    worst, changed = _worst(got, effective_weights(base, adapter, auto), effective_weights(base, None, auto))
+    assert {k.rsplit(".", 2)[-2] for k in changed} == {"c_proj", "score"}
+    assert worst < 1e-6  # attn.c_proj is square: taken untransposed, it was off by the size of the update
+
+
+def test_a_config_fan_in_fan_out_on_linear_layers_is_ignored_as_peft_ignores_it(tmp_path):
+    base = tiny_base(tmp_path / "llama")
+    adapter = make_adapter(base, tmp_path / "ad", seed=2, targets=["q_proj", "o_proj"])
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "fan_in_fan_out": True}))
+    got = _merged_into_base(adapter, base, tmp_path / "out", T.AutoModelForCausalLM)
+    worst, _ = _worst(got, effective_weights(base, adapter), effective_weights(base, None))
+    assert worst < 1e-6
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    d = tmp_path_factory.mktemp("checks")
+    base = tiny_base(d / "base")
+    return base, make_adapter(base, d / "ad", seed=3)
+
+
+@pytest.mark.parametrize(
+    ("change", "text"),
+    [
+        ({"lora_alpha": math.nan}, "lora_alpha is nan — it must be a positive finite number"),
+        ({"lora_alpha": math.inf}, "lora_alpha is inf — it must be a positive finite number"),
+        ({"r": True}, "r is True — it must be a positive whole number"),
+        ({"alpha_pattern": {"q_proj": None}}, "alpha_pattern['q_proj'] is None — it must be a positive finite"),
+        ({"alpha_pattern": {"q_proj": "abc"}}, "alpha_pattern['q_proj'] is 'abc'"),
+        ({"alpha_pattern": {"q_proj": -3}}, "alpha_pattern['q_proj'] is -3"),
+        ({"rank_pattern": {"q_proj": "4"}}, "rank_pattern['q_proj'] is '4' — it must be a positive whole number"),
+        ({"rank_pattern": {"[": 4}}, "rank_pattern key '[' is not a regular expression"),
+    ],
+)
+def test_a_config_value_peft_cannot_apply_is_refused_naming_it(adapter, change, text, tmp_path):
+    base, src = adapter
+    bad = shutil.copytree(src, tmp_path / "bad")
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(CheckpointError, match=rf"bad/adapter_config\.json: {re.escape(text)}"):
+        merge_adapters([bad], tmp_path / "out", "simple", base=base, into_base=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_cut_weights_file_is_named(adapter, tmp_path):
+    _, src = adapter
+    cut = shutil.copytree(src, tmp_path / "cut")
+    file = cut / "adapter_model.safetensors"
+    file.write_bytes(file.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"cut/adapter_model\.safetensors: "):
+        merge_adapters([cut], tmp_path / "out", "simple")
+
+
+@pytest.mark.parametrize("into_base", [True, False])
+def test_an_update_that_overflows_its_dtype_is_refused_and_nothing_written(adapter, into_base, tmp_path):
+    base, src = adapter
+    huge = shutil.copytree(src, tmp_path / "huge")
+    cfg = json.loads((huge / "adapter_config.json").read_text())
+    (huge / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": 1e40}))
+    with pytest.raises(CheckpointError, match=r"the merged update holds inf / NaN in torch\.float32 .*huge"):
+        merge_adapters([huge], tmp_path / "out", "simple", base=base, into_base=into_base)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["huge"]
