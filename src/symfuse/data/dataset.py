@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from symfuse.data.files import DatasetError, read_meta, read_records
+from symfuse.data.files import DatasetError, listed_twice, read_meta, read_records
 from symfuse.data.locate import (  # shared_datasets_dir: re-exported, it used to live here
     dataset_search_path,
     find_named_dataset,
@@ -337,6 +337,9 @@ def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, 
     for file in dict.fromkeys(files.values()):
         seen.update(_check_file(file, task, multi, declared))
     labels = list(declared) if declared else ([] if task == "regression" else sorted(seen))
+    if not declared and (twice := listed_twice(labels)):
+        raise DatasetError(f"{source}: the records spell one class two ways ({twice}; classes are matched "
+                           "case-insensitively) — spell it one way, or list the classes in meta.json")  # fmt: skip
     kind = "csv" if all(f.suffix == ".csv" for f in files.values()) else "json"
     try:
         dd = load_dataset(kind, data_files={s: str(f) for s, f in files.items()})

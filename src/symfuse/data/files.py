@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -68,13 +68,13 @@ def read_meta(file: Path) -> dict[str, Any]:
         names = meta.get(key)
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise DatasetError(f"{file}: {key} must be a list of class names, got {names!r} — fix the file")
-        if twice := _listed_twice(names or []):
+        if twice := listed_twice(names or []):
             raise DatasetError(f"{file}: {key} lists {twice} twice (class names are matched case-insensitively) — "
                                "list each class once")  # fmt: skip
     return meta
 
 
-def _listed_twice(names: list[str]) -> str | None:
+def listed_twice(names: Iterable[str]) -> str | None:
     """The first name listed again (case-insensitively), as both spellings when they differ; else None."""
     seen: dict[str, str] = {}
     for n in names:
