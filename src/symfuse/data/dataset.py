@@ -238,7 +238,11 @@ def _check_file(file: Path, task: str, multi_label: bool, labels: list[str] | No
     records = read_records(file)
     if not records:
         raise DatasetError(f"{file}: no records — add records to it, or remove the file")
-    _CHECKED[key] = sorted(check_records(file, records, task, multi_label, known))
+    seen = check_records(file, records, task, multi_label, known)
+    if task != "ner" and not any(r["text"].strip() or str(r.get("text_pair") or "").strip() for _, r in records):
+        raise DatasetError(f"{file}: every record's text is empty — a model learns nothing from it; check how the "
+                           "file was written (its text column)")  # fmt: skip
+    _CHECKED[key] = sorted(seen)
     return _CHECKED[key]
 
 

@@ -66,6 +66,9 @@ def test_bad_meta_and_bytes_name_the_file_line_and_fix(tmp_path):
         (tmp_path / "d" / "meta.json").write_text(json.dumps({"task": "classification", "labels": labels}))
         with pytest.raises(DatasetError, match=rf"meta\.json: labels lists {twice} twice .* — list each class once"):
             load_task_dataset(str(tmp_path / "d"))  # a head got two outputs named joy, one never trained
+    _write(tmp_path / "blank", "train", [{"text": "", "label": "joy"}, {"text": "  ", "label": "anger"}], meta)
+    with pytest.raises(DatasetError, match=r"blank/train\.jsonl: every record's text is empty"):
+        load_task_dataset(str(tmp_path / "blank"))
     _write(tmp_path / "cased", "train", [good, {"text": "x", "label": "Joy"}, {"text": "y", "label": "anger"}])
     with pytest.raises(DatasetError, match=r"cased: the records spell one class two ways \('Joy' and 'joy'; "):
         load_task_dataset(str(tmp_path / "cased"))  # no meta.json: the classes come from the records
