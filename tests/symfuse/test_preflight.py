@@ -252,6 +252,18 @@ def test_probe_reads_only_the_first_records(tmp_path):
     assert probe_dataset("meld").where == str(BUNDLED_DIR / "meld")
 
 
+def test_the_probe_refuses_a_class_named_twice(tmp_path):
+    folder = tmp_path / "cased"
+    folder.mkdir()
+    rows = [{"text": "t", "label": "Joy"}, {"text": "u", "label": "joy"}, {"text": "v", "label": "anger"}]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DatasetError, match=r"cased: the records spell one class two ways \('Joy' and 'joy'"):
+        probe_dataset(str(folder))  # the run's pre-flight: before any model trains
+    (folder / "meta.json").write_text(json.dumps({"task": "classification", "labels": ["Joy", "anger", "joy"]}))
+    with pytest.raises(DatasetError, match=r"meta\.json: labels lists 'Joy' and 'joy' twice"):
+        probe_dataset(str(folder))
+
+
 def test_split_names_reads_no_record(tmp_path):
     folder = Path(dataset(tmp_path / "d", splits=("train", "test")))
     (folder / "train.jsonl").write_text("{not json\n")  # a probe would refuse it; the names do not read it

@@ -320,6 +320,13 @@ def _load_local_cached(name: str, files: dict[str, Path], meta: dict[str, Any] |
     )
 
 
+def check_spelled_once(source: object, labels: list[str]) -> None:
+    """Refuse classes inferred from the records that differ only in case (every name match is case-insensitive)."""
+    if twice := listed_twice(labels):
+        raise DatasetError(f"{source}: the records spell one class two ways ({twice}; classes are matched "
+                           "case-insensitively) — spell it one way, or list the classes in meta.json")  # fmt: skip
+
+
 def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, source: str) -> TaskDataset:
     from datasets import load_dataset
 
@@ -341,9 +348,8 @@ def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, 
     for file in dict.fromkeys(files.values()):
         seen.update(_check_file(file, task, multi, declared))
     labels = list(declared) if declared else ([] if task == "regression" else sorted(seen))
-    if not declared and (twice := listed_twice(labels)):
-        raise DatasetError(f"{source}: the records spell one class two ways ({twice}; classes are matched "
-                           "case-insensitively) — spell it one way, or list the classes in meta.json")  # fmt: skip
+    if not declared:
+        check_spelled_once(source, labels)
     kind = "csv" if all(f.suffix == ".csv" for f in files.values()) else "json"
     try:
         dd = load_dataset(kind, data_files={s: str(f) for s, f in files.items()})

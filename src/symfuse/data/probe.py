@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from symfuse.data.dataset import LM_ONLY_EVALUATE, TASKS, _infer_task, _resolve_local, check_records
+from symfuse.data.dataset import LM_ONLY_EVALUATE, TASKS, _infer_task, _resolve_local, check_records, check_spelled_once
 from symfuse.data.files import DatasetError, head_records
 from symfuse.data.locate import not_found_message
 
@@ -109,5 +109,7 @@ def probe_dataset(source: str, records: int = PROBE_RECORDS) -> DatasetProbe:
         seen |= check_records(file, recs, task, multi, known)
     labels = tuple(declared) if declared else () if task == "regression" else tuple(sorted(seen))
     where = str(first.parent if len(set(files.values())) > 1 or meta is not None else Path(first))
+    if not declared:
+        check_spelled_once(source, list(labels))
     complete = bool(declared) or task == "regression"
     return DatasetProbe(source, where, task, labels, complete, tuple(files), multi)
