@@ -232,7 +232,9 @@ CASES = [
     C("evaluate-unknown-dataset", "evaluate {A} --data nosuch_dataset", 1, "nosuch_dataset"),
     C("evaluate-missing-model", "evaluate {MISSING} --data {DATA}", 2, "missing"),
     C("evaluate-adapter", "evaluate {ADAPTER} --data {DATA}", 1, "fold it first: symfuse merge-lora --adapters"),
-    C("evaluate-head-size-mismatch", "evaluate {HEAD3} --data {DATA}", 1, "classifier.bias is stored with shape (2,)"),
+    C("evaluate-head-size-mismatch", "evaluate {HEAD3} --data {DATA}", 1, "head3/config.json: 3 classes (num_labels"),
+    C("match-head-size-mismatch", f"match {{HEAD3}} {{CA}} {OUT}", 1, "no tensor of the BertForSequenceClassification"),
+    C("merge-head-size-mismatch", f"{MERGE} simple --models {{CA}} {{HEAD3}} {OUT}", 1, "head has 3 outputs"),
     C(
         "evaluate-invalid-meta-json",
         "evaluate {CA} --data {BADMETA}",
