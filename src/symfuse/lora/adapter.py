@@ -50,7 +50,10 @@ _REFUSED = {
     "layer_replication": "it replicates layers (layer_replication)",
     "use_qalora": "it is a QA-LoRA adapter (use_qalora)",
     "alora_invocation_tokens": "it is an activated LoRA (alora_invocation_tokens)",
+    "use_bdlora": "it is a block-diagonal LoRA (use_bdlora)",
 }
+# init_lora_weights values whose adapter applies to a residual of the base that PEFT rebuilds on load
+_RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,13 @@ def _read_config(folder: Path) -> dict[str, Any]:
     for key, what in _REFUSED.items():
         if cfg.get(key):
             raise CheckpointError(f"{file}: {key} is set: {what} — not supported; merge adapters without it")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.startswith(_RESIDUAL_INITS):
+        raise CheckpointError(
+            f"{file}: init_lora_weights is {init!r}: the adapter applies to the residual base PEFT builds from the "
+            "base on load, not to the base — convert it to a plain LoRA first (PEFT's save_pretrained with "
+            "path_initial_model_for_weight_conversion) and merge that"
+        )
     if cfg.get("use_dora") and cfg.get("fan_in_fan_out"):
         raise CheckpointError(f"{file}: use_dora with fan_in_fan_out is not supported — use an nn.Linear model")
     for key in ("r", "lora_alpha"):
@@ -243,6 +253,9 @@ def _module(cfg: Mapping[str, Any], key: str, p: dict[str, torch.Tensor], file: 
     if m is not None and tuple(m.shape) != (b.shape[0],):
         raise CheckpointError(f"{file}: {key}: magnitude {tuple(m.shape)} does not match lora_B {tuple(b.shape)}")
     for name, t in (("lora_A", a), ("lora_B", b), ("magnitude", m)):
+        if t is not None and not t.is_floating_point():
+            raise CheckpointError(f"{file}: {key}.{name} is stored as {t.dtype} — LoRA factors are float tensors; "
+                                  "re-save the adapter (quantised adapters do not merge here)")  # fmt: skip
         if t is not None and not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"{file}: {key}.{name} holds NaN / inf — the adapter is broken; re-train it")
     return LoraModule(key, a, b, _module_scale(cfg, key, int(a.shape[0])), m)

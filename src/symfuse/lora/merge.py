@@ -286,6 +286,9 @@ def merge_adapters(
         m = next(ad.modules[key] for ad in ads if key in ad.modules)
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
     job = _Job(ads, basis, merger, weights, bw, dev)
+    if not into_base and len({ad.dtype for ad in ads}) > 1:
+        stored = ", ".join(f"{ad.path} {str(ad.dtype).removeprefix('torch.')}" for ad in ads)
+        log.warning("adapters stored in different dtypes (%s): the merged adapter is written in %s", stored, job.dtype)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         if into_base:
             errors: dict[str, float] = {}
@@ -308,6 +311,14 @@ class _Job:
     bw: _Base | None
     device: torch.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The merged adapter's dtype: one that holds every input's (fp16 and fp32 give fp32), in any order."""
+        out = self.ads[0].dtype
+        for ad in self.ads[1:]:
+            out = torch.promote_types(out, ad.dtype)
+        return out
+
     def module(self, key: str) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """``(left, core, m)``: the merged update ``left @ core`` (``left`` None: the identity), DoRA's ``m``."""
         bs, as_ = _factors(self.ads, key, self.basis, self.device)
@@ -329,10 +340,10 @@ def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path) -> dict
     for key in keys:
         left, core, mag = job.module(key)
         b, a, errors[key] = low_rank(left, core, rank)
-        b, a = (_finite(t.to(job.ads[0].dtype), key, job) for t in (b, a))
+        b, a = (_finite(t.to(job.dtype), key, job) for t in (b, a))
         _finite((b.to(F64) @ a.to(F64)).to(b.dtype), key, job)  # the update PEFT will add, in the stored dtype
         factors[key] = (b.cpu(), a.cpu(), mag.cpu() if mag is not None else None)
-    write_adapter(tmp, adapter_config(job.ads, rank, keys), factors, job.ads[0].dtype)
+    write_adapter(tmp, adapter_config(job.ads, rank, keys), factors, job.dtype)
     return errors
 
 

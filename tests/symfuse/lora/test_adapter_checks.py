@@ -98,3 +98,49 @@ def test_an_update_that_overflows_its_dtype_is_refused_and_nothing_written(adapt
     with pytest.raises(CheckpointError, match=r"the merged update holds inf / NaN in torch\.float32 .*huge"):
         merge_adapters([huge], tmp_path / "out", "simple", base=base, into_base=into_base)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["huge"]
+
+
+@pytest.mark.parametrize(
+    ("change", "text"),
+    [
+        ({"init_lora_weights": "pissa"}, "init_lora_weights is 'pissa': the adapter applies to the residual base"),
+        ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights is 'pissa_niter_4'"),
+        ({"init_lora_weights": "olora"}, "init_lora_weights is 'olora'"),
+        ({"use_bdlora": {"target_modules_bd_a": ["q_proj"], "nblocks": 2}}, "use_bdlora is set: it is a block-diag"),
+    ],
+)
+def test_an_adapter_of_another_kind_than_plain_lora_is_refused(adapter, change, text, tmp_path):
+    # PiSSA / OLoRA factors apply to W - sBA, which PEFT rebuilds on load; merged onto W they count that part twice
+    base, src = adapter
+    other = shutil.copytree(src, tmp_path / "other")
+    cfg = json.loads((other / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(CheckpointError, match=rf"other/adapter_config\.json: {re.escape(text)}"):
+        merge_adapters([other], tmp_path / "out", "simple", base=base, into_base=True)
+
+
+def test_integer_factors_are_refused(adapter, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, src = adapter
+    q = shutil.copytree(src, tmp_path / "q")
+    file = q / "adapter_model.safetensors"
+    save_file({k: (v * 100).to(torch.int8) for k, v in load_file(str(file)).items()}, str(file))
+    with pytest.raises(CheckpointError, match=r"q/adapter_model\.safetensors: .*lora_\w is stored as torch\.int8"):
+        merge_adapters([q], tmp_path / "out", "simple")
+
+
+def test_the_merged_adapter_holds_every_input_dtype_whatever_their_order(adapter, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from symfuse.lora import read_adapter
+
+    _, src = adapter
+    half = shutil.copytree(src, tmp_path / "half")
+    file = half / "adapter_model.safetensors"
+    save_file({k: v.half() for k, v in load_file(str(file)).items()}, str(file))
+    one = read_adapter(merge_adapters([half, src], tmp_path / "hf", "simple"))
+    two = read_adapter(merge_adapters([src, half], tmp_path / "fh", "simple"))
+    assert one.dtype == two.dtype == torch.float32
+    for key, m in one.modules.items():
+        torch.testing.assert_close(m.delta(), two.modules[key].delta(), rtol=1e-5, atol=1e-7)
