@@ -259,6 +259,10 @@ def test_missing_or_toy_tokenizer_is_refused(tiny, tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(folder)
     with pytest.raises(TokenizerError, match="only 5 tokens"):
         load_tokenizer(folder)
+    (folder / "tokenizer.json").write_text("{not json")  # cut or garbled: transformers' own error named no file
+    for check in (load_tokenizer, lambda f: validate_checkpoint(f, tokenizer=True)):
+        with pytest.raises(TokenizerError, match=r"toy/tokenizer\.json: cannot be read as JSON \(Expecting"):
+            check(folder)
 
 
 def test_save_safetensors_is_atomic(tmp_path, monkeypatch):

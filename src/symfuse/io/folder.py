@@ -276,8 +276,10 @@ def _check_file_finite(tf: TensorFile, wanted: set[str] | None, pool: BufferPool
 def check_tokenizer(folder: str | os.PathLike) -> None:
     """Refuse a folder without tokenizer files (transformers would build a near-empty tokenizer from nothing).
 
+    Its JSON files must parse (a cut or garbled ``tokenizer.json`` made transformers fail naming no file).
+
     Raises:
-        TokenizerError: naming the folder and the fix.
+        TokenizerError: naming the folder (or the file) and the fix.
     """
     folder = Path(folder)
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
@@ -285,6 +287,18 @@ def check_tokenizer(folder: str | os.PathLike) -> None:
             f"{folder}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}) — copy the base model's tokenizer "
             "into the folder (tokenizer.save_pretrained(folder))"
         )
+    for name in _TOKENIZER_JSON:
+        if not (file := folder / name).is_file():
+            continue
+        try:
+            json.loads(file.read_bytes())
+        except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise TokenizerError(f"{file}: cannot be read as JSON ({exc}) — copy the base model's tokenizer files "
+                                 "into the folder again (tokenizer.save_pretrained(folder))") from None  # fmt: skip
+
+
+# the tokenizer's JSON files: transformers' own parse error names no file
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
 
 
 def check_vocab_size(tokenizer: Any, folder: str | os.PathLike) -> Any:
