@@ -106,16 +106,18 @@ def local_path(option: str, value: str | Path, folder: bool = True) -> None:
         raise UsageError(f"{option}: {text} is a file, not a folder — give a folder (or a .gguf file)")
 
 
-def distinct(option: str, values: Sequence[str | Path], what: str) -> None:
-    """No two of ``values`` name one file or folder (``--models a ./a`` would merge ``a`` with itself)."""
+def distinct(option: str, values: Sequence[str | Path], what: str, weighted: bool = True) -> None:
+    """No two of ``values`` name one file or folder (``--models a ./a`` would merge ``a`` with itself).
+
+    ``weighted``: the command takes weights (the fix then says how to weight one model more).
+    """
     seen = [_resolved(v) for v in values]
     for i, value in enumerate(values):
         twin = next((v for v, where in zip(values[:i], seen, strict=False) if where == seen[i]), None)
         if twin is not None:
             same = "" if str(twin) == str(value) else f" (as {twin} and {value})"
-            raise UsageError(
-                f"{option}: {value} given twice{same} — give each {what} once (--weights weights one more than another)"
-            )
+            how = " (--weights weights one more than another)" if weighted else ""
+            raise UsageError(f"{option}: {value} given twice{same} — give each {what} once{how}")
 
 
 def same_path(a: str | Path, b: str | Path) -> bool:

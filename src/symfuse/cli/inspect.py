@@ -13,6 +13,8 @@ from symfuse.config import DATASET_RESOLUTION
 from symfuse.errors import DataError, OutputExistsError, UsageError
 from symfuse.inspect.verdict import THRESHOLDS_HELP  # no torch: --help reads it
 
+MAX_EXAMPLES, SPLIT = 64, "test"  # what --data reads by default
+
 
 @app.command("inspect")
 def inspect_command(
@@ -40,8 +42,8 @@ def inspect_command(
             "vit; post-LN families have none); 0 skips it.",
         ),
     ] = 2,
-    max_examples: Annotated[int, typer.Option("--max-examples", help="Examples read with --data.")] = 64,
-    split: Annotated[str, typer.Option("--split", help="Split read with --data.")] = "test",
+    max_examples: Annotated[int, typer.Option("--max-examples", help="Examples read with --data.")] = MAX_EXAMPLES,
+    split: Annotated[str, typer.Option("--split", help="Split read with --data.")] = SPLIT,
     device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
 ) -> None:
     """Will alignment help, will this merge work? Every model against the first, then a verdict.
@@ -55,7 +57,12 @@ def inspect_command(
         raise UsageError("MODELS: inspect compares models with the first — give at least two checkpoint folders")
     for m in models:
         checks.local_path("MODEL", m)
+    checks.distinct("MODELS", models, "model", weighted=False)
+    for m in models:
         checks.checkpoint(m)
+    if data is None and (split != SPLIT or max_examples != MAX_EXAMPLES):
+        option = "--split" if split != SPLIT else "--max-examples"
+        raise UsageError(f"{option}: only read with --data — give --data DATASET, or drop {option}")
     _check_families(models)
     if out is not None:
         _check_png(out, overwrite)

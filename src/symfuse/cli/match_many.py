@@ -105,6 +105,7 @@ def match_many_cmd(
     sym = checks.kinds("--symmetries", symmetries, "weights")
     for m in models:
         checks.local_path("M1 M2", m)
+    checks.distinct("M1 M2", models, "model", weighted=False)
     for m in models:
         checks.checkpoint(m)
     device = checks.device("--device", device)
