@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
 import threading
 from dataclasses import dataclass, field, replace
@@ -202,9 +203,11 @@ def _check_record(rec: dict[str, Any], task: str, multi_label: bool, labels: set
     label = rec.get("label")
     if task == "regression":
         try:
-            float(label)  # type: ignore[arg-type]
+            value = float(label)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             return f"label {label!r} is not a number"
+        if isinstance(label, bool) or not math.isfinite(value):
+            return f"label {json.dumps(label)} is not a finite number"
         return None
     if multi_label:
         if not isinstance(label, list) or not all(isinstance(x, str) for x in label):
@@ -239,11 +242,20 @@ def _check_file(file: Path, task: str, multi_label: bool, labels: list[str] | No
     if not records:
         raise DatasetError(f"{file}: no records — add records to it, or remove the file")
     seen = check_records(file, records, task, multi_label, known)
-    if task != "ner" and not any(r["text"].strip() or str(r.get("text_pair") or "").strip() for _, r in records):
-        raise DatasetError(f"{file}: every record's text is empty — a model learns nothing from it; check how the "
-                           "file was written (its text column)")  # fmt: skip
+    if empty := _all_empty(records, task, multi_label):
+        raise DatasetError(f"{file}: every record's {empty} is empty — a model learns nothing from it; check how the "
+                           "file was written")  # fmt: skip
     _CHECKED[key] = sorted(seen)
     return _CHECKED[key]
+
+
+def _all_empty(records: list[tuple[int, dict[str, Any]]], task: str, multi_label: bool) -> str | None:
+    """What every record of a file has empty (``text``, ``tokens``, multi-label ``label``), or None."""
+    if task == "ner":
+        return None if any(r["tokens"] for _, r in records) else "tokens"
+    if not any(r["text"].strip() or str(r.get("text_pair") or "").strip() for _, r in records):
+        return "text"
+    return "label" if multi_label and not any(r["label"] for _, r in records) else None
 
 
 def check_records(

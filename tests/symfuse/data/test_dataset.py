@@ -69,6 +69,19 @@ def test_bad_meta_and_bytes_name_the_file_line_and_fix(tmp_path):
     _write(tmp_path / "blank", "train", [{"text": "", "label": "joy"}, {"text": "  ", "label": "anger"}], meta)
     with pytest.raises(DatasetError, match=r"blank/train\.jsonl: every record's text is empty"):
         load_task_dataset(str(tmp_path / "blank"))
+    reg = {"task": "regression"}
+    for label, shown in ((float("nan"), "NaN"), (float("inf"), "Infinity"), (True, "true")):
+        _write(tmp_path / "r", "train", [{"text": "a", "text_pair": "b", "label": 1.5}] * 2 +
+               [{"text": "a", "text_pair": "b", "label": label}], reg)  # fmt: skip
+        with pytest.raises(DatasetError, match=rf"r/train\.jsonl:3: .*label {shown} is not a finite number"):
+            load_task_dataset(str(tmp_path / "r"))
+    _write(tmp_path / "nt", "train", [{"tokens": [], "tags": []}] * 2, {"task": "ner", "tags": ["B-x", "I-x", "O"]})
+    with pytest.raises(DatasetError, match=r"nt/train\.jsonl: every record's tokens is empty"):
+        load_task_dataset(str(tmp_path / "nt"))
+    multi = {"task": "classification", "multi_label": True, "labels": ["joy", "anger"]}
+    _write(tmp_path / "ml", "train", [{"text": "a", "label": []}] * 2, multi)
+    with pytest.raises(DatasetError, match=r"ml/train\.jsonl: every record's label is empty"):
+        load_task_dataset(str(tmp_path / "ml"))
     _write(tmp_path / "cased", "train", [good, {"text": "x", "label": "Joy"}, {"text": "y", "label": "anger"}])
     with pytest.raises(DatasetError, match=r"cased: the records spell one class two ways \('Joy' and 'joy'; "):
         load_task_dataset(str(tmp_path / "cased"))  # no meta.json: the classes come from the records
