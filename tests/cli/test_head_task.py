@@ -29,8 +29,9 @@ def inputs(tmp_path_factory):
         ["evaluate", "{A}", "--data", "{REG}", "--out", "{OUT}/e.json"],
         ["stats", "{A}", "--data", "{REG}", "--kind", "fisher", "--out", "{OUT}/s"],
         ["barrier", "{A}", "{B}", "--data", "{REG}", "--points", "3", "--out", "{OUT}/b"],
+        ["inspect", "{A}", "{B}", "--data", "{REG}", "--residual-iters", "0"],
     ],
-    ids=["evaluate", "stats-fisher", "barrier"],
+    ids=["evaluate", "stats-fisher", "barrier", "inspect"],
 )
 def test_a_regression_set_on_a_classifier_is_refused_in_one_line(args, inputs):
     res = run_cli(*[a.format(**inputs) for a in args])

@@ -66,8 +66,9 @@ def inspect_command(
     _check_families(models)
     if out is not None:
         _check_png(out, overwrite)
-    if data is not None:
-        checks.scored_dataset("--data", data, split)
+    if data is not None and not checks.scored_dataset("--data", data, split):
+        for m in models:  # a regression set on classifiers failed inside the loss path's forward pass
+            checks.head_reads("--data", data, m)
     device = checks.device("--device", device)
     from symfuse.inspect import inspect_models
     from symfuse.inspect.render import format_report, plot_report
