@@ -62,7 +62,7 @@ class DatasetConfig(_Strict):
         description="Where the data is: a ../shared/datasets name or folder, local files or a hub id. Default: name.",
     )
     task: Literal["classification", "pair_classification", "regression", "ner"] | None = Field(
-        default=None, description="Task type; default: read from the dataset's meta.json."
+        default=None, description="The dataset's task, checked against its meta.json (or records) before the run."
     )
     max_train_examples: int | None = Field(default=None, ge=1, description="Cap on training examples.")
     max_eval_examples: int | None = Field(default=None, ge=1, description="Cap on test examples when evaluating.")
@@ -74,6 +74,10 @@ class DatasetConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
+        if "/" in value or "\\" in value:
+            stem = value.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or "NAME"
+            raise ValueError(f"dataset name {value!r} is a path — name it and give the path as its source: "
+                             f"{{name: {stem}, source: {value}}}")  # fmt: skip
         return check_name(value, "dataset name")
 
     @property

@@ -252,6 +252,20 @@ def test_probe_reads_only_the_first_records(tmp_path):
     assert probe_dataset("meld").where == str(BUNDLED_DIR / "meld")
 
 
+def test_a_dataset_task_the_data_does_not_have_is_refused():
+    (problem,) = check_run(config(datasets=[{"name": "crowdflower", "task": "regression"}, {"name": "meld"}]))
+    assert problem.startswith("training dataset crowdflower: task: regression, but ") and problem.endswith(
+        "holds classification data — fix task:, or drop it (meta.json says the task)"
+    ), problem
+    assert check_run(config(datasets=[{"name": "crowdflower", "task": "classification"}, {"name": "meld"}])) == []
+
+
+def test_a_path_as_a_dataset_name_is_told_to_go_under_source():
+    with pytest.raises(ValueError, match=r"dataset name '/data/toy' is a path — name it and give the path as its "
+                                         r"source: \{name: toy, source: /data/toy\}"):  # fmt: skip
+        config(datasets=[{"name": "/data/toy"}, {"name": "meld"}])
+
+
 def test_the_probe_refuses_a_class_named_twice(tmp_path):
     folder = tmp_path / "cased"
     folder.mkdir()
