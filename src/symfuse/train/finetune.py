@@ -370,6 +370,11 @@ def train_model(
         run_loss, run_n = _train_epoch(run, train_feats, epoch)
         train_seconds = time.perf_counter() - t0
         metrics, val_loss = _validate(run, val_batches) if val_split else ({}, math.nan)
+        if val_split and not math.isfinite(val_loss):  # the last steps' updates diverged: no epoch to keep
+            raise NonFiniteError(
+                f"{run.where}: {val_split} loss on {run.data.name} became {val_loss} after epoch {epoch} — nothing "
+                f"was written; lower the learning rate (now {cfg.lr:g}) or check the data and the base weights"
+            )
         history.append({
             "epoch": epoch, "train_loss": run_loss / max(run_n, 1), "split": val_split,
             **({"val_loss": val_loss, **_scalars(metrics)} if val_split else {}), "train_seconds": train_seconds,

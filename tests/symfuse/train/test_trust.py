@@ -103,3 +103,11 @@ def test_finetune_stops_at_the_first_non_finite_loss_and_writes_nothing(setup, t
         finetune(base, str(data), tmp_path / "ft", cfg)
     assert "epoch 1" in str(err.value) and "\n" not in str(err.value)
     assert not list(tmp_path.iterdir())  # no output, no temporary folder
+
+
+def test_finetune_refuses_weights_whose_validation_loss_is_not_finite(setup, tmp_path):
+    data, base, _ = setup  # one step per epoch: its update diverges after the training loss was read
+    cfg = FinetuneConfig(epochs=1, batch_size=512, max_length=16, lr=1e30, warmup_ratio=0.0, progress=False)
+    with pytest.raises(NonFiniteError, match=r"(validation|held-out) loss on \w+ became nan after epoch 1 — nothing "):
+        finetune(base, str(data), tmp_path / "ft", cfg)
+    assert not list(tmp_path.iterdir())  # it wrote val_loss NaN, marked best, and a checkpoint of NaN weights
