@@ -69,3 +69,14 @@ def rebased(adapter: Path, out: Path, seed: int = 0) -> Path:
         t[name] = torch.linalg.solve(m, a).to(t[name].dtype).contiguous()
     save_file(t, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def edited_copy(adapter: Path, out: Path, **changes) -> Path:
+    """A copy of ``adapter`` at ``out`` whose ``adapter_config.json`` has ``changes``."""
+    import json
+    import shutil
+
+    shutil.copytree(adapter, out)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, **changes}))
+    return out

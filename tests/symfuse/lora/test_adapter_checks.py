@@ -13,7 +13,7 @@ import transformers as T
 
 from symfuse.errors import CheckpointError
 from symfuse.lora import merge_adapters
-from tests.symfuse.lora.helpers import effective_weights, make_adapter, tiny_base
+from tests.symfuse.lora.helpers import edited_copy, effective_weights, make_adapter, tiny_base
 from tests.tiny import save_tiny
 
 
@@ -42,9 +42,8 @@ def test_a_gpt2_adapter_of_conv1d_and_linear_layers_goes_into_the_base_as_peft_m
 
 def test_a_config_fan_in_fan_out_on_linear_layers_is_ignored_as_peft_ignores_it(tmp_path):
     base = tiny_base(tmp_path / "llama")
-    adapter = make_adapter(base, tmp_path / "ad", seed=2, targets=["q_proj", "o_proj"])
-    cfg = json.loads((adapter / "adapter_config.json").read_text())
-    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "fan_in_fan_out": True}))
+    made = make_adapter(base, tmp_path / "made", seed=2, targets=["q_proj", "o_proj"])
+    adapter = edited_copy(made, tmp_path / "ad", fan_in_fan_out=True)
     got = _merged_into_base(adapter, base, tmp_path / "out", T.AutoModelForCausalLM)
     worst, _ = _worst(got, effective_weights(base, adapter), effective_weights(base, None))
     assert worst < 1e-6
@@ -72,9 +71,7 @@ def adapter(tmp_path_factory):
 )
 def test_a_config_value_peft_cannot_apply_is_refused_naming_it(adapter, change, text, tmp_path):
     base, src = adapter
-    bad = shutil.copytree(src, tmp_path / "bad")
-    cfg = json.loads((bad / "adapter_config.json").read_text())
-    (bad / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+    bad = edited_copy(src, tmp_path / "bad", **change)
     with pytest.raises(CheckpointError, match=rf"bad/adapter_config\.json: {re.escape(text)}"):
         merge_adapters([bad], tmp_path / "out", "simple", base=base, into_base=True)
     assert not (tmp_path / "out").exists()
@@ -92,9 +89,7 @@ def test_a_cut_weights_file_is_named(adapter, tmp_path):
 @pytest.mark.parametrize("into_base", [True, False])
 def test_an_update_that_overflows_its_dtype_is_refused_and_nothing_written(adapter, into_base, tmp_path):
     base, src = adapter
-    huge = shutil.copytree(src, tmp_path / "huge")
-    cfg = json.loads((huge / "adapter_config.json").read_text())
-    (huge / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": 1e40}))
+    huge = edited_copy(src, tmp_path / "huge", lora_alpha=1e40)
     with pytest.raises(CheckpointError, match=r"the merged update holds inf / NaN in torch\.float32 .*huge"):
         merge_adapters([huge], tmp_path / "out", "simple", base=base, into_base=into_base)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["huge"]
@@ -112,9 +107,7 @@ def test_an_update_that_overflows_its_dtype_is_refused_and_nothing_written(adapt
 def test_an_adapter_of_another_kind_than_plain_lora_is_refused(adapter, change, text, tmp_path):
     # PiSSA / OLoRA factors apply to W - sBA, which PEFT rebuilds on load; merged onto W they count that part twice
     base, src = adapter
-    other = shutil.copytree(src, tmp_path / "other")
-    cfg = json.loads((other / "adapter_config.json").read_text())
-    (other / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+    other = edited_copy(src, tmp_path / "other", **change)
     with pytest.raises(CheckpointError, match=rf"other/adapter_config\.json: {re.escape(text)}"):
         merge_adapters([other], tmp_path / "out", "simple", base=base, into_base=True)
 

@@ -13,7 +13,7 @@ from peft import PeftModel
 from symfuse.errors import CheckpointError, UsageError
 from symfuse.lora import merge_adapters, read_adapter
 from symfuse.merge.task_vectors import ties_combine
-from tests.symfuse.lora.helpers import effective_weights, make_adapter, rebased, tiny_base
+from tests.symfuse.lora.helpers import edited_copy, effective_weights, make_adapter, rebased, tiny_base
 from tests.tiny import random_inputs
 
 
@@ -169,18 +169,9 @@ def test_union_of_modules_counts_a_missing_module_as_no_update(zoo, tmp_path):
     assert {m.rank for m in read_adapter(out).modules.values()} == {6}  # 4 + 2: the largest sum of ranks
 
 
-def _edit_config(src, dst, **changes):
-    import shutil
-
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "adapter_config.json").read_text())
-    (dst / "adapter_config.json").write_text(json.dumps({**cfg, **changes}))
-    return dst
-
-
 def test_refusals_name_the_problem_and_write_nothing(zoo, tmp_path):
-    other = _edit_config(zoo["a2"], tmp_path / "other", base_model_name_or_path="/elsewhere/base")
-    bias = _edit_config(zoo["a2"], tmp_path / "bias", lora_bias=True)
+    other = edited_copy(zoo["a2"], tmp_path / "other", base_model_name_or_path="/elsewhere/base")
+    bias = edited_copy(zoo["a2"], tmp_path / "bias", lora_bias=True)
     cases = [
         (([zoo["a1"], other], "simple"), {}, CheckpointError, "merge adapters of one base"),
         (([zoo["a1"], bias], "simple"), {}, CheckpointError, "lora_bias is set"),
