@@ -15,6 +15,7 @@ def inputs(tmp_path_factory):
     save_tiny_text_classifier(root / "a", seed=1)
     save_tiny_text_classifier(root / "b", seed=2)
     save_tiny(root / "l", "llama", seed=1)
+    save_tiny(root / "l2", "llama", seed=2)
     toy_dataset(root / "data")
     (root / "adapter").mkdir()
     (root / "adapter" / "adapter_config.json").write_text("{}")  # refused on --device before it is read
@@ -23,7 +24,7 @@ def inputs(tmp_path_factory):
 
 COMMANDS = {
     "match": "match {l} {l} --out {o}",
-    "match-many": "match-many {l} {l} --out {o}",
+    "match-many": "match-many {l} {l2} --out {o}",
     "disguise": "disguise {l} --out {o}",
     "stats": "stats {a} --data {data} --kind gram --out {o}",
     "merge": "merge --strategy simple --models {a} {b} --out {o}",
@@ -37,8 +38,8 @@ COMMANDS = {
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_a_missing_device_is_refused_before_any_work(inputs, command):
-    args = COMMANDS[command].format(a=inputs / "a", b=inputs / "b", l=inputs / "l", data=inputs / "data",
-                                    ad=inputs / "adapter", o=inputs / f"out-{command}").split()  # fmt: skip
+    paths = {name: inputs / name for name in ("a", "b", "l", "l2", "data")}
+    args = COMMANDS[command].format(**paths, ad=inputs / "adapter", o=inputs / f"out-{command}").split()
     before = listing(inputs)
     proc = run_cli(*args, "--device", "cuda:7")
     assert proc.returncode == 2, proc.stderr
