@@ -149,7 +149,6 @@ CASES = [
     C("match-many-one-model", f"match-many {{A}} {OUT}", 2, "M1 M2", verbose=True),
     C("match-many-unknown-anchor", f"match-many {{A}} {{B}} {OUT} --anchor nosuch", 2, "nosuch"),
     C("match-many-model-twice", f"match-many {{A}} {{B}} {{A}}/ {OUT}", 2, "given twice (as {A} and {A}/) — give"),
-    C("inspect-model-twice", "inspect {A} {A}/", 2, "MODELS: {A}/ given twice"),
     C("inspect-split-without-data", "inspect {A} {B} --split validation", 2, "--split: only read with --data"),
     C(
         "match-many-activations-only-symmetry",

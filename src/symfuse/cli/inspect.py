@@ -57,8 +57,6 @@ def inspect_command(
         raise UsageError("MODELS: inspect compares models with the first — give at least two checkpoint folders")
     for m in models:
         checks.local_path("MODEL", m)
-    checks.distinct("MODELS", models, "model", weighted=False)
-    for m in models:
         checks.checkpoint(m)
     if data is None and (split != SPLIT or max_examples != MAX_EXAMPLES):
         option = "--split" if split != SPLIT else "--max-examples"

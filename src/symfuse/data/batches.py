@@ -310,7 +310,7 @@ def epoch_steps(
 
 def tracked_batches(
     batches: Iterable[Any], total: int, what: str, on_progress: Callable[[float], None] | None = None,
-    start: float = 0.0, share: float = 1.0,
+    start: float = 0.0, share: float = 1.0, logger: logging.Logger = log,
 ) -> Iterator[Any]:  # fmt: skip
     """Yield ``batches``; after each, call ``on_progress(start + share * done / total)`` and log ~10 INFO lines.
 
@@ -321,11 +321,13 @@ def tracked_batches(
         on_progress: Progress callback (fraction of the whole job, 0..1), or None.
         start: Fraction of the whole job done before these batches.
         share: Fraction of the whole job these batches are.
+        logger: Where the lines go: the caller's logger, so that a run's log names the stage (``symfuse.stats.
+            collect: gram statistics: batch 3/10``).
     """
     every = max(1, total // LOG_LINES)
     for i, batch in enumerate(batches, 1):
         yield batch
         if i % every == 0 or i == total:
-            log.info("%s: batch %d/%d", what, i, total)
+            logger.info("%s: batch %d/%d", what, i, total)
         if on_progress is not None:
             on_progress(start + share * min(1.0, i / max(total, 1)))

@@ -164,7 +164,7 @@ class _Votes:
         done, share = self.done / self.heads, heads / self.heads
         batches = tracked_batches(iter_batches([feats[j] for j in self.order], self.how["batch_size"], pad),
                                   math.ceil(len(feats) / self.how["batch_size"]), f"{self.ds.name} votes",
-                                  report, done, share)  # fmt: skip
+                                  report, done, share, log)  # fmt: skip
         logits, gold, _ = run_model(net, batches, None, self.dev, amp=self.dev.type == "cuda")
         self.done += heads
         self.gold = torch.cat(gold)

@@ -109,7 +109,7 @@ def evaluate_model(
     feats = encode_split(ds, tok, split, max_length, max_examples, seed)
     batches = iter_batches(feats, batch_size, tok.pad_token_id or 0, by_length=True)  # metrics are order-free
     total = math.ceil(len(feats) / batch_size)
-    batches = tracked_batches(batches, total, f"evaluate on {ds.name}/{split}", on_progress)
+    batches = tracked_batches(batches, total, f"evaluate on {ds.name}/{split}", on_progress, logger=log)
     dev = resolve_device(device)
     same_space = head_labels == ds.labels and head_problem == ds.problem_type
     loss_problem = ds.problem_type if same_space or ds.problem_type == "regression" else None

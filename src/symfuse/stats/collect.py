@@ -166,7 +166,7 @@ def _collect_into(
     """Collect each kind and write ``out_dir/<kind>.safetensors`` (Grams stored in ``gram_dtype``)."""
     for i, kind in enumerate(kinds):
         share = 1 / len(kinds)
-        stream = tracked_batches(batches, len(batches), f"{kind} statistics", on_progress, i * share, share)
+        stream = tracked_batches(batches, len(batches), f"{kind} statistics", on_progress, i * share, share, log)
         if kind == "gram":
             g = collect_gram(net, stream, device=device, progress=progress)
             meta = {

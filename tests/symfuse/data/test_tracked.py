@@ -9,12 +9,13 @@ from symfuse.data import tracked_batches
 
 def test_a_pass_reports_its_share_of_the_job_and_logs_about_ten_lines(caplog):
     seen = []
-    with caplog.at_level(logging.INFO, logger="symfuse.data.batches"):
-        out = list(tracked_batches(iter(range(25)), 25, "gram statistics", seen.append, start=0.5, share=0.5))
+    mine = logging.getLogger("symfuse.stats.collect")  # the caller's: a run's log names the stage
+    with caplog.at_level(logging.INFO, logger="symfuse.stats.collect"):
+        out = list(tracked_batches(iter(range(25)), 25, "gram statistics", seen.append, 0.5, 0.5, mine))
     assert out == list(range(25))
     assert seen == sorted(seen) and len(seen) == 25
     assert seen[0] == pytest.approx(0.52) and seen[-1] == pytest.approx(1.0)
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "symfuse.stats.collect"]
     assert 10 <= len(lines) <= 13 and lines[-1] == "gram statistics: batch 25/25", lines
 
 
