@@ -102,9 +102,9 @@ def check_run(config: RunConfig) -> list[str]:
         probe = _probe(f"training dataset {d.name}", d.data, _training_splits(config, d.name), problems)
         if probe is not None:
             probes[d.name] = probe
-        if probe is not None and d.task and probe.task and d.task != probe.task:  # task: is a claim about the data
-            problems.append(f"training dataset {d.name}: task: {d.task}, but {probe.where} holds {probe.task} data — "
-                            "fix task:, or drop it (meta.json says the task)")  # fmt: skip
+            if d.task and probe.task and d.task != probe.task:  # task: is a claim about the data, checked here
+                problems.append(f"training dataset {d.name}: task: {d.task}, but {probe.where} holds {probe.task} "
+                                "data — fix task:, or drop it (meta.json says the task)")  # fmt: skip
     heads = _heads(config, probes, problems)
     others = _evaluation_sets(config)
     sets: dict[str, DatasetProbe] = {n: p for n, p in probes.items() if n in others}

@@ -290,15 +290,20 @@ def check_tokenizer(folder: str | os.PathLike) -> None:
     for name in _TOKENIZER_JSON:
         if not (file := folder / name).is_file():
             continue
+        ident, parsed = _PARSED.lookup(file)
+        if parsed:  # a tokenizer.json of megabytes is parsed once per process while unchanged
+            continue
         try:
             json.loads(file.read_bytes())
         except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise TokenizerError(f"{file}: cannot be read as JSON ({exc}) — copy the base model's tokenizer files "
                                  "into the folder again (tokenizer.save_pretrained(folder))") from None  # fmt: skip
+        _PARSED.remember(file, ident, True)
 
 
 # the tokenizer's JSON files: transformers' own parse error names no file
 _TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
+_PARSED: FileMemo[bool] = FileMemo()  # tokenizer JSON files this process found to parse (see symfuse.io.memo)
 
 
 def check_vocab_size(tokenizer: Any, folder: str | os.PathLike) -> Any:

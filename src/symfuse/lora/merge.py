@@ -340,8 +340,8 @@ def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path) -> dict
     for key in keys:
         left, core, mag = job.module(key)
         b, a, errors[key] = low_rank(left, core, rank)
-        b, a = (_finite(t.to(job.dtype), key, job) for t in (b, a))
-        _finite((b.to(F64) @ a.to(F64)).to(b.dtype), key, job)  # the update PEFT will add, in the stored dtype
+        b, a = b.to(job.dtype), a.to(job.dtype)
+        _finite((b.to(F64) @ a.to(F64)).to(b.dtype), key, job)  # the update PEFT adds (inf in b or a shows here)
         factors[key] = (b.cpu(), a.cpu(), mag.cpu() if mag is not None else None)
     write_adapter(tmp, adapter_config(job.ads, rank, keys), factors, job.dtype)
     return errors
