@@ -169,6 +169,36 @@ def test_a_head_of_other_classes_than_the_config_names_is_refused(family, head, 
         CheckpointReader(folder)
 
 
+def test_every_family_opens_with_its_stored_layer_count(tmp_path):
+    from tests.tiny import FAMILIES
+
+    for family in FAMILIES:
+        with CheckpointReader(save_tiny(tmp_path / family, family)) as r:
+            assert r.spec.modules(r.config)
+
+
+@pytest.mark.parametrize(
+    ("family", "key"),
+    [("bert", "num_hidden_layers"), ("gpt2", "n_layer"), ("llama", "num_hidden_layers"), ("t5", "num_decoder_layers"),
+     ("clip", "text_config.num_hidden_layers")],
+)  # fmt: skip
+def test_a_config_of_fewer_layers_than_the_weights_is_refused(family, key, tmp_path):
+    from symfuse.match import disguise_checkpoint
+
+    folder = save_tiny(tmp_path / "m", family)
+    cfg = json.loads((folder / "config.json").read_text())
+    holder, _, field = key.rpartition(".")
+    sub = cfg[holder] if holder else cfg
+    sub[field] -= 1  # the last stored layer is no longer part of the model the config describes
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=rf"config\.json: {key} is {sub[field]} but the weights hold layer "
+                                              rf"{sub[field]} \("):  # fmt: skip
+        CheckpointReader(folder)
+    with pytest.raises(CheckpointError, match="do not belong together"):  # it was copied through untransformed
+        disguise_checkpoint(folder, tmp_path / "out", seed=0)
+    assert not (tmp_path / "out").exists()
+
+
 def test_integer_tensors_are_never_transformed(tiny, tmp_path):
     from symfuse.match import disguise_checkpoint
 

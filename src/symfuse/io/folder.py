@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -181,7 +182,36 @@ def check_module_shapes(
                     f"{files[name]}: {name} has shape {list(info.shape)} but config.json implies {list(shape)} — "
                     "the config and the weights do not belong together"
                 )
+    _check_layer_count(folder, spec, config, prefix, files)
     _check_head_outputs(folder, config, prefix, files, tensor_files)
+
+
+def _check_layer_count(folder: Path, spec: Any, config: Any, prefix: str, files: dict[str, Path]) -> None:
+    """No stored tensor belongs to a layer past the count ``config.json`` gives its stack.
+
+    A config of fewer layers than the weights would have the extra layers copied untransformed into an aligned
+    model, which then computes something else than the model it came from.
+
+    Raises:
+        CheckpointError: a tensor of layer ``i >= n_layers``.
+    """
+    geo = spec.geometry(config)
+    limits: dict[str, tuple[int, str]] = {}
+    for st in spec.all_stacks():
+        cfg = getattr(config, st.config) if st.config else config
+        key = getattr(cfg, "attribute_map", {}).get(st.n_layers_key, st.n_layers_key)  # as config.json spells it
+        entry = (geo.of(st.name).n_layers, f"{st.config}.{key}" if st.config else key)
+        limits[st.layer] = max(limits.get(st.layer, entry), entry)
+    for template, (n, key) in limits.items():
+        before, after = template.split("{i}")
+        pattern = re.compile(re.escape(prefix + before) + r"(\d+)" + re.escape(after) + r"\.")
+        over = [(int(m.group(1)), name) for name in files if (m := pattern.match(name)) and int(m.group(1)) >= n]
+        if over:
+            layer, name = max(over)
+            raise CheckpointError(
+                f"{folder}/config.json: {key} is {n} but the weights hold layer {layer} ({name}) — the config and "
+                f"the weights do not belong together; set {key} to the stored count or re-export the checkpoint"
+            )
 
 
 # transformers builds these heads' output layer with config.num_labels outputs (len(id2label))
