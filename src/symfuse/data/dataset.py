@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from symfuse.data.files import DatasetError, listed_twice, read_meta, read_records
+from symfuse.data.files import NER_SCHEME, DatasetError, listed_twice, not_a_ner_tag, read_meta, read_records
 from symfuse.data.locate import (  # shared_datasets_dir: re-exported, it used to live here
     dataset_search_path,
     find_named_dataset,
@@ -191,6 +191,8 @@ def _check_record(rec: dict[str, Any], task: str, multi_label: bool, labels: set
             return "'tokens' must be a list of strings"
         if not isinstance(tags, list) or len(tags) != len(tokens):
             return f"'tags' must be a list with one tag per token ({len(tokens)} tokens)"
+        if (tag := not_a_ner_tag(tags)) is not None:
+            return f"tag {tag!r} {NER_SCHEME}"
         if labels is not None:
             bad = [t for t in tags if t not in labels]
             if bad:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -51,7 +52,8 @@ def read_meta(file: Path) -> dict[str, Any]:
 
     Raises:
         DatasetError: the file is not UTF-8, not JSON (line and column named) or not such a mapping, or a class is
-            listed twice (case-insensitively: heads and data match classes by name so).
+            listed twice (case-insensitively: heads and data match classes by name so), or the list is empty (but
+            for regression, which has no classes).
     """
     text = decode(file)
     try:
@@ -68,10 +70,29 @@ def read_meta(file: Path) -> dict[str, Any]:
         names = meta.get(key)
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise DatasetError(f"{file}: {key} must be a list of class names, got {names!r} — fix the file")
+        if names == [] and meta.get("task") != "regression":
+            raise DatasetError(f"{file}: {key} is an empty list — list the classes, or remove the key to infer them "
+                               "from the records")  # fmt: skip
+        if key == "tags" and (bad := not_a_ner_tag(names or [])) is not None:
+            raise DatasetError(f"{file}: tags lists {bad!r}, which {NER_SCHEME}")
         if twice := listed_twice(names or []):
             raise DatasetError(f"{file}: {key} lists {twice} twice (class names are matched case-insensitively) — "
                                "list each class once")  # fmt: skip
     return meta
+
+
+# seqeval (entity F1) reads a tag as O, or a B / I / E / S prefix, a hyphen and an entity type; it warns about any
+# other tag and counts it as outside every entity, so a dataset of such tags would score an entity F1 of 0
+_NER_TAG = re.compile(r"O|[BIES]-.+")
+NER_SCHEME = (
+    "is not O or a B- / I- / E- / S- prefix and an entity type — entity F1 (seqeval) would count it as outside "
+    "every entity; write BIO tags such as B-PER / I-PER / O"
+)
+
+
+def not_a_ner_tag(tags: Iterable[object]) -> object | None:
+    """The first tag that is not a string of the BIO(ES) scheme seqeval scores (see :data:`NER_SCHEME`), or None."""
+    return next((t for t in tags if not (isinstance(t, str) and _NER_TAG.fullmatch(t))), None)
 
 
 def listed_twice(names: Iterable[str]) -> str | None:

@@ -52,6 +52,24 @@ def test_bad_record_names_file_and_line(tmp_path):
         load_task_dataset(str(tmp_path / "n"))
 
 
+def test_ner_tags_outside_the_scheme_seqeval_scores_are_refused(tmp_path):
+    """seqeval reads 'PER' (IO tags) as outside every entity: such a set trained, then scored entity F1 0."""
+    rows = [{"tokens": ["Ann", "runs"], "tags": ["PER", "O"]}] * 2
+    _write(tmp_path / "io", "train", rows, {"task": "ner", "tags": ["PER", "O"]})
+    with pytest.raises(DatasetError, match=r"io/meta\.json: tags lists 'PER', which is not O or a B- / I- / E- / S- "
+                                           r"prefix and an entity type .* such as B-PER / I-PER / O"):  # fmt: skip
+        load_task_dataset(str(tmp_path / "io"))
+    (tmp_path / "io" / "meta.json").unlink()  # inferred from the records: named at the first record holding one
+    with pytest.raises(DatasetError, match=r"io/train\.jsonl:1: bad ner record: tag 'PER' is not O or a B- "):
+        load_task_dataset(str(tmp_path / "io"))
+    _write(tmp_path / "int", "train", [{"tokens": ["a"], "tags": [1]}], None)
+    with pytest.raises(DatasetError, match=r"int/train\.jsonl:1: bad ner record: tag 1 is not O"):
+        load_task_dataset(str(tmp_path / "int"))
+    iobes = [{"tokens": ["Ann", "Lee", "runs", "Rome"], "tags": ["B-PER", "E-PER", "O", "S-LOC"]}] * 2
+    _write(tmp_path / "iobes", "train", iobes, None)
+    assert load_task_dataset(str(tmp_path / "iobes")).labels == ["B-PER", "E-PER", "O", "S-LOC"]
+
+
 def test_bad_meta_and_bytes_name_the_file_line_and_fix(tmp_path):
     meta = {"task": "classification", "labels": ["joy", "anger"]}
     good = {"text": "ok", "label": "joy"}
@@ -66,6 +84,16 @@ def test_bad_meta_and_bytes_name_the_file_line_and_fix(tmp_path):
         (tmp_path / "d" / "meta.json").write_text(json.dumps({"task": "classification", "labels": labels}))
         with pytest.raises(DatasetError, match=rf"meta\.json: labels lists {twice} twice .* — list each class once"):
             load_task_dataset(str(tmp_path / "d"))  # a head got two outputs named joy, one never trained
+    (tmp_path / "d" / "meta.json").write_text(json.dumps({"task": "classification", "labels": []}))
+    with pytest.raises(DatasetError, match=r"meta\.json: labels is an empty list — list the classes, or remove"):
+        load_task_dataset(str(tmp_path / "d"))  # it inferred the classes from the records without a word
+    _write(
+        tmp_path / "r0",
+        "train",
+        [{"text": "a", "text_pair": "b", "label": 1.5}] * 2,
+        {"task": "regression", "labels": []},
+    )
+    assert load_task_dataset(str(tmp_path / "r0")).labels == []  # regression has no classes to list
     _write(tmp_path / "blank", "train", [{"text": "", "label": "joy"}, {"text": "  ", "label": "anger"}], meta)
     with pytest.raises(DatasetError, match=r"blank/train\.jsonl: every record's text is empty"):
         load_task_dataset(str(tmp_path / "blank"))
