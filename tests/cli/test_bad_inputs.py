@@ -213,6 +213,12 @@ CASES = [
     C("finetune-epochs-zero", f"finetune {{A}} --data {{DATA}} {OUT} --epochs 0", 2, "--epochs"),
     C("finetune-lr-zero", f"finetune {{A}} --data {{DATA}} {OUT} --lr 0", 2, "--lr"),
     C("finetune-lr-negative", f"finetune {{A}} --data {{DATA}} {OUT} --lr -1e-5", 2, "--lr"),
+    C(
+        "finetune-lr-huge",
+        f"finetune {{A}} --data {{DATA}} {OUT} --lr 1e5",
+        2,
+        "--lr: 100000 is above 1 — give at most 1",
+    ),
     C("finetune-head-lr-scale-zero", f"finetune {{A}} --data {{DATA}} {OUT} --head-lr-scale 0", 2, "--head-lr-scale"),
     C("finetune-head-lr-scale-huge", f"finetune {{A}} --data {{DATA}} {OUT} --head-lr-scale 1e6", 2, "--head-lr-scale"),
     C("finetune-batch-size-zero", f"finetune {{A}} --data {{DATA}} {OUT} --batch-size 0", 2, "--batch-size"),
@@ -226,6 +232,12 @@ CASES = [
     C("finetune-out-exists", f"finetune {{A}} --data {{DATA}} {OUT}", 2, "{OUT}", pre="dir", verbose=True),
     # --- barrier / evaluate ---
     C("barrier-one-point", f"barrier {{A}} {{B}} --data {{DATA}} {OUT} --points 1", 2, "--points"),
+    C(
+        "barrier-huge-points",
+        f"barrier {{A}} {{B}} --data {{DATA}} {OUT} --points 1000000000",
+        2,
+        "--points: 1000000000 is above 1001",
+    ),
     C("barrier-unknown-dataset", f"barrier {{A}} {{B}} --data nosuch_dataset {OUT}", 1, "nosuch_dataset"),
     C("barrier-missing-model", f"barrier {{A}} {{MISSING}} --data {{DATA}} {OUT}", 2, "missing"),
     C("barrier-garbage-model", f"barrier {{A}} {{GARBAGE}} --data {{DATA}} {OUT}", 1, "garbage"),

@@ -89,6 +89,7 @@ def test_minimal_yaml_gets_defaults(tmp_path):
         ({"regmean_alpha": 0.5, "merge_params": {"regmean": {"alpha": 0.4}}}, "both given"),
         ({"evaluation": {"out_of_domain": ["/data/mine"]}}, "evaluation dataset '/data/mine': a name, not a path"),
         ({"finetune": {"lr": float("inf")}}, r"finetune\.lr\s+Input should be a finite number"),
+        ({"finetune": {"lr": 5.0}}, r"finetune\.lr\s+Input should be less than or equal to 1"),
         ({"head_refit": {"ridge": float("nan")}}, r"head_refit\.ridge\s+Input should be a finite number"),
         ({"finetune": {"seed": 2**64}}, r"finetune\.seed\s+Input should be less than or equal to 9223372036854775807"),
         (

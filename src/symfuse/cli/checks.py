@@ -26,6 +26,13 @@ def at_least(option: str, value: int | None, low: int) -> None:
         raise UsageError(f"{option}: {value} is below {low} — give an integer >= {low}")
 
 
+def at_most(option: str, value: float | None, high: float, example: str) -> None:
+    """``value`` <= ``high`` (None passes); ``example`` is a usual value, shown in the fix."""
+    if value is not None and value > high:
+        shown = f"{value:g}" if isinstance(value, float) else value
+        raise UsageError(f"{option}: {shown} is above {high:g} — give at most {high:g}, e.g. {example}")
+
+
 def fraction(option: str, value: float | None, closed_low: bool = False) -> None:
     """``value`` in (0, 1], or [0, 1] with ``closed_low`` (None passes)."""
     if value is None:

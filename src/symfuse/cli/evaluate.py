@@ -13,6 +13,8 @@ from symfuse.config import DATASET_RESOLUTION
 from symfuse.errors import UsageError
 from symfuse.outputs import atomic_output_dir
 
+MAX_POINTS = 1001  # barrier: λ values evaluated, one full pass over the split each
+
 
 @app.command()
 def evaluate(
@@ -86,7 +88,7 @@ def barrier(
     b: Annotated[str, typer.Argument(help="Second model (λ = 1), same architecture and head shape.")],
     data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
     out: Annotated[Path, typer.Option("--out", help="Folder for barrier.json and barrier.png (new).")],
-    points: Annotated[int, typer.Option("--points", help="λ values in [0, 1] (>= 2).")] = 21,
+    points: Annotated[int, typer.Option("--points", help=f"λ values in [0, 1] (2 .. {MAX_POINTS}).")] = 21,
     split: Annotated[str, typer.Option("--split", help="Dataset split to read.")] = "test",
     max_examples: Annotated[
         int | None, typer.Option("--max-examples", help="Examples to use at most (all when absent).")
@@ -97,6 +99,7 @@ def barrier(
 ) -> None:
     """Loss barrier along (1-λ)θ_A + λθ_B on a dataset split."""
     checks.at_least("--points", points, 2)
+    checks.at_most("--points", points, MAX_POINTS, "21")  # each point evaluates one interpolated model
     checks.at_least("--max-examples", max_examples, 1)
     checks.at_least("--max-length", max_length, 2)
     device = checks.device("--device", device)

@@ -25,7 +25,7 @@ def finetune(
         int | None, typer.Option("--max-train-examples", help="Training examples at most (all when absent).")
     ] = None,
     max_eval_examples: Annotated[int | None, typer.Option("--max-eval-examples", help="Subsample validation.")] = None,
-    lr: Annotated[float, typer.Option("--lr", help="Learning rate (> 0).")] = 1e-5,
+    lr: Annotated[float, typer.Option("--lr", help="Learning rate (0 < lr <= 1).")] = 1e-5,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Examples per batch.")] = 16,
     grad_accum: Annotated[int, typer.Option("--grad-accum", help="Gradient accumulation steps.")] = 1,
     max_length: Annotated[int, typer.Option("--max-length", help="Tokens per example at most.")] = 128,
@@ -68,9 +68,9 @@ def finetune(
     checks.at_least("--max-train-examples", max_train_examples, 1)
     checks.at_least("--max-eval-examples", max_eval_examples, 1)
     checks.positive("--lr", lr, "a learning rate")
+    checks.at_most("--lr", lr, 1, "2e-5")  # AdamW steps of lr x ~1 per weight: above 1, every weight is noise
     checks.positive("--head-lr-scale", head_lr_scale, "a learning-rate multiplier")
-    if head_lr_scale > 1000:
-        raise UsageError(f"--head-lr-scale: {head_lr_scale:g} is above 1000 — give a multiplier in (0, 1000], e.g. 10")
+    checks.at_most("--head-lr-scale", head_lr_scale, 1000, "10")
     checks.at_least("--batch-size", batch_size, 1)
     checks.at_least("--grad-accum", grad_accum, 1)
     checks.at_least("--max-length", max_length, 8)

@@ -67,7 +67,7 @@ class FinetuneConfig(BaseModel):
     _no_bool = field_validator("*", mode="before")(no_bool_for_numbers)
 
     epochs: int = Field(3, ge=1)
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(1e-5, gt=0, le=1, description="AdamW learning rate; above 1 every step replaces the weights")
     batch_size: int = Field(16, ge=1, description="micro-batch; an optimizer step sees batch_size * grad_accum")
     grad_accum: int = Field(1, ge=1)
     max_length: int = Field(128, ge=8)
