@@ -153,6 +153,10 @@ def _read_config(folder: Path) -> dict[str, Any]:
     for key in ("r", "lora_alpha"):
         if not _positive(cfg.get(key), whole=key == "r"):
             raise CheckpointError(f"{file}: {key} is {cfg.get(key)!r} — it must be a positive {_NUMBER[key == 'r']}")
+    targets = cfg.get("target_modules")
+    if targets is not None and not (isinstance(targets, str) or _strings(targets)):  # copied into the merged config
+        raise CheckpointError(f"{file}: target_modules is {targets!r} — it must be a module-name pattern or a list "
+                              "of module names, as PEFT writes it")  # fmt: skip
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(cfg.get(key) or {}, dict):
             raise CheckpointError(f"{file}: {key} is {cfg[key]!r} — it must map module names to numbers")
@@ -162,6 +166,10 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 
 _NUMBER = ("finite number", "whole number")
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 def _positive(value: Any, whole: bool) -> bool:

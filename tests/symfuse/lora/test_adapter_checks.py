@@ -67,6 +67,8 @@ def adapter(tmp_path_factory):
         ({"alpha_pattern": {"q_proj": -3}}, "alpha_pattern['q_proj'] is -3"),
         ({"rank_pattern": {"q_proj": "4"}}, "rank_pattern['q_proj'] is '4' — it must be a positive whole number"),
         ({"rank_pattern": {"[": 4}}, "rank_pattern key '[' is not a regular expression"),
+        ({"target_modules": 5}, "target_modules is 5 — it must be a module-name pattern or a list of module names"),
+        ({"target_modules": ["q_proj", 7]}, "target_modules is ['q_proj', 7]"),
     ],
 )
 def test_a_config_value_peft_cannot_apply_is_refused_naming_it(adapter, change, text, tmp_path):
