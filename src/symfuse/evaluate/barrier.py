@@ -26,6 +26,7 @@ from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError
 from symfuse.evaluate.evaluate import write_json_atomic
 from symfuse.evaluate.predict import head_problem_type, load_task_model, run_model
+from symfuse.io import tensor_difference
 
 log = logging.getLogger(__name__)
 
@@ -197,19 +198,10 @@ def check_same_tensors(a: str | Path, b: str | Path) -> None:
     Raises:
         CheckpointError: a head of another label set, or another architecture.
     """
-    ra, rb = CheckpointReader(a), CheckpointReader(b)
-    with ra, rb:
-        names_a, names_b = set(ra.names()), set(rb.names())
-        if names_a != names_b:
-            diff = sorted(names_a ^ names_b)[:3]
-            raise CheckpointError(f"{a} and {b}: their tensors differ (e.g. {diff}) — the barrier interpolates two "
-                                  "models of one architecture")  # fmt: skip
-        for name in sorted(names_a):
-            if ra.shape(name) != rb.shape(name):
-                raise CheckpointError(
-                    f"{a} and {b}: {name} has shape {ra.shape(name)} in one, {rb.shape(name)} in the other — the "
-                    "barrier interpolates two models of one architecture and one label set"
-                )
+    with CheckpointReader(a) as ra, CheckpointReader(b) as rb:
+        if diff := tensor_difference(ra, rb):
+            raise CheckpointError(f"{diff} — the barrier interpolates two models of one architecture and one label "
+                                  "set")  # fmt: skip
 
 
 LossSetup = tuple[torch.nn.Module, torch.nn.Module, Callable[[torch.nn.Module], float], str]

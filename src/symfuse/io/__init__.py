@@ -4,6 +4,7 @@ No orchestration or storage here (no Prefect, fsspec or :mod:`symfuse.store`): t
 format only.
 """
 
+from symfuse.io.compare import tensor_difference
 from symfuse.io.folder import (
     MIN_VOCAB,
     TOKENIZER_FILES,
@@ -54,5 +55,6 @@ __all__ = [
     "read_header",
     "rows_per_block",
     "save_safetensors",
+    "tensor_difference",
     "umask",
 ]

@@ -40,7 +40,7 @@ from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.config_json import update_config_json
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, MissingStats, StatsMismatchError
-from symfuse.io import BufferPool, parallel_reads
+from symfuse.io import BufferPool, parallel_reads, tensor_difference
 from symfuse.merge.head_refit import RefitOptions, check_refittable, refit_batches, refit_heads
 from symfuse.merge.heads import head_names, union_heads, write_label_space
 from symfuse.merge.plan import MergePlan, out_dtype_of
@@ -118,17 +118,10 @@ _ONE_SHAPE = (
 def _check_bodies(readers: Sequence[CheckpointReader], separate: bool) -> None:
     """Refuse models whose body tensors (heads aside when kept per model) differ in names or shapes."""
     r0 = readers[0]
-    body = [n for n in r0.names() if not (separate and n in head_names(r0))]
     for r in readers[1:]:
-        rbody = {n for n in r.names() if not (separate and n in head_names(r))}
-        if rbody != set(body):
-            diff = sorted(rbody.symmetric_difference(body))[:5]
+        if diff := tensor_difference(r0, r, skip=lambda reader, n: separate and n in head_names(reader)):
             _refuse_other_type(r, r0)
-            raise CheckpointError(f"{r.path}: tensors differ from {r0.path} (e.g. {diff}) — {_ONE_SHAPE}")
-        for n in body:
-            if r.shape(n) != r0.shape(n):
-                _refuse_other_type(r, r0)
-                raise CheckpointError(f"{r.path}: {n} has shape {r.shape(n)}, {r0.path} {r0.shape(n)} — {_ONE_SHAPE}")
+            raise CheckpointError(f"{diff} — {_ONE_SHAPE}")
 
 
 def _refuse_other_type(r: CheckpointReader, r0: CheckpointReader) -> None:
