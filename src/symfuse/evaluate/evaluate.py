@@ -17,9 +17,11 @@ import torch
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset, tracked_batches
 from symfuse.data.batches import encode_split, readable_length
+from symfuse.data.files import NER_SCHEME, not_a_ner_tag
 from symfuse.data.labels import read_label_space
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
+from symfuse.errors import CheckpointError
 from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model
 from symfuse.evaluate.scoring import check_shared_classes, score_logits
 from symfuse.io import plain_mode
@@ -103,6 +105,10 @@ def evaluate_model(
         head_labels = names
     if (head_problem == "token_classification") != ds.is_token_task:
         raise ValueError(f"{path}: a {head_problem} head cannot be evaluated on {ds.name} ({ds.problem_type})")
+    if head_problem == "token_classification" and (tag := not_a_ner_tag(head_labels)) is not None:
+        source = labels_from if labels_from is not None else f"{path}/config.json (id2label)"
+        raise CheckpointError(f"{source}: the head's tag {tag!r} {NER_SCHEME} (or give --labels-from the data the "
+                              "model was trained on)")  # fmt: skip
     if ds.problem_type not in ("regression", "token_classification"):
         check_shared_classes(ds, head_labels)  # before the model runs over the split
     max_length = readable_length(max_length, net.config, path)  # recorded as used: longer texts are cut there

@@ -47,3 +47,34 @@ def test_texts_longer_than_the_models_positions_are_cut_there(tmp_path):
     assert config_positions({"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1}) == 512
     assert config_positions({"model_type": "gpt2", "n_positions": 1024}) == 1024
     assert config_positions({"model_type": "bert"}) is None
+
+
+def test_a_token_head_of_tags_seqeval_cannot_score_is_refused_before_the_model_runs(tmp_path, monkeypatch):
+    """A head of IO tags ('PER') predicted tags seqeval reads as outside every entity: entity F1 0, exit 0."""
+    import json
+
+    import transformers as T
+
+    from symfuse.checkpoint import resolve_checkpoint
+    from symfuse.errors import CheckpointError
+    from tests.tiny import tiny_config
+
+    tags = ["O", "PER", "LOC"]
+    cfg = tiny_config("bert", vocab_size=30522, num_labels=3, id2label=dict(enumerate(tags)))
+    T.BertForTokenClassification(cfg).save_pretrained(tmp_path / "m")
+    T.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm"))).save_pretrained(tmp_path / "m")
+    data = tmp_path / "d"
+    data.mkdir()
+    rows = [{"tokens": ["Ann", "saw", "Rome"], "tags": ["B-PER", "O", "B-LOC"]}] * 4
+    for split in ("train", "validation", "test"):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (data / "meta.json").write_text(json.dumps({"task": "ner", "tags": ["B-LOC", "B-PER", "O"]}))
+
+    def run_model(*args, **kwargs):
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(E, "run_model", run_model)
+    with pytest.raises(CheckpointError, match=r"m/config\.json \(id2label\): the head's tag 'PER' is not O or a B- "):
+        E.evaluate_model(tmp_path / "m", str(data))
+    with pytest.raises(AssertionError, match="the model ran"):  # named by the data's own tags, the head is scored
+        E.evaluate_model(tmp_path / "m", str(data), labels_from=str(data))
