@@ -99,25 +99,39 @@ def gguf_tensors(model: T.LlamaForCausalLM) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(model: T.LlamaForCausalLM, path: Path, qtype: str = "F32", tokenizer: bool = True) -> Path:
-    """Write ``model`` as a GGUF file; 2-d weights in ``qtype`` (F32, F16, Q8_0, ...), norms in F32."""
+def write_gguf(
+    model: T.LlamaForCausalLM,
+    path: Path,
+    qtype: str = "F32",
+    tokenizer: bool = True,
+    header: dict[str, int] | None = None,
+    tokens: list[str] | None = None,
+    tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """Write ``model`` as a GGUF file; 2-d weights in ``qtype`` (F32, F16, Q8_0, ...), norms in F32.
+
+    ``header`` overrides ``block_count`` / ``head_count`` / ``head_count_kv``, ``tokens`` the vocabulary and
+    ``tensors`` some of the weights (bad files for the tests).
+    """
     import gguf
 
     cfg = model.config
+    header = {"block_count": cfg.num_hidden_layers, "head_count": cfg.num_attention_heads,
+              "head_count_kv": cfg.num_key_value_heads, **(header or {})}  # fmt: skip
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny llama")
-    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_block_count(header["block_count"])
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_head_count(header["head_count"])
+    writer.add_head_count_kv(header["head_count_kv"])
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_vocab_size(cfg.vocab_size)
     if tokenizer:
-        tokens = vocabulary()
+        tokens = vocabulary() if tokens is None else tokens
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("gpt2")
         writer.add_token_list(tokens)
@@ -127,7 +141,7 @@ def write_gguf(model: T.LlamaForCausalLM, path: Path, qtype: str = "F32", tokeni
         writer.add_eos_token_id(len(tokens) - 1)
         writer.add_add_bos_token(False)
     kind = gguf.GGMLQuantizationType[qtype]
-    for name, w in gguf_tensors(model).items():
+    for name, w in {**gguf_tensors(model), **(tensors or {})}.items():
         if w.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, w.astype(np.float32))
         elif kind == gguf.GGMLQuantizationType.F16:

@@ -14,10 +14,13 @@ dequantisation, the tokenizer) and writes ``config.json``, ``model.safetensors``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 
 from symfuse.errors import CheckpointError, UnsupportedArchitecture
-from symfuse.io import WEIGHTS, save_safetensors
+from symfuse.io import WEIGHTS, check_finite_tensor, save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,8 @@ def check_gguf(path: str | os.PathLike) -> GgufInfo:
         architecture = field.contents() if field is not None else None
         types = tuple(sorted({t.tensor_type.name for t in reader.tensors}))
         tokenizer = "tokenizer.ggml.model" in reader.fields
+        values = {k: f.contents() for k, f in reader.fields.items() if k.startswith(f"{architecture}.")}
+        tensor_names = [t.name for t in reader.tensors]
     except Exception as exc:  # truncated or garbled header: the reader raises ValueError, struct.error, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         if isinstance(exc, ValueError) and "cannot reshape" in first:  # a tensor's view runs past the end of the file
@@ -145,7 +150,42 @@ def check_gguf(path: str | os.PathLike) -> GgufInfo:
             f"{path}: tensor type(s) {', '.join(bad)} cannot be dequantised by gguf {_gguf_version()} — "
             f"supported: {', '.join(supported_tensor_types())}"
         )
+    _check_shapes(path, architecture, values, tensor_names)
     return GgufInfo(path, architecture, types, tokenizer)
+
+
+def _check_shapes(path: Path, arch: str, values: dict[str, Any], tensor_names: list[str]) -> None:
+    """The header's head counts divide as attention needs, and no tensor belongs to a block past ``block_count``.
+
+    transformers would fail on the first with an error naming no file, and drop the blocks past the count
+    without a word (the converted model then computes something else than the file's).
+
+    Raises:
+        CheckpointError: naming the key, its value and the fix.
+    """
+    fix = "re-export the GGUF with llama.cpp's convert_hf_to_gguf.py"
+    heads, kv = values.get(f"{arch}.attention.head_count"), values.get(f"{arch}.attention.head_count_kv")
+    width, head_dim = values.get(f"{arch}.embedding_length"), values.get(f"{arch}.attention.key_length")
+    kv = heads if kv is None else kv
+    if isinstance(heads, int) and isinstance(kv, int):  # per-layer lists (some architectures) are left to the loader
+        if heads <= 0 or kv <= 0:
+            raise CheckpointError(f"{path}: {arch}.attention.head_count is {heads} and head_count_kv {kv} — both must "
+                                  f"be positive; {fix}")  # fmt: skip
+        if heads % kv:
+            raise CheckpointError(f"{path}: {arch}.attention.head_count_kv {kv} does not divide head_count {heads} "
+                                  f"(each key/value head serves a whole group of query heads) — {fix}")  # fmt: skip
+        if head_dim is None and isinstance(width, int) and width % heads:
+            raise CheckpointError(f"{path}: {arch}.embedding_length {width} is not a multiple of attention."
+                                  f"head_count {heads} (and no attention.key_length is given) — {fix}")  # fmt: skip
+    blocks = values.get(f"{arch}.block_count")
+    if isinstance(blocks, int):
+        past = [n for n in tensor_names if (m := _BLOCK.match(n)) and int(m.group(1)) >= blocks]
+        if past:
+            raise CheckpointError(f"{path}: {arch}.block_count is {blocks} but the file holds {past[0]} — the header "
+                                  f"and the tensors do not belong together; {fix}")  # fmt: skip
+
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 def gguf_cache_key(path: str | os.PathLike, dtype: torch.dtype) -> str:
@@ -168,6 +208,18 @@ def gguf_cache_key(path: str | os.PathLike, dtype: torch.dtype) -> str:
     return h.hexdigest()[:24]
 
 
+@contextlib.contextmanager
+def _named(path: Path, what: str, fix: str) -> Iterator[None]:
+    """Turn an error of transformers' GGUF reading into one line naming the file (ours pass through)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:  # ValueError, ZeroDivisionError, the tokenizers' Exception, a dataclass validation ...
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: {what} ({type(exc).__name__}: {first}) — {fix}") from exc
+
+
 def _model_class(config: Any) -> Any:
     """The transformers class of the model a GGUF holds: causal LM, else seq2seq LM, else the base model."""
     import transformers
@@ -183,7 +235,8 @@ def _read_tensors(path: Path, config: Any, cls: Any, dtype: torch.dtype) -> dict
     """Every stored tensor of the model, dequantised to ``dtype`` under transformers' names (tied ones left out).
 
     Raises:
-        CheckpointError: the file lacks a tensor the model needs.
+        CheckpointError: the file lacks a tensor the model needs, or one cannot be read as the config says.
+        NonFiniteError: a tensor holds NaN or inf (after dequantisation).
     """
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -192,7 +245,9 @@ def _read_tensors(path: Path, config: Any, cls: Any, dtype: torch.dtype) -> dict
     state = model.state_dict()
     owned = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     needed = [n for n in state if n in owned]  # tied copies (lm_head of a tied model) are not stored
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=dtype)["tensors"]
+    with _named(path, f"its tensors cannot be read as a {config.model_type} model", "re-export the GGUF"):
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=dtype)
+    tensors = tensors["tensors"]
     missing = [n for n in needed if n not in tensors]
     if missing:
         raise CheckpointError(
@@ -205,7 +260,10 @@ def _read_tensors(path: Path, config: Any, cls: Any, dtype: torch.dtype) -> dict
                 f"{path}: {name} has shape {tuple(tensors[name].shape)}, the config says {tuple(state[name].shape)}"
                 " — re-export the GGUF"
             )
-    return {n: tensors[n].to(dtype) if tensors[n].is_floating_point() else tensors[n] for n in needed}
+    out = {n: tensors[n].to(dtype) if tensors[n].is_floating_point() else tensors[n] for n in needed}
+    for name, t in out.items():  # every command refuses such a folder: refuse it here, naming the file
+        check_finite_tensor(t, name, path)
+    return out
 
 
 def write_gguf_folder(path: str | os.PathLike, folder: str | os.PathLike, dtype: str | torch.dtype = "float32") -> Path:
@@ -228,7 +286,13 @@ def write_gguf_folder(path: str | os.PathLike, folder: str | os.PathLike, dtype:
     path, folder = Path(path), Path(folder)
     dtype = GGUF_DTYPES[dtype] if isinstance(dtype, str) else dtype
     info = check_gguf(path)
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    fix = "re-export the GGUF with llama.cpp's convert_hf_to_gguf.py"
+    with _named(path, f"its {info.architecture} metadata make no valid config", fix):
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = None
+    if info.tokenizer:  # rebuilt before the tensors are read: a broken one fails at once
+        with _named(path, "its tokenizer cannot be rebuilt", fix):
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     cls = _model_class(config)
     tensors = _read_tensors(path, config, cls, dtype)
     save_safetensors(tensors, folder / WEIGHTS, metadata={"format": "pt", "source": f"gguf:{path.name}"})
@@ -238,8 +302,8 @@ def write_gguf_folder(path: str | os.PathLike, folder: str | os.PathLike, dtype:
     config.save_pretrained(str(folder))
     if cls.can_generate():
         GenerationConfig.from_model_config(config).save_pretrained(str(folder))
-    if info.tokenizer:
-        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(folder))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
     else:
         log.warning("%s: no tokenizer in the GGUF file; the converted folder has none", path)
     return folder

@@ -180,6 +180,38 @@ def test_unsupported_architecture_and_tensor_type_name_what_is_supported(tmp_pat
         check_gguf(tmp_path / "q8k.gguf")
 
 
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ({"head_count": 0}, r"llama\.attention\.head_count is 0 and head_count_kv 2 — both must be positive"),
+        ({"head_count_kv": 3}, r"llama\.attention\.head_count_kv 3 does not divide head_count 4"),
+        ({"head_count": 3, "head_count_kv": 3}, r"llama\.embedding_length 64 is not a multiple of attention\.head_cou"),
+        ({"block_count": 1}, r"llama\.block_count is 1 but the file holds blk\.1\.\w+\.weight — the header and the"),
+    ],
+)  # fmt: skip
+def test_a_header_that_does_not_fit_the_tensors_is_refused_naming_the_key(tiny, tmp_path, header, message):
+    """Head counts were a ZeroDivisionError / dataclass error / reshape error naming no file; a block_count below
+    the stored blocks converted the first blocks only, exit 0."""
+    file = write_gguf(tiny, tmp_path / "m.gguf", "F32", header=header)
+    with pytest.raises(CheckpointError, match=rf"m\.gguf: {message}"):
+        check_gguf(file)
+    r = _run("convert", file, "--out", tmp_path / "o")
+    assert r.exit_code == 1 and "m.gguf: llama." in r.output and not (tmp_path / "o").exists()
+
+
+def test_a_broken_tokenizer_or_a_nan_weight_is_refused_before_anything_is_written(tiny, tmp_path):
+    from tests.gguf_tiny import vocabulary
+
+    short = write_gguf(tiny, tmp_path / "short.gguf", "F32", tokens=vocabulary()[:200] + vocabulary()[-1:])
+    r = _run("convert", short, "--out", tmp_path / "o")  # merges name tokens the list lacks: was "internal error"
+    assert r.exit_code == 1 and "short.gguf: its tokenizer cannot be rebuilt (Exception: " in r.output, r.output
+    weights = {"blk.0.attn_v.weight": np.full((32, 64), np.nan, np.float32)}
+    nan = write_gguf(tiny, tmp_path / "nan.gguf", "F32", tensors=weights)
+    r = _run("convert", nan, "--out", tmp_path / "o")  # was written with exit 0; every command then refused it
+    assert r.exit_code == 1 and "nan.gguf: tensor 'model.layers.0.self_attn.v_proj.weight' holds" in r.output
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_gguf_without_tokenizer_converts_without_tokenizer_files(tiny, tmp_path):
     file = write_gguf(tiny, tmp_path / "bare.gguf", "F32", tokenizer=False)
     (tmp_path / "out").mkdir()
