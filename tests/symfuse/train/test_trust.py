@@ -98,7 +98,8 @@ def test_missing_tokenizer_is_refused_by_stats_evaluate_and_finetune(setup, tmp_
 
 def test_finetune_stops_at_the_first_non_finite_loss_and_writes_nothing(setup, tmp_path):
     data, base, _ = setup
-    cfg = FinetuneConfig(epochs=2, batch_size=4, max_length=16, lr=1e30, warmup_ratio=0.0, progress=False)
+    cfg = FinetuneConfig(epochs=2, batch_size=4, max_length=16, warmup_ratio=0.0, progress=False)
+    cfg = cfg.model_copy(update={"lr": 1e30})  # past the config's bound (lr <= 1): the divergence guard's case
     with pytest.raises(NonFiniteError, match="training loss") as err:
         finetune(base, str(data), tmp_path / "ft", cfg)
     assert "epoch 1" in str(err.value) and "\n" not in str(err.value)
@@ -107,7 +108,8 @@ def test_finetune_stops_at_the_first_non_finite_loss_and_writes_nothing(setup, t
 
 def test_finetune_refuses_weights_whose_validation_loss_is_not_finite(setup, tmp_path):
     data, base, _ = setup  # one step per epoch: its update diverges after the training loss was read
-    cfg = FinetuneConfig(epochs=1, batch_size=512, max_length=16, lr=1e30, warmup_ratio=0.0, progress=False)
+    cfg = FinetuneConfig(epochs=1, batch_size=512, max_length=16, warmup_ratio=0.0, progress=False)
+    cfg = cfg.model_copy(update={"lr": 1e30})  # past the config's bound (lr <= 1): the divergence guard's case
     with pytest.raises(NonFiniteError, match=r"(validation|held-out) loss on \w+ became nan after epoch 1 — nothing "):
         finetune(base, str(data), tmp_path / "ft", cfg)
     assert not list(tmp_path.iterdir())  # it wrote val_loss NaN, marked best, and a checkpoint of NaN weights
