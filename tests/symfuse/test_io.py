@@ -199,6 +199,27 @@ def test_a_config_of_fewer_layers_than_the_weights_is_refused(family, key, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_a_tokenizer_that_cannot_feed_the_models_embeddings_is_refused(tmp_path):
+    """Another model's tokenizer failed the first batch holding a large id: 'internal error: IndexError'."""
+    import transformers as T
+
+    from tests.tiny import save_tiny_text_classifier
+
+    folder = save_tiny_text_classifier(tmp_path / "m")  # MiniLM's 30522-token tokenizer, 30522 embeddings
+    assert len(load_tokenizer(folder)) == 30522
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "vocab_size": 30000}))
+    embeds = r"m: the tokenizer has 30522 tokens but the model embeds 30000 \(config\.json vocab_size\), so it belongs"
+    with pytest.raises(TokenizerError, match=embeds):
+        load_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tok = T.AutoTokenizer.from_pretrained(str(folder))
+    tok.add_special_tokens({"pad_token": "[NEWPAD]"})  # added without resizing the embeddings
+    tok.save_pretrained(str(folder))
+    with pytest.raises(TokenizerError, match=r"m: the tokenizer pads with token id 30522, past the model's 30522 "):
+        load_tokenizer(folder)
+
+
 def test_integer_tensors_are_never_transformed(tiny, tmp_path):
     from symfuse.match import disguise_checkpoint
 

@@ -337,11 +337,36 @@ _PARSED: FileMemo[bool] = FileMemo()  # tokenizer JSON files this process found 
 
 
 def check_vocab_size(tokenizer: Any, folder: str | os.PathLike) -> Any:
-    """Refuse a loaded tokenizer with fewer than :data:`MIN_VOCAB` tokens (every word would be ``[UNK]``)."""
+    """Refuse a loaded tokenizer that cannot feed the folder's model.
+
+    Refused: fewer than :data:`MIN_VOCAB` tokens (every word would be ``[UNK]``); a base vocabulary larger than the
+    model's embedding table, or a padding id past it (``config.json`` ``vocab_size``): the tokenizer of another
+    model, whose ids past the table fail the first batch that holds one, deep in the embedding lookup.
+    """
     n = len(tokenizer)
+    fix = "copy the base model's tokenizer files into the folder (tokenizer.save_pretrained(folder))"
     if n < MIN_VOCAB:
-        raise TokenizerError(
-            f"{folder}: tokenizer has only {n} tokens, so nearly every input would be [UNK] — copy the base "
-            "model's tokenizer files into the folder (tokenizer.save_pretrained(folder))"
-        )
+        raise TokenizerError(f"{folder}: tokenizer has only {n} tokens, so nearly every input would be [UNK] — {fix}")
+    rows = _embedded_tokens(Path(folder))
+    base, pad = getattr(tokenizer, "vocab_size", n), getattr(tokenizer, "pad_token_id", None)
+    if rows is not None and base > rows:
+        raise TokenizerError(f"{folder}: the tokenizer has {base} tokens but the model embeds {rows} (config.json "
+                             f"vocab_size), so it belongs to another model — {fix}")  # fmt: skip
+    if rows is not None and isinstance(pad, int) and pad >= rows:
+        raise TokenizerError(f"{folder}: the tokenizer pads with token id {pad}, past the model's {rows} embeddings "
+                             "(config.json vocab_size) — resize the model's embeddings to the tokenizer "
+                             "(model.resize_token_embeddings(len(tokenizer))) and save it again")  # fmt: skip
     return tokenizer
+
+
+def _embedded_tokens(folder: Path) -> int | None:
+    """The model's embedding rows as ``config.json`` gives them (CLIP: its text tower's), or None."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # a tokenizer folder without a model, or a config the reader names elsewhere
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config")
+    rows = config.get("vocab_size", text.get("vocab_size") if isinstance(text, dict) else None)
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else None
