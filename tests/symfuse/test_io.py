@@ -146,6 +146,20 @@ def test_shard_index_inside_the_folder_works_and_must_be_complete(tiny, tmp_path
         CheckpointReader(folder)
 
 
+def test_a_folder_of_a_single_file_and_an_index_of_other_shards_is_refused(tiny, tmp_path):
+    """Two models in one folder: symfuse read the shards, transformers model.safetensors (exit 0 both ways)."""
+    folder = _copy(tiny, tmp_path / "m")
+    _shard(folder, "model.safetensors")  # an index naming the single file itself describes one model: read
+    with CheckpointReader(folder) as r:
+        torch.testing.assert_close(r.get(QUERY), load_file(str(tiny / "model.safetensors"))[QUERY])
+    other = {k: v + 1 for k, v in load_file(str(tiny / "model.safetensors")).items()}
+    save_file(other, str(folder / "model-00001-of-00001.safetensors"), {"format": "pt"})
+    _shard(folder, "model-00001-of-00001.safetensors")
+    both = r"m: holds both model\.safetensors and a model\.safetensors\.index\.json naming other shards .* remove the"
+    with pytest.raises(CheckpointError, match=both):
+        CheckpointReader(folder)
+
+
 def test_shapes_must_agree_with_the_config(tiny, tmp_path):
     folder = _copy(tiny, tmp_path / "m")
     cfg = json.loads((folder / "config.json").read_text())

@@ -86,12 +86,19 @@ def open_weight_files(folder: str | os.PathLike) -> tuple[dict[str, Path], dict[
 
     Raises:
         CheckpointError: no weights, a bad index (see the module docstring), a missing shard, a tensor the
-            index names that its shard lacks, or a bad safetensors file.
+            index names that its shard lacks, a bad safetensors file, or both a single weights file and an index
+            of other shards (two models in one folder).
     """
     folder = Path(folder)
     index = folder / WEIGHTS_INDEX
     if index.exists():
         mapping = {name: folder / fname for name, fname in _index_files(folder).items()}
+        single = folder / WEIGHTS
+        if single.exists() and set(mapping.values()) != {single}:
+            raise CheckpointError(
+                f"{folder}: holds both {WEIGHTS} and a {WEIGHTS_INDEX} naming other shards — transformers loads the "
+                "first and the index may describe another model; remove the one that does not belong"
+            )
         files: dict[Path, TensorFile] = {}
         for file in sorted(set(mapping.values())):
             if not file.is_file():
