@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset, tracked_batches
 from symfuse.data.batches import encode_split, readable_length
 from symfuse.data.files import NER_SCHEME, not_a_ner_tag
-from symfuse.data.labels import read_label_space
+from symfuse.data.labels import read_label_space, short_names
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError
@@ -97,18 +98,12 @@ def evaluate_model(
     net, tok = load_task_model(path, device)  # validates the folder (values, tokenizer) before the data is read
     ds = load_task_dataset(data)
     head_problem = head_problem_type(net.config)
-    head_labels = head_label_names(net.config)
-    if labels_from is not None:
-        names = load_task_dataset(labels_from).labels
-        if len(names) != len(head_labels):
-            raise ValueError(f"{path}: head has {len(head_labels)} outputs but {labels_from} has {len(names)} labels")
-        head_labels = names
+    head_labels = _output_names(path, head_label_names(net.config), labels_from)
     if (head_problem == "token_classification") != ds.is_token_task:
         raise ValueError(f"{path}: a {head_problem} head cannot be evaluated on {ds.name} ({ds.problem_type})")
     if head_problem == "token_classification" and (tag := not_a_ner_tag(head_labels)) is not None:
-        source = labels_from if labels_from is not None else f"{path}/config.json (id2label)"
-        raise CheckpointError(f"{source}: the head's tag {tag!r} {NER_SCHEME} (or give --labels-from the data the "
-                              "model was trained on)")  # fmt: skip
+        fix = "give --labels-from the data the model was trained on" if _unnamed(head_labels) else "rename them"
+        raise CheckpointError(f"{path}/config.json (id2label): the head's tag {tag!r} {NER_SCHEME} ({fix})")
     if ds.problem_type not in ("regression", "token_classification"):
         check_shared_classes(ds, head_labels)  # before the model runs over the split
     max_length = readable_length(max_length, net.config, path)  # recorded as used: longer texts are cut there
@@ -155,6 +150,33 @@ def evaluate_model(
         metrics["n"],
     )
     return metrics
+
+
+def _unnamed(names: list[str]) -> bool:
+    """Whether a head's outputs carry transformers' placeholder names (``LABEL_0`` ...) only."""
+    return all(re.fullmatch(r"LABEL_\d+", n) for n in names)
+
+
+def _output_names(path: Path, head: list[str], labels_from: str | None) -> list[str]:
+    """The head's class names: its ``id2label``, or those of ``--labels-from`` for a head without names.
+
+    Raises:
+        CheckpointError: ``--labels-from`` would rename a head's named outputs by position (another set or order).
+        ValueError: ``--labels-from`` has another number of classes than the head has outputs.
+    """
+    if labels_from is None:
+        return head
+    names = load_task_dataset(labels_from).labels
+    if len(names) != len(head):
+        raise ValueError(f"{path}: head has {len(head)} outputs but {labels_from} has {len(names)} labels — give "
+                         "--labels-from the dataset the head was trained on")  # fmt: skip
+    if not _unnamed(head) and [h.casefold() for h in head] != [n.casefold() for n in names]:
+        raise CheckpointError(
+            f"{path}/config.json: the head already names its outputs ({short_names(head)}); --labels-from "
+            f"{labels_from} would rename them by position ({short_names(names)}) — drop --labels-from: named "
+            "classes are matched by name"
+        )
+    return names
 
 
 def _evaluate_lm(

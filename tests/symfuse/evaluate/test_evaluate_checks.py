@@ -59,10 +59,13 @@ def test_a_token_head_of_tags_seqeval_cannot_score_is_refused_before_the_model_r
     from symfuse.errors import CheckpointError
     from tests.tiny import tiny_config
 
-    tags = ["O", "PER", "LOC"]
-    cfg = tiny_config("bert", vocab_size=30522, num_labels=3, id2label=dict(enumerate(tags)))
-    T.BertForTokenClassification(cfg).save_pretrained(tmp_path / "m")
-    T.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm"))).save_pretrained(tmp_path / "m")
+    tok = T.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
+    for name, tags in (("m", ["O", "PER", "LOC"]), ("unnamed", None)):
+        named = {"id2label": dict(enumerate(tags))} if tags else {}
+        T.BertForTokenClassification(tiny_config("bert", vocab_size=30522, num_labels=3, **named)).save_pretrained(
+            tmp_path / name
+        )
+        tok.save_pretrained(tmp_path / name)
     data = tmp_path / "d"
     data.mkdir()
     rows = [{"tokens": ["Ann", "saw", "Rome"], "tags": ["B-PER", "O", "B-LOC"]}] * 4
@@ -74,7 +77,38 @@ def test_a_token_head_of_tags_seqeval_cannot_score_is_refused_before_the_model_r
         raise AssertionError("the model ran")
 
     monkeypatch.setattr(E, "run_model", run_model)
-    with pytest.raises(CheckpointError, match=r"m/config\.json \(id2label\): the head's tag 'PER' is not O or a B- "):
+    with pytest.raises(CheckpointError, match=r"m/config\.json \(id2label\): the head's tag 'PER' is not O or a B- "
+                                              r".*\(rename them\)"):  # fmt: skip
         E.evaluate_model(tmp_path / "m", str(data))
+    with pytest.raises(CheckpointError, match=r"m/config\.json: the head already names its outputs"):
+        E.evaluate_model(tmp_path / "m", str(data), labels_from=str(data))  # renaming PER as B-PER by position
+    with pytest.raises(CheckpointError, match=r"unnamed/config\.json \(id2label\): the head's tag 'LABEL_0' .*give "
+                                              r"--labels-from the data the model was trained on"):  # fmt: skip
+        E.evaluate_model(tmp_path / "unnamed", str(data))
     with pytest.raises(AssertionError, match="the model ran"):  # named by the data's own tags, the head is scored
-        E.evaluate_model(tmp_path / "m", str(data), labels_from=str(data))
+        E.evaluate_model(tmp_path / "unnamed", str(data), labels_from=str(data))
+
+
+def test_labels_from_never_renames_a_named_head_by_position(tmp_path, monkeypatch):
+    """A head naming [joy, anger] took --labels-from [anger, joy]: every prediction swapped, exit 0."""
+    import json
+
+    from symfuse.errors import CheckpointError
+
+    model = save_tiny_text_classifier(tmp_path / "m", num_labels=2)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(id2label={"0": "joy", "1": "anger"}, label2id={"joy": 0, "anger": 1})
+    (model / "config.json").write_text(json.dumps(cfg))
+    data = toy_dataset(tmp_path / "d", labels=("anger", "joy"))
+
+    def run_model(*args, **kwargs):
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(E, "run_model", run_model)
+    renamed = r"m/config\.json: the head already names its outputs \(joy, anger\); --labels-from .* by position \(anger"
+    with pytest.raises(CheckpointError, match=renamed):
+        E.evaluate_model(model, str(data), labels_from=str(data))
+    same = toy_dataset(tmp_path / "same", labels=("Joy", "anger"))  # the head's names in its order: a no-op
+    (same / "meta.json").write_text(json.dumps({"task": "classification", "labels": ["Joy", "anger"]}))
+    with pytest.raises(AssertionError, match="the model ran"):
+        E.evaluate_model(model, str(data), labels_from=str(same))
