@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from symfuse.errors import NonFiniteError
+from symfuse.errors import NonFiniteError, StatsMismatchError
 from symfuse.io import BufferPool
 from symfuse.merge.base import Chunks, LazyTensors, chunk_buffer, chunked, chunked_sum, load_all, spans
 
@@ -152,8 +152,8 @@ def factor_system(
     # so nothing is copied in or out; its upper factor U = L^T, read row-major, is L
     torch.linalg.cholesky_ex(summed.mT, upper=True, out=(summed.mT, info))
     if int(info) != 0:
+        reference_part(summed)  # it may refuse a corrupt Gram first
         log.warning("regmean: summed Gram (%d x %d) is not positive definite; solving by lstsq", n, n)
-        reference_part(summed)
         for d, c in zip(diffs, mw, strict=True):
             if d is not None:
                 summed.add_(d, alpha=c)
@@ -172,8 +172,29 @@ def _load(grams: Sequence[torch.Tensor], i: int, pool: BufferPool | None, slot: 
 def _check(grams: Sequence[torch.Tensor], i: int, t: torch.Tensor) -> None:
     if isinstance(grams, LazyTensors):
         grams.check(i, t)
-    elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        return
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         raise NonFiniteError(f"regmean: Gram {i} holds NaN / inf values")
+    check_gram_diagonal(t, "a layer", f"regmean: Gram {i}")
+
+
+def check_gram_diagonal(t: torch.Tensor, module: str, where: object) -> torch.Tensor:
+    """Refuse a Gram ``X^T X`` with a negative diagonal entry (a sum of squares): a corrupt or edited file.
+
+    Such a Gram makes the summed system indefinite, which RegMean would solve by lstsq with a warning naming no file.
+
+    Raises:
+        StatsMismatchError: naming ``where`` and ``module``.
+    """
+    if t.dim() == 2 and t.shape[0] == t.shape[1] and t.numel():
+        low = float(t.diagonal().min())
+        if low < 0:
+            raise StatsMismatchError(
+                f"{where}: the Gram of {module} has a negative diagonal entry ({low:.3g}); a Gram is a sum of "
+                "products X^T X, whose diagonal never is — recollect it with `symfuse stats MODEL --data DATA "
+                "--kind gram`"
+            )
+    return t
 
 
 def build_system(
@@ -217,6 +238,8 @@ def build_system(
         )
 
     def reference_part(out: torch.Tensor) -> None:  # (sum_i c_i) G_r', for the lstsq fallback
+        for i in range(len(mw)):  # S is not positive definite: a corrupt Gram (negative diagonal) is named first
+            _check(grams, i, _load(grams, i, raw_pool, "gram.raw"))
         g_ref = _load(grams, ref, raw_pool, "gram.raw").to(dtype, copy=True)
         out.copy_(scale_gram(g_ref, alpha)).mul_(sum(mw))
 

@@ -18,6 +18,7 @@ from symfuse.checkpoint import CheckpointReader
 from symfuse.errors import MissingStats, NonFiniteError, StatsMismatchError
 from symfuse.io import BufferPool, check_finite_tensor
 from symfuse.merge.base import LazyTensors, TensorInputs, chunked_sum, weighted_mean
+from symfuse.merge.gram_systems import check_gram_diagonal
 from symfuse.merge.heads import merge_class_rows
 from symfuse.merge.plan import MergePlan
 from symfuse.stats.io import StatsFile
@@ -59,7 +60,7 @@ def _gram_inputs(
     pool: BufferPool | None,
     to_dev: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> LazyTensors:
-    """The K Grams of ``module`` (checked finite on access; RegMean checks them in its own pass instead).
+    """The K Grams of ``module`` (checked finite, with a diagonal >= 0, on access; RegMean checks its own way).
 
     On the CPU (``pool`` given) they can also be read in spans; elsewhere each is read whole and moved by ``to_dev``.
     """
@@ -67,7 +68,9 @@ def _gram_inputs(
         [lambda p, s, g=g: to_dev(g.get(module, p, s)) for g in grams],
         pool,
         "gram",
-        checks=[lambda t, g=g: check_finite_tensor(t, module, g.path) for g in grams],
+        checks=[
+            lambda t, g=g: check_gram_diagonal(check_finite_tensor(t, module, g.path), module, g.path) for g in grams
+        ],
         spans=[(g.shape(module), g.dtype(module), lambda o, f, g=g: g.read_span(module, o, f)) for g in grams]
         if pool is not None
         else None,

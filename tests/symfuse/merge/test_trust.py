@@ -167,14 +167,25 @@ def test_non_finite_merged_output_is_not_written(pair, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def _fisher_copy(sb, folder, change):
-    """A copy of ``sb`` whose Fisher file holds ``change(tensors)`` (the metadata kept: it still names B)."""
+def _fisher_copy(sb, folder, change, kind="fisher"):
+    """A copy of ``sb`` whose ``kind`` file holds ``change(tensors)`` (the metadata kept: it still names B)."""
     bad = shutil.copytree(sb, folder)
-    file = bad / "fisher.safetensors"
+    file = bad / f"{kind}.safetensors"
     sf = StatsFile(file)
     tensors = change({k: sf.get(k) for k in sf.keys()})  # noqa: SIM118
     save_stats(tensors, file, {k: v if isinstance(v, str) else json.dumps(v) for k, v in sf.meta.items()})
     return bad, file
+
+
+def test_a_gram_with_a_negative_diagonal_is_refused_naming_the_file(pair, tmp_path):
+    """A negated Gram made RegMean's system indefinite: solved by lstsq with a warning naming no file, exit 0."""
+    a, b, sa, sb, _ = pair
+    module = "bert.encoder.layer.0.intermediate.dense"
+    bad, file = _fisher_copy(sb, tmp_path / "SB", lambda t: {**t, module: -t[module]}, kind="gram")
+    with pytest.raises(StatsMismatchError) as err:
+        merge_checkpoints("regmean", [a, b], tmp_path / "o", stats=[sa, bad])
+    assert str(err.value).startswith(f"{file}: the Gram of {module} has a negative diagonal entry"), err.value
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_fisher_that_does_not_fit_its_model_is_refused(pair, tmp_path, caplog):
