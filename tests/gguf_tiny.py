@@ -104,14 +104,14 @@ def write_gguf(
     path: Path,
     qtype: str = "F32",
     tokenizer: bool = True,
-    header: dict[str, int] | None = None,
+    header: dict[str, int | None] | None = None,
     tokens: list[str] | None = None,
     tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Write ``model`` as a GGUF file; 2-d weights in ``qtype`` (F32, F16, Q8_0, ...), norms in F32.
 
-    ``header`` overrides ``block_count`` / ``head_count`` / ``head_count_kv``, ``tokens`` the vocabulary and
-    ``tensors`` some of the weights (bad files for the tests).
+    ``header`` overrides ``block_count`` / ``head_count`` / ``head_count_kv`` (None: the first two left out),
+    ``tokens`` the vocabulary and ``tensors`` some of the weights (bad files for the tests).
     """
     import gguf
 
@@ -120,11 +120,13 @@ def write_gguf(
               "head_count_kv": cfg.num_key_value_heads, **(header or {})}  # fmt: skip
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny llama")
-    writer.add_block_count(header["block_count"])
+    if header["block_count"] is not None:  # None: the key left out
+        writer.add_block_count(header["block_count"])
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(header["head_count"])
+    if header["head_count"] is not None:
+        writer.add_head_count(header["head_count"])
     writer.add_head_count_kv(header["head_count_kv"])
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)

@@ -164,6 +164,9 @@ def _check_shapes(path: Path, arch: str, values: dict[str, Any], tensor_names: l
         CheckpointError: naming the key, its value and the fix.
     """
     fix = "re-export the GGUF with llama.cpp's convert_hf_to_gguf.py"
+    for key in ("block_count", "embedding_length", "attention.head_count"):
+        if f"{arch}.{key}" not in values:
+            raise CheckpointError(f"{path}: the header has no {arch}.{key} — {fix}")
     heads, kv = values.get(f"{arch}.attention.head_count"), values.get(f"{arch}.attention.head_count_kv")
     width, head_dim = values.get(f"{arch}.embedding_length"), values.get(f"{arch}.attention.key_length")
     kv = heads if kv is None else kv
