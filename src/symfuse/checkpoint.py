@@ -92,10 +92,13 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
     if is_gguf_path(path) and not path.is_dir():
         return gguf_checkpoint(path)
     if path.is_dir():
+        fold = f"fold it first: symfuse merge-lora --adapters {path} --base BASE --into-base --out OUT"
+        if (path / "adapter_config.json").is_file():  # transformers loads any such folder as an adapter on its base
+            if (path / "config.json").exists():
+                raise CheckpointError(f"{path}: holds adapter_config.json beside config.json, so transformers loads it "
+                                      f"as a PEFT adapter — remove a stray adapter_config.json, or {fold}")  # fmt: skip
+            raise CheckpointError(f"{path}: a PEFT adapter (adapter_config.json), not a model — {fold}")
         if not (path / "config.json").exists():
-            if (path / "adapter_config.json").is_file():
-                fold = f"fold it first: symfuse merge-lora --adapters {path} --base BASE --into-base --out OUT"
-                raise CheckpointError(f"{path}: a PEFT adapter (adapter_config.json), not a model — {fold}")
             raise CheckpointError(f"{path}: no config.json; expected a save_pretrained folder")
         return path
     if path.exists() or str(path_or_id).startswith((".", "/")) or str(path_or_id).count("/") > 1:

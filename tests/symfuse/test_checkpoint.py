@@ -73,3 +73,15 @@ def test_a_hub_id_offline_is_one_line_and_the_hf_prefix_names_the_same_id(monkey
             "hold it; pass a local save_pretrained folder"
         )
     assert asked == ["someorg/some-model", "someorg/some-model"]  # 'hf:' was a repo-id error from the hub client
+
+
+def test_a_model_folder_with_a_stray_adapter_config_is_refused(tmp_path):
+    """transformers loads such a folder as a PEFT adapter: stats failed on a missing adapter_model.safetensors."""
+    folder = save_tiny(tmp_path / "m", "bert")
+    assert resolve_checkpoint(folder) == folder
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "base_model_name_or_path": "x"}')
+    stray = r"m: holds adapter_config\.json beside config\.json, so transformers loads it as a PEFT adapter — remove"
+    with pytest.raises(CheckpointError, match=stray):
+        resolve_checkpoint(folder)
+    with pytest.raises(OSError, match="adapter_model"):  # what transformers makes of it
+        transformers.AutoModel.from_pretrained(str(folder))
