@@ -54,6 +54,18 @@ def _fisher_loader(
     return checked
 
 
+_RECOLLECT = "`symfuse stats MODEL --data DATA --kind gram`"
+
+
+def _check_gram_shapes(grams: Sequence[StatsFile], module: str, inputs: int) -> None:
+    """Each Gram of ``module`` is ``inputs x inputs`` (headers only), else refused naming its file."""
+    for g in grams:
+        shape = tuple(g.shape(module))
+        if shape != (inputs, inputs):
+            raise StatsMismatchError(f"{g.path}: the Gram of {module} has shape {list(shape)}, but the layer reads "
+                                     f"{inputs} inputs — recollect it: {_RECOLLECT}")  # fmt: skip
+
+
 def _gram_inputs(
     grams: Sequence[StatsFile],
     module: str,
@@ -186,9 +198,13 @@ class TensorMerge:
         if grams is not None:
             have = [g.has(module) for g in grams]
             if all(have):
-                gram, conv1d = _gram_inputs(grams, module, merger.pool, self.to_dev), module in grams[0].conv1d
+                conv1d = module in grams[0].conv1d
+                _check_gram_shapes(grams, module, first.shape[0] if conv1d else first.shape[1])
+                gram = _gram_inputs(grams, module, merger.pool, self.to_dev)
             elif any(have):
-                raise MissingStats(f"Gram of {module} is missing from some models' statistics; recollect them")
+                lacking = next(g.path for g, h in zip(grams, have, strict=True) if not h)
+                raise MissingStats(f"{lacking}: no Gram of {module}, which the other models' statistics hold — "
+                                   f"recollect it: {_RECOLLECT}")  # fmt: skip
         if gram is None:
             gram = merger.supplied_grams(module)  # Grams the merger collected itself (RegMean++'s tail)
         key = self.plan.same_input.get(module, module) if gram is not None else None

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from symfuse.errors import NonFiniteError, StatsMismatchError
+from symfuse.errors import MissingStats, NonFiniteError, StatsMismatchError
 from symfuse.match import disguise_checkpoint
 from symfuse.merge import merge_checkpoints
 from symfuse.stats import StatsFile, collect_stats, save_stats, transform_stats
@@ -186,6 +186,23 @@ def test_a_gram_with_a_negative_diagonal_is_refused_naming_the_file(pair, tmp_pa
         merge_checkpoints("regmean", [a, b], tmp_path / "o", stats=[sa, bad])
     assert str(err.value).startswith(f"{file}: the Gram of {module} has a negative diagonal entry"), err.value
     assert not (tmp_path / "o").exists()
+
+
+def test_a_gram_missing_or_of_another_size_is_refused_naming_the_file(pair, tmp_path):
+    """Both named no file: "missing from some models' statistics", "Grams must be square and of one size"."""
+    a, b, sa, sb, _ = pair
+    module = "bert.encoder.layer.0.intermediate.dense"
+    cases = [
+        (lambda t: {k: v for k, v in t.items() if k != module}, f"no Gram of {module}, which the other models'"),
+        (lambda t: {**t, module: t[module][:-1, :-1]}, f"the Gram of {module} has shape [31, 31], but the layer"),
+    ]
+    for i, (change, words) in enumerate(cases):
+        bad, file = _fisher_copy(sb, tmp_path / f"SB{i}", change, kind="gram")
+        with pytest.raises((MissingStats, StatsMismatchError)) as err:
+            merge_checkpoints("regmean", [a, b], tmp_path / "o", stats=[sa, bad])
+        assert str(err.value).startswith(f"{file}: {words}"), err.value
+        assert "symfuse stats MODEL --data DATA --kind gram" in str(err.value)
+        assert not (tmp_path / "o").exists()
 
 
 def test_a_fisher_that_does_not_fit_its_model_is_refused(pair, tmp_path, caplog):
