@@ -406,6 +406,8 @@ def _native(
     normalize, rescale = values.get("normalize", method.normalize), values.get("rescale", method.rescale)
     total = sum(weights) if weights else float(k)  # no weights: mergekit's weight 1 for each model
     lam, density = float(values.get("lambda", 1.0)), float(values.get("density", 1.0))
+    if not (math.isfinite(density) and 0 < density <= 1):  # named as written, not as the drop it becomes
+        raise fail(labels["density"], f"{density:g} is outside (0, 1] — give the fraction of entries kept, e.g. 0.5")
     if name == "linear":
         if not normalize and not math.isclose(total, 1.0, rel_tol=1e-12):
             raise fail(

@@ -222,6 +222,14 @@ REFUSED = {
         two({"density": 0.5}, merge_method="ties"),
         "models[0].parameters.density: density differs between models",
     ),
+    "dare-density-zero": (  # was named as the drop it becomes: "got 1.0"
+        two({"density": 0}, {"density": 0}, merge_method="dare_linear"),
+        "models[0].parameters.density: 0 is outside (0, 1] — give the fraction of entries kept",
+    ),
+    "ties-density-above-one": (
+        two(merge_method="ties", parameters={"density": 1.5, "normalize": True}),
+        "parameters.density: 1.5 is outside (0, 1]",
+    ),
     "gradient": (
         two({"density": [1, 0.7, 0.1]}, merge_method="ties"),
         "models[0].parameters.density: per-layer values (gradients / filters) are not supported yet",
@@ -307,7 +315,7 @@ REFUSED = {
     # checked by symfuse's strategy once torch is loaded, named by the mergekit key
     "bad-density": (
         two({"density": 0.0}, {"density": 0.0}, merge_method="ties", parameters={"normalize": True}),
-        "models[0].parameters.density: Input should be greater than 0",
+        "models[0].parameters.density: 0 is outside (0, 1] — give the fraction of entries kept, e.g. 0.5",
     ),
 }
 
