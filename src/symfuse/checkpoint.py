@@ -123,6 +123,8 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
 def gguf_cache_dir() -> Path:
     """Where converted GGUF files are kept: ``$SYMFUSE_CACHE/gguf`` or ``~/.cache/symfuse/gguf``."""
     root = os.environ.get("SYMFUSE_CACHE")
+    if root and Path(root).exists() and not Path(root).is_dir():  # it named the .gguf and said "re-save it"
+        raise CheckpointError(f"SYMFUSE_CACHE={root}: not a folder — point it at a folder (GGUF copies are kept there)")
     return Path(root) / "gguf" if root else Path.home() / ".cache" / "symfuse" / "gguf"
 
 

@@ -275,3 +275,11 @@ def test_real_smollm2_q4_1_converts_to_transformers_gguf_logits(tmp_path):
     got = _folder_logits(folder, ids)
     torch.testing.assert_close(got, _gguf_logits(file, ids), rtol=0, atol=1e-5)
     assert ours.decode(got[0, -1].argmax()) == " Paris"  # a real model, not noise
+
+
+def test_a_cache_setting_that_names_a_file_is_named(tiny, tmp_path, monkeypatch):
+    file = write_gguf(tiny, tmp_path / "m.gguf", "F32")
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("SYMFUSE_CACHE", str(tmp_path / "cache"))  # was blamed on the .gguf: "re-save it"
+    with pytest.raises(CheckpointError, match=r"^SYMFUSE_CACHE=.*cache: not a folder — point it at a folder"):
+        resolve_checkpoint(file)
