@@ -88,6 +88,19 @@ def test_a_store_root_that_is_a_file_is_refused_in_one_line(tmp_path):
     assert notes.read_text() == "not a store\n"
 
 
+def test_a_store_inside_the_checkpoint_is_refused_and_nothing_is_copied(tmp_path):
+    ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
+    before = sorted(p.name for p in ckpt.iterdir())
+    res = run_cli("drop", ckpt, "--run", "r1", "--store", ckpt / "store")  # each drop copied the store into itself
+    assert res.returncode == 2, res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert line.startswith("error: --store file://") and line.endswith(
+        f"/ckpt/store: inside CHECKPOINT {ckpt}, so the drop would copy the store into itself — keep the store "
+        "outside the checkpoint folder"
+    ), line
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
 def test_an_in_memory_store_is_refused_since_it_ends_with_the_command(tmp_path):
     ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
     res = run_cli("drop", ckpt, "--run", "r1", "--store", "memory://probe")  # exit 0, and the watcher saw nothing

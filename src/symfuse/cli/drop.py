@@ -57,6 +57,7 @@ def drop(
     except ValueError as exc:
         raise UsageError(f"{exc}; pick another --run / --name / --dataset") from exc
     store = _store(store_root, run)
+    _check_outside(store, checkpoint)
     from symfuse.checkpoint import validate_checkpoint
 
     validate_checkpoint(checkpoint)  # config, headers, shapes, NaN / inf: before anything is uploaded
@@ -68,6 +69,17 @@ def drop(
     uri = store.put_dir(key, checkpoint, "symfuse drop", meta={"dataset": dataset or name})
     typer.echo(f"dropped {checkpoint} as {uri} (dataset {dataset or name}); the next watch-checkpoints tick of run "
                f"{run!r} emits it for a re-merge")  # fmt: skip
+
+
+def _check_outside(store: ArtifactStore, checkpoint: Path) -> None:
+    """Refuse a local store inside the checkpoint folder: each drop would copy the store into itself."""
+    root = store.root.removeprefix("file://")
+    if "://" in root:
+        return
+    real, folder = Path(root).resolve(), checkpoint.resolve()
+    if real == folder or folder in real.parents:
+        raise UsageError(f"--store {store.root}: inside CHECKPOINT {checkpoint}, so the drop would copy the store into "
+                         "itself — keep the store outside the checkpoint folder")  # fmt: skip
 
 
 def _check_fits_run(store: ArtifactStore, run: str, dataset: str | None, checkpoint: Path) -> None:
