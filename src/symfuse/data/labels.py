@@ -141,6 +141,20 @@ def target_space(head: Sequence[str] | None, data: Sequence[str]) -> list[str] |
     return [str(n) for n in head]
 
 
+def head_targets(config: Any, ds: Any, where: object, fix: str) -> list[str] | None:
+    """:func:`target_space` of a checkpoint's head (``config``) for a dataset ``ds``, or one line naming both.
+
+    Raises:
+        DatasetError: ``"<data> on <where>: <why> — <fix>"`` (a class the head lacks, too many classes).
+    """
+    from symfuse.data.files import DatasetError
+
+    try:
+        return target_space(head_labels(config), ds.labels)
+    except ValueError as exc:
+        raise DatasetError(f"{ds.source} on {where}: {exc} — {fix}") from None
+
+
 def too_few_classes(task: str | None, multi_label: bool, labels: Sequence[str]) -> str | None:
     """Why a dataset cannot train a per-dataset classification head (one class or none), else None.
 

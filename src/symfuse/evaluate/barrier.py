@@ -19,8 +19,8 @@ import torch
 from symfuse.checkpoint import CheckpointReader
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split, readable_length
-from symfuse.data.dataset import DatasetError, TaskDataset
-from symfuse.data.labels import differ_in_classes, head_labels, target_space
+from symfuse.data.dataset import TaskDataset
+from symfuse.data.labels import differ_in_classes, head_targets
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError
@@ -217,12 +217,7 @@ def head_space(config_a: Any, config_b: Any, ds: TaskDataset, models: tuple[Any,
     if differ := differ_in_classes(config_a, config_b):
         raise CheckpointError(f"{models[0]} and {models[1]}: {differ} — a straight path needs one label set, in one "
                               "order")  # fmt: skip
-    try:
-        return target_space(head_labels(config_a), ds.labels)
-    except ValueError as exc:
-        raise DatasetError(
-            f"{ds.source} on {models[0]}: {exc} — give the dataset the models were fine-tuned on"
-        ) from None
+    return head_targets(config_a, ds, models[0], "give the dataset the models were fine-tuned on")
 
 
 def _task_loss(a, b, data, split, max_examples, batch_size, max_length, seed, dev: torch.device) -> LossSetup:

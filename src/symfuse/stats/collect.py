@@ -15,8 +15,7 @@ from torch import nn
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data.batches import tracked_batches
-from symfuse.data.labels import head_labels, target_space, union_columns
-from symfuse.errors import DataError
+from symfuse.data.labels import head_targets, union_columns
 from symfuse.io import fsync_dir, plain_mode
 from symfuse.stats.fisher import collect_fisher
 from symfuse.stats.gram import collect_gram
@@ -50,14 +49,8 @@ def check_fisher_targets(config: Any, ds: Any, where: object) -> list[str] | Non
     Raises:
         DataError: a class of the data missing from a named head, or more classes than an unnamed head has outputs.
     """
-    head = head_labels(config)
-    try:
-        return None if head is None or ds.task == "regression" else target_space(head, ds.labels)
-    except ValueError as exc:
-        raise DataError(
-            f"{ds.source} on {where}: {exc} — give the data the model was trained on, or use --fisher-mode sampled "
-            "(targets drawn from the model)"
-        ) from None
+    fix = "give the data the model was trained on, or use --fisher-mode sampled (targets drawn from the model)"
+    return head_targets(config, ds, where, fix)
 
 
 def collect_stats(
