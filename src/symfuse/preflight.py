@@ -6,7 +6,7 @@ training, out-of-domain and selection dataset (resolved by the project's dataset
 records of each split read by :func:`symfuse.data.probe.probe_dataset`: no tensor is loaded and no dataset read
 whole). It returns ALL the problems it finds, one line each:
 
-* a model or dataset that is not there, unreadable, or malformed (the file and line named);
+* a model or dataset that is not there, unreadable, or malformed (the file and line named), or trained on twice;
 * a split the run reads that the dataset lacks (the fine-tune's train split, the statistics' train split, the
   evaluation split, greedy selection's and ``ood_heads: reliable``'s validation; a fine-tune without a validation
   split scores its epochs on a slice held out of train, never on test: :mod:`symfuse.data.holdout`);
@@ -40,7 +40,7 @@ from symfuse.data.labels import (
     union_label_names,
     unnamed,
 )
-from symfuse.data.probe import DatasetProbe, probe_dataset
+from symfuse.data.probe import DatasetProbe, probe_dataset, twin_datasets
 from symfuse.errors import DataError, SymfuseError
 from symfuse.io.modes import can_create_in, nearest_existing
 
@@ -59,8 +59,7 @@ def require_runnable(config: RunConfig) -> None:
     Raises:
         RunInputError: every problem, one line each.
     """
-    problems = check_run(config)
-    if problems:
+    if problems := check_run(config):
         raise RunInputError(problems)
 
 
@@ -72,7 +71,7 @@ class _Head:
     labels: tuple[str, ...] | None
 
 
-def _kind(task: str) -> str:
+def _kind(task: str) -> str:  # a task's head kind
     return {"ner": "token", "regression": "regression"}.get(task, "sequence")
 
 
@@ -105,6 +104,7 @@ def check_run(config: RunConfig) -> list[str]:
             if d.task and probe.task and d.task != probe.task:  # task: is a claim about the data, checked here
                 problems.append(f"training dataset {d.name}: task: {d.task}, but {probe.where} holds {probe.task} "
                                 "data — fix task:, or drop it (meta.json says the task)")  # fmt: skip
+    problems += twin_datasets(config.datasets, probes)
     heads = _heads(config, probes, problems)
     others = _evaluation_sets(config)
     sets: dict[str, DatasetProbe] = {n: p for n, p in probes.items() if n in others}

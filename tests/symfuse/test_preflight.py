@@ -260,6 +260,20 @@ def test_a_dataset_task_the_data_does_not_have_is_refused():
     assert check_run(config(datasets=[{"name": "crowdflower", "task": "classification"}, {"name": "meld"}])) == []
 
 
+def test_one_folder_trained_on_twice_with_the_same_settings_is_refused(tmp_path):
+    """Two spellings of one folder under two names fine-tuned twins of one model and merged them as two."""
+    data = dataset(tmp_path / "emo")
+    (tmp_path / "link").symlink_to(tmp_path / "emo")
+    for other in (data + "/", str(tmp_path / "link")):
+        problems = check_run(config(datasets=[{"name": "a", "source": data}, {"name": "b", "source": other}]))
+        assert problems == [
+            f"training dataset b: reads {other.rstrip('/')}, as a does, with the same settings — its fine-tune would "
+            "be a's twin; list the dataset once"
+        ], problems
+    capped = [{"name": "a", "source": data}, {"name": "b", "source": data, "max_train_examples": 4}]
+    assert not any("twin" in p for p in check_run(config(datasets=capped)))  # another subset: another model
+
+
 def test_a_path_as_a_dataset_name_is_told_to_go_under_source():
     with pytest.raises(ValueError, match=r"dataset name '/data/toy' is a path — name it and give the path as its "
                                          r"source: \{name: toy, source: /data/toy\}"):  # fmt: skip

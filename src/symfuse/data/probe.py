@@ -10,6 +10,8 @@ are not looked at: they are read when the run loads them.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,3 +115,27 @@ def probe_dataset(source: str, records: int = PROBE_RECORDS) -> DatasetProbe:
         check_spelled_once(source, list(labels))
     complete = bool(declared) or task == "regression"
     return DatasetProbe(source, where, task, labels, complete, tuple(files), multi)
+
+
+def twin_datasets(datasets: Iterable[Any], probes: Mapping[str, DatasetProbe]) -> list[str]:
+    """One problem line per training set that reads the data another one reads, with the same settings.
+
+    Two spellings of one folder (a trailing slash, a symlink, a relative path) under two names would fine-tune twins
+    of one model (or bring one checkpoint twice) and merge them as two.
+
+    Args:
+        datasets: The run's datasets (``name``, ``max_train_examples``, ``checkpoint``: what makes the models differ).
+        probes: Their probes by name (a dataset without one is left out).
+    """
+    seen: dict[tuple[str, object], str] = {}
+    problems = []
+    for d in datasets:
+        name, probe, settings = d.name, probes.get(d.name), (d.max_train_examples, d.checkpoint)
+        if probe is None:
+            continue
+        where = os.path.realpath(probe.where) if os.path.exists(probe.where) else probe.where
+        first = seen.setdefault((where, settings), name)
+        if first != name:
+            problems.append(f"training dataset {name}: reads {probe.where}, as {first} does, with the same settings — "
+                            f"its fine-tune would be {first}'s twin; list the dataset once")  # fmt: skip
+    return problems
