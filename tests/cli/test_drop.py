@@ -109,6 +109,12 @@ def test_an_in_memory_store_is_refused_since_it_ends_with_the_command(tmp_path):
         "error: --store memory://probe: an in-memory store ends with this process, and everything the command stores "
         "with it — give a local folder, file://PATH or s3://bucket/prefix"
     )
+    for url in ("http://example.com/store", "zip://store.zip"):  # read-only: the upload failed after validation
+        res = run_cli("drop", ckpt, "--run", "r1", "--store", url)
+        assert res.returncode == 2 and res.stderr.strip() == (
+            f"error: --store {url}: {url.partition(':')[0]}:// can only be read, and the store is written — give a "
+            "local folder, file://PATH or s3://bucket/prefix"
+        ), res.stderr
 
 
 def test_a_checkpoint_of_another_shape_than_the_run_s_models_is_refused(tmp_path):

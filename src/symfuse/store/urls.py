@@ -72,14 +72,21 @@ def lasting_store_problem(root: str, label: str) -> str | None:
     """Why ``root`` cannot keep what a command stores for later, or None.
 
     A ``memory://`` store lives in one process: the pipeline's command and ``symfuse drop`` would exit 0 and lose
-    every artifact with it (the library's tests use one inside their own process).
+    every artifact with it (the library's tests use one inside their own process). A read-only filesystem
+    (``http://``, ``zip://``, ...) would fail at the first artifact written, after the first task's work.
     """
-    if root.lower().startswith("memory://"):
+    scheme = root.partition("://")[0].lower() if "://" in root else ""
+    if scheme == "memory":
         return (
             f"{label} {root}: an in-memory store ends with this process, and everything the command stores with it "
             f"— give {_EXAMPLES}"
         )
+    if scheme in READ_ONLY:
+        return f"{label} {masked_url(root)}: {scheme}:// can only be read, and the store is written — give {_EXAMPLES}"
     return None
+
+
+READ_ONLY = frozenset({"http", "https", "zip", "tar", "libarchive", "github", "git", "reference", "data"})
 
 
 def _endpoint_problem() -> str | None:
