@@ -6,7 +6,6 @@ import json
 import logging
 import math
 import os
-import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset, tracked_batches
 from symfuse.data.batches import encode_split, readable_length
 from symfuse.data.files import NER_SCHEME, not_a_ner_tag
-from symfuse.data.labels import read_label_space, short_names
+from symfuse.data.labels import read_label_space, short_names, unnamed
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError
@@ -102,7 +101,7 @@ def evaluate_model(
     if (head_problem == "token_classification") != ds.is_token_task:
         raise ValueError(f"{path}: a {head_problem} head cannot be evaluated on {ds.name} ({ds.problem_type})")
     if head_problem == "token_classification" and (tag := not_a_ner_tag(head_labels)) is not None:
-        fix = "give --labels-from the data the model was trained on" if _unnamed(head_labels) else "rename them"
+        fix = "give --labels-from the data the model was trained on" if unnamed(head_labels) else "rename them"
         raise CheckpointError(f"{path}/config.json (id2label): the head's tag {tag!r} {NER_SCHEME} ({fix})")
     if ds.problem_type not in ("regression", "token_classification"):
         check_shared_classes(ds, head_labels)  # before the model runs over the split
@@ -152,11 +151,6 @@ def evaluate_model(
     return metrics
 
 
-def _unnamed(names: list[str]) -> bool:
-    """Whether a head's outputs carry transformers' placeholder names (``LABEL_0`` ...) only."""
-    return all(re.fullmatch(r"LABEL_\d+", n) for n in names)
-
-
 def _output_names(path: Path, head: list[str], labels_from: str | None) -> list[str]:
     """The head's class names: its ``id2label``, or those of ``--labels-from`` for a head without names.
 
@@ -170,7 +164,7 @@ def _output_names(path: Path, head: list[str], labels_from: str | None) -> list[
     if len(names) != len(head):
         raise ValueError(f"{path}: head has {len(head)} outputs but {labels_from} has {len(names)} labels — give "
                          "--labels-from the dataset the head was trained on")  # fmt: skip
-    if not _unnamed(head) and [h.casefold() for h in head] != [n.casefold() for n in names]:
+    if not unnamed(head) and [h.casefold() for h in head] != [n.casefold() for n in names]:
         raise CheckpointError(
             f"{path}/config.json: the head already names its outputs ({short_names(head)}); --labels-from "
             f"{labels_from} would rename them by position ({short_names(names)}) — drop --labels-from: named "
