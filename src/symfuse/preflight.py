@@ -25,6 +25,7 @@ whole). It returns ALL the problems it finds, one line each:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,8 +144,7 @@ def _store_problems(config: RunConfig) -> list[str]:
     its work (a fine-tune retried three times), so it is one line now.
     """
     fix = "give a folder (created if missing) or a URL such as s3://bucket/prefix in store_root or $SYMFUSE_STORE"
-    problem = store_root_problem(config.resolved_store_root(), "store_root", fix)
-    return [problem] if problem else []
+    return [p] if (p := store_root_problem(config.resolved_store_root(), "store_root", fix)) else []
 
 
 def store_root_problem(root: str, label: str, fix: str) -> str | None:
@@ -167,7 +167,7 @@ def store_root_problem(root: str, label: str, fix: str) -> str | None:
         from symfuse.store.urls import store_url_problem
 
         return store_url_problem(root, label)
-    path = Path(rest if sep else root).expanduser()
+    path = Path(os.path.expanduser(rest if sep else root))  # Path.expanduser raises for ~user of no such user
     probe = nearest_existing(path)
     if not probe.is_dir():
         what = "is a file" if probe == path else f"is under {probe}, which is a file"

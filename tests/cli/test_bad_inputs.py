@@ -166,6 +166,7 @@ CASES = [
     C("disguise-unknown-kind", f"disguise {{A}} {OUT} --kinds rotation,bogus", 2, "bogus"),
     C("disguise-empty-kinds", f"disguise {{A}} {OUT} --kinds ,", 2, "--kinds"),
     C("disguise-negative-noise", f"disguise {{A}} {OUT} --noise -1", 2, "--noise"),
+    C("disguise-huge-noise", f"disguise {{A}} {OUT} --noise 1e40", 2, "--noise: 1e+40 is above 100"),  # inf weights
     C("disguise-seed-not-an-int", f"disguise {{A}} {OUT} --seed x", 2, "--seed"),
     C("disguise-missing-source", f"disguise {{MISSING}} {OUT}", 2, "missing"),
     C("disguise-empty-folder", f"disguise {{EMPTY}} {OUT}", 1, "empty"),

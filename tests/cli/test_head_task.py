@@ -30,8 +30,21 @@ def inputs(tmp_path_factory):
         ["stats", "{A}", "--data", "{REG}", "--kind", "fisher", "--out", "{OUT}/s"],
         ["barrier", "{A}", "{B}", "--data", "{REG}", "--points", "3", "--out", "{OUT}/b"],
         ["inspect", "{A}", "{B}", "--data", "{REG}", "--residual-iters", "0"],
+        [
+            "match",
+            "{A}",
+            "{B}",
+            "--symmetries",
+            "residual-orthogonal",
+            "--refine",
+            "3",
+            "--data",
+            "{REG}",
+            "--out",
+            "{OUT}/m",
+        ],
     ],
-    ids=["evaluate", "stats-fisher", "barrier", "inspect"],
+    ids=["evaluate", "stats-fisher", "barrier", "inspect", "match-refine"],
 )
 def test_a_regression_set_on_a_classifier_is_refused_in_one_line(args, inputs):
     res = run_cli(*[a.format(**inputs) for a in args])

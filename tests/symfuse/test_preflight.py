@@ -299,3 +299,11 @@ def test_split_names_reads_no_record(tmp_path):
     assert split_names("owner/hub-set") is None and split_names("hf:owner/hub-set") is None
     with pytest.raises(DatasetError, match="no dataset of that name"):
         split_names("d_missing")
+
+
+def test_a_store_root_of_an_unknown_users_home_is_a_plain_path(tmp_path, monkeypatch):
+    """``~nosuchuser/runs`` raised RuntimeError from Path.expanduser: a traceback without -v."""
+    from symfuse.preflight import store_root_problem
+
+    monkeypatch.chdir(tmp_path)
+    assert store_root_problem("~nosuchuser-probe/runs", "store_root", "fix") is None  # created under ./, as bash does

@@ -21,6 +21,8 @@ OT_ACTS = tuple(k for k in OT_KINDS if "acts" in k)
 VERIFY_MODES = ("stream", "full", "none")  # symfuse.match.output_check.VERIFY_MODES (checked before torch is imported)
 RANDOM_PIXELS = "random-pixels"  # symfuse.match.activation.RANDOM_PIXELS (named before torch is imported)
 
+MAX_NOISE = 100.0  # disguise --noise: relative to each tensor's scale; far above it only overflows
+
 
 @app.command()
 def match(
@@ -87,6 +89,8 @@ def match(
     checks.checkpoint(anchor)
     if data is not None and data != RANDOM_PIXELS:  # pixel families' seeded random images are no dataset
         checks.dataset("--data", data)
+        if refine:  # its task loss runs the heads on the data: a task they cannot score failed in torch
+            checks.head_reads("--data", data, source)
     device = checks.device("--device", device)
     with claim_output(out, overwrite):
         report = align_checkpoints(source, anchor, out, names, data, max_examples=max_examples, refine=refine,
@@ -101,7 +105,9 @@ def disguise(
     source: Annotated[str, typer.Argument(help="Model to disguise (folder, 'minilm' or hub id).")],
     out: Annotated[Path, typer.Option("--out", help="Output folder (must not exist unless --overwrite).")],
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
-    noise: Annotated[float, typer.Option("--noise", help="Relative noise on module tensors (>= 0).")] = 0.0,
+    noise: Annotated[
+        float, typer.Option("--noise", help=f"Relative noise on module tensors (0 .. {MAX_NOISE:g}).")
+    ] = 0.0,
     kinds: Annotated[
         str,
         typer.Option(
@@ -118,6 +124,7 @@ def disguise(
     (it holds the model in memory) and is undone by `symfuse match --symmetries residual-permutation --data ...`.
     """
     checks.finite("--noise", noise)
+    checks.at_most("--noise", noise, MAX_NOISE, "0.01")  # 1e40 overflowed float32 into inf weights, exit 0
     checks.seed("--seed", seed)
     names = checks.kinds("--kinds", kinds, "draw", "kinds")
     if noise < 0:
