@@ -105,7 +105,6 @@ def check_run(config: RunConfig) -> list[str]:
             if d.task and probe.task and d.task != probe.task:  # task: is a claim about the data, checked here
                 problems.append(f"training dataset {d.name}: task: {d.task}, but {probe.where} holds {probe.task} "
                                 "data — fix task:, or drop it (meta.json says the task)")  # fmt: skip
-    problems += twin_datasets(config.datasets, probes)
     heads = _heads(config, probes, problems)
     others = _evaluation_sets(config)
     sets: dict[str, DatasetProbe] = {n: p for n, p in probes.items() if n in others}
@@ -115,6 +114,7 @@ def check_run(config: RunConfig) -> list[str]:
         probe = _probe(f"{role} {name}", name, splits, problems)
         if probe is not None:
             sets[name] = probe
+    problems += twin_datasets(config.datasets, probes, sets, config.evaluation.out_of_domain)
     problems += _label_problems(config, probes, heads, sets)
     return problems
 

@@ -11,7 +11,7 @@ import pytest
 
 from symfuse.config import RunConfig
 from symfuse.data import DatasetError
-from symfuse.data.locate import BUNDLED_DIR
+from symfuse.data.locate import BUNDLED_DIR, find_named_dataset
 from symfuse.data.probe import probe_dataset, split_names
 from symfuse.preflight import RunInputError, check_run, require_runnable
 from tests.tiny import save_tiny
@@ -272,6 +272,13 @@ def test_one_folder_trained_on_twice_with_the_same_settings_is_refused(tmp_path)
         ], problems
     capped = [{"name": "a", "source": data}, {"name": "b", "source": data, "max_train_examples": 4}]
     assert not any("twin" in p for p in check_run(config(datasets=capped)))  # another subset: another model
+    # a training set held out under its own name: its model was scored "out of domain" on its own data
+    alias = [{"name": "ekm", "source": "goemotions_ekman"}, {"name": "meld"}]
+    problems = check_run(config(datasets=alias, evaluation={"out_of_domain": ["goemotions_ekman", "crowdflower"]}))
+    assert [p for p in problems if "own data" in p] == [
+        f"evaluation set goemotions_ekman: reads {find_named_dataset('goemotions_ekman')}, which training dataset ekm "
+        "trains on — ekm's model would be scored out of domain on its own data; drop goemotions_ekman"
+    ], problems
 
 
 def test_a_path_as_a_dataset_name_is_told_to_go_under_source():

@@ -117,25 +117,42 @@ def probe_dataset(source: str, records: int = PROBE_RECORDS) -> DatasetProbe:
     return DatasetProbe(source, where, task, labels, complete, tuple(files), multi)
 
 
-def twin_datasets(datasets: Iterable[Any], probes: Mapping[str, DatasetProbe]) -> list[str]:
-    """One problem line per training set that reads the data another one reads, with the same settings.
+def twin_datasets(
+    datasets: Iterable[Any], probes: Mapping[str, DatasetProbe], sets: Mapping[str, DatasetProbe], held_out: list[str]
+) -> list[str]:
+    """Problem lines for one dataset read under two names: twin fine-tunes, or a training set scored as held out.
 
     Two spellings of one folder (a trailing slash, a symlink, a relative path) under two names would fine-tune twins
-    of one model (or bring one checkpoint twice) and merge them as two.
+    of one model (or bring one checkpoint twice) and merge them as two; an out-of-domain set that a model trained on
+    would score it "out of domain" on its own data.
 
     Args:
         datasets: The run's datasets (``name``, ``max_train_examples``, ``checkpoint``: what makes the models differ).
         probes: Their probes by name (a dataset without one is left out).
+        sets: Probes of the evaluation sets by name.
+        held_out: The out-of-domain sets' names (one named as a training set is scored in domain).
     """
     seen: dict[tuple[str, object], str] = {}
+    trained: dict[str, str] = {}
     problems = []
     for d in datasets:
         name, probe, settings = d.name, probes.get(d.name), (d.max_train_examples, d.checkpoint)
         if probe is None:
             continue
-        where = os.path.realpath(probe.where) if os.path.exists(probe.where) else probe.where
+        where = _location(probe)
+        trained.setdefault(where, name)
         first = seen.setdefault((where, settings), name)
         if first != name:
             problems.append(f"training dataset {name}: reads {probe.where}, as {first} does, with the same settings — "
                             f"its fine-tune would be {first}'s twin; list the dataset once")  # fmt: skip
+    for name in held_out:
+        probe = sets.get(name)
+        if probe is not None and (first := trained.get(_location(probe))) not in (None, name):
+            problems.append(f"evaluation set {name}: reads {probe.where}, which training dataset {first} trains on — "
+                            f"{first}'s model would be scored out of domain on its own data; drop {name}")  # fmt: skip
     return problems
+
+
+def _location(probe: DatasetProbe) -> str:
+    """Where a probed dataset lives, however it was spelled (a hub id as it is)."""
+    return os.path.realpath(probe.where) if os.path.exists(probe.where) else probe.where
