@@ -191,12 +191,12 @@ def _check_record(rec: dict[str, Any], task: str, multi_label: bool, labels: set
             return "'tokens' must be a list of strings"
         if not isinstance(tags, list) or len(tags) != len(tokens):
             return f"'tags' must be a list with one tag per token ({len(tokens)} tokens)"
-        if (tag := not_a_ner_tag(tags)) is not None:
-            return f"tag {tag!r} {NER_SCHEME}"
-        if labels is not None:
+        if labels is not None:  # meta.json's tags were checked against the scheme when it was read
             bad = [t for t in tags if t not in labels]
             if bad:
                 return f"unknown tag {bad[0]!r} (not in meta.json tags)"
+        elif (tag := not_a_ner_tag(tags)) is not None:
+            return f"tag {tag!r} {NER_SCHEME}"
         return None
     if not isinstance(rec.get("text"), str):
         return "missing or non-string 'text'"

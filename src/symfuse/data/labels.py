@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from symfuse.data.files import DatasetError
+
 # Ekman's basic emotions that the emotion datasets have in common (each dataset has some of them).
 EMOTION_SHARED = ("anger", "disgust", "fear", "joy", "sadness", "surprise")
 
@@ -147,8 +149,6 @@ def head_targets(config: Any, ds: Any, where: object, fix: str) -> list[str] | N
     Raises:
         DatasetError: ``"<data> on <where>: <why> — <fix>"`` (a class the head lacks, too many classes).
     """
-    from symfuse.data.files import DatasetError
-
     try:
         return target_space(head_labels(config), ds.labels)
     except ValueError as exc:
