@@ -113,10 +113,15 @@ def foreign_classes(head: Sequence[str], data: Sequence[str]) -> str | None:
     return None
 
 
+def same_names(a: Sequence[str], b: Sequence[str]) -> bool:
+    """Whether two class lists name the same classes in the same order (case-insensitively)."""
+    return [_key(n) for n in a] == [_key(n) for n in b]
+
+
 def differ_in_classes(config_a: Any, config_b: Any) -> str | None:
     """How two checkpoints' classification heads name their classes differently (set or order), or None."""
     a, b = head_labels(config_a) or [], head_labels(config_b) or []
-    if [_key(n) for n in a] == [_key(n) for n in b]:
+    if same_names(a, b):
         return None
     return f"their heads name their classes differently ({short_names(a)} / {short_names(b)})"
 

@@ -18,7 +18,7 @@ from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset, tracked_batches
 from symfuse.data.batches import encode_split, readable_length
 from symfuse.data.files import NER_SCHEME, not_a_ner_tag
-from symfuse.data.labels import read_label_space, short_names, unnamed
+from symfuse.data.labels import read_label_space, same_names, short_names, unnamed
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError
@@ -164,7 +164,7 @@ def _output_names(path: Path, head: list[str], labels_from: str | None) -> list[
     if len(names) != len(head):
         raise ValueError(f"{path}: head has {len(head)} outputs but {labels_from} has {len(names)} labels — give "
                          "--labels-from the dataset the head was trained on")  # fmt: skip
-    if not unnamed(head) and [h.casefold() for h in head] != [n.casefold() for n in names]:
+    if not unnamed(head) and not same_names(head, names):
         raise CheckpointError(
             f"{path}/config.json: the head already names its outputs ({short_names(head)}); --labels-from "
             f"{labels_from} would rename them by position ({short_names(names)}) — drop --labels-from: named "
