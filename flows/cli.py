@@ -165,6 +165,20 @@ def _end_now(why: str, signum: int) -> None:
     os._exit(TERMINATED if signum == signal.SIGTERM else INTERRUPTED)
 
 
+def quiet_temporary_server(verbose: bool) -> None:
+    """Without ``-v``, the temporary server's own logs stay off the console (a value the user set wins).
+
+    The server runs in a child process that writes to this console: under load its sqlite database logs "database is
+    locked" and event-flush errors with tracebacks. Those concern the server's records for the UI, never the run's
+    result, which the flow reports as one line; ``-v`` shows them.
+
+    Args:
+        verbose: Leave the server's logging as Prefect sets it.
+    """
+    if not verbose:
+        os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
+
+
 def start_ephemeral_server() -> threading.Thread | None:
     """Start Prefect's ephemeral server in a thread (None when a server URL is set or ephemeral mode is off).
 
@@ -288,6 +302,7 @@ def _main(argv: list[str] | None) -> int:
         return DATA
     start = time.perf_counter()
     exit_on_signals()
+    quiet_temporary_server(args.verbose)
     try:
         server = start_ephemeral_server()  # in a thread: ~6 s of start-up while this thread imports and warms up
         from flows.pipeline import fusion_pipeline  # torch, transformers, prefect (``python -m flows``: not yet)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import _NoTraceback, drain_events, main
+from flows.cli import _NoTraceback, drain_events, main, quiet_temporary_server
 from tests.flows.conftest import tiny_config
 
 
@@ -217,3 +217,31 @@ def test_drain_events_returns_once_the_server_holds_every_task_run_final():
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
     assert len(runs) == 12 and all(r.state.is_completed() for r in runs), [(r.name, r.state_type) for r in runs]
     assert drain_events(None) is False  # drain only (a failed run): no waiting
+
+
+SERVER_ERROR = """
+from prefect.logging import get_logger
+from prefect.logging.configuration import setup_logging
+
+setup_logging()  # from the environment, as the temporary server's app does
+try:
+    raise RuntimeError("sqlite3.OperationalError: database is locked")
+except RuntimeError:
+    get_logger("prefect.server.services.task_run_recorder").exception("Error flushing task run events")
+get_logger("prefect.client").error("a client line")
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_temporary_server_logs_no_traceback_without_v(verbose, monkeypatch):
+    """The run's temporary Prefect server is a child process writing to the same console: under CI load its sqlite
+    database logged "database is locked" with a traceback from its event recorder (stop 47's red CI), below the run's
+    one error line. A process given the environment the command gives its server keeps that off the console unless -v,
+    and still prints the other records."""
+    monkeypatch.delenv("PREFECT_SERVER_LOGGING_LEVEL", raising=False)
+    quiet_temporary_server(verbose)
+    res = subprocess.run([sys.executable, "-c", SERVER_ERROR], env=dict(os.environ), capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert "a client line" in res.stderr
+    assert ("Traceback" in res.stderr) is verbose, res.stderr[-2000:]
+    assert ("database is locked" in res.stderr) is verbose
