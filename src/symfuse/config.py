@@ -143,7 +143,10 @@ class EvalSettings(_Strict):
                     f"evaluation dataset {v!r}: a name, not a path — put the folder under $SYMFUSE_DATASETS/<name> "
                     "(or ../shared/datasets/<name>) and give <name>"
                 )
-        return [check_name(v, "evaluation dataset") for v in value]
+        names = [check_name(v, "evaluation dataset") for v in value]
+        if twice := sorted({n for n in names if names.count(n) > 1}):  # it would be evaluated and reported twice
+            raise ValueError(f"evaluation dataset {twice[0]!r} is listed twice in out_of_domain — list it once")
+        return names
 
 
 class HeadRefitSettings(_Strict):
@@ -347,6 +350,16 @@ class RunConfig(_Strict):
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names must be unique, got {names}")
+        if trained := [n for n in self.evaluation.out_of_domain if n in names]:
+            raise ValueError(
+                f"evaluation.out_of_domain: {trained[0]} is a training dataset — "
+                + (
+                    "it is scored in domain already; drop it from out_of_domain"
+                    if self.evaluation.in_domain
+                    else f"{trained[0]}'s model would be scored out of domain on its own data; drop it from "
+                    "out_of_domain (in_domain: true scores the training sets)"
+                )
+            )
         if self.select_on is not None and self.select != "greedy":
             raise ValueError(f"select_on {self.select_on!r} is read only with select: greedy; set it or drop select_on")
         if self.anchor not in ANCHOR_POLICIES and self.anchor not in names:

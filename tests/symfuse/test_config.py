@@ -88,6 +88,11 @@ def test_minimal_yaml_gets_defaults(tmp_path):
         ),
         ({"regmean_alpha": 0.5, "merge_params": {"regmean": {"alpha": 0.4}}}, "both given"),
         ({"evaluation": {"out_of_domain": ["/data/mine"]}}, "evaluation dataset '/data/mine': a name, not a path"),
+        # a set listed twice was evaluated and reported twice; a training set under out_of_domain was dropped from it
+        # without a word (in_domain: true) or scored "out of domain" on its own data (in_domain: false)
+        ({"evaluation": {"out_of_domain": ["goemotions_ekman"] * 2}}, "'goemotions_ekman' is listed twice in out_of"),
+        ({"evaluation": {"out_of_domain": ["meld"]}}, "out_of_domain: meld is a training dataset — it is scored in do"),
+        ({"evaluation": {"in_domain": False, "out_of_domain": ["meld"]}}, "meld's model would be scored out of domain"),
         ({"finetune": {"lr": float("inf")}}, r"finetune\.lr\s+Input should be a finite number"),
         ({"finetune": {"lr": 5.0}}, r"finetune\.lr\s+Input should be less than or equal to 1"),
         ({"head_refit": {"ridge": float("nan")}}, r"head_refit\.ridge\s+Input should be a finite number"),

@@ -130,7 +130,7 @@ def twin_datasets(
         datasets: The run's datasets (``name``, ``max_train_examples``, ``checkpoint``: what makes the models differ).
         probes: Their probes by name (a dataset without one is left out).
         sets: Probes of the evaluation sets by name.
-        held_out: The out-of-domain sets' names (one named as a training set is scored in domain).
+        held_out: The out-of-domain sets' names (none names a training set: RunConfig refuses that).
     """
     seen: dict[tuple[str, object], str] = {}
     trained: dict[str, str] = {}
