@@ -296,6 +296,10 @@ def _main(argv: list[str] | None) -> int:
     if problem := lasting_store_problem(config.resolved_store_root(), where):
         return report(UsageError(problem), args.verbose)
     problems = check_run(config)  # every bad input at once, in seconds, before Prefect starts or anything trains
+    if config.fan_out == "deployments" and not problems:  # the stage deployments on the server (imports Prefect)
+        from tasks.fanout import deployment_problems
+
+        problems = deployment_problems(config, stats=bool(config.stats_kinds()))
     if problems:
         for line in problems:
             print(f"error: {redact(line)}", file=sys.stderr)

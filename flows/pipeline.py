@@ -22,10 +22,10 @@ from flows.select import greedy_merges
 from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party
 from symfuse.merge import MERGERS
-from symfuse.preflight import require_runnable
+from symfuse.preflight import RunInputError, require_runnable
 from tasks.common import stop_running_tasks, warm_imports
 from tasks.evaluate import evaluate
-from tasks.fanout import collect_stats_remote, finetune_remote
+from tasks.fanout import collect_stats_remote, deployment_problems, finetune_remote
 from tasks.finetune import bring_checkpoint, finetune
 from tasks.housekeeping import clean_store
 from tasks.inspect import inspect_models
@@ -59,12 +59,6 @@ STAGES = {
 def workers() -> int:
     """Threads of the task runner: ``$SYMFUSE_WORKERS``, else 4 (tasks are torch-bound; torch threads share cores)."""
     return int(os.environ.get("SYMFUSE_WORKERS", "4"))
-
-
-def needed_kinds(config: RunConfig) -> list[str]:
-    """Statistics kinds the configured strategies read (and the config allows), in config order."""
-    wanted = set().union(*(MERGERS[s].required_stats for s in config.strategies))
-    return [k for k in config.stats.kinds if k in wanted]
 
 
 def raise_first_failure(futures: list[PrefectFuture]) -> None:
@@ -102,6 +96,8 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     """
     forward_library_logs()  # symfuse.* INFO lines (losses, metrics, retries) into the run's logs
     require_runnable(config)  # before any task: every bad input (model, dataset, split, labels), one line each
+    if problems := deployment_problems(config, stats=bool(config.stats_kinds())):  # fan_out: the server's deployments
+        raise RunInputError(problems)
     with run_lock(config.run_id):  # one flow run per run_id: a second one waits, then reuses what this one stored
         end_orphaned_task_runs()  # a rescheduled run (crash): the lost attempt's task runs end Crashed
         try:
@@ -192,7 +188,7 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     models |= dict(zip(brought, T.bring_checkpoint.map(unmapped(config), brought), strict=True))
 
     # 2. Statistics the strategies need, one task per model × kind.
-    kinds = needed_kinds(config)
+    kinds = config.stats_kinds()
     stats = {(n, k): collect.submit(config, n, models[n], k) for n in names for k in kinds}
 
     # 2b. Each fine-tuned model on every evaluation set, for reference: submitted now (after its statistics, which the

@@ -41,6 +41,44 @@ def idempotency_key(label: str, ck: str) -> str | None:
     return None if owner is None else f"symfuse:{owner}:{label}:{ck}"
 
 
+def deployment_problems(config: RunConfig, stats: bool) -> list[str]:
+    """Problem lines for ``fan_out: deployments``: a server to reach, the stage deployments on it (one API call each).
+
+    Without them every stage task failed after Prefect started, as ``internal error: ObjectNotFound: None``.
+
+    Args:
+        config: The run (nothing to check unless ``fan_out`` is ``deployments``).
+        stats: Whether the run collects statistics (the stats stage's deployment is needed).
+    """
+    if config.fan_out != "deployments":
+        return []
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+
+    fix = "or set fan_out: in-process"
+    if not (url := PREFECT_API_URL.value()):
+        return [f"fan_out: deployments: PREFECT_API_URL is unset, so no worker would run the stage deployments — "
+                f"start a server and its workers (deployments/README.md; local: deployments/local_stack.sh start, then "
+                f"export PREFECT_API_URL=http://127.0.0.1:4200/api) {fix}"]  # fmt: skip
+    stages = {"finetune": config.stage_deployments.finetune}
+    if stats:
+        stages["stats"] = config.stage_deployments.stats
+    problems = []
+    with get_client(sync_client=True) as client:
+        for stage, name in stages.items():
+            try:
+                client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                problems.append(f"stage_deployments.{stage}: no deployment {name} on {url} — deploy the stages "
+                                f"(deployments/README.md: prefect deploy --all) {fix}")  # fmt: skip
+            except Exception as exc:  # the server's answer, whatever it is, in one line
+                why = " ".join(str(exc).split()) or type(exc).__name__
+                return [f"fan_out: deployments: the Prefect server at {url} did not answer ({why}) — start it or fix "
+                        f"PREFECT_API_URL, {fix}"]  # fmt: skip
+    return problems
+
+
 def run_stage(deployment: str, parameters: dict[str, Any], label: str, key: str | None) -> None:
     """Run one flow run of ``deployment`` as a subflow of the current run and wait for it.
 

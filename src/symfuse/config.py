@@ -192,6 +192,14 @@ class StageDeployments(_Strict):
     finetune: str = Field(default="finetune-stage/finetune-stage", description="One fine-tune per flow run.")
     stats: str = Field(default="stats-stage/stats-stage", description="One model's statistics (one kind) per run.")
 
+    @field_validator("finetune", "stats")
+    @classmethod
+    def _flow_slash_deployment(cls, value: str) -> str:
+        flow, _, deployment = value.partition("/")
+        if not flow.strip() or not deployment.strip() or "/" in deployment:
+            raise ValueError(f"{value!r}: expected <flow name>/<deployment name>, e.g. finetune-stage/finetune-stage")
+        return value
+
 
 # Keys of older configs, moved into merge_params: key -> (strategy, parameter). Applied when the strategy is run.
 LEGACY_PARAM_KEYS = {"regmean_alpha": ("regmean", "alpha")}
@@ -397,6 +405,11 @@ class RunConfig(_Strict):
             if d.name == name:
                 return d
         raise KeyError(f"no dataset {name!r} in the run config (have {self.dataset_names})")
+
+    def stats_kinds(self) -> list[str]:
+        """Statistics kinds the run collects: those its strategies read, of ``stats.kinds``, in config order."""
+        wanted = set().union(*(MERGERS[s].required_stats for s in self.strategies))
+        return [k for k in self.stats.kinds if k in wanted]
 
     def eval_datasets(self) -> list[str]:
         """Evaluation sets: the training datasets (if ``evaluation.in_domain``) then the out-of-domain ones."""

@@ -25,7 +25,6 @@ whole). It returns ALL the problems it finds, one line each:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,7 @@ from symfuse.data.labels import (
 )
 from symfuse.data.probe import DatasetProbe, probe_dataset, twin_datasets
 from symfuse.errors import DataError, SymfuseError
-from symfuse.io.modes import can_create_in, nearest_existing
+from symfuse.store.roots import brought_uri_problem, store_root_problem
 
 
 class RunInputError(DataError):
@@ -147,36 +146,6 @@ def _store_problems(config: RunConfig) -> list[str]:
     return [p] if (p := store_root_problem(config.resolved_store_root(), "store_root", fix)) else []
 
 
-def store_root_problem(root: str, label: str, fix: str) -> str | None:
-    """Why a store root cannot be written (``<label> <root>: <what> — <fix>``), or None.
-
-    A local root must be a folder, or a path whose nearest existing parent is a writable folder. A URL other than
-    ``file://`` is checked for its scheme and for a credential inside it
-    (:func:`~symfuse.store.urls.store_url_problem`); it is reached when first written.
-
-    Args:
-        root: The store root (a path or URL).
-        label: What the user gave it as (``store_root``, ``--store``).
-        fix: The end of the line: what to give instead.
-
-    Returns:
-        One line naming the root, what is wrong and ``fix``; None when the root is usable.
-    """
-    scheme, sep, rest = root.partition("://")
-    if sep and scheme != "file":
-        from symfuse.store.urls import store_url_problem
-
-        return store_url_problem(root, label)
-    path = Path(os.path.expanduser(rest if sep else root))  # Path.expanduser raises for ~user of no such user
-    probe = nearest_existing(path)
-    if not probe.is_dir():
-        what = "is a file" if probe == path else f"is under {probe}, which is a file"
-        return f"{label} {root}: {what} — {fix}"
-    if not can_create_in(probe):
-        return f"{label} {root}: {probe} is not writable by this user — {fix}"
-    return None
-
-
 def _strategy_problems(config: RunConfig) -> list[str]:
     """Each strategy's statistics are collected, and it merges as many models as the run has datasets (slerp two)."""
     from symfuse.merge.registry import MERGERS
@@ -272,7 +241,9 @@ def _heads(config: RunConfig, probes: dict[str, DatasetProbe], problems: list[st
                 labels = union if config.labels == "union" else probe.labels if probe.complete else None
                 heads[d.name] = _Head(_kind(probe.task or ""), labels)
             continue
-        if "://" in d.checkpoint:  # a store URI: read when the run brings it
+        if "://" in d.checkpoint:  # a store URI: read when the run brings it; it must be there to be brought
+            if problem := brought_uri_problem(config.resolved_store_root(), d.checkpoint):
+                problems.append(f"checkpoint of {d.name} {problem}")
             continue
         try:
             folder = resolve_checkpoint(d.checkpoint)
@@ -311,7 +282,7 @@ def _training_splits(config: RunConfig, name: str) -> dict[str, str]:
     need: dict[str, str] = {}
     if d.checkpoint is None:
         need["train"] = "the fine-tune trains on it"  # and, without validation, scores epochs on a slice of it
-    if _stats_kinds(config) or config.head_refit.enabled or _reads_data(config.strategies):
+    if config.stats_kinds() or config.head_refit.enabled or _reads_data(config.strategies):
         need.setdefault("train", "statistics (and head refit) are collected on it")
     if config.evaluation.in_domain:
         need[config.evaluation.split] = f"in-domain evaluation reads it (evaluation.split: {config.evaluation.split})"
@@ -477,15 +448,8 @@ def _scoring_fix(config: RunConfig, model: str, name: str, brought: bool) -> str
     return f"every model is scored on it: drop {name} from evaluation.out_of_domain (or select_on)"
 
 
-def _stats_kinds(config: RunConfig) -> set[str]:
-    """The statistics kinds the run collects (those its strategies read, of ``stats.kinds``)."""
-    from symfuse.merge.registry import MERGERS
-
-    return set().union(*(MERGERS[s].required_stats for s in config.strategies)) & set(config.stats.kinds)
-
-
 def _fisher(config: RunConfig) -> bool:
-    return "fisher" in _stats_kinds(config)
+    return "fisher" in config.stats_kinds()
 
 
 def _reads_data(strategies: Iterable[str]) -> bool:

@@ -137,6 +137,7 @@ CASES = [
     C("match-residual-without-data", f"match {{A}} {{B}} {OUT} --symmetries residual-permutation", 2, "--data"),
     C("match-max-examples-zero", f"match {{A}} {{B}} {OUT} --data {{DATA}} --max-examples 0", 2, "--max-examples"),
     C("match-workers-zero", f"match {{A}} {{B}} {OUT} --workers 0", 2, "--workers"),
+    C("match-refine-huge", f"match {{A}} {{B}} {OUT} --refine 1000000000000", 2, "--refine: 1000000000000 is above"),
     C("match-missing-source", f"match {{MISSING}} {{B}} {OUT}", 2, "missing"),
     C("match-adapter-source", f"match {{ADAPTER}} {{B}} {OUT}", 1, "a PEFT adapter (adapter_config.json), not a model"),
     C("match-family-mismatch", f"match {{A}} {{GPT}} {OUT}", 1, "gpt"),

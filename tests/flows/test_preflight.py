@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from flows.cli import main
 from flows.pipeline import fusion_pipeline
 from symfuse.preflight import RunInputError, check_run
 from symfuse.store import ArtifactStore, layout
@@ -82,6 +83,47 @@ def test_a_store_root_under_a_file_and_strategies_that_cannot_merge_the_run_are_
     assert problem.startswith("datasets: 1 dataset — a run merges one model per dataset, two or more"), problem
     pair = [{"name": n, "max_train_examples": 8} for n in ("meld", "isear")]
     assert check_run(tiny_config(tiny_base, root, datasets=pair, anchor="closest", strategies=["slerp"])) == []
+
+
+def test_fan_out_to_deployments_the_server_lacks_is_refused_before_any_task(tiny_base, tmp_path, capfd, monkeypatch):
+    """``fan_out: deployments`` without the stage deployments on the server (here the test harness's) passed the
+    checks; every fine-tune task then failed with ``internal error: ObjectNotFound: None``, naming nothing."""
+    from prefect.settings import PREFECT_API_URL
+
+    calls = Calls(monkeypatch)
+    stages = {"finetune": "finetune-stage/nowhere", "stats": "stats-stage/nowhere"}
+    config = tiny_config(tiny_base, str(tmp_path / "store"), fan_out="deployments", stage_deployments=stages,
+                         strategies=["simple", "regmean"])  # fmt: skip
+    state = fusion_pipeline(config, return_state=True)
+    with pytest.raises(RunInputError) as info:
+        state.result()
+    url = PREFECT_API_URL.value()
+    assert info.value.problems == [
+        f"stage_deployments.{stage}: no deployment {name} on {url} — deploy the stages (deployments/README.md: "
+        "prefect deploy --all) or set fan_out: in-process"
+        for stage, name in stages.items()
+    ]
+    assert calls.total() == 0 and not (tmp_path / "store").exists()
+    # the command says the same before the run starts; only the deployments a run uses are needed (no statistics)
+    config.model_copy(update={"strategies": ["simple"]}).to_yaml(tmp_path / "run.yaml")
+    assert main(["--config", str(tmp_path / "run.yaml")]) == 1
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"error: {info.value.problems[0]}"], err
+    with pytest.raises(ValueError, match="expected <flow name>/<deployment name>"):
+        tiny_config(tiny_base, str(tmp_path), stage_deployments={"finetune": "finetune-stage"})
+
+
+def test_fan_out_to_deployments_without_a_server_is_refused_before_prefect_starts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env |= {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "PREFECT_HOME": str(tmp_path / "prefect")}
+    datasets = [{"name": n, "max_train_examples": 8} for n in ("meld", "isear")]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"datasets": datasets, "fan_out": "deployments"}))
+    res = subprocess.run([sys.executable, "-m", "flows", "--config", "run.yaml", "--store", "store"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: fan_out: deployments: PREFECT_API_URL is unset, so no worker would run"), lines
+    assert not (tmp_path / "store").exists() and not list((tmp_path / "prefect").glob("*.db"))
 
 
 def test_python_m_flows_refuses_a_missing_dataset_in_seconds_before_prefect_starts(tmp_path):

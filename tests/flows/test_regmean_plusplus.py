@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from safetensors.torch import load_file
 
-from flows.pipeline import fusion_pipeline, needed_kinds
+from flows.pipeline import fusion_pipeline
 from symfuse.store import ArtifactStore, layout
 from tasks.merge import strategy_params
 from tests.flows.conftest import Calls, tiny_config
@@ -17,7 +17,7 @@ def test_strategy_params_give_each_model_its_own_dataset(tiny_base, memory_root)
     assert p["data"] == ["/data/meld_copy", "isear"] and "alpha" not in p  # alpha: the merger's default
     assert p["max_examples"] == 16 and p["batch_size"] == 8 and p["max_length"] == 24
     assert p["device"] == config.resolved_device()  # where it runs (left out of the merge's content key)
-    assert needed_kinds(config) == []  # it reads no stored statistics
+    assert config.stats_kinds() == []  # it reads no stored statistics
     # the user's merge_params reach it, and win over the run's values
     config = config.model_copy(update={"merge_params": {"regmean++": {"alpha": 0.5, "max_examples": 4}}})
     p = strategy_params(config, "regmean++", ["meld", "isear"])

@@ -232,7 +232,28 @@ def test_brought_checkpoints_are_read_and_their_heads_matched(tmp_path):
     (problem,) = check_run(config(base_model=str(lora)))  # as the base: its path named once too
     assert problem.startswith(f"base model {lora}: a PEFT adapter (adapter_config.json), not a model — "), problem
     uri = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": "s3://bucket/meld"}]
-    assert check_run(config(datasets=uri)) == []  # a store URI is read when the run brings it
+    assert check_run(config(datasets=uri, store_root="s3://bucket")) == []  # read when the run brings it
+
+
+def test_a_brought_uri_must_name_an_artifact_of_the_runs_store(tmp_path):
+    """A URI outside the store root passed the checks; the run's bring task failed on it ("not a checkpoint
+    folder") while the other fine-tunes trained on (68 s in a probe)."""
+    from symfuse.store import ArtifactStore
+
+    root = tmp_path / "store"
+    fix = "give a local folder, a .gguf file, a hub id or an artifact of the run's store"
+    missing = f"file://{root}/runs/u/models/meld"
+    for uri, line in [
+        ("s3://nobucket/x", f"s3://nobucket/x: not under the run's store root {root} — {fix} (download it first)"),
+        (missing, f"{missing}: no complete artifact there (no manifest) — {fix}"),
+    ]:
+        ds = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": uri}]
+        assert check_run(config(datasets=ds, store_root=str(root))) == [f"checkpoint of meld {line}"]
+    assert not root.exists()  # nothing created
+    folder = save_tiny(tmp_path / "model", "bert", seed=0)
+    ArtifactStore(str(root)).put_dir("runs/u/models/meld", folder, "test")
+    stored = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": f"file://{root}/runs/u/models/meld"}]
+    assert check_run(config(datasets=stored, store_root=str(root))) == []
 
 
 def test_probe_reads_only_the_first_records(tmp_path):
@@ -310,7 +331,7 @@ def test_split_names_reads_no_record(tmp_path):
 
 def test_a_store_root_of_an_unknown_users_home_is_a_plain_path(tmp_path, monkeypatch):
     """``~nosuchuser/runs`` raised RuntimeError from Path.expanduser: a traceback without -v."""
-    from symfuse.preflight import store_root_problem
+    from symfuse.store.roots import store_root_problem
 
     monkeypatch.chdir(tmp_path)
     assert store_root_problem("~nosuchuser-probe/runs", "store_root", "fix") is None  # created under ./, as bash does

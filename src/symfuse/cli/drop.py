@@ -125,8 +125,8 @@ def _store(store_root: str | None, run: str) -> ArtifactStore:
     Raises:
         UsageError: the root is a file (or under one) or not writable; the store has runs but not ``run``.
     """
-    from symfuse.preflight import store_root_problem
     from symfuse.store import ArtifactStore, default_root, layout
+    from symfuse.store.roots import store_root_problem
     from symfuse.store.urls import lasting_store_problem
 
     root = store_root or default_root()

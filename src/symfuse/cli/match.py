@@ -21,6 +21,7 @@ OT_ACTS = tuple(k for k in OT_KINDS if "acts" in k)
 VERIFY_MODES = ("stream", "full", "none")  # symfuse.match.output_check.VERIFY_MODES (checked before torch is imported)
 RANDOM_PIXELS = "random-pixels"  # symfuse.match.activation.RANDOM_PIXELS (named before torch is imported)
 
+MAX_REFINE = 10_000  # match --refine: steps, each a forward and backward pass of the merged model over the data
 MAX_NOISE = 100.0  # disguise --noise: relative to each tensor's scale; far above it only overflows
 
 
@@ -67,7 +68,7 @@ def match(
         typer.Option(
             "--refine",
             help="residual-orthogonal: steps of learned refinement of the stream map on --data (the merged "
-            "model's loss; the aligned model stays exact).",
+            f"model's loss; the aligned model stays exact; 0 .. {MAX_REFINE}).",
         ),
     ] = 0,
 ) -> None:
@@ -79,6 +80,7 @@ def match(
     checks.at_least("--workers", workers, 1)
     checks.at_least("--max-examples", max_examples, 1)
     checks.at_least("--refine", refine, 0)
+    checks.at_most("--refine", refine, MAX_REFINE, "100")  # 10^12 steps ran on without end
     checks.local_path("SOURCE", source)
     checks.local_path("ANCHOR", anchor)
     if verify not in VERIFY_MODES:
