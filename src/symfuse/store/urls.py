@@ -38,9 +38,9 @@ def masked_url(url: str) -> str:
 def store_url_problem(root: str, label: str) -> str | None:
     """Why a store URL cannot be used (one line: ``<label> <url>: <what> — <fix>``), or None.
 
-    Checked: a credential inside an object store's URL, a scheme fsspec does not know, a scheme whose package is
-    not installed, and for S3 an endpoint variable (``AWS_ENDPOINT_URL``) holding a credential. A plain path is
-    not a URL (None).
+    Checked: a credential inside an object store's URL, a missing bucket name, a scheme fsspec does not know, a
+    scheme whose package is not installed, and for S3 an endpoint variable (``AWS_ENDPOINT_URL``) holding a
+    credential. A plain path is not a URL (None).
 
     Args:
         root: The store root as given.
@@ -56,6 +56,8 @@ def store_url_problem(root: str, label: str) -> str | None:
             f"{shown}: credentials in the URL are not read (and would be written to logs) — give "
             f"{clean} and the credentials in {OBJECT_STORES[scheme]}"
         )
+    if scheme in OBJECT_STORES and (not host or host != host.strip() or " " in host):
+        return f"{shown}: no bucket name after {scheme}:// — give {scheme}://bucket/prefix"
     try:
         fsspec.get_filesystem_class(scheme)
     except ValueError:

@@ -20,6 +20,9 @@ SECRET = "testSECRETvalue99"
         (f"gs://user:{SECRET}@bucket", f"--store gs://{MASK}@bucket: credentials", "GOOGLE_APPLICATION_CREDENTIALS"),
         ("foo://bucket/p", "--store foo://bucket/p: unknown storage scheme 'foo'", "give a local folder"),
         ("abfs://container/p", "--store abfs://container/p: abfs:// cannot be opened here (", "install it"),
+        # no bucket: the run passed its checks, started Prefect and failed at its first write
+        ("s3://", "--store s3://: no bucket name after s3://", "give s3://bucket/prefix"),
+        ("s3:///runs", "--store s3:///runs: no bucket name after s3://", "give s3://bucket/prefix"),
     ],
 )  # fmt: skip
 def test_bad_store_urls_are_one_line_without_the_secret(url, start, fix):
