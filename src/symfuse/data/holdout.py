@@ -5,8 +5,9 @@ the records each epoch is scored on:
 
 * the dataset has a validation split: train as it is, scored on validation;
 * no validation split (``train.jsonl`` + ``test.jsonl`` only, ``train=a.csv,test=b.csv``, a hub dataset without
-  one): :data:`HOLDOUT_FRACTION` of the train records (at least one), drawn with the fine-tune's seed and stratified
-  by label for single-label classification, are held out of training and score the epochs; the rest trains. The test
+  one), or a validation split read from the train file (a single data file serves every split):
+  :data:`HOLDOUT_FRACTION` of the train records (at least one), drawn with the fine-tune's seed and stratified by
+  label for single-label classification, are held out of training and score the epochs; the rest trains. The test
   split is never read: the epoch kept must not be chosen on the data the model is reported on;
 * no validation split and fewer than :data:`MIN_HOLDOUT_TRAIN` train records: nothing to hold out, no epoch is
   scored and the last one is kept.
@@ -19,6 +20,7 @@ reads at most ``max_train_examples`` train records in all and trains on that man
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import dataclass, replace
 from typing import Any
@@ -132,7 +134,7 @@ def epoch_selection(data: TaskDataset, seed: int) -> EpochSelection:
         The :class:`EpochSelection`; its records never come from the test split.
     """
     train = data.split("train")
-    if "validation" in data.splits:
+    if "validation" in data.splits and not _same_file(data.files, "validation", "train"):
         return EpochSelection(train, data.splits["validation"], "validation")
     stratify = data.task in ("classification", "pair_classification") and not data.multi_label
     held = holdout_indices(len(train), seed, [str(x) for x in train["label"]] if stratify else None)
@@ -140,6 +142,11 @@ def epoch_selection(data: TaskDataset, seed: int) -> EpochSelection:
         return EpochSelection(train, None, None)
     keep = sorted(set(range(len(train))) - set(held))
     return EpochSelection(train.select(keep), train.select(held), HOLDOUT_SPLIT, len(held), stratify)
+
+
+def _same_file(files: dict[str, Any], a: str, b: str) -> bool:
+    """Whether splits ``a`` and ``b`` are read from one local file (a single ``--data`` file serves every split)."""
+    return a in files and b in files and os.path.realpath(files[a]) == os.path.realpath(files[b])
 
 
 def selection_features(

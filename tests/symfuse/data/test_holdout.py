@@ -75,3 +75,16 @@ def test_a_validation_split_is_used_as_it_is_and_too_little_train_holds_nothing_
     (multi / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     sel = epoch_selection(load_task_dataset(f"train={multi / 'train.jsonl'}"), 13)
     assert sel.split == HOLDOUT_SPLIT and sel.held_out == 1 and not sel.stratified
+
+
+def test_a_validation_split_read_from_the_train_file_is_not_held_out(tmp_path):
+    """A single data file serves every split: finetune --data one.jsonl picked its best epoch on the records it
+    trained on (symfuse_train.json: split validation, held_out_of_train 0), and called it "val loss"."""
+    data = no_validation_dataset(tmp_path / "d", 20)
+    single = load_task_dataset(str(data / "train.jsonl"))
+    assert set(single.splits) == {"train", "validation", "test"}  # read as any split (evaluate --data one.jsonl)
+    named = load_task_dataset(f"train={data / 'train.jsonl'},validation={tmp_path / 'd' / '..' / 'd' / 'train.jsonl'}")
+    for ds in (single, named):
+        sel = epoch_selection(ds, 13)
+        assert sel.split == HOLDOUT_SPLIT and sel.held_out == 2, sel.split
+        assert not set(texts(sel.scored)) & set(texts(sel.train))
