@@ -53,6 +53,9 @@ _REFUSED = {
     "use_bdlora": "it is a block-diagonal LoRA (use_bdlora)",
 }
 # init_lora_weights values whose adapter applies to a residual of the base that PEFT rebuilds on load
+# PEFT's TaskType values (peft.utils.peft_types): PeftModel.from_pretrained refuses any other task_type
+TASK_TYPES = ("SEQ_CLS", "SEQ_2_SEQ_LM", "CAUSAL_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
+_FLAGS = ("use_dora", "use_rslora", "fan_in_fan_out")  # JSON booleans (PEFT takes the string "false" as true)
 _RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
@@ -148,6 +151,12 @@ def _read_config(folder: Path) -> dict[str, Any]:
             "base on load, not to the base — convert it to a plain LoRA first (PEFT's save_pretrained with "
             "path_initial_model_for_weight_conversion) and merge that"
         )
+    for key in _FLAGS:
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise CheckpointError(f"{file}: {key} is {cfg[key]!r}, not true or false — write it as a JSON boolean")
+    if cfg.get("task_type") is not None and cfg["task_type"] not in TASK_TYPES:
+        raise CheckpointError(f"{file}: task_type {cfg['task_type']!r} is not one PEFT loads — give one of "
+                              f"{', '.join(TASK_TYPES)} (or null)")  # fmt: skip
     if cfg.get("use_dora") and cfg.get("fan_in_fan_out"):
         raise CheckpointError(f"{file}: use_dora with fan_in_fan_out is not supported — use an nn.Linear model")
     for key in ("r", "lora_alpha"):

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from symfuse.checkpoint import CheckpointReader, write_checkpoint
+from symfuse.checkpoint import CheckpointReader, resolve_checkpoint, write_checkpoint
 from symfuse.config_json import read_config_json
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, UsageError
@@ -79,14 +79,20 @@ def make_merger(strategy: str, k: int, params: Mapping[str, Any]) -> Merger:
 
 
 def _check_inputs(adapters: Sequence[LoraAdapter]) -> None:
-    """One base, one kind (DoRA or not), one shape per module."""
+    """One base (its name, model class, task and layer stacks, where known), one kind (DoRA or not), one shape each."""
     first = adapters[0]
     for ad in adapters[1:]:
-        if ad.base and first.base and ad.base != first.base:
+        if ad.base and first.base and not _same_base(ad.base, first.base):
             raise CheckpointError(
                 f"{ad.path}: adapter of base {ad.base}, but {first.path} adapts {first.base} — merge adapters of one "
                 "base model (or fix base_model_name_or_path in adapter_config.json if it is the same model)"
             )
+        for what, mine, theirs in (("base model class", _model_class(ad), _model_class(first)),
+                                   ("task_type", ad.config.get("task_type"), first.config.get("task_type")),
+                                   ("stack of layers", _layer_stacks(ad), _layer_stacks(first))):  # fmt: skip
+            if mine and theirs and (not mine & theirs if isinstance(mine, set) else mine != theirs):
+                raise CheckpointError(f"{ad.path}: {what} {_shown(mine)}, but {first.path} has {_shown(theirs)} — "
+                                      "merge adapters of one base model")  # fmt: skip
         if ad.dora != first.dora:
             raise CheckpointError(
                 f"{ad.path}: use_dora is {ad.dora}, {first.path} has {first.dora} — merge DoRA adapters only with "
@@ -103,6 +109,34 @@ def _check_inputs(adapters: Sequence[LoraAdapter]) -> None:
                 )
 
 
+def _same_base(a: str, b: str) -> bool:
+    """Whether two ``base_model_name_or_path`` name one model (one folder however spelt, else the same name)."""
+    if os.path.isdir(a) and os.path.isdir(b):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def _model_class(ad: LoraAdapter) -> str | None:
+    """The base's model class PEFT recorded (``auto_mapping.base_model_class``), if any."""
+    mapping = ad.config.get("auto_mapping")
+    return mapping.get("base_model_class") if isinstance(mapping, Mapping) else None
+
+
+def _layer_stacks(ad: LoraAdapter) -> set[str]:
+    """Where the adapted layers sit (``model.layers``, ``transformer.h``): a module path up to its layer index."""
+    stacks = set()
+    for key in ad.modules:
+        parts = key.split(".")
+        index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if index:
+            stacks.add(".".join(parts[:index]))
+    return stacks
+
+
+def _shown(value: object) -> str:
+    return ", ".join(sorted(value)) if isinstance(value, set) else str(value)
+
+
 def _check_base(adapters: Sequence[LoraAdapter], base: str | os.PathLike) -> None:
     """Refuse a ``base`` other than the local folder the adapters name; warn when a hub id they name does not match.
 
@@ -116,7 +150,7 @@ def _check_base(adapters: Sequence[LoraAdapter], base: str | os.PathLike) -> Non
     ad = next((a for a in adapters if a.base), None)
     if ad is None:
         return
-    named, given = Path(str(ad.base)).expanduser(), Path(base).expanduser().resolve()
+    named, given = Path(str(ad.base)).expanduser(), resolve_checkpoint(base).resolve()  # an alias: its folder
     if named.is_dir():
         if named.resolve() != given:
             raise CheckpointError(
@@ -267,6 +301,9 @@ def merge_adapters(
     check_output(out, overwrite, inputs=[*adapters, base])
     ads = [read_adapter(a) for a in adapters]
     merger = make_merger(strategy, len(ads), params)
+    if len(ads) == 1 and [float(w) for w in params.get("weights") or [1.0]] != [1.0]:  # normalised: it was ignored
+        raise UsageError("--weights: one adapter — weights are normalised to sum to 1, so one weight changes nothing; "
+                         "scale its update with --strategy task-arithmetic --lam VALUE")  # fmt: skip
     merger.device = dev
     weights = merger.model_weights(len(ads))
     _check_inputs(ads)
@@ -280,6 +317,10 @@ def merge_adapters(
         raise UsageError(f"--base: missing — {why}; give the base checkpoint with --base BASE")
     keys = _module_keys(ads)
     sums = [sum(ad.modules[k].rank for ad in ads if k in ad.modules) for k in keys]
+    widest = max(min(m.B.shape[0], m.A.shape[1]) for ad in ads for m in ad.modules.values())
+    if rank is not None and rank > widest:  # the rest is zero padding (10^6 wrote 1.5 GB for 32-wide modules)
+        raise UsageError(f"--rank: {rank} is above {widest}, the largest rank an update of these modules can have "
+                         f"(min(out, in) of the largest weight) — give at most {widest}")  # fmt: skip
     out_rank = rank or (ads[0].modules[keys[0]].rank if basis == "naive" else max(sums))
     bw = _Base(base) if base is not None else None
     for key in keys if bw is not None else ():

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers as T
 
-from symfuse.errors import CheckpointError
+from symfuse.errors import CheckpointError, UsageError
 from symfuse.lora import merge_adapters
 from tests.symfuse.lora.helpers import edited_copy, effective_weights, make_adapter, tiny_base
 from tests.tiny import save_tiny
@@ -69,6 +69,10 @@ def adapter(tmp_path_factory):
         ({"rank_pattern": {"[": 4}}, "rank_pattern key '[' is not a regular expression"),
         ({"target_modules": 5}, "target_modules is 5 — it must be a module-name pattern or a list of module names"),
         ({"target_modules": ["q_proj", 7]}, "target_modules is ['q_proj', 7]"),
+        # PEFT takes the string "false" as true; an unknown task_type was merged with exit 0 and PEFT refused the output
+        ({"use_rslora": "false"}, "use_rslora is 'false', not true or false — write it as a JSON boolean"),
+        ({"use_dora": "false"}, "use_dora is 'false', not true or false"),
+        ({"task_type": "FOO"}, "task_type 'FOO' is not one PEFT loads — give one of SEQ_CLS, SEQ_2_SEQ_LM, CAUSAL_LM"),
     ],
 )
 def test_a_config_value_peft_cannot_apply_is_refused_naming_it(adapter, change, text, tmp_path):
@@ -139,3 +143,50 @@ def test_the_merged_adapter_holds_every_input_dtype_whatever_their_order(adapter
     assert one.dtype == two.dtype == torch.float32
     for key, m in one.modules.items():
         torch.testing.assert_close(m.delta(), two.modules[key].delta(), rtol=1e-5, atol=1e-7)
+
+
+def test_adapters_of_two_models_are_refused_when_their_configs_name_no_base(tmp_path):
+    """A llama adapter and a GPT-2 adapter, base_model_name_or_path null in both, merged with exit 0: PEFT then loaded
+    the output on the llama base and dropped the GPT-2 half."""
+    llama = make_adapter(tiny_base(tmp_path / "llama"), tmp_path / "l", seed=1)
+    gpt2 = make_adapter(save_tiny(tmp_path / "gpt2", "gpt2", head="lm"), tmp_path / "g", seed=2, targets=["c_attn"])
+    nameless = [edited_copy(a, tmp_path / f"{a.name}0", base_model_name_or_path=None) for a in (llama, gpt2)]
+    with pytest.raises(CheckpointError, match=r"g0: base model class GPT2LMHeadModel, but .*l0 has LlamaForCausalLM"):
+        merge_adapters(nameless, tmp_path / "out", "simple")
+    for ad in nameless:  # without the class PEFT records: the layer stacks they adapt
+        cfg = json.loads((ad / "adapter_config.json").read_text())
+        (ad / "adapter_config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "auto_mapping"}))
+    with pytest.raises(CheckpointError, match=r"g0: stack of layers transformer\.h, but .*l0 has model\.layers — "):
+        merge_adapters(nameless, tmp_path / "out", "simple")
+    assert not (tmp_path / "out").exists()
+
+
+def test_one_base_spelt_two_ways_is_one_base_and_a_rank_past_every_module_is_refused(adapter, tmp_path):
+    base, src = adapter
+    slash = edited_copy(src, tmp_path / "slash", base_model_name_or_path=f"{base}/")  # was: "adapter of base .../"
+    other = edited_copy(make_adapter(base, tmp_path / "made", seed=4), tmp_path / "other",
+                        base_model_name_or_path=f"{base}/../{base.name}")  # fmt: skip
+    merge_adapters([slash, other], tmp_path / "out", "simple")
+    widest = max(min(s) for s in _update_shapes(src))
+    with pytest.raises(UsageError, match=rf"--rank: 1000000 is above {widest}, the largest rank an update"):
+        merge_adapters([slash, other], tmp_path / "big", "simple", rank=10**6)  # wrote 1.5 GB of zero padding
+    with pytest.raises(UsageError, match="--weights: one adapter — weights are normalised to sum to 1"):
+        merge_adapters([src], tmp_path / "one", "simple", weights=[0.5])  # was ignored: the output was all of it
+    assert not (tmp_path / "big").exists() and not (tmp_path / "one").exists()
+
+
+def _update_shapes(adapter):
+    from safetensors.torch import load_file
+
+    t = load_file(str(adapter / "adapter_model.safetensors"))
+    return [(t[n.replace("lora_A", "lora_B")].shape[0], t[n].shape[1]) for n in t if n.endswith("lora_A.weight")]
+
+
+def test_a_base_alias_is_named_by_its_folder(adapter, tmp_path, monkeypatch):
+    """``--base minilm`` was reported as ``--base is <cwd>/minilm``, a folder that does not exist."""
+    from symfuse.checkpoint import resolve_checkpoint
+
+    _, src = adapter
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"but --base is {re.escape(str(resolve_checkpoint('minilm')))} — "):
+        merge_adapters([src], tmp_path / "out", "simple", base="minilm", into_base=True)
