@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +197,30 @@ def _head_folders(
     return names
 
 
+def _check_base(base: CheckpointReader, r0: CheckpointReader, heads: Collection[str]) -> None:
+    """Refuse a base of another architecture or size than the models (its tensors were skipped: a plain average).
+
+    A bare base model (no task head, or a head of another size) is a base: tensors it lacks or holds in another shape
+    are averaged (``no_base_averaged``); but a body tensor of another shape, another ``model_type``, or a base holding
+    under half of the models' body tensors is another model.
+    """
+    fix = "give the base the models were fine-tuned from"
+    if base.config.model_type != r0.config.model_type:
+        raise CheckpointError(f"--base {base.path}: a {base.config.model_type} model, and {r0.path} a "
+                              f"{r0.config.model_type} one — {fix}")  # fmt: skip
+    body = [n for n in r0.names() if n not in heads]
+    found = 0
+    for name in body:
+        bname = base.prefix + name[len(r0.prefix) :] if name.startswith(r0.prefix) else name
+        if base.has(bname):
+            found += 1
+            if base.shape(bname) != r0.shape(name):
+                raise CheckpointError(f"--base {base.path}: {bname} has shape {base.shape(bname)}, {r0.path} "
+                                      f"{r0.shape(name)} — {fix}")  # fmt: skip
+    if 2 * found < len(body):
+        raise CheckpointError(f"--base {base.path}: holds {found} of the {len(body)} body tensors of {r0.path} — {fix}")
+
+
 def plan_merge(
     strategy: str,
     models: Sequence[str | Path],
@@ -234,6 +258,8 @@ def plan_merge(
         for r in readers[1:]
     )
     _check_bodies(readers, separate)
+    if base_reader is not None:
+        _check_base(base_reader, r0, heads)
     _warn_mixed_dtypes(readers, written)
     for fisher, r in zip(files.get("fisher") or [], readers, strict=False):
         _check_fisher(fisher, r)

@@ -1,6 +1,7 @@
 """Heads in a merge: a base with another head still merges the bodies; one naming rule; evaluate finds its head."""
 
 import json
+import re
 
 import torch
 from safetensors.torch import load_file
@@ -42,3 +43,25 @@ def test_head_folders_are_named_after_the_dataset_and_evaluate_picks_its_head(tm
     proc = run_cli("evaluate", out, "--data", data, "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     assert f"scoring with the head trained on toyset ({out / 'heads' / 'toyset'})" in proc.stderr
+
+
+def test_a_base_of_another_model_is_refused_not_skipped(tmp_path):
+    """A GPT-2 base (or MiniLM's 384-wide one) for 32-wide BERT fine-tunes: every tensor lacked a base of its shape,
+    so ties / task-arithmetic / dare averaged the models with exit 0 ("no_base_averaged": 41 in the report)."""
+    import pytest
+
+    from symfuse.checkpoint import resolve_checkpoint
+    from symfuse.errors import CheckpointError
+    from tests.tiny import save_tiny
+
+    a, b = (save_tiny_text_classifier(tmp_path / n, seed=s) for n, s in (("a", 1), ("b", 2)))
+    gpt2 = save_tiny(tmp_path / "gpt2", "gpt2", seed=0)
+    minilm = resolve_checkpoint("minilm")
+    for base, line in [
+        (gpt2, f"--base {gpt2}: a gpt2 model, and {a} a bert one — give the base the models were "),
+        (minilm, f"--base {minilm}: embeddings.LayerNorm.bias has shape (384,), {a} (32,) — "),
+    ]:
+        for strategy in ("ties", "task-arithmetic"):
+            with pytest.raises(CheckpointError, match=re.escape(line)):
+                merge_checkpoints(strategy, [a, b], tmp_path / "m", base=base)
+    assert not (tmp_path / "m").exists()
