@@ -17,7 +17,7 @@ import torch
 from symfuse.arch import ModuleRef
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.device import resolve_device
-from symfuse.io import save_safetensors
+from symfuse.io import check_finite, save_safetensors
 from symfuse.match.inputs import REPORT_FILE, RESIDUAL_FILE, TRANSFORMS_FILE
 from symfuse.outputs import atomic_output_dir, check_output
 from symfuse.symmetry.random import ALL_KINDS, random_module_transform
@@ -67,6 +67,7 @@ def disguise_checkpoint(
     g = torch.Generator().manual_seed(seed)
     gn = torch.Generator().manual_seed(seed + 1_000_003)
     with CheckpointReader(source) as src:
+        check_finite(src.tensor_files.values())  # tensors outside the transformed modules were copied, NaN and all
         ts = {ref.key: random_module_transform(ref, src.geometry, g, kinds) for ref in src.modules()}
 
         def fn(ref: ModuleRef, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -40,7 +40,7 @@ from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.config_json import update_config_json
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, MissingStats, StatsMismatchError
-from symfuse.io import BufferPool, parallel_reads, tensor_difference
+from symfuse.io import BufferPool, check_finite, parallel_reads, tensor_difference
 from symfuse.merge.head_refit import RefitOptions, check_refittable, refit_batches, refit_heads
 from symfuse.merge.heads import head_names, union_heads, write_label_space
 from symfuse.merge.plan import MergePlan, out_dtype_of
@@ -263,6 +263,9 @@ def plan_merge(
     _warn_mixed_dtypes(readers, written)
     for fisher, r in zip(files.get("fisher") or [], readers, strict=False):
         _check_fisher(fisher, r)
+    if refit is not None or merger.needs_data:  # their forward passes run the models before any tensor is merged
+        for r in readers:
+            check_finite(r.tensor_files.values())  # a NaN was found after the data pass, and blamed on the output
     refit_data = None
     if refit is not None:  # a model without a head, or bad data: refused now, not after the merge
         for r in readers:

@@ -1,18 +1,23 @@
 """`symfuse merge --strategy regmean++` end to end on tiny BERTs, and its bad inputs (one line, nothing written)."""
 
 import json
+import shutil
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.cli import app
 from symfuse.cli import commands as _commands  # noqa: F401  (registers the commands)
+from symfuse.errors import NonFiniteError
+from symfuse.match import disguise_checkpoint
+from symfuse.merge import merge_checkpoints
+from symfuse.merge.regmean_plusplus_merger import RegMeanPlusPlusMerger
 from tests.cli.helpers import assert_merge_refused
-from tests.tiny import save_tiny, tiny_config
+from tests.tiny import nan_copy, save_tiny, tiny_config
 
 runner = CliRunner()
 
@@ -187,3 +192,21 @@ def test_union_heads_merge_with_regmean_plus_plus_class_by_class(tmp_path):
     torch.testing.assert_close(got[bias][row("anger")], (w[0][bias][row("anger")] + w[2][bias][row("anger")]) / 2)
     report = json.loads((out / "symfuse_report.json").read_text())
     assert report["heads"]["policy"] == "union" and report["counters"]["regmean_solves"] >= 2
+
+
+def test_a_nan_in_a_model_is_named_before_the_data_is_read(tiny, tmp_path, monkeypatch):
+    """regmean++ ran both models over their data, then said the merged tensor "came out NaN / inf (inputs were
+    finite)", blaming the output; a NaN in a disguised model's head was copied into the disguise with exit 0."""
+    _, folders, data = tiny
+    bad = nan_copy(folders[1], tmp_path / "nan")
+    monkeypatch.setattr(RegMeanPlusPlusMerger, "prepare", lambda *a: pytest.fail("the models ran on the data"))
+    with pytest.raises(NonFiniteError, match=rf"^{bad}/model.safetensors: tensor 'bert\.encoder\.layer\.0\.attention"):
+        merge_checkpoints("regmean++", [folders[0], bad], tmp_path / "m", data=[str(p) for p in data])
+    head = tmp_path / "inf-head"  # a tensor outside every transformed module
+    shutil.copytree(folders[0], head)
+    weights = load_file(str(head / "model.safetensors"))
+    weights["classifier.weight"][0, 0] = float("inf")
+    save_file(weights, str(head / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(NonFiniteError, match=rf"^{head}/model.safetensors: tensor 'classifier\.weight'"):
+        disguise_checkpoint(head, tmp_path / "d", seed=1)
+    assert not (tmp_path / "m").exists() and not (tmp_path / "d").exists()
