@@ -27,8 +27,8 @@ class FisherParams(MergeParams):
     """Fisher merging parameters."""
 
     epsilon: float = Field(
-        default=1e-8, gt=0, allow_inf_nan=False
-    )  # floor on each Fisher entry, so that entries no example touched still average
+        default=1e-8, gt=0, le=1, allow_inf_nan=False
+    )  # floor on each Fisher entry, so that entries no example touched still average (1e300 overflowed float32)
 
 
 class FisherMerger(Merger):

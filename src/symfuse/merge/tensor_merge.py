@@ -17,7 +17,7 @@ import torch
 from symfuse.checkpoint import CheckpointReader
 from symfuse.errors import MissingStats, NonFiniteError, StatsMismatchError
 from symfuse.io import BufferPool, check_finite_tensor
-from symfuse.merge.base import LazyTensors, TensorInputs, chunked_sum, weighted_mean
+from symfuse.merge.base import LazyTensors, Merger, TensorInputs, chunked_sum, weighted_mean
 from symfuse.merge.gram_systems import check_gram_diagonal
 from symfuse.merge.heads import merge_class_rows
 from symfuse.merge.plan import MergePlan
@@ -128,7 +128,7 @@ class TensorMerge:
                 self._name_the_bad_input(name, first)
             raise NonFiniteError(
                 f"{plan.out}: merged tensor {name!r} came out NaN / inf with {plan.strategy} (inputs were finite) — "
-                "nothing was written; try --dtype float64, a larger --epsilon / smaller --alpha, or another strategy"
+                f"nothing was written; try {_overflow_fix(merger)}another strategy"
             )
         self.done += first.numel()
         if self.on_progress is not None:
@@ -209,3 +209,16 @@ class TensorMerge:
             gram = merger.supplied_grams(module)  # Grams the merger collected itself (RegMean++'s tail)
         key = self.plan.same_input.get(module, module) if gram is not None else None
         return gram, conv1d, key
+
+
+# the parameters that bring a merge's values back into range, and which way (only those the strategy has)
+_OVERFLOW_TIPS = {"dtype": "--dtype float64", "alpha": "a smaller --alpha", "lam": "a smaller --lam"}
+
+
+def _overflow_fix(merger: Merger) -> str:
+    """``"<tip>, <tip>, or "`` for a merged tensor that overflowed: the strategy's own parameters (empty: none)."""
+    fields = type(merger).Params.model_fields
+    tips = [tip for field, tip in _OVERFLOW_TIPS.items() if field in fields]
+    if merger.name == "fisher":
+        tips.append("a larger --epsilon")
+    return "".join(f"{t}, " for t in tips) + ("or " if tips else "")

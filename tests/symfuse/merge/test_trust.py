@@ -162,9 +162,12 @@ def test_nan_statistics_are_refused_before_the_solve(pair, tmp_path, kind, monke
 def test_non_finite_merged_output_is_not_written(pair, tmp_path):
     a, b, *_ = pair
     base = _model(tmp_path / "base", seed=2)
-    with pytest.raises(NonFiniteError, match="merged tensor"):
+    # the fix named the strategy's own parameter: it offered --dtype, --epsilon and --alpha, which it has none of
+    with pytest.raises(NonFiniteError, match=r"merged tensor .* nothing was written; try a smaller --lam, or another"):
         merge_checkpoints("task-arithmetic", [a, b], tmp_path / "o", base=base, lam=1e300)
     assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="epsilon"):  # 1e300 was an internal error: it does not fit float32
+        merge_checkpoints("fisher", [a, b], tmp_path / "o", stats=pair[2:4], epsilon=1e300)
 
 
 def _fisher_copy(sb, folder, change, kind="fisher"):
