@@ -120,6 +120,8 @@ def gram_system(
             g.diagonal().div_(alpha)  # load_all scaled everything by alpha: restore the diagonal
         elif not fused:
             scale_gram(g, alpha)
+        if not bool(g.diagonal().any()):  # a zero Gram (O(n) to see): its check names the file (it would pass here)
+            _check(grams, i, g)
         if i == 0:
             chunked(lambda s_, g_, c=c: torch.mul(g_, c, out=s_), summed, g)
         else:
@@ -179,7 +181,7 @@ def _check(grams: Sequence[torch.Tensor], i: int, t: torch.Tensor) -> None:
 
 
 def check_gram_diagonal(t: torch.Tensor, module: str, where: object) -> torch.Tensor:
-    """Refuse a Gram ``X^T X`` with a negative diagonal entry (a sum of squares): a corrupt or edited file.
+    """Refuse a Gram ``X^T X`` with a negative diagonal entry (a sum of squares) or a zero one: a corrupt file.
 
     Such a Gram makes the summed system indefinite, which RegMean would solve by lstsq with a warning naming no file.
 
@@ -187,13 +189,17 @@ def check_gram_diagonal(t: torch.Tensor, module: str, where: object) -> torch.Te
         StatsMismatchError: naming ``where`` and ``module``.
     """
     if t.dim() == 2 and t.shape[0] == t.shape[1] and t.numel():
-        low = float(t.diagonal().min())
+        diagonal = t.diagonal()
+        low, high = float(diagonal.min()), float(diagonal.max())
+        fix = "recollect it with `symfuse stats MODEL --data DATA --kind gram`"
         if low < 0:
             raise StatsMismatchError(
                 f"{where}: the Gram of {module} has a negative diagonal entry ({low:.3g}); a Gram is a sum of "
-                "products X^T X, whose diagonal never is — recollect it with `symfuse stats MODEL --data DATA "
-                "--kind gram`"
+                f"products X^T X, whose diagonal never is — {fix}"
             )
+        if high == 0:  # X = 0 for every token: RegMean gave this model no say in the layer, without a word
+            raise StatsMismatchError(f"{where}: the Gram of {module} is zero: no input reached the layer, or the file "
+                                     f"was zeroed — {fix}")  # fmt: skip
     return t
 
 
@@ -228,6 +234,9 @@ def build_system(
     fused = _FusedSum(chunks, diffs, mw, ref, alpha, summed)
     spans(fused, n * n, parallel=True)
     total = fused.restore_diagonals()
+    for i, d in enumerate(fused.diags):  # every stored diagonal, gathered on the way: a corrupt Gram's file is named
+        if bool((d < 0).any()) or not bool(d.any()):  # (a negative or zero one; O(n), it passed a positive S before)
+            _check(grams, i, _load(grams, i, raw_pool, "gram.raw"))
     if not math.isfinite(total):  # the chunks' sums overflowed, or S holds NaN / inf: sum again in float64
         total = chunked_sum(summed)
     if not math.isfinite(total):  # NaN / inf in a Gram propagate into S (the chunks, then its diagonal): find the file

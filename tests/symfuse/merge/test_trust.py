@@ -189,6 +189,22 @@ def test_a_gram_with_a_negative_diagonal_is_refused_naming_the_file(pair, tmp_pa
         merge_checkpoints("regmean", [a, b], tmp_path / "o", stats=[sa, bad])
     assert str(err.value).startswith(f"{file}: the Gram of {module} has a negative diagonal entry"), err.value
     assert not (tmp_path / "o").exists()
+    # a zeroed one (its metadata still counting the tokens read) merged with exit 0: the model had no say there
+    zero, file = _fisher_copy(sb, tmp_path / "Z", lambda t: {k: torch.zeros_like(v) for k, v in t.items()}, "gram")
+    with pytest.raises(StatsMismatchError, match=rf"^{file}: the Gram of .* is zero: no input reached the layer"):
+        merge_checkpoints("regmean", [a, b], tmp_path / "o", stats=[sa, zero])
+    assert not (tmp_path / "o").exists()
+
+    # one slightly negative entry left the summed system positive definite: RegMean's CPU path did not look
+    def dent(t):
+        g = t[module].clone()
+        g[0, 0] = -1e-6
+        return {**t, module: g}
+
+    dented, file = _fisher_copy(sb, tmp_path / "D", dent, "gram")
+    with pytest.raises(StatsMismatchError, match=rf"^{file}: the Gram of {module} has a negative diagonal entry"):
+        merge_checkpoints("regmean", [a, b], tmp_path / "o", stats=[sa, dented])
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_gram_missing_or_of_another_size_is_refused_naming_the_file(pair, tmp_path):
