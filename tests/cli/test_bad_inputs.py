@@ -46,6 +46,12 @@ CASES = [
     C("merge-unknown-strategy", f"{MERGE} nosuch --models {{A}} {{B}} {OUT}", 2, "nosuch", verbose=True),
     C("merge-density-above-1", f"{MERGE} ties --base {{A}} --density 1.5 --models {{A}} {{B}} {OUT}", 2, "--density"),
     C("merge-density-zero", f"{MERGE} ties --base {{A}} --density 0 --models {{A}} {{B}} {OUT}", 2, "--density"),
+    C(
+        "merge-align-data-alone",
+        f"{MERGE} simple --models {{A}} {{B}} --align-data {{DATA}} {OUT}",
+        2,
+        "--align-data: given without --align",
+    ),  # ignored: the unaligned merge, exit 0
     C("merge-drop-one", f"{MERGE} dare --base {{A}} --drop 1 --models {{A}} {{B}} {OUT}", 2, "--drop"),
     C(
         "merge-alpha-negative",

@@ -154,6 +154,8 @@ def merge(
 
         kinds = checks.names_list("--align", align, ALIGN_KINDS, "symmetries")
         check_align(kinds, align_data, stats)
+    elif align_data is not None:  # it was ignored: the output was the unaligned merge's
+        raise UsageError("--align-data: given without --align — add --align KINDS (e.g. ffn-permutation), or drop it")
     with claim_output(out, overwrite):
         if kinds is None:
             path = run(models)

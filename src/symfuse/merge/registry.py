@@ -39,7 +39,7 @@ from symfuse.registry import Registry
 class MergeParams(BaseModel):
     """Parameters shared by every merger; subclasses add their own (unknown keys are an error)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound read as "less than 1"
     _no_bool = field_validator("*", mode="before")(no_bool_for_numbers)
 
     weights: list[float] | None = None  # per-model weights (normalised to sum 1); default uniform

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from symfuse.merge import gram_systems
 from symfuse.merge.base import Chunks, MergeParams, Merger, TensorInputs, spans, weighted_mean
@@ -61,7 +61,14 @@ class RegMeanParams(MergeParams):
     alpha: float = Field(default=0.9, ge=0, le=1)  # off-diagonal scale of each Gram
     dtype: Literal["float64", "float32"] = "float64"  # Gram sum, Cholesky factor and solve precision
     delta_dtype: Literal["same", "bfloat16", "auto"] = "same"  # precision of the correction products (see module)
-    bf16_tol: float = 1e-6  # auto: largest predicted relative error accepted for bfloat16 products
+    bf16_tol: float = Field(default=1e-6, gt=0, lt=1)  # auto: largest predicted relative error of bf16 products
+
+    @model_validator(mode="after")
+    def _tol_read_by_auto(self) -> RegMeanParams:
+        if "bf16_tol" in self.model_fields_set and self.delta_dtype != "auto":  # it changed nothing
+            raise ValueError(f"bf16_tol is read only with delta_dtype auto (delta_dtype is {self.delta_dtype}) — set "
+                             "delta_dtype auto, or drop bf16_tol")  # fmt: skip
+        return self
 
 
 def regmean_apply(

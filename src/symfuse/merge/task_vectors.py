@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from symfuse.merge.base import MergeParams, Merger, TensorInputs
 from symfuse.seeds import Seed, torch_seed
@@ -162,6 +162,14 @@ class DareParams(MergeParams):
     combine: Literal["task-arithmetic", "ties"] = "task-arithmetic"
     lam: float | None = Field(default=None, allow_inf_nan=False)  # task-arithmetic: None = 1/K; ties: None = 1
     density: float = Field(default=1.0, gt=0, le=1)  # ties trim after the drop (1 = no further trim)
+
+    @model_validator(mode="after")
+    def _density_read_by_ties(self) -> DareParams:
+        if "density" in self.model_fields_set and self.combine != "ties":  # it changed nothing
+            raise ValueError(f"density is read only with combine ties (a trim after the drop; combine is "
+                             f"{self.combine}) — set combine ties, or drop density (drop sets what DARE "
+                             "keeps)")  # fmt: skip
+        return self
 
 
 class DareMerger(Merger):

@@ -1,5 +1,7 @@
 """Merger closed forms on small tensors: TIES, DARE, task arithmetic, Fisher."""
 
+import re
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -110,3 +112,26 @@ def test_model_weights_at_the_ends_of_the_float_range_keep_their_shares(weights)
     ws = [torch.full((2, 2), v) for v in (1.0, 2.0, 3.0)]
     out = merger.merge_tensor(TensorInputs("w", ws, shares))
     torch.testing.assert_close(out, torch.full((2, 2), 0.4 + 0.8 + 0.6))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "values", "line"),
+    [
+        # each changed nothing: the output was byte-identical to the run without it
+        ("dare", {"density": 0.3}, "strategy dare: density is read only with combine ties (a trim after the drop; "
+                                   "combine is task-arithmetic) — set combine ties, or drop density"),
+        ("regmean", {"bf16_tol": 0.5}, "strategy regmean: bf16_tol is read only with delta_dtype auto (delta_dtype is "
+                                       "same) — set delta_dtype auto, or drop bf16_tol"),
+        # a NaN was "less than 1" (and bf16_tol took nan or -5 with exit 0)
+        ("regmean", {"bf16_tol": "nan", "delta_dtype": "auto"}, "--bf16_tol: Input should be a finite number"),
+        ("regmean", {"bf16_tol": -5, "delta_dtype": "auto"}, "--bf16_tol: Input should be greater than 0"),
+        ("ties", {"density": float("nan")}, "--density: Input should be a finite number (got nan)"),
+    ],
+)  # fmt: skip
+def test_a_parameter_that_would_change_nothing_or_is_not_a_number_is_refused(strategy, values, line):
+    from symfuse.merge import merger_params
+
+    with pytest.raises(ValueError, match=re.escape(line)):
+        merger_params(strategy, values, label=lambda k: f"--{k}")
+    combined = merger_params("dare", {"density": 0.3, "combine": "ties"})
+    assert combined.density == 0.3 and merger_params("regmean", {"bf16_tol": 1e-4, "delta_dtype": "auto"}).bf16_tol
