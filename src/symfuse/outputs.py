@@ -9,7 +9,8 @@ Every command and library function that writes a folder goes through :func:`atom
 * An existing ``out`` is refused unless ``overwrite`` (:class:`~symfuse.errors.OutputExistsError`), before any
   work when the caller claims the output first (:func:`claim_output`, :func:`check_output`).
 * ``overwrite`` replaces only a folder symfuse wrote (it holds :data:`MARKER`, which every folder written here
-  gets) or an empty one, never the folder the command runs in or one of its parents, and never a folder that is
+  gets, listing the files written) or an empty one, and refuses one holding files the marker does not list (a
+  user's notes added later), never the folder the command runs in or one of its parents, and never a folder that is
   or holds one of the command's inputs: a dataset, a hand-made checkpoint or the model being merged stay.
 * The folder is written to a sibling ``.<name>.tmp-<pid>-<rand>`` and renamed onto ``out`` at the end; an old
   ``out`` (``overwrite``) is exchanged with the new one in one ``renameat2(RENAME_EXCHANGE)`` where the
@@ -29,6 +30,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import json
 import logging
 import os
 import re
@@ -187,6 +189,42 @@ def _check_replaceable(out: str | os.PathLike, path: Path, inputs: Sequence[obje
             f"{out}: --overwrite replaces only a folder symfuse wrote (it holds {MARKER}) or an empty one, and "
             "this one is neither — remove it yourself if it should go, or choose another --out"
         )
+    if names and (added := _added_files(path)):
+        shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+        raise OutputExistsError(
+            f"{out}: holds {shown}, which symfuse did not write there — --overwrite would delete them; move them "
+            "out first, or choose another --out"
+        )
+
+
+_MARKER_HEAD = "written by symfuse: --overwrite may replace this folder"
+
+
+def _files_under(folder: Path) -> list[str]:
+    """Every file (and link) under ``folder``, as sorted relative POSIX paths, the marker aside."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            found.append(Path(root, name).relative_to(folder).as_posix())
+    return sorted(f for f in found if f != MARKER)
+
+
+def _write_marker(folder: Path) -> None:
+    """The marker: its head line, then every file written, one JSON string per line (what --overwrite may delete)."""
+    lines = [_MARKER_HEAD, *(json.dumps(f) for f in _files_under(folder))]
+    (folder / MARKER).write_text("\n".join(lines) + "\n")
+
+
+def _added_files(folder: Path) -> list[str]:
+    """Files under a symfuse output that its marker does not list (none when the marker lists nothing: older)."""
+    try:
+        listed = (folder / MARKER).read_text().splitlines()[1:]
+        written = {json.loads(line) for line in listed if line.strip()}
+    except (OSError, ValueError):
+        return []  # an unreadable or older marker: the folder is symfuse's, as before
+    if not written:
+        return []
+    return [f for f in _files_under(folder) if f not in written]
 
 
 def _read_pid(fd: int) -> str:
@@ -387,7 +425,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False, inputs: S
             _TEMPS.add(tmp)
         try:
             yield tmp
-            (tmp / MARKER).write_text("written by symfuse: --overwrite may replace this folder\n")
+            _write_marker(tmp)
             _commit(tmp, claim)
         finally:
             with _STATE:

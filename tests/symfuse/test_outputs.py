@@ -85,6 +85,30 @@ def test_overwrite_replaces_an_empty_folder_but_never_a_folder_symfuse_did_not_w
     assert _tree(tmp_path) == before
 
 
+def test_overwrite_never_deletes_files_a_user_added_to_a_symfuse_output(tmp_path):
+    """A merge output with the user's notes added: --overwrite deleted them (the marker said the folder was ours)."""
+    out = tmp_path / "merged"
+    with atomic_output_dir(out) as tmp:
+        (tmp / "model.safetensors").write_text("v1")
+        (tmp / "heads" / "b").mkdir(parents=True)
+        (tmp / "heads" / "b" / "model.safetensors").write_text("v1")
+    with atomic_output_dir(out, overwrite=True) as tmp:  # what symfuse wrote is replaced
+        (tmp / "model.safetensors").write_text("v2")
+    assert (out / "model.safetensors").read_text() == "v2" and not (out / "heads").exists()
+    (out / "mynotes.txt").write_text("mine")
+    (out / "mine").mkdir()
+    (out / "mine" / "y").write_text("mine")
+    before = _tree(tmp_path)
+    added = r"merged: holds mine/y, mynotes\.txt, which symfuse did not write"
+    with pytest.raises(OutputExistsError, match=added), atomic_output_dir(out, overwrite=True):
+        pytest.fail("the block must not run")
+    assert _tree(tmp_path) == before
+    (out / MARKER).write_text("written by symfuse: --overwrite may replace this folder\n")  # an older marker
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "model.safetensors").write_text("v3")
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "model.safetensors"]
+
+
 def test_overwrite_never_replaces_an_input_a_folder_holding_one_or_the_working_folder(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     model = runs / "model"
