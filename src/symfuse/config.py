@@ -89,7 +89,7 @@ class DatasetConfig(_Strict):
 class FinetuneSettings(_Strict):
     """Fine-tuning hyper-parameters (the same for every dataset)."""
 
-    epochs: int = Field(default=2, ge=1)
+    epochs: int = Field(default=2, ge=1, le=1000)
     lr: float = Field(default=5e-5, gt=0, le=1, description="AdamW learning rate (at most 1).")
     batch_size: int = Field(default=16, ge=1, description="Micro-batch; an out-of-memory retry halves it.")
     grad_accum: int = Field(default=1, ge=1, description="Gradient accumulation; an OOM retry doubles it.")

@@ -219,6 +219,12 @@ CASES = [
     C("stats-out-exists", f"stats {{A}} --data {{DATA}} {OUT}", 2, "{OUT}", pre="dir"),
     # --- finetune ---
     C("finetune-epochs-zero", f"finetune {{A}} --data {{DATA}} {OUT} --epochs 0", 2, "--epochs"),
+    C(
+        "finetune-epochs-huge",
+        f"finetune {{A}} --data {{DATA}} {OUT} --epochs 99999999999",
+        2,
+        "--epochs: 99999999999 is above 1000",
+    ),  # trained until killed
     C("finetune-lr-zero", f"finetune {{A}} --data {{DATA}} {OUT} --lr 0", 2, "--lr"),
     C("finetune-lr-negative", f"finetune {{A}} --data {{DATA}} {OUT} --lr -1e-5", 2, "--lr"),
     C(

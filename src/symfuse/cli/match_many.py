@@ -36,9 +36,14 @@ def anchor_index(anchor: str, models: list[str], names: list[str]) -> str | int:
     """
     if anchor in ("closest", "barycenter"):
         return anchor
-    found = [i for i, m in enumerate(models) if anchor == m] or [
-        i for i, (m, n) in enumerate(zip(models, names, strict=True)) if anchor in (n, Path(m.rstrip("/")).name)
+    same = os.path.exists(anchor) and [
+        i for i, m in enumerate(models) if os.path.exists(m) and os.path.samefile(m, anchor)
     ]
+    found = (
+        [i for i, m in enumerate(models) if anchor == m]
+        or same
+        or [i for i, (m, n) in enumerate(zip(models, names, strict=True)) if anchor in (n, Path(m.rstrip("/")).name)]
+    )
     if not found:
         raise UsageError(
             f"--anchor: {anchor!r} is not closest, barycenter or one of the models ({', '.join(names)}) — "

@@ -14,13 +14,15 @@ from symfuse.config import DATASET_RESOLUTION
 from symfuse.errors import UsageError
 from symfuse.outputs import claim_output
 
+MAX_EPOCHS = 1000  # finetune --epochs: passes over the data (an int64-sized count ran until killed)
+
 
 @app.command()
 def finetune(
     base: Annotated[str, typer.Argument(help="Base checkpoint folder, 'minilm', or a hub id.")],
     data: Annotated[str, typer.Option("--data", help=DATASET_RESOLUTION)],
     out: Annotated[Path, typer.Option("--out", help="Output folder (save_pretrained layout + symfuse_train.json).")],
-    epochs: Annotated[int, typer.Option("--epochs", help="Training epochs.")] = 3,
+    epochs: Annotated[int, typer.Option("--epochs", help=f"Training epochs (1 .. {MAX_EPOCHS}).")] = 3,
     max_train_examples: Annotated[
         int | None, typer.Option("--max-train-examples", help="Training examples at most (all when absent).")
     ] = None,
@@ -63,6 +65,7 @@ def finetune(
 ) -> None:
     """Fine-tune BASE on a dataset and write the fine-tuned checkpoint."""
     checks.at_least("--epochs", epochs, 1)
+    checks.at_most("--epochs", epochs, MAX_EPOCHS, "3")  # 10^20 trained until killed
     checks.seed("--seed", seed)
     checks.seed("--head-seed", head_seed)
     checks.at_least("--max-train-examples", max_train_examples, 1)

@@ -106,3 +106,16 @@ def test_folder_names_that_differ_only_in_case_get_their_own_outputs(three, tmp_
     assert r.exit_code == 0, r.output
     report = json.loads((out / "symfuse_many_report.json").read_text())
     assert report["anchor"] == str(a) and [m["out"] for m in report["models"]] == ["0-a", "1-A"]
+
+
+def test_an_anchor_given_as_another_spelling_of_a_models_path_is_that_model(tmp_path, monkeypatch):
+    """``--anchor ./m/b`` (or its absolute path, or a trailing slash) for the model ``m/b`` was "not one of the
+    models (a, b)"."""
+    from symfuse.cli.match_many import anchor_index
+
+    for name in ("a", "b"):
+        (tmp_path / "m" / name).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    models = ["m/a", "m/b"]
+    for spelt in ("./m/b", str(tmp_path / "m" / "b"), "m/b/", "m/../m/b", "b", "m/b"):
+        assert anchor_index(spelt, models, ["a", "b"]) == 1, spelt
