@@ -84,6 +84,10 @@ def _resolve_stats(
             mine = []
             for kind in sorted(kinds):
                 mine.append(StatsFile(p / f"{kind}.safetensors"))
+                if mine[-1].kind and mine[-1].kind != kind:  # a renamed file: "no Gram of ..." named another cause
+                    raise StatsMismatchError(f"{mine[-1].path}: holds {mine[-1].kind} statistics (its metadata), not "
+                                             f"{kind} — name it {mine[-1].kind}.safetensors, or collect {kind}: "
+                                             f"symfuse stats MODEL --data DATA --kind {kind}")  # fmt: skip
                 found[kind].append(mine[-1])
             # every stats file of the folder, used or not, must belong to one model
             others = [p / f"{kind}.safetensors" for kind in STAT_KINDS if kind not in kinds]

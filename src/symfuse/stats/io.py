@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from symfuse.errors import MissingStats
+from symfuse.errors import CheckpointError, MissingStats, StatsMismatchError
 from symfuse.io import BufferPool, TensorFile, save_safetensors
 
 FORMAT_VERSION = "1"
@@ -69,7 +69,11 @@ class StatsFile:
         self.path = Path(file)
         if not self.path.is_file():
             raise MissingStats(f"{self.path}: statistics file not found; run `symfuse stats` first")
-        self._f = SafetensorsFile(self.path)
+        try:
+            self._f = SafetensorsFile(self.path)
+        except CheckpointError as exc:  # the reader's fix is a checkpoint's (re-export with save_pretrained)
+            what = str(exc).removeprefix(f"{self.path}: ").rsplit(" — ", 1)[0]
+            raise StatsMismatchError(f"{self.path}: {what} — recollect it: symfuse stats MODEL --data DATA") from exc
         self._keys = set(self._f.keys())
         raw = self._f.metadata
         self.meta: dict[str, Any] = {}

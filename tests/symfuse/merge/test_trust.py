@@ -250,3 +250,21 @@ def test_a_fisher_that_does_not_fit_its_model_is_refused(pair, tmp_path, caplog)
     with caplog.at_level("WARNING"):
         merge_checkpoints("fisher", [a, b], tmp_path / "ok", stats=[sa, part])
     assert any("no Fisher for" in r.getMessage() and str(part) in r.getMessage() for r in caplog.records)
+
+
+def test_a_renamed_or_cut_stats_file_is_named_with_the_stats_fix(pair, tmp_path):
+    """A Fisher file named gram.safetensors was "no Gram of <module>, which the other models' statistics hold"; a stats
+    file cut in half was told to "re-export the file (save_pretrained with safe_serialization)"."""
+    a, b, sa, sb, _ = pair
+    renamed = shutil.copytree(sb, tmp_path / "R")
+    (renamed / "gram.safetensors").unlink()
+    (renamed / "fisher.safetensors").rename(renamed / "gram.safetensors")
+    with pytest.raises(StatsMismatchError, match=rf"^{renamed}/gram.safetensors: holds fisher statistics \(its "
+                                                 r"metadata\), not gram — name it fisher.safetensors"):  # fmt: skip
+        merge_checkpoints("regmean", [a, b], tmp_path / "o", stats=[sa, renamed])
+    cut = shutil.copytree(sb, tmp_path / "C")
+    data = (cut / "gram.safetensors").read_bytes()
+    (cut / "gram.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(StatsMismatchError, match=rf"^{cut}/gram.safetensors: .* — recollect it: symfuse stats MODEL"):
+        merge_checkpoints("regmean", [a, b], tmp_path / "o", stats=[sa, cut])
+    assert not (tmp_path / "o").exists()
