@@ -194,14 +194,14 @@ def _check_record(rec: dict[str, Any], task: str, multi_label: bool, labels: set
         if labels is not None:  # meta.json's tags were checked against the scheme when it was read
             bad = [t for t in tags if t not in labels]
             if bad:
-                return f"unknown tag {bad[0]!r} (not in meta.json tags)"
+                return f"unknown tag {bad[0]!r} (not in meta.json tags: add it there if it is one)"
         elif (tag := not_a_ner_tag(tags)) is not None:
             return f"tag {tag!r} {NER_SCHEME}"
         return None
     if not isinstance(rec.get("text"), str):
         return "missing or non-string 'text'"
     if task in ("pair_classification", "regression") and not isinstance(rec.get("text_pair"), str):
-        return "missing or non-string 'text_pair'"
+        return f"missing or non-string 'text_pair' (a {task} record holds two texts)"
     label = rec.get("label")
     if task == "regression":
         try:
@@ -226,7 +226,7 @@ def _check_record(rec: dict[str, Any], task: str, multi_label: bool, labels: set
     if labels is not None:
         bad = [x for x in names if x not in labels]
         if bad:
-            return f"unknown label {bad[0]!r} (known: {sorted(labels)})"
+            return f"unknown label {bad[0]!r} (meta.json lists {sorted(labels)}: add it there if it is a class)"
     return None
 
 

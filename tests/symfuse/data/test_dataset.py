@@ -29,7 +29,12 @@ def test_bad_record_names_file_and_line(tmp_path):
     meta = {"task": "classification", "labels": ["joy", "anger"]}
     good = {"text": "ok", "label": "joy"}
     _write(tmp_path / "d", "train", [good, good, {"text": "x", "label": "love"}], meta)
-    with pytest.raises(DatasetError, match=r"train\.jsonl:3: .*unknown label 'love'"):
+    # the fix names meta.json too: it may be the list that lacks the class (it blamed the record alone)
+    with pytest.raises(
+        DatasetError,
+        match=r"train\.jsonl:3: .*unknown label 'love' \(meta\.json lists \['anger', "
+        r"'joy'\]: add it there if it is a class\) — fix or remove that line",
+    ):
         load_task_dataset(str(tmp_path / "d"))
     _write(tmp_path / "d", "train", [good, "{not json", good], meta)
     with pytest.raises(DatasetError, match=r"train\.jsonl:2: not valid JSON"):
