@@ -164,6 +164,7 @@ CASES = [
         "--symmetries: residual-permutation is not available for match-many: it is found from activations",
     ),
     C("match-many-unknown-symmetry", f"match-many {{A}} {{B}} {OUT} --symmetries rotation,bogus", 2, "bogus"),
+    C("match-many-tol-inf", f"match-many {{A}} {{B}} {OUT} --tol inf", 2, "--tol: inf is not a finite number"),
     C("match-many-max-iter-zero", f"match-many {{A}} {{B}} {OUT} --anchor barycenter --max-iter 0", 2, "--max-iter"),
     C("match-many-missing-model", f"match-many {{A}} {{B}} {{MISSING}} {OUT}", 2, "missing"),
     C("match-many-family-mismatch", f"match-many {{A}} {{B}} {{GPT}} {OUT}", 1, "gpt"),

@@ -17,7 +17,8 @@ from symfuse.symmetry.registry import Capability, check_kinds, kind_names  # no 
 def positive(option: str, value: float | None, what: str = "a number") -> None:
     """``value`` > 0 (None passes: the option was not given)."""
     if value is not None and not (math.isfinite(value) and value > 0):
-        raise UsageError(f"{option}: {value} is not positive — give {what} > 0")
+        why = "is not positive" if math.isfinite(value) else "is not a finite number"
+        raise UsageError(f"{option}: {value} {why} — give {what} > 0")
 
 
 def at_least(option: str, value: int | None, low: int) -> None:

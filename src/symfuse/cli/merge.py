@@ -393,9 +393,10 @@ def _strategy_params(
     known = set(names) | merger.Params.model_fields.keys() | RETIRED_PARAMS.keys()  # a retired one: merger_params
     extra = [labels[k] for k in values if k not in known or k == "weights"]
     if extra:
+        refit = " (--data also feeds --refit-heads: add it to refit the heads)" if "--data" in extra else ""
         raise UsageError(
             f"{', '.join(extra)}: not a parameter of --strategy {strategy} — drop it, or pick a strategy that uses it "
-            f"(its parameters: {', '.join(k for k in names if k != 'weights') or 'none'})"
+            f"(its parameters: {', '.join(k for k in names if k != 'weights') or 'none'}){refit}"
         )
     params = values | ({"weights": weights} if weights else {})
     try:

@@ -107,6 +107,7 @@ def test_data_is_refused_by_strategies_that_do_not_read_it(tmp_path):
     res = runner.invoke(app, ["merge", "--strategy", "simple", "--models", str(a), str(b), "--data", "x", "x",
                               "--out", str(tmp_path / "o")])  # fmt: skip
     assert res.exit_code == 2 and "--data: not a parameter of --strategy simple" in res.output
+    assert "(--data also feeds --refit-heads: add it to refit the heads)" in res.output  # the other use of --data
     assert not (tmp_path / "o").exists()
 
 
