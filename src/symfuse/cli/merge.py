@@ -391,7 +391,10 @@ def _strategy_params(
     values = {k: v for k, (v, _) in given.items()}
     names = param_names(merger.Params)  # as written: a field's alias (``lambda``) where it has one
     known = set(names) | merger.Params.model_fields.keys() | RETIRED_PARAMS.keys()  # a retired one: merger_params
-    extra = [labels[k] for k in values if k not in known or k == "weights"]
+    if "weights" in values:  # model weights, not a parameter: said to be no parameter, with nowhere to go
+        raise UsageError(f"{labels['weights']}: the model weights are not a strategy parameter — give them as "
+                         "--weights wA wB ... (or weights: at the top level of a merge config)")  # fmt: skip
+    extra = [labels[k] for k in values if k not in known]
     if extra:
         refit = " (--data also feeds --refit-heads: add it to refit the heads)" if "--data" in extra else ""
         raise UsageError(

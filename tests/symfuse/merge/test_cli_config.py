@@ -61,6 +61,12 @@ BAD = [
     ("not-yaml", "strategy: [simple\n", "line"),
     ("not-a-mapping", "- simple\n", "mapping"),
     ("unused-param", "strategy: simple\nmodels: [{a}, {b}]\nparams: {{alpha: 0.5}}\n", "alpha"),
+    # it said "not a parameter" with nowhere to go
+    (
+        "weights-as-param",
+        "strategy: simple\nmodels: [{a}, {b}]\nparams: {{weights: [3, 1]}}\n",
+        "params.weights: the model weights are not a strategy parameter — give them as --weights wA wB ... (or weights:",
+    ),
     ("missing-model", "strategy: simple\nmodels: [{a}, /nonexistent/model]\n", "/nonexistent/model"),
     ("duplicate-key", "strategy: simple\nmodels: [{a}, {b}]\nstrategy: ties\n", "line 3: key 'strategy' given twice"),
     (
