@@ -65,7 +65,7 @@ BAD = [
     (
         "weights-as-param",
         "strategy: simple\nmodels: [{a}, {b}]\nparams: {{weights: [3, 1]}}\n",
-        "params.weights: the model weights are not a strategy parameter — give them as --weights wA wB ... (or weights:",
+        "params.weights: the model weights are not a strategy parameter — give them as --weights wA wB",
     ),
     ("missing-model", "strategy: simple\nmodels: [{a}, /nonexistent/model]\n", "/nonexistent/model"),
     ("duplicate-key", "strategy: simple\nmodels: [{a}, {b}]\nstrategy: ties\n", "line 3: key 'strategy' given twice"),
