@@ -157,8 +157,6 @@ def _read_config(folder: Path) -> dict[str, Any]:
     if cfg.get("task_type") is not None and cfg["task_type"] not in TASK_TYPES:
         raise CheckpointError(f"{file}: task_type {cfg['task_type']!r} is not one PEFT loads — give one of "
                               f"{', '.join(TASK_TYPES)} (or null)")  # fmt: skip
-    if cfg.get("use_dora") and cfg.get("fan_in_fan_out"):
-        raise CheckpointError(f"{file}: use_dora with fan_in_fan_out is not supported — use an nn.Linear model")
     for key in ("r", "lora_alpha"):
         if not _positive(cfg.get(key), whole=key == "r"):
             raise CheckpointError(f"{file}: {key} is {cfg.get(key)!r} — it must be a positive {_NUMBER[key == 'r']}")

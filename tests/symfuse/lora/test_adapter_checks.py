@@ -190,3 +190,17 @@ def test_a_base_alias_is_named_by_its_folder(adapter, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match=rf"but --base is {re.escape(str(resolve_checkpoint('minilm')))} — "):
         merge_adapters([src], tmp_path / "out", "simple", base="minilm", into_base=True)
+
+
+def test_a_gpt2_dora_adapter_as_peft_saves_it_merges_as_peft_merges_it(tmp_path):
+    """PEFT saves a GPT-2 (Conv1D) DoRA adapter with fan_in_fan_out true; it was refused as "not supported", while
+    each update is oriented by the base's layer whatever the flag says (as for plain LoRA)."""
+    auto = T.AutoModelForCausalLM
+    base = save_tiny(tmp_path / "gpt2", "gpt2", head="lm")
+    adapter = make_adapter(base, tmp_path / "ad", seed=1, targets=["c_attn", "c_proj"], auto=auto, use_dora=True)
+    assert json.loads((adapter / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    want, before = effective_weights(base, adapter, auto), effective_weights(base, None, auto)
+    worst, changed = _worst(_merged_into_base(adapter, base, tmp_path / "out", auto), want, before)
+    assert len(changed) == 6 and worst < 1e-6  # c_attn and both c_proj of 2 layers: 1.6e-7
+    merge_adapters([adapter], tmp_path / "ad2", "simple", base=base)  # as an adapter: PEFT applies it the same
+    assert _worst(effective_weights(base, tmp_path / "ad2", auto), want, before)[0] < 1e-6
