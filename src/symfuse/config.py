@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from symfuse import yaml_io
 from symfuse.config_schema import ANCHOR_POLICIES, ANCHOR_SCHEMA, NAME_SCHEMA, check_name, enum_of, merge_params_schema
-from symfuse.fields import no_bool_for_numbers
+from symfuse.fields import deployment_name, no_bool_for_numbers
 from symfuse.merge.registry import MERGERS, merger_params
 from symfuse.seeds import Seed
 from symfuse.symmetry.registry import check_kinds, kind_names
@@ -191,14 +191,7 @@ class StageDeployments(_Strict):
 
     finetune: str = Field(default="finetune-stage/finetune-stage", description="One fine-tune per flow run.")
     stats: str = Field(default="stats-stage/stats-stage", description="One model's statistics (one kind) per run.")
-
-    @field_validator("finetune", "stats")
-    @classmethod
-    def _flow_slash_deployment(cls, value: str) -> str:
-        flow, _, deployment = value.partition("/")
-        if not flow.strip() or not deployment.strip() or "/" in deployment:
-            raise ValueError(f"{value!r}: expected <flow name>/<deployment name>, e.g. finetune-stage/finetune-stage")
-        return value
+    _names = field_validator("finetune", "stats")(deployment_name)
 
 
 # Keys of older configs, moved into merge_params: key -> (strategy, parameter). Applied when the strategy is run.
@@ -359,14 +352,11 @@ class RunConfig(_Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names must be unique, got {names}")
         if trained := [n for n in self.evaluation.out_of_domain if n in names]:
+            why = "it is scored in domain already" if self.evaluation.in_domain else (
+                f"{trained[0]}'s model would be scored out of domain on its own data")  # fmt: skip
             raise ValueError(
-                f"evaluation.out_of_domain: {trained[0]} is a training dataset — "
-                + (
-                    "it is scored in domain already; drop it from out_of_domain"
-                    if self.evaluation.in_domain
-                    else f"{trained[0]}'s model would be scored out of domain on its own data; drop it from "
-                    "out_of_domain (in_domain: true scores the training sets)"
-                )
+                f"evaluation.out_of_domain: {trained[0]} is a training dataset — {why}; drop it from "
+                "out_of_domain" + ("" if self.evaluation.in_domain else " (in_domain: true scores it)")
             )
         if self.select_on is not None and self.select != "greedy":
             raise ValueError(f"select_on {self.select_on!r} is read only with select: greedy; set it or drop select_on")

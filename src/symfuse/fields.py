@@ -54,3 +54,11 @@ def _leaf_types(annotation: Any) -> set[Any]:
 
 def _args(annotation: Any) -> tuple[Any, ...]:
     return tuple(arg for arg in typing.get_args(annotation) if arg is not Ellipsis)
+
+
+def deployment_name(cls: type, value: str) -> str:
+    """A field validator: ``value`` is ``<flow name>/<deployment name>``, as Prefect's ``run_deployment`` takes it."""
+    flow, _, deployment = value.partition("/")
+    if not flow.strip() or not deployment.strip() or "/" in deployment:
+        raise ValueError(f"{value!r}: expected <flow name>/<deployment name>, e.g. finetune-stage/finetune-stage")
+    return value
