@@ -299,7 +299,7 @@ def _main(argv: list[str] | None) -> int:
     if config.fan_out == "deployments" and not problems:  # the stage deployments on the server (imports Prefect)
         from tasks.fanout import deployment_problems
 
-        problems = deployment_problems(config, stats=bool(config.stats_kinds()))
+        problems = deployment_problems(config)
     if problems:
         for line in problems:
             print(f"error: {redact(line)}", file=sys.stderr)

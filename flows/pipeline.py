@@ -96,7 +96,7 @@ def fusion_pipeline(config: RunConfig) -> dict[str, Any]:
     """
     forward_library_logs()  # symfuse.* INFO lines (losses, metrics, retries) into the run's logs
     require_runnable(config)  # before any task: every bad input (model, dataset, split, labels), one line each
-    if problems := deployment_problems(config, stats=bool(config.stats_kinds())):  # fan_out: the server's deployments
+    if problems := deployment_problems(config):  # fan_out: the server's deployments
         raise RunInputError(problems)
     with run_lock(config.run_id):  # one flow run per run_id: a second one waits, then reuses what this one stored
         end_orphaned_task_runs()  # a rescheduled run (crash): the lost attempt's task runs end Crashed

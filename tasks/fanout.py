@@ -41,14 +41,14 @@ def idempotency_key(label: str, ck: str) -> str | None:
     return None if owner is None else f"symfuse:{owner}:{label}:{ck}"
 
 
-def deployment_problems(config: RunConfig, stats: bool) -> list[str]:
+def deployment_problems(config: RunConfig) -> list[str]:
     """Problem lines for ``fan_out: deployments``: a server to reach, the stage deployments on it (one API call each).
 
     Without them every stage task failed after Prefect started, as ``internal error: ObjectNotFound: None``.
 
     Args:
-        config: The run (nothing to check unless ``fan_out`` is ``deployments``).
-        stats: Whether the run collects statistics (the stats stage's deployment is needed).
+        config: The run (nothing to check unless ``fan_out`` is ``deployments``; the stats stage only when the run
+            collects statistics).
     """
     if config.fan_out != "deployments":
         return []
@@ -62,7 +62,7 @@ def deployment_problems(config: RunConfig, stats: bool) -> list[str]:
                 f"start a server and its workers (deployments/README.md; local: deployments/local_stack.sh start, then "
                 f"export PREFECT_API_URL=http://127.0.0.1:4200/api) {fix}"]  # fmt: skip
     stages = {"finetune": config.stage_deployments.finetune}
-    if stats:
+    if config.stats_kinds():
         stages["stats"] = config.stage_deployments.stats
     problems = []
     with get_client(sync_client=True) as client:

@@ -147,7 +147,7 @@ def twin_datasets(
                             f"its fine-tune would be {first}'s twin; list the dataset once")  # fmt: skip
     for name in held_out:
         probe = sets.get(name)
-        if probe is not None and (first := trained.get(_location(probe))) not in (None, name):
+        if probe is not None and (first := trained.get(_location(probe))) is not None:
             problems.append(f"evaluation set {name}: reads {probe.where}, which training dataset {first} trains on — "
                             f"{first}'s model would be scored out of domain on its own data; drop {name}")  # fmt: skip
     return problems

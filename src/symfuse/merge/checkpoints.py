@@ -44,7 +44,7 @@ from symfuse.io import BufferPool, check_finite, parallel_reads, tensor_differen
 from symfuse.merge.head_refit import RefitOptions, check_refittable, refit_batches, refit_heads
 from symfuse.merge.heads import head_names, union_heads, write_label_space
 from symfuse.merge.plan import MergePlan, out_dtype_of
-from symfuse.merge.readers import StreamingReader, untie_mixed
+from symfuse.merge.readers import StreamingReader, counterpart, untie_mixed
 from symfuse.merge.registry import MERGERS
 from symfuse.merge.tensor_merge import TensorMerge, _gram_inputs  # noqa: F401  (_gram_inputs: tests read spans)
 from symfuse.model_card import CARD, input_metrics, model_card, trained_on
@@ -215,7 +215,7 @@ def _check_base(base: CheckpointReader, r0: CheckpointReader, heads: Collection[
     body = [n for n in r0.names() if n not in heads]
     found = 0
     for name in body:
-        bname = base.prefix + name[len(r0.prefix) :] if name.startswith(r0.prefix) else name
+        bname = counterpart(name, r0, base)
         if base.has(bname):
             found += 1
             if base.shape(bname) != r0.shape(name):

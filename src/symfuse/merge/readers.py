@@ -83,3 +83,8 @@ def untie_mixed(readers: Sequence[StreamingReader]) -> bool:
                 r.untie(head, t[head])
                 untied = True
     return untied
+
+
+def counterpart(name: str, src: CheckpointReader, dst: CheckpointReader) -> str:
+    """``src``'s tensor ``name`` as ``dst`` spells it (a classifier's ``bert.`` prefix where a bare base has none)."""
+    return dst.prefix + name[len(src.prefix) :] if name.startswith(src.prefix) else name

@@ -21,6 +21,7 @@ from symfuse.merge.base import LazyTensors, Merger, TensorInputs, chunked_sum, w
 from symfuse.merge.gram_systems import check_gram_diagonal
 from symfuse.merge.heads import merge_class_rows
 from symfuse.merge.plan import MergePlan
+from symfuse.merge.readers import counterpart
 from symfuse.stats.io import StatsFile
 
 
@@ -148,7 +149,7 @@ class TensorMerge:
         b = self.plan.base_reader
         if b is None:
             return None
-        bname = b.prefix + name[len(self.r0.prefix) :] if name.startswith(self.r0.prefix) else name
+        bname = counterpart(name, self.r0, b)
         if not b.has(bname) or b.shape(bname) != tuple(first_shape):  # e.g. a base with another task head
             return None
         return self.to_dev(check_finite_tensor(b.get(bname), bname, b.file_of(bname)))
