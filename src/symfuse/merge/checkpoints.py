@@ -413,8 +413,10 @@ def merge_checkpoints(
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         try:
             with parallel_reads():  # the merge's reads run between its BLAS calls: the cores are free
-                write_checkpoint(plan.readers[0], tmp, replace=TensorMerge(plan, on_progress), shard_bytes=SHARD_BYTES,
-                                 overwrite=True, dtype=plan.out_dtype)  # fmt: skip
+                merge = TensorMerge(plan, on_progress)
+                write_checkpoint(plan.readers[0], tmp, replace=merge, shard_bytes=SHARD_BYTES, overwrite=True,
+                                 dtype=plan.out_dtype)  # fmt: skip
+            merge.check_fishers()
         finally:
             plan.merger.close()
         if plan.readers[0].aliases:  # model 0 ties its LM head, another stores its own: the merge stores one

@@ -38,13 +38,17 @@ def _finite_loader(
 
 
 def _fisher_loader(
-    load: Callable[[BufferPool | None, str], torch.Tensor], name: str, where: Path
+    load: Callable[[BufferPool | None, str], torch.Tensor], name: str, where: Path, peaks: dict[Path, float]
 ) -> Callable[[BufferPool | None, str], torch.Tensor]:
-    """``load`` of a diagonal Fisher, refused when it holds a negative entry (a mean of squares never does)."""
+    """``load`` of a diagonal Fisher, refused when it holds a negative entry (a mean of squares never does).
+
+    ``peaks[where]`` keeps the largest entry read from the file so far (see :meth:`TensorMerge.check_fishers`).
+    """
 
     def checked(pool: BufferPool | None, slot: str) -> torch.Tensor:
         t = load(pool, slot)
-        low = float(t.min()) if t.numel() else 0.0
+        low, high = (float(v) for v in torch.aminmax(t)) if t.numel() else (0.0, 0.0)
+        peaks[where] = max(peaks.get(where, 0.0), high)
         if low < 0:
             raise StatsMismatchError(
                 f"{where}: the Fisher of {name} has negative entries (as low as {low:.3g}); a diagonal Fisher is a "
@@ -111,6 +115,16 @@ class TensorMerge:
         self.to_dev: Callable[[torch.Tensor], torch.Tensor] = (lambda t: t) if plan.on_cpu else (lambda t: t.to(dev))
         self.on_progress = on_progress
         self.done, self.total = 0, max(1, sum(math.prod(self.r0.shape(n)) for n in self.r0.names()))
+        self.fisher_peaks: dict[Path, float] = {}  # Fisher file -> its largest entry read
+
+    def check_fishers(self) -> None:
+        """Refuse a Fisher file whose every entry read was zero: the merge gave its model no say anywhere."""
+        for where, peak in self.fisher_peaks.items():
+            if peak == 0:
+                raise StatsMismatchError(
+                    f"{where}: every Fisher entry is zero, so the Fisher merge would ignore its model — recollect "
+                    "it on data the model was trained on: `symfuse stats MODEL --data DATA --kind fisher`"
+                )
 
     def __call__(self, name: str, first: torch.Tensor) -> torch.Tensor:
         """The merged tensor ``name`` (in host memory), its inputs and output checked finite."""
@@ -184,7 +198,9 @@ class TensorMerge:
         if fishers is None or not all(f.has(name) for f in fishers):
             return None
         loads = [
-            _fisher_loader(checked(lambda p, s, f=f: self.to_dev(f.get(name, p, s)), f.path), name, f.path)
+            _fisher_loader(
+                checked(lambda p, s, f=f: self.to_dev(f.get(name, p, s)), f.path), name, f.path, self.fisher_peaks
+            )
             for f in fishers
         ]
         return LazyTensors(loads, self.plan.merger.pool, "fisher")

@@ -238,15 +238,17 @@ def test_a_fisher_that_does_not_fit_its_model_is_refused(pair, tmp_path, caplog)
         return t
 
     cases = [(negative, "negative entries"), (other_shape, f"the Fisher of {key} has shape"),
-             (lambda t: {"foo.weight": torch.ones(3)}, "names none of")]  # fmt: skip
+             (lambda t: {"foo.weight": torch.ones(3)}, "names none of"),
+             # all zero: merged with exit 0, the model's weight floored at epsilon everywhere (B's tensors ignored)
+             (lambda t: {k: torch.zeros_like(v) for k, v in t.items()}, "every Fisher entry is zero")]  # fmt: skip
     for i, (change, words) in enumerate(cases):
         bad, file = _fisher_copy(sb, tmp_path / f"SB{i}", change)
         with pytest.raises(StatsMismatchError) as err:
             merge_checkpoints("fisher", [a, b], tmp_path / "o", stats=[sa, bad])
         assert str(file) in str(err.value) and words in str(err.value) and "\n" not in str(err.value), err.value
         assert not (tmp_path / "o").exists()
-    # a Fisher of a few tensors merges, and says how many it leaves to the plain average
-    part, _ = _fisher_copy(sb, tmp_path / "part", lambda t: {key: t[key]})
+    # a Fisher of a few tensors merges, and says how many it leaves to the plain average; a zero tensor is allowed
+    part, _ = _fisher_copy(sb, tmp_path / "part", lambda t: {key: t[key], "classifier.bias": t["classifier.bias"] * 0})
     with caplog.at_level("WARNING"):
         merge_checkpoints("fisher", [a, b], tmp_path / "ok", stats=[sa, part])
     assert any("no Fisher for" in r.getMessage() and str(part) in r.getMessage() for r in caplog.records)
