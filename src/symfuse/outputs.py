@@ -152,7 +152,11 @@ def check_output(out: str | os.PathLike, overwrite: bool = False, inputs: Sequen
     if not os.fspath(out).strip():
         raise UsageError("--out is empty — give the output folder's path")
     path = Path(os.path.abspath(out))
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
+    if path.is_symlink():  # the output is written beside it and renamed into place: it would replace the link
+        raise OutputExistsError(
+            f"{out}: is a symbolic link (to {os.readlink(path)}) — give the folder it points to, or another --out"
+        )
+    if path.exists() and not path.is_dir():
         raise OutputExistsError(f"{out}: exists and is not a folder — choose another --out")
     if path.exists() and not overwrite:
         raise OutputExistsError(f"{out}: already exists — pass --overwrite to replace it, or choose another --out")

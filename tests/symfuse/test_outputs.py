@@ -41,6 +41,17 @@ def test_existing_output_is_refused_without_overwrite_and_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_an_output_that_is_a_link_is_refused_naming_its_target(tmp_path):
+    """A link to a folder was "exists and is not a folder" (it is one, through the link); it is kept either way."""
+    target = tmp_path / "real"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    for overwrite in (False, True):
+        with pytest.raises(OutputExistsError, match=rf"link: is a symbolic link \(to {target}\) — give the folder"):
+            check_output(tmp_path / "link", overwrite=overwrite)
+    assert (tmp_path / "link").is_symlink() and target.is_dir()
+
+
 def _earlier_output(out):
     with atomic_output_dir(out) as tmp:  # what an earlier symfuse command wrote
         (tmp / "old.txt").write_text("old")
