@@ -106,6 +106,10 @@ def supported_tensor_types() -> tuple[str, ...]:
     return tuple(names)
 
 
+# numpy's words when the reader views a tensor that the file's end cuts short (reshape; a view of wider items)
+_CUT_SHORT = ("cannot reshape", "When changing to a larger dtype")
+
+
 def check_gguf(path: str | os.PathLike) -> GgufInfo:
     """Validate a GGUF file's header (no tensor data read): magic, architecture, tensor types.
 
@@ -133,7 +137,7 @@ def check_gguf(path: str | os.PathLike) -> GgufInfo:
         tensor_names = [t.name for t in reader.tensors]
     except Exception as exc:  # truncated or garbled header: the reader raises ValueError, struct.error, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if isinstance(exc, ValueError) and "cannot reshape" in first:  # a tensor's view runs past the end of the file
+        if isinstance(exc, ValueError) and any(w in first for w in _CUT_SHORT):  # a tensor runs past the file's end
             size = path.stat().st_size
             raise CheckpointError(f"{path}: truncated — its tensor data ends early ({size} bytes on disk); copy or "
                                   "download the file again") from exc  # fmt: skip

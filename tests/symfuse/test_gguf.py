@@ -151,12 +151,14 @@ def test_not_a_gguf_file_is_one_line(tmp_path):
         resolve_checkpoint(tmp_path / "missing.gguf")
 
 
-def test_a_file_cut_inside_its_tensor_data_is_called_truncated(tiny, tmp_path):
+@pytest.mark.parametrize("keep", [0.5, -1], ids=["half", "one-byte-short"])
+def test_a_file_cut_inside_its_tensor_data_is_called_truncated(tiny, tmp_path, keep):
     whole = write_gguf(tiny, tmp_path / "whole.gguf", "F32")
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])  # the header whole, the tensor data not
-    with pytest.raises(CheckpointError) as info:  # was "unreadable GGUF header (ValueError: cannot reshape ...)"
-        check_gguf(cut)
+    size = whole.stat().st_size
+    cut.write_bytes(whole.read_bytes()[: int(size * keep) if keep > 0 else size + keep])  # the header whole
+    with pytest.raises(CheckpointError) as info:  # was "unreadable GGUF header (ValueError: cannot reshape ...)",
+        check_gguf(cut)  # and one byte short "(ValueError: When changing to a larger dtype, ...)"
     assert str(info.value) == (
         f"{cut}: truncated — its tensor data ends early ({cut.stat().st_size} bytes on disk); copy or download the "
         "file again"
