@@ -496,5 +496,5 @@ def write_checkpoint(
             set_config_dtype(tmp, dtype)
         for fname, data in (extra_files or {}).items():
             (tmp / fname).write_bytes(data)
-    log.info("wrote checkpoint %s (%d shard(s))", out, len(plan.files))
+    log.debug("wrote checkpoint %s (%d shard(s))", out, len(plan.files))  # commands name their own output
     return Path(out)

@@ -40,6 +40,7 @@ def test_overwrite_refuses_inputs_and_foreign_folders_and_replaces_its_own_outpu
     res = run_cli("merge", "--strategy", "simple", "--models", a, b, "--weights", "3", "1", "--out", out, "--overwrite")
     assert res.returncode == 0, res.stderr
     assert listing(out).keys() == first.keys() and listing(out) != first
+    assert ".tmp-" not in res.stderr + res.stdout  # the log names the output, not the folder it is written in first
 
 
 def test_evaluate_replaces_its_own_metrics_file_and_no_other_file(tmp_path):
