@@ -203,7 +203,7 @@ def scored_dataset(option: str, value: str, split: str) -> bool:
     if is_language_modeling(value):
         text_split(value, split)
         return True
-    dataset(option, value)
+    dataset(option, value, split)
     return False
 
 
@@ -215,11 +215,13 @@ def head_reads(option: str, value: str, model: str | Path) -> None:
         raise UsageError(f"{option} {value}: {problem}")
 
 
-def dataset(option: str, value: str) -> None:
-    """Load the dataset once (cached) so that a bad name or file fails before any model is loaded."""
+def dataset(option: str, value: str, split: str | None = None) -> None:
+    """Load the dataset once (cached): a bad name or file, or a missing ``split``, fails before any model loads."""
     from symfuse.data import load_task_dataset
 
-    load_task_dataset(value)
+    ds = load_task_dataset(value)
+    if split is not None:
+        ds.split(split)
 
 
 def writable_file(option: str, value: Path | None) -> None:

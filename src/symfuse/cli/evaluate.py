@@ -107,12 +107,12 @@ def barrier(
     checks.local_path("B", b)
     checks.checkpoint(a, arch=False)
     checks.checkpoint(b, arch=False)
+    if not checks.scored_dataset("--data", data, split):
+        checks.head_reads("--data", data, a)
+        checks.head_reads("--data", data, b)
     from symfuse.evaluate import loss_barrier
 
     with atomic_output_dir(out, overwrite=overwrite, inputs=[a, b, data]) as tmp:
-        if not checks.scored_dataset("--data", data, split):
-            checks.head_reads("--data", data, a)
-            checks.head_reads("--data", data, b)
         r = loss_barrier(
             a, b, data, tmp, points=points, split=split, max_examples=max_examples, max_length=max_length, device=device
         )

@@ -48,7 +48,7 @@ def stats(
     kinds = checks.names_list("--kind", kind, STAT_KINDS, "statistics kinds")
     checks.checkpoint(model, arch=False)
     with terminal_bars(), atomic_output_dir(out, overwrite=overwrite, inputs=[model, data]) as tmp:
-        checks.dataset("--data", data)
+        checks.dataset("--data", data, split)
         if "fisher" in kinds and fisher_mode == "empirical":  # the data's targets go through the head
             checks.head_reads("--data", data, model)
         written = collect_stats(
