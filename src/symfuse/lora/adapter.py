@@ -25,7 +25,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,8 +245,34 @@ def read_adapter(folder: str | os.PathLike) -> LoraAdapter:
     if not parts:
         raise CheckpointError(f"{file}: holds no LoRA tensors — re-save the adapter")
     modules = {k: _module(cfg, k, p, file) for k, p in parts.items()}
+    _check_layers(cfg, modules, folder / CONFIG)
     dtypes = {m.A.dtype for m in modules.values()} | {m.B.dtype for m in modules.values()}
     return LoraAdapter(folder, cfg, modules, dtypes.pop() if len(dtypes) == 1 else torch.float32)
+
+
+_LAYER_LISTS = ["layers", "h", "block", "blocks", "layer"]  # PEFT's COMMON_LAYERS_PATTERN
+
+
+def _check_layers(cfg: Mapping[str, Any], keys: Iterable[str], file: Path) -> None:
+    """Every module of the adapter lies in a layer its ``layers_to_transform`` names (else PEFT cannot load it)."""
+    wanted = cfg.get("layers_to_transform")
+    if wanted is None:
+        return
+    layers = [wanted] if isinstance(wanted, int) else wanted
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise CheckpointError(f"{file}: layers_to_transform is {wanted!r} — it must be a layer index or a list of "
+                              "them, as PEFT writes it")  # fmt: skip
+    names = cfg.get("layers_pattern") or _LAYER_LISTS
+    names = [names] if isinstance(names, str) else names
+    if not _strings(names):
+        raise CheckpointError(f"{file}: layers_pattern is {names!r} — it must name the model's layer list")
+    found = re.compile(rf"(?:^|\.)(?:{'|'.join(map(re.escape, names))})\.(\d+)\.")
+    for key in keys:
+        if (m := found.search(key)) and int(m.group(1)) not in layers:
+            raise CheckpointError(
+                f"{file}: layers_to_transform is {wanted!r}, but the adapter holds {key} (layer {m.group(1)}) — PEFT "
+                "cannot load it; list every adapted layer there (or re-save the adapter with PEFT)"
+            )
 
 
 def _module(cfg: Mapping[str, Any], key: str, p: dict[str, torch.Tensor], file: Path) -> LoraModule:

@@ -73,6 +73,9 @@ def adapter(tmp_path_factory):
         ({"use_rslora": "false"}, "use_rslora is 'false', not true or false — write it as a JSON boolean"),
         ({"use_dora": "false"}, "use_dora is 'false', not true or false"),
         ({"task_type": "FOO"}, "task_type 'FOO' is not one PEFT loads — give one of SEQ_CLS, SEQ_2_SEQ_LM, CAUSAL_LM"),
+        # the adapter's layer 0 is not among those listed: merged with exit 0, and PEFT refused the output
+        ({"layers_to_transform": [5]}, "layers_to_transform is [5], but the adapter holds model.layers.0."),
+        ({"layers_to_transform": ["0"]}, "layers_to_transform is ['0'] — it must be a layer index or a list of them"),
     ],
 )
 def test_a_config_value_peft_cannot_apply_is_refused_naming_it(adapter, change, text, tmp_path):
@@ -81,6 +84,14 @@ def test_a_config_value_peft_cannot_apply_is_refused_naming_it(adapter, change, 
     with pytest.raises(CheckpointError, match=rf"bad/adapter_config\.json: {re.escape(text)}"):
         merge_adapters([bad], tmp_path / "out", "simple", base=base, into_base=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_of_some_layers_merges_as_peft_applies_it(adapter, tmp_path):
+    base, _ = adapter
+    made = make_adapter(base, tmp_path / "ad", seed=4, layers_to_transform=[1])
+    got = _merged_into_base(made, base, tmp_path / "out", T.AutoModelForCausalLM)
+    worst, changed = _worst(got, effective_weights(base, made), effective_weights(base, None))
+    assert worst < 1e-6 and all(".layers.1." in k for k in changed)
 
 
 def test_a_cut_weights_file_is_named(adapter, tmp_path):
