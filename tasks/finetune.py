@@ -6,6 +6,8 @@ from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
 from symfuse.data.holdout import HOLDOUT_FRACTION, HOLDOUT_SPLIT
 from symfuse.data.probe import split_names
+from symfuse.io import checkpoint_files
+from symfuse.scratch import linked_dir
 from symfuse.stats import model_fingerprint
 from symfuse.train import FinetuneConfig
 from symfuse.train import finetune as finetune_model
@@ -96,7 +98,8 @@ def bring_checkpoint(config: RunConfig, dataset: str) -> str:
     with timed() as t:
         folder = fetch(store, source) if inside else folder
     meta = stage_meta("bring_checkpoint", f"bring-{dataset}", t.seconds, dataset=dataset)
-    return store.put_dir(key, folder, "bring_checkpoint", {"checkpoint": source}, ck, meta)
+    with linked_dir(folder, checkpoint_files(folder), "bring") as files:  # not a training folder's checkpoint-*/
+        return store.put_dir(key, files, "bring_checkpoint", {"checkpoint": source}, ck, meta)
 
 
 def _inside(store, source: str) -> bool:

@@ -29,6 +29,7 @@ from symfuse.config_json import config_error, read_config_json, unknown_model_ty
 from symfuse.errors import CheckpointError, NonFiniteError, SymfuseError, UnsupportedArchitecture
 from symfuse.gguf_in import GGUF_DTYPES, check_gguf, gguf_cache_key, is_gguf_path, write_gguf_folder
 from symfuse.io import (
+    SIDE_FILES,
     TensorFile,
     check_finite,
     check_module_shapes,
@@ -40,21 +41,6 @@ from symfuse.io import (
 from symfuse.io.planned import PlannedCheckpoint
 
 log = logging.getLogger(__name__)
-
-# Files that travel with a checkpoint when it is rewritten (tokenizer, generation settings, ...).
-SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.txt",
-    "merges.txt",
-    "vocab.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "generation_config.json",
-    "preprocessor_config.json",
-    "chat_template.jinja",  # transformers 5 writes a tokenizer's chat template beside it
-)
 
 
 def default_base_model() -> Path:

@@ -12,6 +12,10 @@ from tests.tiny import nan_copy, save_tiny
 
 def test_drop_stores_the_checkpoint_for_the_watcher(tmp_path):
     ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
+    own = sorted(p.name for p in ckpt.iterdir())
+    (ckpt / "checkpoint-500").mkdir()  # a Trainer's folder: intermediate checkpoints, optimizer state, logs
+    (ckpt / "checkpoint-500" / "optimizer.pt").write_bytes(b"\0" * 4096)
+    (ckpt / "runs.log").write_text("step 500\n")
     root = tmp_path / "store"
     res = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--store", root)
     assert res.returncode == 0, res.stderr
@@ -20,7 +24,9 @@ def test_drop_stores_the_checkpoint_for_the_watcher(tmp_path):
     assert f"as {store.uri(key)} (dataset meld)" in res.stdout
     manifest = store.manifest(key)
     assert manifest["meta"] == {"dataset": "meld"} and manifest["producer"] == "symfuse drop"
-    assert (store.local_cache(key) / "model.safetensors").read_bytes() == (ckpt / "model.safetensors").read_bytes()
+    stored = store.local_cache(key)
+    assert (stored / "model.safetensors").read_bytes() == (ckpt / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in stored.iterdir() if p.name != "manifest.json") == own  # only the checkpoint
     assert pending_checkpoints(store, "r1") == [store.uri(key)]
 
     again = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--store", root)

@@ -114,10 +114,17 @@ def test_a_dataset_without_validation_is_fine_tuned_on_held_out_train_records_an
 
 
 def test_bring_checkpoint_from_folder(base, tmp_path):
-    cfg = config(base, str(tmp_path / "store"), datasets=[{"name": "isear", "checkpoint": str(base)}])
+    """The checkpoint's files are stored; a training folder's checkpoint-*/ and optimizer state stay behind."""
+    brought = shutil.copytree(base, tmp_path / "trained")
+    (brought / "checkpoint-500").mkdir()
+    (brought / "checkpoint-500" / "optimizer.pt").write_bytes(b"\0" * 4096)
+    (brought / "training_args.bin").write_bytes(b"\0" * 64)
+    cfg = config(base, str(tmp_path / "store"), datasets=[{"name": "isear", "checkpoint": str(brought)}])
     uri = bring_checkpoint.fn(cfg, "isear")
     store = ArtifactStore(cfg.resolved_store_root())
-    assert (fetch(store, uri) / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
+    got = fetch(store, uri)
+    assert (got / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in got.iterdir() if p.name != "manifest.json") == sorted(p.name for p in base.iterdir())
     assert bring_checkpoint.fn(cfg, "isear") == uri
     with pytest.raises(ValueError, match="no checkpoint to bring"):
         bring_checkpoint.fn(config(base, str(tmp_path / "store")), "isear")

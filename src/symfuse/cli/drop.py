@@ -44,7 +44,11 @@ def drop(
         bool, typer.Option("--replace", help="Publish over a checkpoint of the same name (a new version).")
     ] = False,
 ) -> None:
-    """Validate CHECKPOINT, then store it whole as runs/RUN/incoming/NAME (the watcher ignores plain copies)."""
+    """Validate CHECKPOINT, then store it as runs/RUN/incoming/NAME (the watcher ignores plain copies).
+
+    Only the checkpoint's own files are stored: config.json, the weights (and shard index), tokenizer and
+    generation files; a training folder's checkpoint-*/, optimizer states and logs stay behind.
+    """
     if not checkpoint.is_dir():
         raise UsageError(f"CHECKPOINT {checkpoint}: not a folder — give the folder save_pretrained wrote")
     from symfuse.store import layout
@@ -66,7 +70,11 @@ def drop(
         raise OutputExistsError(
             f"{store.uri(key)} exists; pass --replace to publish a new version of it, or another --name"
         )
-    uri = store.put_dir(key, checkpoint, "symfuse drop", meta={"dataset": dataset or name})
+    from symfuse.io import checkpoint_files
+    from symfuse.scratch import linked_dir
+
+    with linked_dir(checkpoint, checkpoint_files(checkpoint), "drop") as files:  # not checkpoint-*/, optimizer, ...
+        uri = store.put_dir(key, files, "symfuse drop", meta={"dataset": dataset or name})
     typer.echo(f"dropped {checkpoint} as {uri} (dataset {dataset or name}); the next watch-checkpoints tick of run "
                f"{run!r} emits it for a re-merge")  # fmt: skip
 

@@ -7,6 +7,7 @@ format only.
 from symfuse.io.compare import tensor_difference
 from symfuse.io.folder import (
     MIN_VOCAB,
+    SIDE_FILES,
     TOKENIZER_FILES,
     WEIGHTS,
     WEIGHTS_INDEX,
@@ -15,6 +16,7 @@ from symfuse.io.folder import (
     check_module_shapes,
     check_tokenizer,
     check_vocab_size,
+    checkpoint_files,
     expected_module_shapes,
     open_weight_files,
 )
@@ -35,6 +37,7 @@ from symfuse.io.safetensors import (
 __all__ = [
     "DTYPES",
     "MIN_VOCAB",
+    "SIDE_FILES",
     "TOKENIZER_FILES",
     "WEIGHTS",
     "WEIGHTS_INDEX",
@@ -47,6 +50,7 @@ __all__ = [
     "check_module_shapes",
     "check_tokenizer",
     "check_vocab_size",
+    "checkpoint_files",
     "expected_module_shapes",
     "fsync_dir",
     "open_weight_files",

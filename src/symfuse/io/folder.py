@@ -41,6 +41,20 @@ TOKENIZER_FILES = (
     "spiece.model",
     "sentencepiece.bpe.model",
 )
+# Files that travel with a checkpoint when it is rewritten or stored (tokenizer, generation settings, ...).
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "merges.txt",
+    "vocab.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "generation_config.json",
+    "preprocessor_config.json",
+    "chat_template.jinja",  # transformers 5 writes a tokenizer's chat template beside it
+)
 MIN_VOCAB = 256
 _CHUNK_BYTES = 1 << 24
 
@@ -73,6 +87,18 @@ def _index_files(folder: Path) -> dict[str, str]:
             )
         # confined by name only: hub snapshots are folders of symlinks into a blob store, which are fine
     return weight_map
+
+
+def checkpoint_files(folder: str | os.PathLike) -> list[Path]:
+    """The files that make a checkpoint folder: ``config.json``, its weights (and shard index) and side files.
+
+    What else a training folder holds (``checkpoint-*/`` with optimizer states, ``training_args.bin``, logs) is
+    left out. The weight files are validated (:func:`open_weight_files`).
+    """
+    folder = Path(folder)
+    weights = sorted(set(open_weight_files(folder)[0].values()))
+    named = [folder / n for n in ("config.json", WEIGHTS_INDEX, *SIDE_FILES) if (folder / n).is_file()]
+    return named + [w for w in weights if w not in named]
 
 
 def open_weight_files(folder: str | os.PathLike) -> tuple[dict[str, Path], dict[Path, TensorFile]]:
