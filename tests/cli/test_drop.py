@@ -12,6 +12,7 @@ from tests.tiny import nan_copy, save_tiny
 
 def test_drop_stores_the_checkpoint_for_the_watcher(tmp_path):
     ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
+    (ckpt / "symfuse_train.json").write_text("{}")  # its fine-tuning record travels (a merge's model card reads it)
     own = sorted(p.name for p in ckpt.iterdir())
     (ckpt / "checkpoint-500").mkdir()  # a Trainer's folder: intermediate checkpoints, optimizer state, logs
     (ckpt / "checkpoint-500" / "optimizer.pt").write_bytes(b"\0" * 4096)

@@ -90,14 +90,16 @@ def _index_files(folder: Path) -> dict[str, str]:
 
 
 def checkpoint_files(folder: str | os.PathLike) -> list[Path]:
-    """The files that make a checkpoint folder: ``config.json``, its weights (and shard index) and side files.
+    """The files that make a checkpoint folder: config, weights (and shard index), side files, card and record.
 
+    The model card and fine-tuning record are ``README.md`` and ``symfuse_train.json`` (a merge's card reads it).
     What else a training folder holds (``checkpoint-*/`` with optimizer states, ``training_args.bin``, logs) is
     left out. The weight files are validated (:func:`open_weight_files`).
     """
     folder = Path(folder)
     weights = sorted(set(open_weight_files(folder)[0].values()))
-    named = [folder / n for n in ("config.json", WEIGHTS_INDEX, *SIDE_FILES) if (folder / n).is_file()]
+    kept = ("config.json", WEIGHTS_INDEX, *SIDE_FILES, "README.md", "symfuse_train.json")
+    named = [folder / n for n in kept if (folder / n).is_file()]
     return named + [w for w in weights if w not in named]
 
 
