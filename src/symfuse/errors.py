@@ -21,6 +21,14 @@ class NonFiniteError(CheckpointError):
     """A tensor (weights, statistics, a merged result) or a training loss holds NaN or inf (names file and tensor)."""
 
 
+def overflowed(where: object, what: str) -> NonFiniteError:
+    """The error for NaN / inf a model computed from finite weights: ``<where>: <what> came out NaN / inf, ...``."""
+    return NonFiniteError(
+        f"{where}: {what} came out NaN / inf, though the weights are finite — the model's activations overflow (a "
+        "weight far out of range?); check the checkpoint, or use another"
+    )
+
+
 class StatsMismatchError(SymfuseError, ValueError):
     """Statistics do not belong to the model they are paired with, or one stats folder mixes two models."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from symfuse.data.dataset import TaskDataset
 from symfuse.data.labels import differ_in_classes, head_targets
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
-from symfuse.errors import CheckpointError
+from symfuse.errors import CheckpointError, overflowed
 from symfuse.evaluate.evaluate import write_json_atomic
 from symfuse.evaluate.predict import head_problem_type, load_task_model, run_model
 from symfuse.io import tensor_difference
@@ -67,6 +68,7 @@ def interpolation_losses(
     loss_fn: Callable[[torch.nn.Module], float],
     lambdas: Sequence[float] | None = None,
     template: torch.nn.Module | None = None,
+    label: str = "A -> B",
 ) -> list[float]:
     """``loss_fn`` of the interpolated model at each λ (λ=0 is A, λ=1 is B). Inputs are never modified.
 
@@ -76,9 +78,13 @@ def interpolation_losses(
         loss_fn: ``module -> loss`` (e.g. mean task loss or masked-LM loss on a fixed set of batches).
         lambdas: Interpolation weights (default: 21 points 0, 0.05, ..., 1).
         template: Module to load the interpolated weights into when both inputs are state dicts (it is copied).
+        label: The two models, in the error for a loss that is NaN / inf.
 
     Returns:
         One loss per λ.
+
+    Raises:
+        NonFiniteError: a loss came out NaN / inf.
     """
     lambdas = list(lambdas) if lambdas is not None else default_lambdas()
     sd_a = model_a.state_dict() if isinstance(model_a, torch.nn.Module) else model_a
@@ -92,6 +98,8 @@ def interpolation_losses(
     for lam in lambdas:
         work.load_state_dict(interpolate_state(sd_a, sd_b, float(lam)))
         losses.append(float(loss_fn(work)))
+        if not math.isfinite(losses[-1]):
+            raise overflowed(label, f"the loss at λ={lam:.2f} (λ=0 is the first model)")
         log.debug("λ=%.3f loss=%.5f", lam, losses[-1])
     return losses
 
@@ -172,7 +180,7 @@ def loss_barrier(
         model_a, model_b, loss_fn, name = _task_loss(a, b, data, split, max_examples, batch_size, max_length, seed,
                                                      dev)  # fmt: skip
     lambdas = default_lambdas(points)
-    losses = interpolation_losses(model_a, model_b, loss_fn, lambdas)
+    losses = interpolation_losses(model_a, model_b, loss_fn, lambdas, label=f"{a} -> {b}")
     result = {
         "a": str(a),
         "b": str(b),

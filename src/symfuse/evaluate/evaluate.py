@@ -21,7 +21,7 @@ from symfuse.data.files import NER_SCHEME, not_a_ner_tag
 from symfuse.data.labels import read_label_space, same_names, short_names, unnamed
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
-from symfuse.errors import CheckpointError
+from symfuse.errors import CheckpointError, overflowed
 from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model
 from symfuse.evaluate.scoring import check_shared_classes, score_logits
 from symfuse.io import plain_mode
@@ -114,6 +114,8 @@ def evaluate_model(
     same_space = head_labels == ds.labels and head_problem == ds.problem_type
     loss_problem = ds.problem_type if same_space or ds.problem_type == "regression" else None
     logits, labels, loss = run_model(net, batches, loss_problem, dev, amp=dev.type == "cuda")
+    if not all(bool(torch.isfinite(z).all()) for z in logits):  # metrics of NaN logits would be argmax-of-NaN
+        raise overflowed(path, f"its outputs on {ds.name}/{split}")
     space = read_label_space(net.config, path) if labels_from is None else None
     if space is not None:  # union head: in-domain iff it learned from this dataset; unlearned classes never predicted
         in_domain = in_domain is not False and space.covers(ds.name, ds.labels)

@@ -9,6 +9,7 @@ equals the one of each text run alone (tested).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 
 from symfuse.checkpoint import load_hf_model, resolve_checkpoint
 from symfuse.data.batches import load_tokenizer
-from symfuse.errors import CheckpointError
+from symfuse.errors import CheckpointError, overflowed
 
 _LM_HEADS = ("ForCausalLM", "LMHeadModel")  # LlamaForCausalLM, GPT2LMHeadModel, ...
 LOGIT_BUDGET = 1 << 26  # logits per forward pass at most (256 MiB of float32): rows = budget / (length * vocabulary)
@@ -79,6 +80,9 @@ def next_token_nll(
     return total, count
 
 
+_LOG_MAX = math.log(sys.float_info.max)  # a larger mean loss has no float perplexity
+
+
 def evaluate_language_model(
     model: str,
     texts: Sequence[str],
@@ -99,5 +103,9 @@ def evaluate_language_model(
     if count == 0:
         raise ValueError(f"{model}: no token to predict — every text is one token long; raise --max-length")
     loss = total / count
+    if not math.isfinite(loss):
+        raise overflowed(model, "its next-token loss")
+    if loss > _LOG_MAX:  # math.exp raised OverflowError
+        raise overflowed(model, f"its perplexity (e to the mean next-token loss, {loss:.3g})")
     return {"primary": "perplexity", "perplexity": math.exp(loss), "loss": loss, "tokens": count, "n": len(texts),
             "task": "language_modeling", "seconds": time.perf_counter() - t0}  # fmt: skip

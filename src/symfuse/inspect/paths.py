@@ -134,9 +134,9 @@ def make_probe(
     return Probe(batches, problem, device)
 
 
-def _path(probe: Probe, a: torch.nn.Module, b: torch.nn.Module, lambdas: Sequence[float]) -> dict:
+def _path(probe: Probe, a: torch.nn.Module, b: torch.nn.Module, lambdas: Sequence[float], label: str) -> dict:
     """Losses at ``lambdas``, the barrier and the midpoint's ensemble gap between ``a`` and ``b`` (b's class)."""
-    losses = interpolation_losses(a, b, probe.loss, lambdas, template=b)
+    losses = interpolation_losses(a, b, probe.loss, lambdas, template=b, label=label)
     out = {"losses": losses, **barrier_from_losses(lambdas, losses)}
     out["end_loss"] = (losses[0] + losses[-1]) / 2
     out["rel_barrier"] = out["barrier"] / out["end_loss"] if out["end_loss"] > 0 else float("inf")
@@ -194,6 +194,6 @@ def path_figures(
         "split": split,
         "examples": sum(int(b["input_ids"].shape[0]) for b in probe.batches),
         "loss": problem,
-        "plain": _path(probe, model_a, model_b, lambdas),
-        "aligned": _path(probe, model_a, model_c, lambdas),
+        "plain": _path(probe, model_a, model_b, lambdas, f"{anchor} -> {source}"),
+        "aligned": _path(probe, model_a, model_c, lambdas, f"{anchor} -> {source} (aligned)"),
     }

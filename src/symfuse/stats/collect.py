@@ -16,6 +16,7 @@ from torch import nn
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data.batches import tracked_batches
 from symfuse.data.labels import head_targets, union_columns
+from symfuse.errors import overflowed
 from symfuse.io import fsync_dir, plain_mode
 from symfuse.stats.fisher import collect_fisher
 from symfuse.stats.gram import collect_gram
@@ -172,7 +173,8 @@ def _collect_into(
                 "same_input": g.same_input,
             }
             stored = getattr(torch, gram_dtype)
-            save_stats({k: v.to(stored) for k, v in g.grams.items()}, out_dir / "gram.safetensors", meta)
+            grams = _finite({k: v.to(stored) for k, v in g.grams.items()}, "gram", common["model"])
+            save_stats(grams, out_dir / "gram.safetensors", meta)
         else:
             f = collect_fisher(
                 net,
@@ -190,7 +192,16 @@ def _collect_into(
                 "n_examples": str(f.n_examples),
                 "fisher_mode": f.mode,
             }
-            save_stats({k: v.float() for k, v in f.fisher.items()}, out_dir / "fisher.safetensors", meta)
+            fisher = _finite({k: v.float() for k, v in f.fisher.items()}, "Fisher", common["model"])
+            save_stats(fisher, out_dir / "fisher.safetensors", meta)
+
+
+def _finite(stats: dict[str, torch.Tensor], kind: str, model: str) -> dict[str, torch.Tensor]:
+    """``stats``, or the error naming the first that holds NaN / inf (nothing is written then)."""
+    for key, value in stats.items():
+        if not bool(torch.isfinite(value).all()):
+            raise overflowed(model, f"its {kind} of {key} on this data")
+    return stats
 
 
 def _move_in(tmp: Path, out: Path, fingerprint: str) -> None:

@@ -80,6 +80,23 @@ def test_a_random_model_is_near_the_uniform_perplexity_and_max_examples_subsampl
     assert 0.5 * 30522 < m["perplexity"] < 2 * 30522  # a random tiny LM predicts about uniformly
 
 
+def test_a_model_whose_loss_overflows_is_refused_and_no_metrics_are_written(lm, speeches, tmp_path):
+    """Its final norm x 1e36 (finite weights): an OverflowError of math.exp (the probe's model: "perplexity":
+    Infinity with exit 0); x 1e38 the loss itself overflows."""
+    from safetensors.torch import load_file, save_file
+
+    from symfuse.errors import NonFiniteError
+
+    big = shutil.copytree(lm, tmp_path / "big")
+    weights = load_file(str(lm / "model.safetensors"))
+    for scale, what in ((1e36, "perplexity"), (1e38, "next-token loss")):
+        scaled = {**weights, "model.norm.weight": weights["model.norm.weight"] * scale}
+        save_file(scaled, str(big / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(NonFiniteError, match=rf"^{big}: its {what} .*came out NaN / inf"):
+            evaluate_model(big, str(speeches), out_file=tmp_path / "m.json")
+        assert not (tmp_path / "m.json").exists()
+
+
 def test_the_command_prints_and_writes_the_metrics(lm, speeches, tmp_path):
     proc = run_cli("evaluate", lm, "--data", speeches, "--max-length", "16", "--out", tmp_path / "e.json")
     assert proc.returncode == 0, proc.stderr
