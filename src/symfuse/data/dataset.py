@@ -12,8 +12,8 @@ Sources accepted by :func:`load_task_dataset`, tried in this order:
 5. a hub dataset id ``owner/name`` or ``hf:<id>`` (needs network). A bare name found nowhere above fails at once
    with one line naming what to provide (the hub is never asked for a bare name).
 
-Every local file is checked line by line before it is handed to ``datasets.load_dataset("json"|"csv", ...)``
-(which caches it as Arrow), so a bad record fails with one :class:`DatasetError` naming the file and line.
+Every local file is checked line by line before it is read (JSON by ``datasets.load_dataset("json", ...)``, CSV
+from the checked records as strings), so a bad record fails with one :class:`DatasetError` naming file and line.
 
 Record formats (see ``shared/datasets/README.md``): ``{"text", "label"}`` (single- or multi-label, a list for
 multi-label), ``{"text", "text_pair", "label"}`` (pairs; float label = regression), ``{"tokens", "tags"}`` (NER, BIO).
@@ -31,7 +31,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from symfuse.data.files import NER_SCHEME, DatasetError, listed_twice, not_a_ner_tag, read_meta, read_records
+from symfuse.data.files import (
+    NER_SCHEME,
+    DatasetError,
+    listed_twice,
+    not_a_ner_tag,
+    read_meta,
+    read_records,
+    read_splits,
+)
 from symfuse.data.locate import (  # shared_datasets_dir: re-exported, it used to live here
     dataset_search_path,
     find_named_dataset,
@@ -343,7 +351,6 @@ def check_spelled_once(source: object, labels: list[str]) -> None:
 
 
 def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, source: str) -> TaskDataset:
-    from datasets import load_dataset
 
     if meta is None:
         first = read_records(next(iter(files.values())))
@@ -357,7 +364,10 @@ def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, 
     if task not in TASKS:
         raise DatasetError(f"{source}/meta.json: unknown task {task!r} — give one of {', '.join(TASKS)} (or "
                            "language_modeling, which evaluate, barrier and inspect read)")  # fmt: skip
-    multi = bool(meta.get("multi_label", False))
+    multi = meta.get("multi_label", False)
+    if not isinstance(multi, bool):  # bool("false") is True
+        raise DatasetError(f"{source}/meta.json: multi_label is {multi!r}, not true or false — write it as a JSON "
+                           "boolean")  # fmt: skip
     declared = meta.get("tags") if task == "ner" else meta.get("labels")
     seen: set[str] = set()
     for file in dict.fromkeys(files.values()):
@@ -365,12 +375,7 @@ def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, 
     labels = list(declared) if declared else ([] if task == "regression" else sorted(seen))
     if not declared:
         check_spelled_once(source, labels)
-    kind = "csv" if all(f.suffix == ".csv" for f in files.values()) else "json"
-    try:
-        dd = load_dataset(kind, data_files={s: str(f) for s, f in files.items()})
-    except Exception as exc:  # records passed the line check, so this is a schema clash between files
-        raise DatasetError(f"{source}: datasets could not read the files ({type(exc).__name__}: {exc})") from exc
-    splits = {s: dd[s] for s in dd}
+    splits = read_splits(files, source)
     if task == "regression":
         from datasets import Value
 

@@ -12,7 +12,7 @@ import csv
 import io
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -105,11 +105,26 @@ def listed_twice(names: Iterable[str]) -> str | None:
     return None
 
 
+def _keys_once(file: Path, lineno: int) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """``json.loads``'s ``object_pairs_hook`` refusing a key given twice in one object (datasets cannot read it)."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        if twice := next((k for i, k in enumerate(keys) if k in keys[:i]), None):
+            raise DatasetError(f"{file}:{lineno}: key {twice!r} appears twice in one record — keep one")
+        return dict(pairs)
+
+    return hook
+
+
 def _json_line(file: Path, lineno: int, line: str) -> dict[str, Any]:
     try:
-        rec = json.loads(line)
+        rec = json.loads(line, object_pairs_hook=_keys_once(file, lineno))
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{file}:{lineno}: not valid JSON ({exc.msg}); fix or remove that line") from exc
+    if "\\u" in line and _lone_surrogate(rec):  # an escaped half of a UTF-16 pair: no text holds it
+        raise DatasetError(f"{file}:{lineno}: a string holds a lone UTF-16 surrogate escape (such as \\ud800), "
+                           "which is no character — fix or remove that line")  # fmt: skip
     if not isinstance(rec, dict):
         raise DatasetError(
             f"{file}:{lineno}: expected a JSON object, got {type(rec).__name__} — write one object per line, e.g. "
@@ -118,9 +133,18 @@ def _json_line(file: Path, lineno: int, line: str) -> dict[str, Any]:
     return rec
 
 
+def _lone_surrogate(value: Any) -> bool:
+    """Whether a parsed JSON value holds a string that is not valid Unicode (a lone surrogate)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _json_array(file: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
     try:
-        rows = json.loads(text)
+        rows = json.loads(text, object_pairs_hook=_keys_once(file, 1))
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{file}:{exc.lineno}: not valid JSON ({exc.msg})") from exc
     return [(i + 1, r) for i, r in enumerate(rows)]
@@ -134,10 +158,26 @@ def read_records(file: Path) -> list[tuple[int, dict[str, Any]]]:
     """
     text = decode(file)
     if file.suffix == ".csv":
-        return list(enumerate(csv.DictReader(io.StringIO(text, newline="")), start=2))
+        return _csv_records(file, text)
     if file.suffix == ".json" and text.lstrip().startswith("["):
         return _json_array(file, text)
-    return [(n, _json_line(file, n, line)) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    # split on newlines only: str.splitlines also breaks at U+2028 / U+2029 / U+0085, which JSON strings may hold
+    return [(n, _json_line(file, n, line)) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
+
+
+def _csv_records(file: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
+    """The rows of a CSV file as string-valued records (line of each), its header naming each column once."""
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    names = reader.fieldnames or []
+    if twice := next((n for i, n in enumerate(names) if n in names[:i]), None):
+        raise DatasetError(f"{file}:1: the header names column {twice!r} twice — name each column once")
+    rows = []
+    for row in reader:
+        if None in row:  # DictReader's key for the fields past the header's
+            raise DatasetError(f"{file}:{reader.line_num}: {len(row[None])} more field(s) than the header names "
+                               "columns — quote a field that holds a comma, or fix the line")  # fmt: skip
+        rows.append((reader.line_num, row))
+    return rows
 
 
 def _lines(file: Path) -> Iterator[tuple[int, str]]:
@@ -159,8 +199,7 @@ def head_records(file: Path, n: int) -> list[tuple[int, dict[str, Any]]]:
         DatasetError: as :func:`read_records`, for the part read.
     """
     if file.suffix == ".csv":
-        text = "".join(line for _, line in islice(_lines(file), n + 1))
-        return list(enumerate(csv.DictReader(io.StringIO(text, newline="")), start=2))[:n]
+        return _csv_records(file, "".join(line for _, line in islice(_lines(file), n + 1)))[:n]
     lines = _lines(file)
     first = next(((k, line) for k, line in lines if line.strip()), None)
     if first is None:
@@ -169,3 +208,22 @@ def head_records(file: Path, n: int) -> list[tuple[int, dict[str, Any]]]:
         return _json_array(file, decode(file))[:n]
     rest = ((k, line) for k, line in lines if line.strip())
     return [(k, _json_line(file, k, line)) for k, line in islice([first, *islice(rest, n - 1)], n)]
+
+
+def read_splits(files: dict[str, Path], source: str) -> dict[str, Any]:
+    """Each split's ``datasets.Dataset``: JSON through ``datasets``, CSV from the records as checked (strings).
+
+    ``datasets``' CSV reader (pandas) would re-type what the check read as text: ``01`` -> 1, ``NA`` / ``null`` /
+    an empty cell -> None, ``True`` -> a bool, and a column named twice renamed ``label.1``.
+    """
+    from datasets import Dataset, load_dataset
+
+    jsons = {s: str(f) for s, f in files.items() if f.suffix != ".csv"}
+    try:
+        dd = dict(load_dataset("json", data_files=jsons)) if jsons else {}
+    except Exception as exc:  # records passed the line check, so this is a schema clash between files
+        raise DatasetError(f"{source}: datasets could not read the files ({type(exc).__name__}: {exc})") from exc
+    for s, f in files.items():
+        if f.suffix == ".csv":
+            dd[s] = Dataset.from_list([r for _, r in read_records(f)])
+    return {s: dd[s] for s in files}

@@ -143,6 +143,52 @@ def test_local_csv_inferred(tmp_path):
     assert [x["labels"].tolist() for x in b] == [[1, 0], [1]]
 
 
+def test_csv_cells_are_read_as_the_check_read_them(tmp_path):
+    """pandas (datasets' CSV reader) turned 01 into 1, NA into None and True into a bool after the check had read
+    strings: an internal KeyError at encoding; numeric or "null" texts reached the tokenizer as numbers / None."""
+    f = tmp_path / "cells.csv"
+    f.write_text("text,label\nnull,01\n123,NA\nfine,True\n")
+    (tmp_path / "meta.json").write_text(json.dumps({"task": "classification", "labels": ["01", "NA", "True"]}))
+    ds = load_task_dataset(f"test={f}")
+    assert ds.splits["test"]["label"] == ["01", "NA", "True"] and ds.splits["test"]["text"] == ["null", "123", "fine"]
+    assert [x["labels"].tolist() for x in make_batches(ds, "minilm", "test", batch_size=3, max_length=8)] == [[0, 1, 2]]
+    (tmp_path / "sts").mkdir()
+    (tmp_path / "sts" / "test.csv").write_text("text,text_pair,label\na cat,a dog,0.5\nred,blue,4\n")
+    (tmp_path / "sts" / "meta.json").write_text(json.dumps({"task": "regression"}))
+    assert load_task_dataset(str(tmp_path / "sts")).splits["test"]["label"] == [0.5, 4.0]  # regression: numbers
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "words"),
+    [
+        # datasets kept the first "label" column, the check read the last: another column scored, exit 0
+        ("twice.csv", "text,label,label\nhi,joy,anger\n", r"twice\.csv:1: the header names column 'label' twice"),
+        ("extra.csv", "text,label\nhi,joy\nhi, there,joy\n", r"extra\.csv:3: 1 more field\(s\) than the header"),
+        # datasets' three-line "could not read the files" named neither the line nor the cause
+        ("dup.jsonl", '{"text": "hi", "label": "joy", "label": "anger"}\n', r"dup\.jsonl:1: key 'label' appears"),
+        ("lone.jsonl", '{"text": "a \\ud800 b", "label": "joy"}\n', r"lone\.jsonl:1: a string holds a lone UTF-16"),
+    ],
+)
+def test_a_record_the_check_and_the_reader_would_read_apart_is_refused(tmp_path, name, text, words):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DatasetError, match=words):
+        load_task_dataset(str(tmp_path / name))
+
+
+def test_a_line_separator_inside_a_json_string_is_text(tmp_path):
+    """str.splitlines broke the record at U+2028: "not valid JSON (Unterminated string ...)"."""
+    f = tmp_path / "seps.jsonl"
+    f.write_text(json.dumps({"text": "one\u2028two\u0085three", "label": "joy"}, ensure_ascii=False) + "\n")
+    assert load_task_dataset(str(f)).splits["test"]["text"] == ["one\u2028two\u0085three"]
+
+
+def test_multi_label_must_be_a_json_boolean(tmp_path):
+    meta = {"task": "classification", "multi_label": "false"}  # bool("false") is True: read as multi-label
+    _write(tmp_path / "m", "train", [{"text": "ok", "label": "joy"}], meta)
+    with pytest.raises(DatasetError, match=r"meta\.json: multi_label is 'false', not true or false"):
+        load_task_dataset(str(tmp_path / "m"))
+
+
 def test_ner_labels_on_first_subtoken(tmp_path):
     meta = {"task": "ner", "tags": ["B-person", "I-person", "O"]}
     rec = {"tokens": ["Jailed", "Fatos", "Nano", "."], "tags": ["O", "B-person", "I-person", "O"]}
