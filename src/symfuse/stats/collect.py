@@ -15,8 +15,8 @@ from torch import nn
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data.batches import tracked_batches
-from symfuse.data.labels import head_targets, union_columns
-from symfuse.errors import overflowed
+from symfuse.data.labels import LABEL_SPACE_KEY, head_targets, union_columns
+from symfuse.errors import DataError, overflowed
 from symfuse.io import fsync_dir, plain_mode
 from symfuse.stats.fisher import collect_fisher
 from symfuse.stats.gram import collect_gram
@@ -52,6 +52,24 @@ def check_fisher_targets(config: Any, ds: Any, where: object) -> list[str] | Non
     """
     fix = "give the data the model was trained on, or use --fisher-mode sampled (targets drawn from the model)"
     return head_targets(config, ds, where, fix)
+
+
+def _check_fisher_head(config: Any, ds: Any, where: object, mode: str) -> None:
+    """Refuse a Fisher the head cannot give on ``ds``: a causal LM's (no task head), or targets of the other kind.
+
+    A language model's next-token logits met per-example class ids deep in the pass (a shape error); single-label
+    targets on a multi-label head, or multi-hot ones on a single-label head, are not the head's likelihood.
+    """
+    if any("CausalLM" in a or "LMHead" in a for a in getattr(config, "architectures", None) or ()):
+        raise DataError(f"{where}: a causal language model has no task head to take the Fisher of on {ds.name} — "
+                        "collect --kind gram, or the Fisher of a fine-tuned classifier")  # fmt: skip
+    head_multi = getattr(config, "problem_type", None) == "multi_label_classification"
+    union = getattr(config, LABEL_SPACE_KEY, None) is not None  # binary outputs over the union's classes, by design
+    if mode == "empirical" and ds.task == "classification" and head_multi != ds.multi_label and not union:
+        kinds = ("single-label", "multi-label")
+        raise DataError(f"{where}: a {kinds[head_multi]} head, and {ds.name} is {kinds[ds.multi_label]}: its "
+                        "targets are not the head's likelihood — give data of the head's kind, or use "
+                        "--fisher-mode sampled (targets drawn from the model)")  # fmt: skip
 
 
 def collect_stats(
@@ -114,6 +132,8 @@ def collect_stats(
     ds = load_task_dataset(data)
     # refused before any pass: a union head without the data's classes, or classes the head does not have
     space = None
+    if "fisher" in kinds:
+        _check_fisher_head(net.config, ds, folder, fisher_mode)
     if "fisher" in kinds and union_columns(net.config, ds, folder) is None and fisher_mode == "empirical":
         space = check_fisher_targets(net.config, ds, folder)
     batches = make_batches(ds, folder, split, batch_size, max_length, max_examples, seed, space=space)

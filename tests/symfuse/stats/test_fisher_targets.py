@@ -63,3 +63,39 @@ def test_a_class_the_head_lacks_is_refused_before_any_pass(tmp_path):
     with pytest.raises(DataError, match=r"few: classes the head lacks: surprise \(its classes: anger, .*--fisher-mode"):
         _fisher(few, "dair_emotion", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fisher_the_head_cannot_give_on_the_data_is_refused_before_any_pass(tmp_path):
+    """A causal LM on class data was an internal error (a shape mismatch in the pass); single-label data on a
+    multi-label head, torch's "Target size ... must be the same as input size"."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import tiny_config
+
+    base = save_tiny_base(tmp_path / "base")
+    lm = _save(AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=30522)), tmp_path / "lm", base, [])
+    with pytest.raises(DataError, match=r"lm: a causal language model has no task head to take the Fisher of on "):
+        _fisher(lm, "dair_emotion", tmp_path / "out")
+    names = list(load_task_dataset("goemotions_ekman").labels)
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=len(names),
+                                                               problem_type="multi_label_classification")  # fmt: skip
+    multi = _save(model, tmp_path / "multi", base, names)
+    with pytest.raises(DataError, match=r"multi: a multi-label head, and ekman_single is single-label: its targets"):
+        _fisher(multi, str(_single_label_copy("goemotions_ekman", tmp_path / "ekman_single")), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    file = collect_stats(multi, str(tmp_path / "ekman_single"), ["fisher"], tmp_path / "out", max_examples=8,
+                         batch_size=8, max_length=16, fisher_mode="sampled", progress=False)  # fmt: skip
+    assert file["fisher"].is_file()  # targets drawn from the head: any data will do
+
+
+def _single_label_copy(name: str, folder):
+    """``name``'s test split with one class per record (its first), as a dataset folder."""
+    import json
+
+    ds = load_task_dataset(name)
+    folder.mkdir()
+    rows = [{"text": r["text"], "label": r["label"][0]} for r in ds.splits["test"].select(range(16)) if r["label"]]
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "meta.json").write_text(json.dumps({"task": "classification", "labels": ds.labels}))
+    return folder
