@@ -30,3 +30,21 @@ def test_an_unwritable_output_folder_is_refused_before_the_work(command, name, t
     assert res.stderr.strip().splitlines()[-1] == (
         f"error: --out: {locked / name}: its folder {locked} is not writable by this user — choose another --out"
     )
+
+
+def test_an_output_under_a_file_is_refused_before_the_work(tmp_path, monkeypatch):
+    """evaluate ran over the whole split, then said "afile: file exists — check the path and its permissions"."""
+    model = save_tiny_text_classifier(tmp_path / "m", seed=1)
+    data = toy_dataset(tmp_path / "toy")
+    (tmp_path / "afile").write_text("notes\n")
+    import symfuse.evaluate
+
+    monkeypatch.setattr(symfuse.evaluate, "evaluate_model", lambda *a, **k: pytest.fail("evaluated first"))
+    args = ["evaluate", str(model), "--data", str(data)]
+    out = tmp_path / "afile" / "sub" / "e.json"
+    res = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: --out: {out}: {tmp_path / 'afile'} is a file, not a folder — choose another --out"
+    )
+    assert (tmp_path / "afile").read_text() == "notes\n"

@@ -235,7 +235,9 @@ def writable_file(option: str, value: Path | None) -> None:
     from symfuse.io.modes import can_create_in, nearest_existing
 
     folder = nearest_existing(Path(value).absolute().parent)
-    if folder.is_dir() and not can_create_in(folder):
+    if not folder.is_dir():  # found only when the file was written, after the work
+        raise UsageError(f"{option}: {value}: {folder} is a file, not a folder — choose another {option}")
+    if not can_create_in(folder):
         raise UsageError(
             f"{option}: {value}: its folder {folder} is not writable by this user — choose another {option}"
         )
