@@ -106,8 +106,9 @@ def supported_tensor_types() -> tuple[str, ...]:
     return tuple(names)
 
 
-# numpy's words when the reader views a tensor that the file's end cuts short (reshape; a view of wider items)
-_CUT_SHORT = ("cannot reshape", "When changing to a larger dtype")
+# numpy's words when the reader views data that the file's end cuts short (reshape; a view of wider items; an
+# empty view indexed)
+_CUT_SHORT = ("cannot reshape", "When changing to a larger dtype", "out of bounds for axis 0 with size 0")
 
 
 def check_gguf(path: str | os.PathLike) -> GgufInfo:
@@ -137,10 +138,10 @@ def check_gguf(path: str | os.PathLike) -> GgufInfo:
         tensor_names = [t.name for t in reader.tensors]
     except Exception as exc:  # truncated or garbled header: the reader raises ValueError, struct.error, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if isinstance(exc, ValueError) and any(w in first for w in _CUT_SHORT):  # a tensor runs past the file's end
+        if isinstance(exc, ValueError | IndexError) and any(w in first for w in _CUT_SHORT):  # past the file's end
             size = path.stat().st_size
-            raise CheckpointError(f"{path}: truncated — its tensor data ends early ({size} bytes on disk); copy or "
-                                  "download the file again") from exc  # fmt: skip
+            raise CheckpointError(f"{path}: truncated — it ends before the data its header describes ({size} bytes "
+                                  "on disk); copy or download the file again") from exc  # fmt: skip
         raise CheckpointError(f"{path}: unreadable GGUF header ({type(exc).__name__}: {first}) — {fix}") from exc
     supported = supported_architectures()
     if architecture not in supported:
@@ -300,6 +301,10 @@ def write_gguf_folder(path: str | os.PathLike, folder: str | os.PathLike, dtype:
     if info.tokenizer:  # rebuilt before the tensors are read: a broken one fails at once
         with _named(path, "its tokenizer cannot be rebuilt", fix):
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokens, rows = getattr(tokenizer, "vocab_size", len(tokenizer)), getattr(config, "vocab_size", None)
+        if isinstance(rows, int) and tokens > rows:  # every command refused the converted folder, blaming it
+            raise CheckpointError(f"{path}: its tokenizer has {tokens} tokens but its model embeds {rows} — the "
+                                  f"file's tokenizer and weights do not belong together; {fix}")  # fmt: skip
     cls = _model_class(config)
     tensors = _read_tensors(path, config, cls, dtype)
     save_safetensors(tensors, folder / WEIGHTS, metadata={"format": "pt", "source": f"gguf:{path.name}"})

@@ -145,8 +145,8 @@ def test_not_a_gguf_file_is_one_line(tmp_path):
         resolve_checkpoint(bad)
     truncated = tmp_path / "cut.gguf"
     truncated.write_bytes(b"GGUF\x03\x00\x00\x00\xff")
-    with pytest.raises(CheckpointError, match=r"cut\.gguf: unreadable GGUF header"):
-        check_gguf(truncated)
+    with pytest.raises(CheckpointError, match=r"cut\.gguf: truncated — it ends before the data its header"):
+        check_gguf(truncated)  # was "unreadable GGUF header (ValueError: When changing to a larger dtype ...)"
     with pytest.raises(CheckpointError, match=r"missing\.gguf: no such GGUF file — check the path"):
         resolve_checkpoint(tmp_path / "missing.gguf")
 
@@ -160,8 +160,8 @@ def test_a_file_cut_inside_its_tensor_data_is_called_truncated(tiny, tmp_path, k
     with pytest.raises(CheckpointError) as info:  # was "unreadable GGUF header (ValueError: cannot reshape ...)",
         check_gguf(cut)  # and one byte short "(ValueError: When changing to a larger dtype, ...)"
     assert str(info.value) == (
-        f"{cut}: truncated — its tensor data ends early ({cut.stat().st_size} bytes on disk); copy or download the "
-        "file again"
+        f"{cut}: truncated — it ends before the data its header describes ({cut.stat().st_size} bytes on disk); copy "
+        "or download the file again"
     )
 
 
@@ -213,6 +213,12 @@ def test_a_broken_tokenizer_or_a_nan_weight_is_refused_before_anything_is_writte
     nan = write_gguf(tiny, tmp_path / "nan.gguf", "F32", tensors=weights)
     r = _run("convert", nan, "--out", tmp_path / "o")  # was written with exit 0; every command then refused it
     assert r.exit_code == 1 and "nan.gguf: tensor 'model.layers.0.self_attn.v_proj.weight' holds" in r.output
+    assert not (tmp_path / "o").exists()
+    extra = [f"x{i}" for i in range(50)]  # more tokens than the embedding's rows: written with exit 0, then every
+    big = write_gguf(tiny, tmp_path / "big.gguf", "F32", tokens=vocabulary()[:-1] + extra + vocabulary()[-1:])
+    r = _run("convert", big, "--out", tmp_path / "o")  # command refused the folder, blaming it
+    n = tiny.config.vocab_size
+    assert r.exit_code == 1 and f"big.gguf: its tokenizer has {n + 50} tokens but its model embeds {n}" in r.output
     assert not (tmp_path / "o").exists()
 
 
