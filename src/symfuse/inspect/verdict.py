@@ -7,7 +7,8 @@ families) ``residual-orthogonal``. Barriers (``--data``) are relative to the mea
 
 * ``incompatible``: different families or shapes; or, with data, the barrier after alignment stays above
   :data:`HIGH_BARRIER` of the end models' loss; or, without data, the relative distance after alignment stays at or
-  above :data:`FAR` while alignment cuts less than :data:`SMALL_SHARE` of it. Expect a poor merge.
+  above :data:`FAR` while alignment cuts less than :data:`SMALL_SHARE` of it, or the whole model's (embeddings,
+  norms and head included) stays at or above :data:`FAR`. Expect a poor merge.
 * ``same-basin``: alignment cuts the relative distance by less than :data:`NO_OP_CUT` (1 % of ``|A|``). It is a
   no-op: merge directly.
 * ``align-first``: otherwise: align (``symfuse match``), then merge.
@@ -26,7 +27,8 @@ ORDER = (SAME_BASIN, ALIGN_FIRST, INCOMPATIBLE)  # the overall verdict of severa
 THRESHOLDS_HELP = (
     f"{SAME_BASIN}: alignment moves |B-A|/|A| by < {NO_OP_CUT:.0%} (a no-op: merge directly); "
     f"{INCOMPATIBLE}: another family or shape, or after alignment the barrier stays > {HIGH_BARRIER:.0%} of the end "
-    f"loss (--data), or |B-A|/|A| stays >= {FAR:g} with < {SMALL_SHARE:.0%} of it removed (no data); "
+    f"loss (--data), or |B-A|/|A| stays >= {FAR:g} with < {SMALL_SHARE:.0%} of it removed, or the whole model's "
+    f"stays >= {FAR:g} (no data); "
     f"{ALIGN_FIRST}: otherwise."
 )
 
@@ -64,10 +66,15 @@ def pair_verdict(weights: dict, paths: dict | None = None) -> tuple[str, str]:
         if aligned["rel_barrier"] > HIGH_BARRIER:
             return INCOMPATIBLE, f"{barrier}: above {HIGH_BARRIER:.0%} even after alignment, expect a poor merge"
         moved = f"{moved}; {barrier}"
+    if paths is None and after >= FAR and share < SMALL_SHARE:  # before the no-op test: far apart, and it stays so
+        return INCOMPATIBLE, f"{moved}: still >= {FAR:g} and less than {SMALL_SHARE:.0%} removed, expect a poor merge"
+    whole = weights.get("whole_model") or {}
+    rest = min((whole.get("after") or {}).values(), default=whole.get("before", 0.0))
+    if paths is None and rest >= FAR and after < FAR:  # embeddings, norms or a head apart: no module map reaches them
+        outside = "the tensors outside attention / FFN (embeddings, norms, head) differ, expect a poor merge"
+        return INCOMPATIBLE, f"{moved}, but the whole model stays {rest:.3g} apart after alignment: {outside}"
     if cut < NO_OP_CUT:
         return SAME_BASIN, f"{moved}: by less than {NO_OP_CUT:g}, a no-op — merge directly"
-    if paths is None and after >= FAR and share < SMALL_SHARE:
-        return INCOMPATIBLE, f"{moved}: still >= {FAR:g} and less than {SMALL_SHARE:.0%} removed, expect a poor merge"
     return ALIGN_FIRST, f"{moved} — align with symfuse match, then merge"
 
 

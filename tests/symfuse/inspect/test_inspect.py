@@ -81,6 +81,14 @@ def test_far_apart_with_little_removed_is_incompatible_without_data():
     assert pair_verdict({"total": total})[0] == INCOMPATIBLE
     assert pair_verdict({"total": {"before": 1.4, "after": {"all": 0.9}}})[0] == ALIGN_FIRST
     assert pair_verdict({"total": {"before": 0.05, "after": {"all": 0.045}}})[0] == SAME_BASIN
+    # far apart and alignment finds nothing (cut < 1 %): it said same-basin, "merge directly"
+    assert pair_verdict({"total": {"before": 1.4, "after": {"all": 1.395}}})[0] == INCOMPATIBLE
+    # attention and FFN alike, the whole model far apart (embedding rows in another order): it said same-basin
+    outside = {"total": {"before": 0.0, "after": {"all": 0.0}}, "whole_model": {"before": 1.18, "after": {"all": 1.18}}}
+    verdict, reason = pair_verdict(outside)
+    assert verdict == INCOMPATIBLE and "outside attention / FFN (embeddings, norms, head) differ" in reason
+    near = {"total": {"before": 0.0, "after": {"all": 0.0}}, "whole_model": {"before": 0.02, "after": {"all": 0.02}}}
+    assert pair_verdict(near)[0] == SAME_BASIN
 
 
 def test_with_data_the_barrier_agrees_with_the_barrier_code(tmp_path):
