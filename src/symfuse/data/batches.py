@@ -84,6 +84,7 @@ def encode_split(
     if space is not None:
         l2i, width = dict(zip(dataset.labels, columns_of(dataset.labels, space), strict=True)), len(space)
     feats: list[dict[str, Any]] = []
+    tagged = lost = 0  # NER: words with an entity tag, and those the truncation cut off
     chunk = 1024
     for start in range(0, len(data), chunk):
         rows = data[start : start + chunk]  # column dict
@@ -97,12 +98,8 @@ def encode_split(
         for j in range(len(enc["input_ids"])):
             f = {k: enc[k][j] for k in keys}
             if dataset.is_token_task:
-                tags = rows["tags"][j]
-                labels, prev = [], None
-                for w in enc.word_ids(j):
-                    labels.append(IGNORE_INDEX if w is None or w == prev else l2i[tags[w]])
-                    prev = w
-                f["labels"] = labels
+                f["labels"], cut = _token_labels(enc.word_ids(j), rows["tags"][j], l2i)
+                tagged, lost = tagged + sum(t != "O" for t in rows["tags"][j]), lost + cut
             elif dataset.task == "regression":
                 f["labels"] = float(rows["label"][j])
             elif dataset.multi_label:
@@ -113,7 +110,20 @@ def encode_split(
             else:
                 f["labels"] = l2i[str(rows["label"][j])]
             feats.append(f)
+    if lost:  # neither scored nor trained on: recall and F1 are of the words kept
+        log.warning("%s/%s: %d of %d entity-tagged words lie past max_length %d tokens and are left out — raise "
+                    "--max-length to keep them", dataset.name, split, lost, tagged, max_length)  # fmt: skip
     return feats
+
+
+def _token_labels(word_ids: Sequence[int | None], tags: Sequence[str], l2i: dict[str, int]) -> tuple[list[int], int]:
+    """Each token's label (on a word's first token; the rest ignored) and the tagged words truncation cut off."""
+    labels, prev, last = [], None, -1
+    for w in word_ids:
+        labels.append(IGNORE_INDEX if w is None or w == prev else l2i[tags[w]])
+        prev = w
+        last = last if w is None else max(last, w)
+    return labels, sum(t != "O" for t in tags[last + 1 :])
 
 
 def collate(features: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:

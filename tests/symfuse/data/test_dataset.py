@@ -208,6 +208,23 @@ def test_ner_labels_on_first_subtoken(tmp_path):
     assert f["labels"][0] == IGNORE_INDEX and f["labels"][-1] == IGNORE_INDEX
 
 
+def test_entity_tags_cut_off_by_max_length_are_said(tmp_path, caplog):
+    """Tagged words past max_length were neither scored nor counted: recall over the words kept, without a word."""
+    meta = {"task": "ner", "tags": ["B-person", "I-person", "O"]}
+    rec = {"tokens": ["Jailed", "Fatos", "Nano", "."], "tags": ["O", "B-person", "I-person", "O"]}
+    _write(tmp_path / "n", "train", [rec], meta)
+    ds = load_task_dataset(str(tmp_path / "n"))
+    with caplog.at_level("WARNING", logger="symfuse.data.batches"):
+        encode_split(ds, "minilm", "train", max_length=32)
+        assert not caplog.records
+        (f,) = encode_split(ds, "minilm", "train", max_length=4)  # [CLS] Jailed + one sub-token of Fatos, [SEP]
+    assert sum(label != IGNORE_INDEX for label in f["labels"]) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "n/train: 1 of 2 entity-tagged words lie past max_length 4 tokens and are left out — raise --max-length to "
+        "keep them"
+    ]
+
+
 def test_multilabel_multi_hot_and_pair_regression():
     ds = load_task_dataset("goemotions_ekman", max_train_examples=8)
     (batch,) = make_batches(ds, "minilm", "train", batch_size=8, max_length=32)
