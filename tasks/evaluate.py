@@ -8,6 +8,7 @@ from pathlib import Path
 from symfuse.config import RunConfig
 from symfuse.data import load_task_dataset
 from symfuse.data.labels import shared_label_names
+from symfuse.data.probe import content_fingerprint
 from symfuse.evaluate import evaluate_model
 from symfuse.evaluate.ensemble import evaluate_heads
 from symfuse.evaluate.reliable import most_reliable, rate_heads
@@ -87,7 +88,8 @@ def evaluate(config: RunConfig, model: str, model_uri: str, dataset: str) -> str
     data = config.dataset(dataset).data if in_domain else dataset
     cap = (config.dataset(dataset).max_eval_examples if in_domain else None) or config.evaluation.max_examples
     # scoring 3: OOD sets never in-domain, one class per example there
-    settings = {"data": data, "split": config.evaluation.split, "max": cap, "scoring": 3}
+    settings = {"data": data, "records": content_fingerprint(data), "split": config.evaluation.split, "max": cap,
+                "scoring": 3, "max_length": config.finetune.max_length, "seed": config.finetune.seed}  # fmt: skip
     scored = None if in_domain else ood_classes(config, data)
     if not in_domain:
         settings |= {"ood_heads": config.evaluation.ood_heads, "scored": scored}

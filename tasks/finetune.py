@@ -5,7 +5,7 @@ from __future__ import annotations
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
 from symfuse.data.holdout import HOLDOUT_FRACTION, HOLDOUT_SPLIT
-from symfuse.data.probe import split_names
+from symfuse.data.probe import content_fingerprint, split_names
 from symfuse.io import checkpoint_files
 from symfuse.scratch import linked_dir
 from symfuse.stats import model_fingerprint
@@ -58,7 +58,8 @@ def finetune_keys(config: RunConfig, dataset: str) -> tuple[str, str]:
     cfg, base = finetune_settings(config, dataset), resolve_checkpoint(config.base_model)
     data = config.dataset(dataset).data
     held_out = "validation" not in (split_names(data) or ())  # the file names only: no record is read
-    what = {"finetune": cfg, "data": data, **({"selection": [HOLDOUT_SPLIT, HOLDOUT_FRACTION]} if held_out else {})}
+    what = {"finetune": cfg, "data": data, "records": content_fingerprint(data),
+            **({"selection": [HOLDOUT_SPLIT, HOLDOUT_FRACTION]} if held_out else {})}  # fmt: skip
     return layout.model_key(config.run_id, dataset), content_key(what, {"base": model_fingerprint(base)})
 
 

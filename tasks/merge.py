@@ -12,6 +12,7 @@ from typing import Any
 
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.config import RunConfig
+from symfuse.data.probe import content_fingerprint
 from symfuse.errors import StatsMismatchError
 from symfuse.merge import MERGERS, REPORT, merge_checkpoints, merger_params
 from symfuse.stats import model_fingerprint
@@ -110,6 +111,8 @@ def merge(
     )
     if refit is not None:  # (absent when off: merges stored before the option existed are reused)
         what["head_refit"] = {k: v for k, v in refit.items() if k not in PLACEMENT}
+    if refit is not None or "data" in resolved:  # the data is read: its records key the merge (a brought model's
+        what["records"] = [content_fingerprint(config.dataset(n).data) for n in models]  # did not change)
     ck = content_key(what, manifests(store, inputs) | extra)
     if (uri := reuse(store, key, ck, f"merged model {strategy}-{variant}")) is not None:
         return uri

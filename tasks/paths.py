@@ -14,6 +14,7 @@ from symfuse.checkpoint import CheckpointReader
 from symfuse.config import RunConfig
 from symfuse.config_json import read_config_json
 from symfuse.data.labels import differ_in_classes
+from symfuse.data.probe import content_fingerprint
 from symfuse.inspect.paths import path_figures
 from symfuse.inspect.verdict import SAME_BASIN
 from tasks.common import (
@@ -63,7 +64,8 @@ def loss_paths(config: RunConfig, name: str, model: str, anchor: str, matched: s
         return None
     key = layout.paths_key(config.run_id, name)
     inputs = {"anchor": anchor, "model": model, "matched": matched}
-    what = {"paths": 1, "data": config.dataset(name).data, "split": SPLIT, "examples": MAX_EXAMPLES}
+    data = config.dataset(name).data
+    what = {"paths": 1, "data": data, "records": content_fingerprint(data), "split": SPLIT, "examples": MAX_EXAMPLES}
     ck = content_key(what, manifests(store, inputs))
     if (uri := reuse(store, key, ck, f"loss path to {name}")) is not None:
         return uri

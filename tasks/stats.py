@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import symfuse.stats
 from symfuse.config import RunConfig
+from symfuse.data.probe import content_fingerprint
 from symfuse.match import TRANSFORMS_FILE
 from tasks.common import (
     ArtifactStore,
@@ -29,6 +30,7 @@ def stats_settings(config: RunConfig, dataset: str, kind: str) -> dict:
     settings = {
         "kind": kind,
         "data": config.dataset(dataset).data,
+        "records": content_fingerprint(config.dataset(dataset).data),  # the name alone kept stats of old records
         "max_examples": config.stats.max_examples,
         "batch_size": config.stats.batch_size,  # nominal; an OOM retry splits it without changing the sums
         "max_length": config.finetune.max_length,

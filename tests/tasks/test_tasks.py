@@ -73,6 +73,25 @@ def test_finetune_and_stats_are_idempotent_by_content(base, tmp_path, monkeypatc
     assert store.manifest(s1)["meta"]["stage"] == "collect_stats" and store.manifest(s1)["inputs"] == {"model": uri}
 
 
+def test_a_dataset_whose_records_changed_is_trained_and_collected_again(base, tmp_path, monkeypatch):
+    """The name or path alone keyed the data: new records under one path reused the old fine-tune, its statistics
+    and evaluations, with exit 0 (a table of the old data)."""
+    from tasks.stats import stats_settings
+    from tests.cli.helpers import toy_dataset
+
+    data = toy_dataset(tmp_path / "emo")
+    cfg = config(base, str(tmp_path / "store"), datasets=[{"name": "emo", "source": str(data)}], anchor="emo")
+    trained = _count(monkeypatch, tasks.finetune, "finetune_model")
+    first, settings = finetune.fn(cfg, "emo"), stats_settings(cfg, "emo", "gram")
+    assert finetune.fn(cfg, "emo") == first and len(trained) == 1  # the same records: reused
+    rows = (data / "train.jsonl").read_text().splitlines()
+    (data / "train.jsonl").write_text("\n".join(rows[::-1][:6]) + "\n")  # other records, same path and name
+    store = ArtifactStore(cfg.resolved_store_root())
+    version = store.manifest(first)["version"]
+    assert finetune.fn(cfg, "emo") == first and len(trained) == 2  # trained again, a new version under the key
+    assert store.manifest(first)["version"] != version and stats_settings(cfg, "emo", "gram") != settings
+
+
 def test_oom_split_gives_the_same_model(base, tmp_path, monkeypatch):
     cfg = config(base, f"memory://u-{uuid.uuid4().hex[:8]}")
     monkeypatch.setenv("SYMFUSE_CACHE", str(tmp_path / "cache"))
@@ -93,6 +112,7 @@ def test_a_dataset_without_validation_is_fine_tuned_on_held_out_train_records_an
     # a dataset with a validation split keeps the key it always had
     import json
 
+    from symfuse.data.probe import content_fingerprint
     from symfuse.stats import model_fingerprint
     from symfuse.store.layout import content_key
     from tasks.finetune import finetune_keys, finetune_settings
@@ -103,8 +123,9 @@ def test_a_dataset_without_validation_is_fine_tuned_on_held_out_train_records_an
                  anchor="nv")  # fmt: skip
 
     def key_before(name):
-        return content_key({"finetune": finetune_settings(cfg, name), "data": cfg.dataset(name).data},
-                           {"base": model_fingerprint(base)})  # fmt: skip
+        data = cfg.dataset(name).data
+        what = {"finetune": finetune_settings(cfg, name), "data": data, "records": content_fingerprint(data)}
+        return content_key(what, {"base": model_fingerprint(base)})
 
     assert finetune_keys(cfg, "isear")[1] == key_before("isear") and finetune_keys(cfg, "nv")[1] != key_before("nv")
     report = json.loads((fetch(ArtifactStore(cfg.resolved_store_root()), finetune.fn(cfg, "nv")) /

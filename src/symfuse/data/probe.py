@@ -10,6 +10,8 @@ are not looked at: they are read when the run loads them.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -69,6 +71,34 @@ def _resolve(source: str) -> tuple[str, dict[str, Path], dict[str, Any] | None] 
     if local is None and "/" not in source and not source.startswith("hf:"):
         raise DatasetError(not_found_message(source))
     return local
+
+
+_CONTENT: dict[tuple, str] = {}  # (split, file, size, mtime) of every split file -> its fingerprint
+
+
+def content_fingerprint(source: str) -> str | None:
+    """SHA-256 (16 hex digits) of a local dataset's split files and ``meta.json``; None for a hub dataset.
+
+    What a stored result computed from the data is keyed by, with the name: one name or path holding other records
+    is another dataset. The files are hashed once per process while their size and modification time stay.
+
+    Raises:
+        DatasetError: a bare name that is found nowhere.
+    """
+    local = _resolve(str(source))
+    if local is None:
+        return None
+    _, files, meta = local
+    ident = tuple((s, str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for s, f in sorted(files.items()))
+    if (found := _CONTENT.get(ident)) is None:
+        h = hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode())
+        for split, file in sorted(files.items()):
+            h.update(split.encode())
+            with open(file, "rb") as fh:
+                while block := fh.read(1 << 24):
+                    h.update(block)
+        found = _CONTENT[ident] = h.hexdigest()[:16]
+    return found
 
 
 def probe_dataset(source: str, records: int = PROBE_RECORDS) -> DatasetProbe:
