@@ -126,6 +126,34 @@ def _token_labels(word_ids: Sequence[int | None], tags: Sequence[str], l2i: dict
     return labels, sum(t != "O" for t in tags[last + 1 :])
 
 
+def padding_id(tokenizer: Any, config: Any = None) -> int:
+    """The id batches are padded with: the config's ``pad_token_id``, else the tokenizer's pad, else its eos, else 0.
+
+    A decoder's sequence classifier (GPT-2, Llama, ...) reads each row at its last token that is not
+    ``config.pad_token_id``: padded with another id, every shorter row of a batch was scored at a pad.
+
+    Args:
+        tokenizer: The model's tokenizer.
+        config: The model's config (an object or ``config.json``'s mapping), or None.
+    """
+    pad = config.get("pad_token_id") if isinstance(config, dict) else getattr(config, "pad_token_id", None)
+    for candidate in (pad, tokenizer.pad_token_id, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(candidate, int) and not isinstance(candidate, bool):
+            return candidate
+    return 0
+
+
+def name_padding(model: torch.nn.Module, tokenizer: Any) -> int:
+    """Give ``model.config`` the pad id batches use (:func:`padding_id`) when it names none; return that id.
+
+    A decoder's classifier without one cannot score a batch of more than one row.
+    """
+    pad = padding_id(tokenizer, model.config)
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = pad
+    return pad
+
+
 def collate(features: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
     """Pad a list of features (from :func:`encode_split`) into one batch of tensors (right padding).
 
@@ -219,7 +247,8 @@ def make_batches(
     if isinstance(tokenizer, str | Path):  # a checkpoint folder: its model's positions cap the length
         max_length = readable_length(max_length, tokenizer, tokenizer)
     feats = encode_split(dataset, tok, split, max_length, max_examples, seed, space)
-    return list(iter_batches(feats, batch_size, tok.pad_token_id or 0, shuffle=shuffle, seed=seed))
+    config = _folder_config(tokenizer) if isinstance(tokenizer, str | Path) else None
+    return list(iter_batches(feats, batch_size, padding_id(tok, config), shuffle=shuffle, seed=seed))
 
 
 # Families whose position ids start after the padding index (RoBERTa's embeddings): pad_token_id + 1 fewer positions.
@@ -242,14 +271,18 @@ def config_positions(config: Any) -> int | None:
     return n if n > 0 else None
 
 
-def model_positions(folder: str | Path) -> int | None:
-    """The positions a checkpoint folder's model reads (see :func:`config_positions`), or None."""
+def _folder_config(folder: str | Path) -> dict | None:
+    """A checkpoint folder's ``config.json`` as a dict; None for a name without a folder (``minilm``, a hub id)."""
     import json
 
     file = Path(folder) / "config.json"
-    if not file.is_file():  # "minilm", a hub id: their models read more than any default max_length
-        return None
-    return config_positions(json.loads(file.read_text()))
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def model_positions(folder: str | Path) -> int | None:
+    """The positions a checkpoint folder's model reads (see :func:`config_positions`), or None."""
+    config = _folder_config(folder)  # None: "minilm", a hub id: their models read more than any default max_length
+    return None if config is None else config_positions(config)
 
 
 def readable_length(max_length: int, config: Any, what: object = "the model") -> int:

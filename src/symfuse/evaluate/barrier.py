@@ -19,7 +19,7 @@ import torch
 
 from symfuse.checkpoint import CheckpointReader
 from symfuse.data import iter_batches, load_task_dataset
-from symfuse.data.batches import encode_split, readable_length
+from symfuse.data.batches import encode_split, padding_id, readable_length
 from symfuse.data.dataset import TaskDataset
 from symfuse.data.labels import differ_in_classes, head_targets
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
@@ -240,7 +240,7 @@ def _task_loss(a, b, data, split, max_examples, batch_size, max_length, seed, de
         iter_batches(
             encode_split(ds, tok, split, length, max_examples, seed, space),
             batch_size,
-            tok.pad_token_id or 0,
+            padding_id(tok, model_a.config),
             by_length=True,  # the mean loss is order-free: batch similar lengths, pad little
         )
     )

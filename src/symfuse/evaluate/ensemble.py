@@ -24,7 +24,7 @@ import torch
 
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset, tracked_batches
-from symfuse.data.batches import encode_split, readable_length
+from symfuse.data.batches import encode_split, padding_id, readable_length
 from symfuse.data.dataset import DatasetError, TaskDataset
 from symfuse.data.labels import label_index, shared_label_names
 from symfuse.device import resolve_device
@@ -188,14 +188,14 @@ class _Votes:
             self.name = here
             self.shared.append((i, head.net.get_submodule(here)))
         else:
-            self.out[i] = self._run(head.net, mine, head.tok.pad_token_id or 0)
+            self.out[i] = self._run(head.net, mine, padding_id(head.tok, head.net.config))
         head.net = None  # only the head sub-module (or the logits) is kept
 
     def _run_with(self, module: torch.nn.Module | None, heads: int) -> torch.Tensor:
         """The first voter's body on its data with ``module`` in place of sub-module ``name`` for the pass."""
         first = self.first
         assert first is not None
-        pad = first.tok.pad_token_id or 0
+        pad = padding_id(first.tok, first.net.config)
         if module is None:
             return self._run(first.net, self.feats, pad, heads)
         own = first.net.get_submodule(self.name)

@@ -16,7 +16,7 @@ import torch
 
 from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset, tracked_batches
-from symfuse.data.batches import encode_split, readable_length
+from symfuse.data.batches import encode_split, padding_id, readable_length
 from symfuse.data.files import NER_SCHEME, not_a_ner_tag
 from symfuse.data.labels import read_label_space, same_names, short_names, unnamed
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
@@ -107,7 +107,7 @@ def evaluate_model(
         check_shared_classes(ds, head_labels)  # before the model runs over the split
     max_length = readable_length(max_length, net.config, path)  # recorded as used: longer texts are cut there
     feats = encode_split(ds, tok, split, max_length, max_examples, seed)
-    batches = iter_batches(feats, batch_size, tok.pad_token_id or 0, by_length=True)  # metrics are order-free
+    batches = iter_batches(feats, batch_size, padding_id(tok, net.config), by_length=True)  # metrics: order-free
     total = math.ceil(len(feats) / batch_size)
     batches = tracked_batches(batches, total, f"evaluate on {ds.name}/{split}", on_progress, logger=log)
     dev = resolve_device(device)

@@ -52,7 +52,7 @@ def load_task_model(model: str | Path, device: str = "cpu") -> tuple[torch.nn.Mo
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     from symfuse.checkpoint import load_hf_model, validate_checkpoint
-    from symfuse.data.batches import load_tokenizer
+    from symfuse.data.batches import load_tokenizer, name_padding
     from symfuse.errors import CheckpointError
 
     path = validate_checkpoint(model, finite=True, tokenizer=True)
@@ -64,6 +64,7 @@ def load_task_model(model: str | Path, device: str = "cpu") -> tuple[torch.nn.Mo
         else AutoModelForSequenceClassification
     )
     net, info = load_hf_model(path, cls, validate=False, output_loading_info=True)
+    name_padding(net, tokenizer)  # a decoder's classifier without a pad id cannot score a batch of two rows
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise CheckpointError(

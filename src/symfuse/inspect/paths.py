@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from symfuse.data import iter_batches, load_task_dataset
-from symfuse.data.batches import encode_split, load_tokenizer, readable_length
+from symfuse.data.batches import encode_split, load_tokenizer, padding_id, readable_length
 from symfuse.data.text import is_language_modeling, text_split
 from symfuse.errors import CheckpointError
 from symfuse.evaluate.barrier import barrier_from_losses, head_space, interpolate_state, interpolation_losses
@@ -111,12 +111,13 @@ class Probe:
 
 def make_probe(
     data: str, tokenizer: Any, problem: str, split: str, max_examples: int, batch_size: int, max_length: int,
-    seed: int, device: torch.device, space: Sequence[str] | None = None,
+    seed: int, device: torch.device, space: Sequence[str] | None = None, config: Any = None,
 ) -> Probe:  # fmt: skip
     """The batches of a dataset split, encoded as :func:`symfuse.evaluate.barrier.loss_barrier` encodes them.
 
     A language-modelling dataset gives its texts (a seeded subset) to causal LMs, scored by next-token loss. ``space``:
     the label space the heads' targets index (:func:`symfuse.evaluate.barrier.head_space`; None: the data's order).
+    ``config``: the models' config, whose pad id the batches are padded with (:func:`~symfuse.data.batches.padding_id`).
 
     Raises:
         CheckpointError: language-modelling data for models with a task head.
@@ -130,7 +131,7 @@ def make_probe(
         feats = [{"input_ids": e["input_ids"], "attention_mask": e["attention_mask"]} for e in enc]
     else:
         feats = encode_split(load_task_dataset(data), tokenizer, split, max_length, max_examples, seed, space)
-    batches = list(iter_batches(feats, batch_size, tokenizer.pad_token_id or 0, by_length=True))
+    batches = list(iter_batches(feats, batch_size, padding_id(tokenizer, config), by_length=True))
     return Probe(batches, problem, device)
 
 
@@ -187,7 +188,7 @@ def path_figures(
     space = None
     if problem != CAUSAL_LM and not is_language_modeling(data):
         space = head_space(model_a.config, model_b.config, load_task_dataset(data), (anchor, source))
-    probe = make_probe(data, tok, problem, split, max_examples, batch_size, length, seed, dev, space)
+    probe = make_probe(data, tok, problem, split, max_examples, batch_size, length, seed, dev, space, model_a.config)
     lambdas = [float(x) for x in lambdas]
     return {
         "lambdas": lambdas,

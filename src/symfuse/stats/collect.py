@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
-from symfuse.data.batches import tracked_batches
+from symfuse.data.batches import load_tokenizer, name_padding, tracked_batches
 from symfuse.data.labels import LABEL_SPACE_KEY, head_targets, union_columns
 from symfuse.errors import DataError, overflowed
 from symfuse.io import fsync_dir, plain_mode
@@ -129,6 +129,7 @@ def collect_stats(
         raise ValueError(f"unknown Gram dtype {gram_dtype!r}; choose from {list(GRAM_DTYPES)}")
     folder = validate_checkpoint(model, finite=True, tokenizer=True)
     net = load_hf_model(folder, validate=False)
+    name_padding(net, load_tokenizer(folder))  # the id make_batches pads with (a decoder's classifier reads it)
     ds = load_task_dataset(data)
     # refused before any pass: a union head without the data's classes, or classes the head does not have
     space = None

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data import TaskDataset, collate, iter_batches, load_task_dataset, load_tokenizer
-from symfuse.data.batches import epoch_steps, readable_length
+from symfuse.data.batches import epoch_steps, name_padding, readable_length
 from symfuse.data.files import DatasetError
 from symfuse.data.holdout import epoch_selection, selection_features
 from symfuse.data.labels import LABEL_SPACE_KEY, columns_of, learned_space, too_few_classes, union_columns
@@ -349,7 +349,7 @@ def train_model(
         check_finite_tensor(p, name, where)
     cols = union_columns(model.config, data, where)  # union head: the outputs of the dataset's own classes
     model = copy.deepcopy(model).to(dev)
-    pad = tokenizer.pad_token_id or 0
+    pad = name_padding(model, tokenizer)  # saved in the config: a decoder's classifier finds each row's end by it
     length = readable_length(cfg.max_length, model.config, where)
     selection, train_feats, val_feats = selection_features(data, tokenizer, length, cfg.seed, cfg.max_eval_examples)
     val_split = selection.split  # validation, else a slice held out of train (never test), or None: nothing
