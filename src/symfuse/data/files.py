@@ -147,6 +147,12 @@ def _json_array(file: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
         rows = json.loads(text, object_pairs_hook=_keys_once(file, 1))
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{file}:{exc.lineno}: not valid JSON ({exc.msg})") from exc
+    if not isinstance(rows, list):
+        raise DatasetError(f"{file}: expected a JSON array of records, got {type(rows).__name__}")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise DatasetError(f"{file}: item {i + 1} of the array is a {type(r).__name__}, not a record — write "
+                               'objects such as {"text": "...", "label": "joy"}')  # fmt: skip
     return [(i + 1, r) for i, r in enumerate(rows)]
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from symfuse.checkpoint import load_hf_model, resolve_checkpoint
-from symfuse.data.batches import load_tokenizer
+from symfuse.data.batches import load_tokenizer, readable_length
 from symfuse.errors import CheckpointError, overflowed
 
 _LM_HEADS = ("ForCausalLM", "LMHeadModel")  # LlamaForCausalLM, GPT2LMHeadModel, ...
@@ -99,6 +99,7 @@ def evaluate_language_model(
     """
     t0 = time.perf_counter()
     net, tok = load_causal_lm(model, device)
+    max_length = readable_length(max_length, net.config, model)  # past its positions: an IndexError in the forward
     total, count = next_token_nll(net, tok, texts, device, batch_size, max_length, on_progress)
     if count == 0:
         raise ValueError(f"{model}: no token to predict — every text is one token long; raise --max-length")

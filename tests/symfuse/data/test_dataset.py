@@ -166,6 +166,7 @@ def test_csv_cells_are_read_as_the_check_read_them(tmp_path):
         ("extra.csv", "text,label\nhi,joy\nhi, there,joy\n", r"extra\.csv:3: 1 more field\(s\) than the header"),
         # datasets' three-line "could not read the files" named neither the line nor the cause
         ("dup.jsonl", '{"text": "hi", "label": "joy", "label": "anger"}\n', r"dup\.jsonl:1: key 'label' appears"),
+        ("arr.json", '["i feel happy", "i feel sad"]', r"arr\.json: item 1 of the array is a str, not a record"),
         ("lone.jsonl", '{"text": "a \\ud800 b", "label": "joy"}\n', r"lone\.jsonl:1: a string holds a lone UTF-16"),
     ],
 )

@@ -97,6 +97,15 @@ def test_a_model_whose_loss_overflows_is_refused_and_no_metrics_are_written(lm, 
         assert not (tmp_path / "m.json").exists()
 
 
+def test_texts_are_cut_at_the_positions_the_model_reads(speeches, tmp_path):
+    """A GPT-2 of 16 positions at the default max_length 128: an IndexError deep in its position embedding."""
+    folder = save_tiny(tmp_path / "gpt2", "gpt2", head="lm", vocab_size=30522, n_positions=16)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(resolve_checkpoint("minilm") / name, folder / name)
+    m = evaluate_model(folder, str(speeches), out_file=tmp_path / "m.json")
+    assert m["tokens"] <= 15 * m["n"] and math.isfinite(m["loss"])
+
+
 def test_the_command_prints_and_writes_the_metrics(lm, speeches, tmp_path):
     proc = run_cli("evaluate", lm, "--data", speeches, "--max-length", "16", "--out", tmp_path / "e.json")
     assert proc.returncode == 0, proc.stderr
