@@ -124,7 +124,8 @@ def run_lock(run_id: str, wait_seconds: float | None = None) -> Iterator[None]:
     server does not know, ``410 Gone`` on renewal, then a wait that never ends). A lease the server lost or revoked
     while the block runs is taken again when free, and otherwise only logged: the block's writes are content-keyed
     and atomic, so finishing is safer than cancelling a pipeline half-way. A holder that dies frees the slot when its
-    lease expires (:data:`LEASE_SECONDS`).
+    lease expires (:data:`LEASE_SECONDS`); one whose recorded beat stopped longer ago than that is taken over (a
+    server started for one command forgets its leases, not the slot: see :func:`_free_expired`).
 
     Args:
         run_id: The run id whose store prefix ``runs/<run_id>/`` the block writes.
@@ -272,6 +273,22 @@ def _release_dead(client: Any, name: str, holder: Mapping[str, Any], log: Any) -
         client.release_concurrency_slots_with_lease(UUID(str(holder["lease"])))
 
 
+def _free_expired(client: Any, name: str, holder: Mapping[str, Any], still: float, log: Any) -> None:
+    """Free the slot of a holder whose beat stopped longer ago than its lease lasts (killed: SIGKILL, a lost machine).
+
+    A server started for one command keeps leases in memory: the next one reads the slot as taken from its database,
+    with no lease left to run out, and a run of that id waited forever.
+    """
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    log.warning("run lock %s is held by %s, whose last beat was %.0f s ago (longer than its %.0f s lease: it was "
+                "killed); taking it over", name, _describe(holder), still, LEASE_SECONDS)  # fmt: skip
+    with contextlib.suppress(Exception):
+        client.release_concurrency_slots_with_lease(UUID(str(holder["lease"])))
+    with contextlib.suppress(Exception):  # the lease may be unknown to this server: the slot count itself
+        client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+
+
 def _acquire(client: Any, name: str, wait: float | None, log: Any, me: Mapping[str, Any] | None = None) -> Any:
     """A lease on the one slot of ``name``, waiting up to ``wait`` seconds (None: no limit); None when busy.
 
@@ -281,7 +298,7 @@ def _acquire(client: Any, name: str, wait: float | None, log: Any, me: Mapping[s
     import httpx
 
     deadline = None if wait is None else time.monotonic() + wait
-    said, freed, seen, since = False, set(), None, time.monotonic()
+    said, freed, expired, seen, since = False, set(), set(), None, time.monotonic()
     while True:
         try:
             response = client.increment_concurrency_slots_with_lease(
@@ -298,10 +315,14 @@ def _acquire(client: Any, name: str, wait: float | None, log: Any, me: Mapping[s
         mark = ((holder or {}).get("lease"), (holder or {}).get("beat"))
         if mark != seen:
             seen, since = mark, time.monotonic()  # the holder renewed (or changed) since the last look
-        quiet = max(age, time.monotonic() - since) >= QUIET_SECONDS
-        if quiet and takes_over(holder, me) and str(holder.get("lease")) not in freed:
+        still = max(age, time.monotonic() - since)
+        if still >= QUIET_SECONDS and takes_over(holder, me) and str(holder.get("lease")) not in freed:
             freed.add(str(holder.get("lease")))  # once per lease: a stale record must not loop without a pause
             _release_dead(client, name, holder, log)
+            continue
+        if holder and still >= LEASE_SECONDS + QUIET_SECONDS and str(holder.get("lease")) not in expired:
+            expired.add(str(holder.get("lease")))  # any holder: its lease ran out long ago, wherever it was kept
+            _free_expired(client, name, holder, still, log)
             continue
         if not said:
             log.info("run lock %s is held by %s; waiting for it", name, _describe(holder))

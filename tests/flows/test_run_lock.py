@@ -95,6 +95,7 @@ class _FakeServer:
         self.updated: dict[str, datetime] = {}  # when each variable was last written, by the server's clock
         self.attempt = attempt  # the run_count the server reports for the current flow run
         self.released: list[UUID] = []
+        self.reset: list[str] = []  # limits whose slot count was set to 0
 
     def hold(self, name: str) -> UUID:
         lease = uuid4()
@@ -133,6 +134,11 @@ class _FakeClient:
         self.server.released.append(lease_id)
         if self.server.leases.pop(lease_id, None) is None:
             raise self._error(404)
+
+    def update_global_concurrency_limit(self, name, concurrency_limit):  # active_slots=0: every slot of it freed
+        self.server.reset.append(name)
+        for lease in [k for k, v in self.server.leases.items() if v == name]:
+            del self.server.leases[lease]
 
     def read_variable_by_name(self, name):
         value = self.server.variables.get(name)
@@ -264,6 +270,25 @@ def test_an_earlier_attempt_that_still_beats_is_waited_for(fake):
     finally:
         stop.set()
     assert fake.released == [] and lease in fake.leases
+
+
+def test_a_holder_killed_longer_ago_than_its_lease_is_taken_over_whoever_it_was(fake, caplog):
+    """After a SIGKILL the next command's server read the slot as taken from its database, with the lease (kept in
+    the killed server's memory) gone: the same run id waited forever, without a word."""
+    name = f"{LOCK_PREFIX}killed"
+    fake.hold(name)  # the slot as the database has it: under no lease this server knows
+    other = uuid4()
+    _record(fake, name, other, 1, uuid4(), beat=12)
+    fake.updated[holder_variable(name)] = datetime.now(UTC) - timedelta(seconds=flows.runtime.LEASE_SECONDS + 31)
+    caplog.set_level(logging.INFO, logger="flows")
+    t0 = time.monotonic()
+    with run_lock("killed", wait_seconds=5):
+        assert time.monotonic() - t0 < 2 and list(fake.leases.values()) == [name]
+    assert fake.reset == [name] and f"held by flow run {other}, attempt 1, whose last beat was" in caplog.text
+    _record(fake, name, other, 1, fake.hold(name), beat=13)  # a record written just now: alive, waited for
+    with pytest.raises(RuntimeError, match="in use by another flow run"), run_lock("killed", wait_seconds=1):
+        pass
+    assert fake.reset == [name]
 
 
 def test_a_stale_holder_record_is_tried_once_then_waited_for(fake):
