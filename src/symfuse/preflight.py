@@ -147,11 +147,19 @@ def _store_problems(config: RunConfig) -> list[str]:
 
 
 def _strategy_problems(config: RunConfig) -> list[str]:
-    """Each strategy's statistics are collected, and it merges as many models as the run has datasets (slerp two)."""
+    """Each strategy's statistics are collected and it merges as many models as the run has datasets (slerp two).
+
+    No dataset is named like a merged model (``<strategy>-<variant>``): their evaluations would share records.
+    """
     from symfuse.merge.registry import MERGERS
+    from symfuse.report import VARIANT_ORDER
 
     kinds = config.stats.kinds
-    lines = [f"stats.kinds: {', '.join(kinds)} lacks {', '.join(sorted(lack))}, which {s} reads — add "
+    lines = [f"datasets: {d} is the name of a merged model of the run (strategy {d.rpartition('-')[0]}) — its "
+             "evaluations would share a record with that merge's; rename the dataset"
+             for d in config.dataset_names
+             if d.rpartition("-")[2] in VARIANT_ORDER and d.rpartition("-")[0] in MERGERS]  # fmt: skip
+    lines += [f"stats.kinds: {', '.join(kinds)} lacks {', '.join(sorted(lack))}, which {s} reads — add "
              f"{', '.join(sorted(lack))} to stats.kinds (or drop {s} from strategies)"
              for s in config.strategies if (lack := MERGERS[s].required_stats - set(kinds))]  # fmt: skip
     n = len(config.datasets)

@@ -120,6 +120,19 @@ def test_statistics_a_strategy_reads_must_be_collected():
     ]
 
 
+def test_a_dataset_named_like_a_merged_model_is_refused():
+    """A dataset simple-plain shared eval/simple-plain/<set> with the simple merge: the merged row vanished from the
+    report, exit 0."""
+    ds = [{"name": "simple-plain", "source": "crowdflower"}, {"name": "meld"}]
+    assert check_run(config(datasets=ds, anchor="meld")) == [
+        "datasets: simple-plain is the name of a merged model of the run (strategy simple) — its evaluations would "
+        "share a record with that merge's; rename the dataset"
+    ]
+    assert (
+        check_run(config(datasets=[{"name": "plain", "source": "crowdflower"}, {"name": "meld"}], anchor="meld")) == []
+    )
+
+
 def test_the_splits_a_run_reads_are_required(tmp_path):
     only_train_test = dataset(tmp_path / "tt", splits=("train", "test"))
     ds = [{"name": "crowdflower"}, {"name": "tt", "source": only_train_test}]
