@@ -25,6 +25,7 @@ whole). It returns ALL the problems it finds, one line each:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +105,7 @@ def check_run(config: RunConfig) -> list[str]:
             if d.task and probe.task and d.task != probe.task:  # task: is a claim about the data, checked here
                 problems.append(f"training dataset {d.name}: task: {d.task}, but {probe.where} holds {probe.task} "
                                 "data — fix task:, or drop it (meta.json says the task)")  # fmt: skip
-    heads = _heads(config, probes, problems)
+    heads = _heads(config, probes, problems, _resolved(config.base_model) if trained else None)
     others = _evaluation_sets(config)
     sets: dict[str, DatasetProbe] = {n: p for n, p in probes.items() if n in others}
     for name, (splits, role) in others.items():
@@ -234,14 +235,20 @@ def _family(folder: Path) -> dict:
     return raw
 
 
-def _heads(config: RunConfig, probes: dict[str, DatasetProbe], problems: list[str]) -> dict[str, _Head]:
-    """The head of each model of the run: a fine-tune's follows its dataset (or the union), a brought one's config."""
+def _heads(
+    config: RunConfig, probes: dict[str, DatasetProbe], problems: list[str], reference: Path | None
+) -> dict[str, _Head]:
+    """The head of each model of the run: a fine-tune's follows its dataset (or the union), a brought one's config.
+
+    A brought checkpoint must be mergeable with ``reference`` (the base; None: the first brought one).
+    """
     from symfuse.checkpoint import resolve_checkpoint
 
     union = None
     if config.labels == "union" and all(p.complete for p in probes.values()):
         union = tuple(union_label_names(p.labels for p in probes.values()))
     heads: dict[str, _Head] = {}
+    role = "the base"
     for d in config.datasets:
         probe = probes.get(d.name)
         if d.checkpoint is None:
@@ -256,9 +263,31 @@ def _heads(config: RunConfig, probes: dict[str, DatasetProbe], problems: list[st
         try:
             folder = resolve_checkpoint(d.checkpoint)
             heads[d.name] = _head_of(_family(folder), folder)
+            if reference is None:
+                reference, role = folder, f"the checkpoint of {d.name}"
+            elif problem := _not_mergeable(folder, reference, role):
+                problems.append(f"checkpoint of {d.name} {d.checkpoint}: {problem}")
         except SymfuseError as exc:
             problems.append(f"checkpoint of {d.name} {d.checkpoint}: {_one_line(exc, d.checkpoint)}")
     return heads
+
+
+def _resolved(base: str) -> Path | None:
+    from symfuse.checkpoint import resolve_checkpoint
+
+    with contextlib.suppress(SymfuseError):  # reported as the base's problem
+        return resolve_checkpoint(base)
+    return None
+
+
+def _not_mergeable(folder: Path, reference: Path, role: str) -> str | None:
+    """Why ``folder``'s model cannot be merged with ``reference``'s (family, shapes, file headers), else None."""
+    from symfuse.checkpoint import CheckpointReader
+    from symfuse.inspect.models import shape_problems
+
+    with CheckpointReader(folder) as src, CheckpointReader(reference) as ref:
+        problem, _ = shape_problems(src, ref, role)
+    return None if problem is None else f"{problem} — the run merges models of one architecture and size"
 
 
 def _head_of(raw: dict, folder: Path) -> _Head:

@@ -200,12 +200,33 @@ def test_a_training_set_of_one_class_is_refused_unless_the_head_is_a_union(tmp_p
     assert unevaluated(union) == []  # the union holds meld's classes beside joy
 
 
+def _tiny_base(folder: Path) -> Path:
+    """A tiny BERT of MiniLM's vocabulary, with MiniLM's tokenizer: what the tiny brought models fine-tune."""
+    import shutil
+
+    from symfuse.checkpoint import resolve_checkpoint
+    from tests.tiny import save_tiny
+
+    save_tiny(folder, "bert", vocab_size=30522)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(resolve_checkpoint("minilm") / name, folder / name)
+    return folder
+
+
 def test_brought_checkpoints_are_read_and_their_heads_matched(tmp_path):
-    from tests.tiny import save_tiny as tiny
+    from tests.tiny import save_tiny
+
+    def tiny(folder, family, **kw):
+        return save_tiny(folder, family, vocab_size=30522, **kw)
+
+    base = str(_tiny_base(tmp_path / "base"))
+
+    def on_base(**overrides):
+        return config(**({"base_model": base} | overrides))
 
     unnamed = tiny(tmp_path / "unnamed", "bert", head="seq")  # LABEL_0..2
     ds = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(unnamed)}]
-    problems = check_run(config(datasets=ds))
+    problems = check_run(on_base(datasets=ds))
     assert problems == [  # one line for the model, not one per evaluation set
         f"checkpoint of meld {unnamed}: its head has no class names (LABEL_0, LABEL_1, LABEL_2), and every evaluation "
         "set (goemotions_ekman, crowdflower, meld) scores it by class name — bring a checkpoint of meld whose "
@@ -213,39 +234,59 @@ def test_brought_checkpoints_are_read_and_their_heads_matched(tmp_path):
     ]
     # not scored in domain, but its head refit reads meld's texts: refused unless allow_label_mismatch
     quiet = {"evaluation": {"in_domain": False, "out_of_domain": []}, "head_refit": {"enabled": True}}
-    problems = unevaluated(config(datasets=ds, **quiet))
+    problems = unevaluated(on_base(datasets=ds, **quiet))
     assert problems == [
         f"checkpoint of meld {unnamed}: its head refit / RegMean++ statistics read meld, which has 7 classes for a "
         "head of 3 unnamed outputs — bring the checkpoint fine-tuned on meld, or set allow_label_mismatch: true"
     ]
-    assert unevaluated(config(datasets=ds, allow_label_mismatch=True, **quiet)) == []
+    assert unevaluated(on_base(datasets=ds, allow_label_mismatch=True, **quiet)) == []
     # the empirical Fisher takes meld's classes as the head's targets: refused whatever allow_label_mismatch says
     fisher = {"strategies": ["fisher"], "allow_label_mismatch": True, "evaluation": quiet["evaluation"]}
-    assert unevaluated(config(datasets=ds, **fisher)) == [
+    assert unevaluated(on_base(datasets=ds, **fisher)) == [
         f"checkpoint of meld {unnamed}: its Fisher statistics take meld's classes as targets: 7 classes for the 3 "
         "unnamed outputs of the head — bring the checkpoint fine-tuned on meld, or drop the fisher strategy"
     ]
     body = tiny(tmp_path / "body", "bert")  # no classification head at all
-    problems = check_run(config(datasets=[{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(body)}]))
+    problems = check_run(on_base(datasets=[{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(body)}]))
     assert problems == [
         f"checkpoint of meld {body}: {body}/config.json: no classification head (architectures: BertModel) — bring "
         "a fine-tuned task model"
     ]
     missing = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(tmp_path / "nowhere")}]
-    problems = check_run(config(datasets=missing))
+    problems = check_run(on_base(datasets=missing))
     assert len(problems) == 1 and problems[0].startswith(f"checkpoint of meld {tmp_path / 'nowhere'}: "), problems
     lora = tmp_path / "lora"  # an adapter where a model belongs: named as one, with the command that folds it
     lora.mkdir()
     (lora / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
-    problems = check_run(config(datasets=[{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(lora)}]))
+    problems = check_run(on_base(datasets=[{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(lora)}]))
     assert problems == [
         f"checkpoint of meld {lora}: a PEFT adapter (adapter_config.json), not a model — fold it first: symfuse "
         f"merge-lora --adapters {lora} --base BASE --into-base --out OUT"
     ]
-    (problem,) = check_run(config(base_model=str(lora)))  # as the base: its path named once too
+    (problem,) = check_run(on_base(base_model=str(lora)))  # as the base: its path named once too
     assert problem.startswith(f"base model {lora}: a PEFT adapter (adapter_config.json), not a model — "), problem
     uri = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": "s3://bucket/meld"}]
-    assert check_run(config(datasets=uri, store_root="s3://bucket")) == []  # read when the run brings it
+    assert check_run(on_base(datasets=uri, store_root="s3://bucket")) == []  # read when the run brings it
+
+
+def test_a_brought_checkpoint_the_run_cannot_merge_is_refused_before_anything_trains(tmp_path):
+    """Another width, family or vocabulary, or a cut weights file: found at matching or merging, after the
+    fine-tunes and statistics (22-34 s in a probe), and named by the store's copy."""
+    from tests.tiny import save_tiny
+
+    base = _tiny_base(tmp_path / "base")
+    wide = save_tiny(tmp_path / "wide", "bert", head="seq", vocab_size=30522, hidden_size=64)
+    cut = save_tiny(tmp_path / "cut", "bert", head="seq", vocab_size=30522)
+    (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:5000])
+    other = save_tiny(tmp_path / "other", "roberta", head="seq")
+    for folder, words in [(wide, "shapes differ: 2 layers, d 64"), (cut, "model.safetensors: "),
+                          (other, f"is a roberta model, the base {base} a bert model")]:  # fmt: skip
+        ds = [{"name": "crowdflower"}, {"name": "meld", "checkpoint": str(folder)}]
+        (problem,) = [p for p in check_run(config(datasets=ds, base_model=str(base))) if "head has no class" not in p]
+        assert problem.startswith(f"checkpoint of meld {folder}: ") and words in problem, problem
+    brought = [{"name": "crowdflower", "checkpoint": str(wide)}, {"name": "meld", "checkpoint": str(other)}]
+    problems = check_run(config(datasets=brought, base_model=str(base)))  # nothing fine-tuned: the first is the
+    assert any(f"the checkpoint of crowdflower {wide} a bert model" in p for p in problems), problems  # reference
 
 
 def test_a_brought_uri_must_name_an_artifact_of_the_runs_store(tmp_path):

@@ -35,21 +35,23 @@ def _under_head(reader: CheckpointReader, name: str) -> bool:
     return any(name.startswith(h.path + ".") for h in reader.spec.head_paths(reader.prefix))
 
 
-def shape_problems(src: CheckpointReader, anc: CheckpointReader) -> tuple[str | None, list[str]]:
+def shape_problems(
+    src: CheckpointReader, anc: CheckpointReader, role: str = "the anchor"
+) -> tuple[str | None, list[str]]:
     """Why two models cannot be merged tensor by tensor (None: they can), and the head tensors whose shapes differ.
 
     Family and geometry must agree, and every tensor both hold must have one shape, except task heads (a merge keeps
     one head per dataset): those are returned, to be left out of the whole-model figures.
     """
     if src.spec.family != anc.spec.family:
-        return f"{src.path} is a {src.spec.family} model, the anchor {anc.path} a {anc.spec.family} model", []
+        return f"{src.path} is a {src.spec.family} model, {role} {anc.path} a {anc.spec.family} model", []
     if src.geometry != anc.geometry:
-        return f"shapes differ: {describe(src.geometry)} against the anchor's {describe(anc.geometry)}", []
+        return f"shapes differ: {describe(src.geometry)} against {role}'s {describe(anc.geometry)}", []
     heads = []
     for name in sorted(set(src.names()) & set(anc.names())):
         if src.shape(name) != anc.shape(name):
             if not _under_head(anc, name):
-                return f"{name}: shape {src.shape(name)} against the anchor's {anc.shape(name)}", []
+                return f"{name}: shape {src.shape(name)} against {role}'s {anc.shape(name)}", []
             heads.append(name)
     return None, heads
 
