@@ -43,6 +43,7 @@ from symfuse.data.labels import (
 )
 from symfuse.data.probe import DatasetProbe, probe_dataset, twin_datasets
 from symfuse.errors import DataError, SymfuseError
+from symfuse.preflight_strategies import strategy_problems, weights_problems
 from symfuse.store.roots import brought_uri_problem, store_root_problem
 
 
@@ -92,7 +93,7 @@ def check_run(config: RunConfig) -> list[str]:
     problems += base_problems
     problems += _device_problems(config)
     problems += _store_problems(config)
-    problems += _strategy_problems(config)
+    problems += strategy_problems(config) + weights_problems(config)
     if not config.evaluation.in_domain and not config.evaluation.out_of_domain:  # the report would find no metric
         problems.append("evaluation: in_domain is false and out_of_domain is empty — nothing would be evaluated; set "
                         "in_domain: true or name a set under out_of_domain")  # fmt: skip
@@ -145,38 +146,6 @@ def _store_problems(config: RunConfig) -> list[str]:
     """
     fix = "give a folder (created if missing) or a URL such as s3://bucket/prefix in store_root or $SYMFUSE_STORE"
     return [p] if (p := store_root_problem(config.resolved_store_root(), "store_root", fix)) else []
-
-
-def _strategy_problems(config: RunConfig) -> list[str]:
-    """Each strategy's statistics are collected and it merges as many models as the run has datasets (slerp two).
-
-    No dataset is named like a merged model (``<strategy>-<variant>``): their evaluations would share records.
-    """
-    from symfuse.merge.registry import MERGERS
-    from symfuse.report import VARIANT_ORDER
-
-    kinds = config.stats.kinds
-    lines = [f"datasets: {d} is the name of a merged model of the run (strategy {d.rpartition('-')[0]}) — its "
-             "evaluations would share a record with that merge's; rename the dataset"
-             for d in config.dataset_names
-             if d.rpartition("-")[2] in VARIANT_ORDER and d.rpartition("-")[0] in MERGERS]  # fmt: skip
-    lines += [f"stats.kinds: {', '.join(kinds)} lacks {', '.join(sorted(lack))}, which {s} reads — add "
-             f"{', '.join(sorted(lack))} to stats.kinds (or drop {s} from strategies)"
-             for s in config.strategies if (lack := MERGERS[s].required_stats - set(kinds))]  # fmt: skip
-    n = len(config.datasets)
-    bad = [s for s in config.strategies if not MERGERS[s].merges(n)]
-    if not bad:
-        return lines
-    if n < 2 and all(MERGERS[s].model_count[0] >= 2 for s in bad):
-        return [*lines, f"datasets: {n} dataset — a run merges one model per dataset, two or more; add a dataset "
-                "(or bring a checkpoint: {name, checkpoint})"]  # fmt: skip
-    for s in bad:
-        words = MERGERS[s].count_words()
-        noun = "model" if words == "exactly one" else "models"
-        fit = words.removeprefix("exactly ") + (" dataset" if words == "exactly one" else " datasets")
-        lines.append(f"strategies: {s} merges {words} {noun}, and this run has {n} datasets (one model each) — drop "
-                     f"{s} from strategies, or run it on {fit}")  # fmt: skip
-    return lines
 
 
 def _check_base(base: str, tokenizer: bool) -> tuple[list[str], dict | None]:

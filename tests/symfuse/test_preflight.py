@@ -133,6 +133,16 @@ def test_a_dataset_named_like_a_merged_model_is_refused():
     )
 
 
+def test_merge_weights_that_do_not_fit_the_datasets_are_refused():
+    """Found by the merge task after both fine-tunes, statistics and evaluations, in a line naming no field."""
+    for w in ([1, 2, 3], [-1, 1], [0, 0]):
+        assert check_run(config(strategies=["simple"], merge_params={"simple": {"weights": w}})) == [
+            f"merge_params.simple.weights: {w} — give 2 non-negative numbers (one per dataset, in "
+            "the order of datasets) with a positive sum"
+        ]
+    assert check_run(config(strategies=["simple"], merge_params={"simple": {"weights": [1, 3]}})) == []
+
+
 def test_the_splits_a_run_reads_are_required(tmp_path):
     only_train_test = dataset(tmp_path / "tt", splits=("train", "test"))
     ds = [{"name": "crowdflower"}, {"name": "tt", "source": only_train_test}]
