@@ -49,6 +49,9 @@ def store_url_problem(root: str, label: str) -> str | None:
     scheme, sep, rest = root.partition("://")
     if not sep:
         return None
+    if scheme != scheme.lower():  # fsspec knows "s3", not "S3": it failed once the flow had started
+        lower = masked_url(f"{scheme.lower()}://{rest}")
+        return f"{label} {masked_url(root)}: write the scheme in lower case — {lower}"
     scheme, host, shown = scheme.lower(), rest.partition("/")[0], f"{label} {masked_url(root)}"
     if "@" in host and scheme in OBJECT_STORES:
         clean = f"{scheme}://{host.rpartition('@')[2]}/{rest.partition('/')[2]}".rstrip("/")
