@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prefect.settings import PREFECT_API_URL
+
+from symfuse.cli.boundary import one_line
 from symfuse.config import RunConfig
 from symfuse.preflight import check_run
 
@@ -33,8 +36,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Check the config, then start one flow run of the deployment; returns the exit status."""
     args = parse_args(argv)
-    config = RunConfig.from_yaml(args.config)
+    try:
+        config = RunConfig.from_yaml(args.config)
+    except Exception as exc:  # a missing file, an unknown key, a bad value: one line naming the file
+        text = one_line(exc).removeprefix("error: ").removeprefix(f"{args.config}: ")
+        print(f"error: {args.config}: {text}", file=sys.stderr)
+        return 1
     problems = check_run(config)
+    if not args.check and not PREFECT_API_URL.value():  # a temporary server would hold the run, and no worker
+        problems.append(
+            "PREFECT_API_URL is unset: nothing would run the flow — start the stack "
+            "(deployments/local_stack.sh start) and export PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
     for line in problems:
         print(f"error: {line}", file=sys.stderr)
     if problems or args.check:

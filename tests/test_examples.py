@@ -93,6 +93,21 @@ def test_run_yaml_is_the_quick_demo_and_passes_the_preflight():
     assert load_example("submit_run").main([str(EXAMPLES / "run.yaml"), "--check"]) == 0
 
 
+def test_submit_run_says_what_is_wrong_in_one_line(tmp_path, capsys, monkeypatch):
+    """A bad file or no server were tracebacks (and a temporary server got the run, which no worker ran)."""
+    submit = load_example("submit_run").main
+    (tmp_path / "unk.yaml").write_text("bogus: 1\n")
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    for args, words in [
+        ([str(tmp_path / "unk.yaml")], "unk.yaml: datasets: Field required; bogus: Extra inputs"),
+        ([str(tmp_path / "none.yaml")], "none.yaml: no such file or directory"),
+        ([str(EXAMPLES / "run.yaml")], "error: PREFECT_API_URL is unset: nothing would run the flow"),
+    ]:
+        assert submit(args) == 1
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and words in err, err
+
+
 def test_merge_yaml_merges_two_tiny_fine_tunes(tmp_path, monkeypatch):
     spec = load_merge_file(EXAMPLES / "merge.yaml")
     monkeypatch.chdir(tmp_path)
