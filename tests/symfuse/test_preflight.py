@@ -366,6 +366,27 @@ def test_one_folder_trained_on_twice_with_the_same_settings_is_refused(tmp_path)
     ], problems
 
 
+def test_an_out_of_domain_set_holding_a_training_sets_records_is_refused(tmp_path, monkeypatch):
+    """Another folder whose test file copies training records: scored as the out-of-domain mean, exit 0."""
+    import shutil
+
+    meld = find_named_dataset("meld")
+    leak = tmp_path / "leak"
+    leak.mkdir()
+    monkeypatch.setenv("SYMFUSE_DATASETS", str(tmp_path))
+    shutil.copy2(meld / "meta.json", leak / "meta.json")
+    rows = (meld / "train.jsonl").read_text().splitlines()
+    (leak / "test.jsonl").write_text("\n".join(rows[:40]) + "\n")
+    problems = check_run(config(evaluation={"out_of_domain": ["leak"]}))
+    assert problems == [
+        f"evaluation set leak: 40 of the 40 records of its test file {leak / 'test.jsonl'} are meld's — its models "
+        "would be scored out of domain on data they trained on; drop leak, or remove those records from it"
+    ], problems
+    other = [json.dumps({"text": f"x{i}", "label": "joy"}) for i in range(30)]
+    (leak / "test.jsonl").write_text("\n".join(rows[:10] + other) + "\n")
+    assert check_run(config(evaluation={"out_of_domain": ["leak"]})) == []  # a quarter shared: allowed
+
+
 def test_a_path_as_a_dataset_name_is_told_to_go_under_source():
     with pytest.raises(ValueError, match=r"dataset name '/data/toy' is a path — name it and give the path as its "
                                          r"source: \{name: toy, source: /data/toy\}"):  # fmt: skip

@@ -180,7 +180,41 @@ def twin_datasets(
         if probe is not None and (first := trained.get(_location(probe))) is not None:
             problems.append(f"evaluation set {name}: reads {probe.where}, which training dataset {first} trains on — "
                             f"{first}'s model would be scored out of domain on its own data; drop {name}")  # fmt: skip
+        elif probe is not None and (copied := _copied_from(probe.source, trained)) is not None:
+            problems.append(f"evaluation set {name}: {copied} — its models would be scored out of domain on data "
+                            f"they trained on; drop {name}, or remove those records from it")  # fmt: skip
     return problems
+
+
+_LINES: dict[tuple, frozenset[int]] = {}  # (file, size, mtime) -> hashes of its record lines
+
+
+def _records_of(file: Path) -> frozenset[int]:
+    """Hashes of a data file's non-blank lines (its records, as written), read once per process while unchanged."""
+    st = file.stat()
+    key = (str(file.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _LINES:
+        with open(file, "rb") as fh:
+            _LINES[key] = frozenset(hash(line.strip()) for line in fh if line.strip())
+    return _LINES[key]
+
+
+def _copied_from(source: str, trained: Mapping[str, str]) -> str | None:
+    """How an out-of-domain set copies a training set's records (half or more of one of its files), else None."""
+    mine = _resolve(source)
+    if mine is None:
+        return None
+    for where, name in trained.items():
+        theirs = _resolve(where) if os.path.exists(where) else None
+        if theirs is None:
+            continue
+        pool = frozenset().union(*(_records_of(f) for f in theirs[1].values()))
+        for split, file in mine[1].items():
+            records = _records_of(file)
+            shared = len(records & pool)
+            if records and shared * 2 >= len(records):
+                return f"{shared} of the {len(records)} records of its {split} file {file} are {name}'s"
+    return None
 
 
 def _location(probe: DatasetProbe) -> str:
