@@ -283,6 +283,11 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.run_id is not None:  # the option's own line, not the file's (the file is fine)
             check_name(args.run_id, "--run-id: run id")
+        if args.quick and args.config:  # it reduces the demo: a config file ran whole, without a word
+            raise ValueError(f"--quick reduces the demo config and is ignored with --config {args.config} — drop one "
+                             "(cap a config's sizes with max_train_examples / max_eval_examples)")  # fmt: skip
+        if args.store == "":  # an empty --store fell back to $SYMFUSE_STORE without a word
+            raise ValueError("--store is empty — give the store root (a folder or URL), or leave the option out")
     except ValueError as exc:
         return report(UsageError(f"{exc}"), args.verbose)
     try:

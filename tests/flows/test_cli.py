@@ -55,6 +55,17 @@ def test_a_bad_config_is_one_line_naming_the_file(tmp_path, capfd):
     assert err == [f"error: {cfg}: line 3: key 'run_id' given twice (first at line 1) — keep one"], err
 
 
+def test_options_that_would_be_ignored_are_refused(tmp_path, capfd):
+    """--quick with --config ran the whole config, an empty --store used $SYMFUSE_STORE: each without a word."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("run_id: x\ndatasets: [{name: meld}, {name: isear}]\n")
+    for args, words in [(["--config", str(cfg), "--quick"], "error: --quick reduces the demo config and is ignored"),
+                        (["--store", ""], "error: --store is empty — give the store root")]:  # fmt: skip
+        assert main(args) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(words), err
+
+
 @pytest.mark.parametrize("args", [["--store", "a", "--store", "b"], ["--run-id=a", "--run-id", "b"]])
 def test_an_option_given_twice_is_refused(args, capfd):
     with pytest.raises(SystemExit) as info:  # argparse kept the last value without a word
