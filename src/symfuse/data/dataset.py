@@ -351,7 +351,6 @@ def check_spelled_once(source: object, labels: list[str]) -> None:
 
 
 def _load_local(name: str, files: dict[str, Path], meta: dict[str, Any] | None, source: str) -> TaskDataset:
-
     if meta is None:
         first = read_records(next(iter(files.values())))
         if not first:

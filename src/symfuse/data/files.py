@@ -109,10 +109,12 @@ def _keys_once(file: Path, lineno: int) -> Callable[[list[tuple[str, Any]]], dic
     """``json.loads``'s ``object_pairs_hook`` refusing a key given twice in one object (datasets cannot read it)."""
 
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [k for k, _ in pairs]
-        if twice := next((k for i, k in enumerate(keys) if k in keys[:i]), None):
+        record = dict(pairs)
+        if len(record) < len(pairs):  # the common case costs one comparison
+            keys = [k for k, _ in pairs]
+            twice = next(k for i, k in enumerate(keys) if k in keys[:i])
             raise DatasetError(f"{file}:{lineno}: key {twice!r} appears twice in one record — keep one")
-        return dict(pairs)
+        return record
 
     return hook
 
@@ -122,7 +124,7 @@ def _json_line(file: Path, lineno: int, line: str) -> dict[str, Any]:
         rec = json.loads(line, object_pairs_hook=_keys_once(file, lineno))
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{file}:{lineno}: not valid JSON ({exc.msg}); fix or remove that line") from exc
-    if "\\u" in line and _lone_surrogate(rec):  # an escaped half of a UTF-16 pair: no text holds it
+    if _SURROGATE.search(line) and _lone_surrogate(rec):  # an escaped half of a UTF-16 pair: no text holds it
         raise DatasetError(f"{file}:{lineno}: a string holds a lone UTF-16 surrogate escape (such as \\ud800), "
                            "which is no character — fix or remove that line")  # fmt: skip
     if not isinstance(rec, dict):
@@ -131,6 +133,9 @@ def _json_line(file: Path, lineno: int, line: str) -> dict[str, Any]:
             '{"text": "...", "label": "joy"}'
         )
     return rec
+
+
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # the escape of a UTF-16 surrogate (a pair's half, or alone)
 
 
 def _lone_surrogate(value: Any) -> bool:
