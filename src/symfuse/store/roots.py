@@ -25,8 +25,8 @@ def store_root_problem(root: str, label: str, fix: str) -> str | None:
         One line naming the root, what is wrong and ``fix``; None when the root is usable.
     """
     scheme, sep, rest = root.partition("://")
-    if sep and scheme != "file":
-        return store_url_problem(root, label)
+    if sep and ((problem := store_url_problem(root, label)) is not None or scheme != "file"):
+        return problem
     path = Path(os.path.expanduser(rest if sep else root))  # Path.expanduser raises for ~user of no such user
     probe = nearest_existing(path)
     if not probe.is_dir():

@@ -53,6 +53,8 @@ def store_url_problem(root: str, label: str) -> str | None:
         lower = masked_url(f"{scheme.lower()}://{rest}")
         return f"{label} {masked_url(root)}: write the scheme in lower case — {lower}"
     scheme, host, shown = scheme.lower(), rest.partition("/")[0], f"{label} {masked_url(root)}"
+    if scheme == "file" and host:  # file://runs/x was stored under ./runs/x of the working folder
+        return f"{shown}: {host!r} stands where a file URL names a host — give file:///<absolute path>, or a plain path"
     if "@" in host and scheme in OBJECT_STORES:
         clean = f"{scheme}://{host.rpartition('@')[2]}/{rest.partition('/')[2]}".rstrip("/")
         return (

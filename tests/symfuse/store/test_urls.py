@@ -23,6 +23,9 @@ SECRET = "testSECRETvalue99"
         # no bucket: the run passed its checks, started Prefect and failed at its first write
         ("s3://", "--store s3://: no bucket name after s3://", "give s3://bucket/prefix"),
         ("s3:///runs", "--store s3:///runs: no bucket name after s3://", "give s3://bucket/prefix"),
+        # the host of a file URL was read as the first folder of a path in the working folder
+        ("file://relative/store", "--store file://relative/store: 'relative' stands where a file URL names a host",
+         "give file:///<absolute path>, or a plain path"),
         # passed (the check lower-cased it), then "Protocol not known: S3" once Prefect had started
         ("S3://b/p", "--store S3://b/p: write the scheme in lower case", "— s3://b/p"),
         (f"S3://k:{SECRET}@b/p", f"--store S3://{MASK}@b/p: write the scheme in lower case", f"— s3://{MASK}@b/p"),
