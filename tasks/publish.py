@@ -9,7 +9,7 @@ pending).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from symfuse.config import RunConfig
@@ -45,4 +45,19 @@ def publish_run(config: RunConfig, models: Mapping[str, str], merged: Mapping[st
         inputs = {f"model.{n}": store.uri(u) for n, u in models.items()} | {"report": store.uri(report)}
         store.put_json(key, record, "publish", inputs | {f"merged.{n}": u for n, u in published.items()})
     logger().info("published %d merged model(s) and the report of %s", len(published), config.run_id)
+    _name_stale_merges(store, config.run_id, published.values())
     return {"report": store.uri(report), "merged": published}
+
+
+def _name_stale_merges(store: Any, run_id: str, current: Iterable[str]) -> None:
+    """Warn about merged models an earlier run of ``run_id`` stored with strategies this one does not run.
+
+    They stay readable under ``merged/`` (made from the models of that earlier run); the ``published`` record names
+    the current set. Deleting them is left to the user, who may still want them.
+    """
+    mine = {store.key(u) for u in current}
+    stale = [k for k in store.list(f"{layout.run_prefix(run_id)}/merged") if k not in mine]
+    if stale:
+        logger().warning("%d merged model(s) under %s/merged are from an earlier run of %s and not part of this one "
+                         "(%s): read the published record for the current set, or delete them",
+                         len(stale), store.uri(layout.run_prefix(run_id)), run_id, ", ".join(stale))  # fmt: skip

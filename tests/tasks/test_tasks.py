@@ -360,3 +360,21 @@ def test_a_loss_path_between_heads_naming_their_classes_differently_is_recorded_
     record = store.get_json(uri)
     assert record["model"] == "isear" and "plain" not in record, record
     assert record["skipped"].startswith("the anchor and isear: their heads name their classes differently (anger, joy")
+
+
+def test_publishing_names_merged_models_an_earlier_run_of_the_id_left(base, tmp_path, caplog):
+    """Re-run with fewer strategies, runs/<id>/merged/regmean stayed current and readable without a word, made from
+    the earlier run's models."""
+    from tasks.publish import publish_run
+
+    cfg = config(base, str(tmp_path / "store"))
+    store = ArtifactStore(cfg.resolved_store_root())
+    model = store.put_json(layout.model_key("u", "isear"), {"model": 1}, "finetune")
+    old = store.put_json(layout.merged_key("u", "regmean", "plain"), {"merged": "earlier"}, "merge")
+    new = store.put_json(layout.merged_key("u", "simple", "plain"), {"merged": "now"}, "merge", stage=True)
+    report = store.put_json(layout.report_key("u"), {"report": 1}, "report", stage=True)
+    with caplog.at_level("WARNING"):
+        publish_run.fn(cfg, {"isear": model}, {"simple-plain": new}, report)
+    (line,) = [r.getMessage() for r in caplog.records if "earlier run" in r.getMessage()]
+    assert store.key(old) in line and "merged/simple" not in line
+    assert store.get_json(old) == {"merged": "earlier"}  # kept: not this run's to delete
