@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from symfuse.errors import CheckpointError, UnsupportedArchitecture
+from symfuse.errors import CheckpointError, NonFiniteError, UnsupportedArchitecture
 from symfuse.io import WEIGHTS, check_finite_tensor, save_safetensors
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,16 @@ def _read_tensors(path: Path, config: Any, cls: Any, dtype: torch.dtype) -> dict
             )
     out = {n: tensors[n].to(dtype) if tensors[n].is_floating_point() else tensors[n] for n in needed}
     for name, t in out.items():  # every command refuses such a folder: refuse it here, naming the file
-        check_finite_tensor(t, name, path)
+        try:
+            check_finite_tensor(t, name, path)
+        except NonFiniteError as exc:
+            if dtype == torch.float32:
+                raise
+            raise NonFiniteError(  # it blamed the file ("corrupt or training diverged") for the cast's inf
+                f"{path}: tensor {name!r} holds NaN / inf in {str(dtype).removeprefix('torch.')}: values past its "
+                f"range ({torch.finfo(dtype).max:.5g}) become inf — convert with --dtype float32, or the file is "
+                "corrupt"
+            ) from exc
     return out
 
 

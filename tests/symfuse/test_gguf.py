@@ -214,6 +214,11 @@ def test_a_broken_tokenizer_or_a_nan_weight_is_refused_before_anything_is_writte
     r = _run("convert", nan, "--out", tmp_path / "o")  # was written with exit 0; every command then refused it
     assert r.exit_code == 1 and "nan.gguf: tensor 'model.layers.0.self_attn.v_proj.weight' holds" in r.output
     assert not (tmp_path / "o").exists()
+    weights = {"blk.0.ffn_down.weight": np.full((64, 128), 1e6, np.float32)}  # finite, past float16's 65504
+    big16 = write_gguf(tiny, tmp_path / "big16.gguf", "F32", tensors=weights)
+    r = _run("convert", big16, "--out", tmp_path / "o", "--dtype", "float16")  # it said the file was corrupt
+    assert r.exit_code == 1 and "holds NaN / inf in float16: values past its range (65504) become inf" in r.output
+    assert _run("convert", big16, "--out", tmp_path / "bf16", "--dtype", "bfloat16").exit_code == 0
     extra = [f"x{i}" for i in range(50)]  # more tokens than the embedding's rows: written with exit 0, then every
     big = write_gguf(tiny, tmp_path / "big.gguf", "F32", tokens=vocabulary()[:-1] + extra + vocabulary()[-1:])
     r = _run("convert", big, "--out", tmp_path / "o")  # command refused the folder, blaming it
