@@ -99,6 +99,8 @@ def bring_checkpoint(config: RunConfig, dataset: str) -> str:
     with timed() as t:
         folder = fetch(store, source) if inside else folder
     meta = stage_meta("bring_checkpoint", f"bring-{dataset}", t.seconds, dataset=dataset)
+    if inside:  # an artifact of the store (a drop, a fine-tune): stored as it is, its digest kept
+        return store.put_dir(key, folder, "bring_checkpoint", {"checkpoint": source}, ck, meta)
     with linked_dir(folder, checkpoint_files(folder), "bring") as files:  # not a training folder's checkpoint-*/
         return store.put_dir(key, files, "bring_checkpoint", {"checkpoint": source}, ck, meta)
 
