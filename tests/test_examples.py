@@ -95,9 +95,12 @@ def test_run_yaml_is_the_quick_demo_and_passes_the_preflight():
 
 def test_submit_run_says_what_is_wrong_in_one_line(tmp_path, capsys, monkeypatch):
     """A bad file or no server were tracebacks (and a temporary server got the run, which no worker ran)."""
-    submit = load_example("submit_run").main
+    from types import SimpleNamespace
+
+    script = load_example("submit_run")
+    submit = script.main
     (tmp_path / "unk.yaml").write_text("bogus: 1\n")
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setattr(script, "PREFECT_API_URL", SimpleNamespace(value=lambda: None))  # another test's server
     for args, words in [
         ([str(tmp_path / "unk.yaml")], "unk.yaml: datasets: Field required; bogus: Extra inputs"),
         ([str(tmp_path / "none.yaml")], "none.yaml: no such file or directory"),
