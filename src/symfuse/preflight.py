@@ -252,7 +252,7 @@ def _resolved(base: str) -> Path | None:
 def _not_mergeable(folder: Path, reference: Path, role: str) -> str | None:
     """Why ``folder``'s model cannot be merged with ``reference``'s (family, shapes, file headers), else None."""
     from symfuse.checkpoint import CheckpointReader
-    from symfuse.inspect.models import shape_problems
+    from symfuse.pairing import shape_problems
 
     with CheckpointReader(folder) as src, CheckpointReader(reference) as ref:
         problem, _ = shape_problems(src, ref, role)

@@ -13,7 +13,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from symfuse.arch import Geometry
 from symfuse.checkpoint import CheckpointReader
 from symfuse.data.labels import differ_in_classes
 from symfuse.device import device_name, resolve_device
@@ -21,39 +20,9 @@ from symfuse.errors import UsageError
 from symfuse.inspect.distances import MODULE_KINDS, has_residual_search, weight_figures
 from symfuse.inspect.paths import DEFAULT_LAMBDAS, path_figures
 from symfuse.inspect.verdict import FAR, HIGH_BARRIER, INCOMPATIBLE, NO_OP_CUT, SMALL_SHARE, overall, pair_verdict
+from symfuse.pairing import describe, shape_problems
 
 log = logging.getLogger(__name__)
-
-
-def describe(geo: Geometry) -> str:
-    """``12 layers, d 768, 12 heads, ffn 3072`` (the first stack of a multi-stack model)."""
-    g = geo.of(geo.stacks[0][0]) if geo.stacks else geo
-    return f"{g.n_layers} layers, d {g.d_model}, {g.n_heads} heads, ffn {g.d_ffn}"
-
-
-def _under_head(reader: CheckpointReader, name: str) -> bool:
-    return any(name.startswith(h.path + ".") for h in reader.spec.head_paths(reader.prefix))
-
-
-def shape_problems(
-    src: CheckpointReader, anc: CheckpointReader, role: str = "the anchor"
-) -> tuple[str | None, list[str]]:
-    """Why two models cannot be merged tensor by tensor (None: they can), and the head tensors whose shapes differ.
-
-    Family and geometry must agree, and every tensor both hold must have one shape, except task heads (a merge keeps
-    one head per dataset): those are returned, to be left out of the whole-model figures.
-    """
-    if src.spec.family != anc.spec.family:
-        return f"{src.path} is a {src.spec.family} model, {role} {anc.path} a {anc.spec.family} model", []
-    if src.geometry != anc.geometry:
-        return f"shapes differ: {describe(src.geometry)} against {role}'s {describe(anc.geometry)}", []
-    heads = []
-    for name in sorted(set(src.names()) & set(anc.names())):
-        if src.shape(name) != anc.shape(name):
-            if not _under_head(anc, name):
-                return f"{name}: shape {src.shape(name)} against {role}'s {anc.shape(name)}", []
-            heads.append(name)
-    return None, heads
 
 
 def _data_figures(src: CheckpointReader, anc: CheckpointReader, best, data: str, **opts) -> dict:
