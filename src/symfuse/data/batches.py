@@ -217,6 +217,7 @@ def make_batches(
     seed: int = 13,
     shuffle: bool = False,
     space: Sequence[str] | None = None,
+    config: Any = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Tokenised, padded batches of one split — the input of statistics collection and evaluation.
 
@@ -230,6 +231,8 @@ def make_batches(
         seed: Seed of the subset and of ``shuffle``.
         shuffle: Seeded shuffle of the example order.
         space: The label space the targets index (see :func:`encode_split`); None: the dataset's own order.
+        config: The model's config: its positions cap the length, its pad id pads (:func:`padding_id`); None: the
+            checkpoint folder's ``config.json`` when ``tokenizer`` is a folder.
 
     Returns:
         Batches ``{"input_ids", "attention_mask", ["token_type_ids"], "labels"}`` (see the module docstring).
@@ -244,10 +247,13 @@ def make_batches(
 
         dataset = load_task_dataset(dataset)
     tok = load_tokenizer(tokenizer)
-    if isinstance(tokenizer, str | Path):  # a checkpoint folder: its model's positions cap the length
-        max_length = readable_length(max_length, tokenizer, tokenizer)
+    folder = isinstance(tokenizer, str | Path)
+    if config is None and folder:  # a checkpoint folder: its model's config (None for "minilm", a hub id)
+        config = _folder_config(tokenizer)
+    if config is not None:  # the model's positions cap the length
+        where = tokenizer if folder else getattr(config, "_name_or_path", None) or "the model"
+        max_length = readable_length(max_length, config, where)
     feats = encode_split(dataset, tok, split, max_length, max_examples, seed, space)
-    config = _folder_config(tokenizer) if isinstance(tokenizer, str | Path) else None
     return list(iter_batches(feats, batch_size, padding_id(tok, config), shuffle=shuffle, seed=seed))
 
 
