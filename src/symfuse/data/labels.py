@@ -66,6 +66,9 @@ def union_label_names(spaces: Iterable[Sequence[str]]) -> list[str]:
 UNNAMED = re.compile(r"LABEL_\d+")  # transformers' names for the classes of a head saved without names
 
 
+LM_HEADS = ("ForCausalLM", "LMHeadModel")  # how a causal LM's class name ends: LlamaForCausalLM, GPT2LMHeadModel
+
+
 def head_labels(config: Any) -> list[str] | None:
     """A checkpoint's classification head's class names, in output order (``id2label``); None: no such head.
 

@@ -18,9 +18,9 @@ import torch
 
 from symfuse.checkpoint import load_hf_model, resolve_checkpoint
 from symfuse.data.batches import load_tokenizer, readable_length
+from symfuse.data.labels import LM_HEADS
 from symfuse.errors import CheckpointError, overflowed
 
-_LM_HEADS = ("ForCausalLM", "LMHeadModel")  # LlamaForCausalLM, GPT2LMHeadModel, ...
 LOGIT_BUDGET = 1 << 26  # logits per forward pass at most (256 MiB of float32): rows = budget / (length * vocabulary)
 
 
@@ -35,7 +35,7 @@ def load_causal_lm(model: str, device: torch.device | str) -> tuple[torch.nn.Mod
 
     path = resolve_checkpoint(model)
     arch = (getattr(AutoConfig.from_pretrained(str(path)), "architectures", None) or ["no architecture"])[0]
-    if not arch.endswith(_LM_HEADS):
+    if not arch.endswith(LM_HEADS):
         raise CheckpointError(
             f"{path}: a {arch} is not a causal language model — language-modelling data is scored by next-token "
             "loss; give a ...ForCausalLM checkpoint"

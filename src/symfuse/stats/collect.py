@@ -15,7 +15,7 @@ from torch import nn
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data.batches import load_tokenizer, name_padding, tracked_batches
-from symfuse.data.labels import LABEL_SPACE_KEY, head_targets, union_columns
+from symfuse.data.labels import LABEL_SPACE_KEY, LM_HEADS, head_targets, union_columns
 from symfuse.errors import DataError, overflowed
 from symfuse.io import fsync_dir, plain_mode
 from symfuse.stats.fisher import collect_fisher
@@ -60,7 +60,7 @@ def _check_fisher_head(config: Any, ds: Any, where: object, mode: str) -> None:
     A language model's next-token logits met per-example class ids deep in the pass (a shape error); single-label
     targets on a multi-label head, or multi-hot ones on a single-label head, are not the head's likelihood.
     """
-    if any("CausalLM" in a or "LMHead" in a for a in getattr(config, "architectures", None) or ()):
+    if any(a.endswith(LM_HEADS) for a in getattr(config, "architectures", None) or ()):
         raise DataError(f"{where}: a causal language model has no task head to take the Fisher of on {ds.name} — "
                         "collect --kind gram, or the Fisher of a fine-tuned classifier")  # fmt: skip
     head_multi = getattr(config, "problem_type", None) == "multi_label_classification"
@@ -129,7 +129,8 @@ def collect_stats(
         raise ValueError(f"unknown Gram dtype {gram_dtype!r}; choose from {list(GRAM_DTYPES)}")
     folder = validate_checkpoint(model, finite=True, tokenizer=True)
     net = load_hf_model(folder, validate=False)
-    name_padding(net, load_tokenizer(folder))  # the id make_batches pads with (a decoder's classifier reads it)
+    tok = load_tokenizer(folder)
+    name_padding(net, tok)  # the id the batches pad with (a decoder's classifier finds each row's end by it)
     ds = load_task_dataset(data)
     # refused before any pass: a union head without the data's classes, or classes the head does not have
     space = None
@@ -137,7 +138,7 @@ def collect_stats(
         _check_fisher_head(net.config, ds, folder, fisher_mode)
     if "fisher" in kinds and union_columns(net.config, ds, folder) is None and fisher_mode == "empirical":
         space = check_fisher_targets(net.config, ds, folder)
-    batches = make_batches(ds, folder, split, batch_size, max_length, max_examples, seed, space=space)
+    batches = make_batches(ds, tok, split, batch_size, max_length, max_examples, seed, space=space, config=net.config)
     common: dict[str, Any] = {
         "model": str(folder),
         "dataset": ds.name,
