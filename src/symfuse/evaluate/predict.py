@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from symfuse.data.batches import IGNORE_INDEX
+from symfuse.data.labels import LM_HEADS
 from symfuse.device import resolve_device
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def head_problem_type(config: Any) -> str:
 
 def is_causal_lm(config: Any) -> bool:
     """Whether a checkpoint's class is a causal language model (``GPT2LMHeadModel``, ``LlamaForCausalLM`` ...)."""
-    return any("LM" in a and "Masked" not in a for a in getattr(config, "architectures", None) or ())
+    return any(a.endswith(LM_HEADS) for a in getattr(config, "architectures", None) or ())
 
 
 def head_label_names(config: Any) -> list[str]:

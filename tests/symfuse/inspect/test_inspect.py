@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from symfuse.errors import UsageError
 from symfuse.evaluate.barrier import loss_barrier
@@ -150,3 +151,25 @@ def test_heads_naming_their_classes_differently_are_refused_with_data_before_any
     with pytest.raises(UsageError, match=r"--data: their heads name their classes differently \(anger, joy / joy, "):
         inspect_models([a, b], data=str(toy_dataset(tmp_path / "toy")), device="cpu")
     assert inspect_models([a, b], device="cpu")["pairs"][0]["compatible"]  # without data: weights only
+
+
+def test_an_xlm_roberta_classifier_is_scored_by_its_head_not_as_a_language_model(tmp_path):
+    """``XLMRobertaForSequenceClassification`` holds "LM" in its name: inspect took it for a causal LM and scored
+    its two class logits as next-token predictions (the barrier then differed from ``barrier``'s)."""
+    import transformers as T
+
+    from symfuse.checkpoint import resolve_checkpoint
+    from tests.tiny import _SMALL
+
+    tok = T.AutoTokenizer.from_pretrained(str(resolve_checkpoint("minilm")))
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        cfg = T.XLMRobertaConfig(vocab_size=tok.vocab_size, max_position_embeddings=70, pad_token_id=1, **_SMALL)
+        T.XLMRobertaForSequenceClassification(cfg).save_pretrained(tmp_path / str(seed))
+        tok.save_pretrained(tmp_path / str(seed))
+        models.append(tmp_path / str(seed))
+    data = str(toy_dataset(tmp_path / "toy"))
+    paths = inspect_models(models, data=data, device="cpu", max_examples=8)["pairs"][0]["data"]
+    ref = loss_barrier(*models, data, tmp_path / "barrier", points=5, max_examples=8, device="cpu")
+    assert paths["plain"]["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=1e-7)
