@@ -23,6 +23,7 @@ from uuid import UUID
 
 import pandas as pd
 
+from flows.server import own_session_server
 from symfuse.cli.boundary import DATA, INTERRUPTED, one_line, report
 from symfuse.config import DATASET_RESOLUTION, DEMO_DATASETS, DEMO_OUT_OF_DOMAIN, RunConfig
 from symfuse.config_schema import check_name
@@ -192,10 +193,8 @@ def start_ephemeral_server() -> threading.Thread | None:
         return None
 
     def start() -> None:
-        from prefect.server.api.server import SubprocessASGIServer
-
         try:
-            SubprocessASGIServer().start()
+            own_session_server().start()
         except Exception:  # the flow retries the start and reports its error
             logging.getLogger(__name__).debug("early start of the ephemeral server failed", exc_info=True)
 

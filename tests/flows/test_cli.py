@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -129,26 +130,81 @@ def test_a_failed_run_in_a_fresh_process_prints_no_traceback(nan_base, tmp_path)
     assert len(errors) == 1 and "NaN" in errors[0] and str(nan_base) in errors[0], errors
 
 
-def test_sigterm_mid_run_ends_the_process_with_one_line(tiny_base, tmp_path):
-    """A run stopped by SIGTERM (a pool's worker cancelling it, ``timeout``) used to end with status 143 and no word."""
-    env = _fresh_run(tiny_base, tmp_path, "stopped")
-    proc = subprocess.Popen([sys.executable, "-m", "flows", "--config", "run.yaml"], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+def _started_run(base: Path, tmp_path: Path, run_id: str) -> tuple[subprocess.Popen, list[str]]:
+    """``python -m flows`` in a process group of its own, read until its first task has started (the flow runs)."""
+    env = _fresh_run(base, tmp_path, run_id)
+    command = [sys.executable, "-m", "flows", "--config", "run.yaml"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
     lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "Task run" in line:
+            return proc, lines
+    proc.wait(timeout=60)
+    pytest.fail("the run ended before a task started:\n" + "".join(lines)[-3000:])
+
+
+def _servers_of(pid: int) -> list[int]:
+    """The temporary Prefect servers (uvicorn) that process ``pid`` started."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"uvicorn" in cmd:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["process", "group"])
+def test_sigterm_mid_run_ends_the_process_with_one_line(tiny_base, tmp_path, group):
+    """A run stopped by SIGTERM (a pool's worker cancelling it, ``timeout``) used to end with status 143 and no word.
+    Sent to the whole process group (``timeout``, systemd), it also stopped the temporary server: the run retried it
+    and ended after 146 s with exit 1 and ``internal error: ConnectError``."""
+    proc, lines = _started_run(tiny_base, tmp_path, "stopped")
     try:
-        for line in proc.stderr:  # the first task has started: the flow is running
-            lines.append(line)
-            if "Task run" in line:
-                proc.send_signal(signal.SIGTERM)
-                break
+        os.killpg(proc.pid, signal.SIGTERM) if group else proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
         lines += proc.stderr.readlines()
         proc.wait(timeout=120)
+        took = time.monotonic() - start
     finally:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # a process of the group left over
+            os.killpg(proc.pid, signal.SIGKILL)
     errors = [ln for ln in lines if ln.startswith("error: ")]
     assert proc.returncode == 143, "".join(lines)[-3000:]
     assert len(errors) == 1 and errors[0].startswith("error: terminated by SIGTERM — the run stopped"), errors
     assert "Traceback" not in "".join(lines)
+    assert took < 60, took
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+def test_the_temporary_server_ends_with_a_killed_run(tiny_base, tmp_path):
+    """The server runs in a session of its own (a signal to the run's group leaves it to finish the run's records);
+    it must not outlive a run killed with SIGKILL."""
+    proc, _ = _started_run(tiny_base, tmp_path, "killed")
+    servers = _servers_of(proc.pid)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert len(servers) == 1, servers
+    deadline = time.monotonic() + 30
+    while _running(servers[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = _running(servers[0])
+    if alive:
+        os.kill(servers[0], signal.SIGKILL)
+    assert not alive, "the temporary server outlived the killed run by 30 s"
 
 
 def test_ctrl_c_before_or_during_the_run_is_one_line(tiny_base, tmp_path, capfd, monkeypatch):
