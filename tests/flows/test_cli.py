@@ -159,14 +159,18 @@ def _servers_of(pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("group", [False, True], ids=["process", "group"])
-def test_sigterm_mid_run_ends_the_process_with_one_line(tiny_base, tmp_path, group):
+@pytest.mark.parametrize(
+    ("sig", "group"),
+    [(signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGINT, True)],
+    ids=["SIGTERM-process", "SIGTERM-group", "SIGINT-group"],
+)
+def test_a_signal_mid_run_ends_the_process_with_one_line(tiny_base, tmp_path, sig, group):
     """A run stopped by SIGTERM (a pool's worker cancelling it, ``timeout``) used to end with status 143 and no word.
-    Sent to the whole process group (``timeout``, systemd), it also stopped the temporary server: the run retried it
-    and ended after 146 s with exit 1 and ``internal error: ConnectError``."""
+    Sent to the whole process group (``timeout``, systemd, a terminal's Ctrl-C), it also stopped the temporary server:
+    the run retried it and ended after 146 s with exit 1 and ``internal error: ConnectError``."""
     proc, lines = _started_run(tiny_base, tmp_path, "stopped")
     try:
-        os.killpg(proc.pid, signal.SIGTERM) if group else proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
         start = time.monotonic()
         lines += proc.stderr.readlines()
         proc.wait(timeout=120)
@@ -175,8 +179,9 @@ def test_sigterm_mid_run_ends_the_process_with_one_line(tiny_base, tmp_path, gro
         with contextlib.suppress(ProcessLookupError):  # a process of the group left over
             os.killpg(proc.pid, signal.SIGKILL)
     errors = [ln for ln in lines if ln.startswith("error: ")]
-    assert proc.returncode == 143, "".join(lines)[-3000:]
-    assert len(errors) == 1 and errors[0].startswith("error: terminated by SIGTERM — the run stopped"), errors
+    assert proc.returncode == (143 if sig == signal.SIGTERM else 130), "".join(lines)[-3000:]
+    said = "terminated by SIGTERM" if sig == signal.SIGTERM else "interrupted"
+    assert len(errors) == 1 and errors[0].startswith(f"error: {said} — the run stopped"), errors
     assert "Traceback" not in "".join(lines)
     assert took < 60, took
 
