@@ -17,7 +17,7 @@ from prefect import flow, unmapped
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.runtime import end_orphaned_task_runs, forward_library_logs, run_lock, staged
+from flows.runtime import end_orphaned_task_runs, forward_library_logs, raise_failure, run_lock, staged
 from flows.select import greedy_merges
 from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party
@@ -61,7 +61,7 @@ def workers() -> int:
     return int(os.environ.get("SYMFUSE_WORKERS", "4"))
 
 
-def raise_first_failure(futures: list[PrefectFuture]) -> None:
+def raise_first_failure(futures: list[PrefectFuture], config: RunConfig) -> None:
     """Wait for every task; raise the exception of the first failed one, in pipeline order.
 
     So a failed run reports its real cause, not a downstream task's "not ready".
@@ -70,14 +70,14 @@ def raise_first_failure(futures: list[PrefectFuture]) -> None:
         f.wait()
     for f in futures:
         if f.state.is_failed() or f.state.is_crashed():
-            f.result()  # re-raises the task's exception
+            raise_failure(f, config, STAGES)  # the task's exception (a time limit: naming the task and setting)
 
 
-def result_of(future: PrefectFuture, upstream: list[PrefectFuture]) -> Any:
+def result_of(future: PrefectFuture, upstream: list[PrefectFuture], config: RunConfig) -> Any:
     """The future's result, or the exception of the upstream task that kept it from running."""
     future.wait()
     if not future.state.is_completed():
-        raise_first_failure([*upstream, future])
+        raise_first_failure([*upstream, future], config)
     return future.result()
 
 
@@ -120,12 +120,12 @@ def match_stage(T: Any, config: RunConfig, models: dict[str, PrefectFuture]) -> 
     if config.anchor == "barycenter":
         anchor, others = None, names
     else:
-        anchor = result_of(T.choose_anchor.submit(config, models), upstream=list(models.values()))
+        anchor = result_of(T.choose_anchor.submit(config, models), list(models.values()), config)
         others = [n for n in names if n != anchor]
     if "residual-orthogonal" in config.symmetries:  # refused with a barycenter before the run (preflight)
         matched = {n: T.match_model.submit(config, n, models[n], models[anchor]) for n in others}
         return anchor, others, {}, matched
-    modules = result_of(T.list_modules.submit(config, names[0], models[names[0]]), upstream=[models[names[0]]])
+    modules = result_of(T.list_modules.submit(config, names[0], models[names[0]]), [models[names[0]]], config)
     if anchor is None:
         per_module = T.match_module_barycenter.map(unmapped(config), unmapped(models), modules)
         transforms = {n: per_module for n in names}
@@ -249,12 +249,13 @@ def run_stages(config: RunConfig) -> dict[str, Any]:
     )
     inspected = [inspection, *paths] if inspection else []
     every = [*models.values(), *stats.values(), *transform_tasks, *matched.values(), *inspected]
-    raise_first_failure([*every, *matched_stats.values(), *merged.values(), *evaluations, *selections, report_uri])
+    every = [*every, *matched_stats.values(), *merged.values(), *evaluations, *selections, report_uri]
+    raise_first_failure(every, config)
 
     # 8. Publish: the merged set and the report (staged so far) become current together, then the run's record of
     #    the models they were made from; a run that failed above published nothing (tasks/publish.py).
     published = T.publish_run.submit(config, models, merged, report_uri)
-    raise_first_failure([published])
+    raise_first_failure([published], config)
     return {
         "report": published.result()["report"],
         "anchor": anchor or "barycenter",

@@ -14,6 +14,7 @@ from typing import Any
 
 from prefect import unmapped
 
+from flows.runtime import raise_failure
 from symfuse.config import RunConfig
 from symfuse.merge import MERGERS
 from symfuse.merge.select import select_greedy
@@ -53,7 +54,7 @@ def greedy_merges(
 
     def score(pending: tuple[Any, list[Any]]) -> float:
         future, upstream = pending
-        _raise_failed(upstream)  # a failed merge / evaluation raises its own error (the score would never run)
+        _raise_failed(upstream, config, T.stages)  # a failed merge / evaluation raises its own error (no score)
         return future.result()
 
     own_futures = {n: scored(f"val-{n}", models[n]) for n in models}  # every model scored at once
@@ -79,10 +80,10 @@ def greedy_merges(
     return chosen, records
 
 
-def _raise_failed(futures: Sequence[Any]) -> None:
+def _raise_failed(futures: Sequence[Any], config: RunConfig, stages: Mapping[Any, str]) -> None:
     """Wait for the futures (URIs pass) and raise the first failure's own exception."""
     for f in futures:
         if hasattr(f, "wait"):
             f.wait()
             if f.state.is_failed() or f.state.is_crashed():
-                f.result()  # raises
+                raise_failure(f, config, stages)

@@ -65,3 +65,31 @@ def test_event_id_is_a_function_of_the_checkpoint_set(tmp_path):
     assert event_id(store, "r", uris[:2]) == event_id(store, "r", uris[1::-1])  # every tick, same set: same id
     assert event_id(store, "r", uris[:2]) != event_id(store, "r", uris)  # another checkpoint arrived: new event
     assert event_id(store, "r", uris[:2]) != event_id(store, "other", uris[:2])
+
+
+@task(retries=1, retry_delay_seconds=0, retry_condition_fn=retry_transient, task_run_name="stuck-{name}")
+def stuck(name: str) -> None:
+    for _ in range(200):  # a Python loop that never ends in time, on every attempt
+        time.sleep(0.05)
+
+
+def test_a_task_past_its_time_limit_is_one_line_naming_the_task_and_the_setting(tmp_path):
+    """The run ended with Prefect's "Scope timed out after 1 second(s).", naming neither the task nor the field."""
+    from flows.cli import one_line
+    from flows.runtime import StageTimedOut, raise_failure
+
+    config = tiny_config(tmp_path, str(tmp_path), timeouts={"evaluate": 1})
+
+    @flow
+    def timed_out() -> None:
+        T = staged(config, {stuck: "evaluate"})
+        future = T.stuck.submit("isear")
+        future.wait()
+        raise_failure(future, config, T.stages)
+
+    with pytest.raises(StageTimedOut) as err:
+        timed_out()
+    assert one_line(err.value) == (
+        "error: task run stuck-isear ran past its time limit (timeouts.evaluate: 1 s) on each of its 2 attempts — "
+        "raise timeouts.evaluate in the run config (null: no limit), or see what held it with -v"
+    )
