@@ -41,7 +41,7 @@ from symfuse.data.labels import (
     union_label_names,
     unnamed,
 )
-from symfuse.data.probe import DatasetProbe, probe_dataset, twin_datasets
+from symfuse.data.probe import DatasetProbe, offline_hub_problem, probe_dataset, twin_datasets
 from symfuse.errors import DataError, SymfuseError
 from symfuse.preflight_strategies import strategy_problems, weights_problems
 from symfuse.store.roots import brought_uri_problem, store_root_problem
@@ -322,7 +322,9 @@ def _probe(what: str, source: str, splits: dict[str, str], problems: list[str]) 
         label = what if text.startswith(source) or source == what.rsplit(" ", 1)[-1] else f"{what} ({source})"
         problems.append(f"{label}: {_one_line(exc, source)}")
         return None
-    if not probe.read:
+    if not probe.read:  # a hub dataset: not read here, but it must be reachable
+        if why := offline_hub_problem(source):
+            problems.append(f"{what}: {why}")
         return probe
     for split, why in splits.items():
         if not any(s in probe.splits for s in split.split("|")):

@@ -420,3 +420,17 @@ def test_a_store_root_of_an_unknown_users_home_is_a_plain_path(tmp_path, monkeyp
 
     monkeypatch.chdir(tmp_path)
     assert store_root_problem("~nosuchuser-probe/runs", "store_root", "fix") is None  # created under ./, as bash does
+
+
+def test_a_hub_dataset_the_machine_cannot_read_offline_is_refused(monkeypatch):
+    """``python -m flows`` turns hub access off; a hub dataset passed the pre-flight and failed in its fine-tune."""
+    from datasets import config as datasets_config
+
+    monkeypatch.setattr(datasets_config, "HF_HUB_OFFLINE", True)
+    datasets = [{"name": "meld"}, {"name": "hub", "source": "someone/not-cached"}]
+    (problem,) = check_run(config(datasets=datasets, strategies=["simple"]))
+    assert problem.startswith("training dataset hub: someone/not-cached: a hub dataset, but hub "
+                              "access is off here"), problem  # fmt: skip
+    assert problem.endswith("or set HF_DATASETS_OFFLINE=0 where the hub is reachable"), problem
+    monkeypatch.setattr(datasets_config, "HF_HUB_OFFLINE", False)  # online: the run reads it (nothing asked here)
+    assert check_run(config(datasets=datasets, strategies=["simple"])) == []

@@ -53,6 +53,27 @@ class DatasetProbe:
         return self.task is not None
 
 
+def offline_hub_problem(source: str) -> str | None:
+    """Why the hub dataset ``source`` cannot be read here, or None.
+
+    Only where hub access is off (``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE``; ``python -m flows`` turns it off):
+    then the datasets cache must hold it. Online, nothing is asked of the hub here.
+    """
+    from datasets import config, load_dataset_builder
+
+    if not config.HF_HUB_OFFLINE:
+        return None
+    try:
+        load_dataset_builder(source.removeprefix("hf:"))
+    except Exception:  # not cached (datasets: "Couldn't reach ... (OfflineModeIsEnabled)")
+        return (
+            f"{source}: a hub dataset, but hub access is off here (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE) and the "
+            "datasets cache does not hold it — give a local folder or file (a name under ../shared/datasets or "
+            "$SYMFUSE_DATASETS), or set HF_DATASETS_OFFLINE=0 where the hub is reachable"
+        )
+    return None
+
+
 def split_names(source: str) -> tuple[str, ...] | None:
     """The splits of ``source`` that have a file, found as :func:`probe_dataset` finds them but reading no record.
 
