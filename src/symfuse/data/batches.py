@@ -32,6 +32,9 @@ LOG_LINES = 10  # INFO lines per tracked pass
 def load_tokenizer(tokenizer: Any) -> Any:
     """A tokenizer object for a tokenizer, a checkpoint folder, ``"minilm"`` or a hub id.
 
+    A folder whose model has one token type (``type_vocab_size: 1``) gets a tokenizer that writes no
+    ``token_type_ids``.
+
     Raises:
         TokenizerError: the folder has no tokenizer files, or they make a tokenizer of a few tokens only
             (transformers would otherwise build one that maps every word to ``[UNK]``).
@@ -45,7 +48,13 @@ def load_tokenizer(tokenizer: Any) -> Any:
 
     folder = resolve_checkpoint(tokenizer)
     check_tokenizer(folder)
-    return check_vocab_size(AutoTokenizer.from_pretrained(str(folder)), folder)
+    tok = check_vocab_size(AutoTokenizer.from_pretrained(str(folder)), folder)
+    segments = (_folder_config(folder) or {}).get("type_vocab_size")
+    if isinstance(segments, int) and segments < 2 and "token_type_ids" in tok.model_input_names:
+        # one token type (a BERT-like model so configured): a text pair's second segment, type 1, indexed past its
+        # token-type embedding (IndexError). Segments are left out, as RoBERTa's tokenizer does.
+        tok.model_input_names = [n for n in tok.model_input_names if n != "token_type_ids"]
+    return tok
 
 
 def encode_split(

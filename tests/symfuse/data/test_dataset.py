@@ -244,6 +244,27 @@ def test_multilabel_multi_hot_and_pair_regression():
     assert (b["token_type_ids"] == 1).any()  # the pair's second segment
 
 
+def test_a_model_of_one_token_type_reads_a_pair_without_segments(tmp_path):
+    """A BERT with ``type_vocab_size: 1`` was handed the pair's second segment as type 1: IndexError inside its
+    embeddings (finetune, evaluate, stats). Its tokenizer writes no segments now, as RoBERTa's does."""
+    import transformers as T
+
+    from tests.tiny import save_tiny_text_classifier
+
+    folder = save_tiny_text_classifier(tmp_path / "m")
+    config = T.AutoConfig.from_pretrained(folder)
+    config.type_vocab_size = 1
+    model = T.BertForSequenceClassification(config).eval()
+    model.save_pretrained(folder)
+    sts = load_task_dataset("stsb", max_train_examples=4)
+    (b,) = make_batches(sts, str(folder), "train", batch_size=4, max_length=64)
+    assert "token_type_ids" not in b
+    with torch.no_grad():
+        assert model(**{k: v for k, v in b.items() if k != "labels"}).logits.shape == (4, 2)
+    (two,) = make_batches(sts, "minilm", "train", batch_size=4, max_length=64)  # two token types: segments kept
+    assert torch.equal(two["input_ids"], b["input_ids"]) and (two["token_type_ids"] == 1).any()
+
+
 def test_collate_pads_right():
     batch = collate(
         [
