@@ -19,7 +19,10 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
+from symfuse.cli.boundary import run_script
+from symfuse.errors import UsageError
 from symfuse.inspect.paths import path_figures
 from symfuse.match.align import align_checkpoints
 from symfuse.merge import merge_checkpoints
@@ -53,6 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_known_args(argv)
 
 
+def two_seeds() -> Any:
+    """The module examples/two_seeds.py (which trains the pair)."""
+    spec = importlib.util.spec_from_file_location("two_seeds", Path(__file__).with_name("two_seeds.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def seeds(args: argparse.Namespace, train_args: list[str]) -> Path:
     """``DIR/seeds`` with ``a`` and ``b`` trained by examples/two_seeds.py, reused when trained with these options."""
     folder, settings = args.out / "seeds", {"data": args.data, "train": train_args}
@@ -64,10 +75,7 @@ def seeds(args: argparse.Namespace, train_args: list[str]) -> Path:
         shutil.rmtree(folder)  # this script's own cache, trained with other options
     elif folder.exists():
         raise SystemExit(f"error: {folder}: exists and was not written by this script — choose another --out")
-    spec = importlib.util.spec_from_file_location("two_seeds", Path(__file__).with_name("two_seeds.py"))
-    two_seeds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(two_seeds)
-    two_seeds.main(["--out", str(folder), "--data", args.data, "--device", args.device, *train_args])
+    two_seeds().main(["--out", str(folder), "--data", args.data, "--device", args.device, *train_args])
     marker.write_text(json.dumps(settings))
     return folder
 
@@ -101,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     """Train (once), align with each class, measure the paths, merge the best; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args, train_args = parse_args(argv)
+    if args.points < 2 or args.max_examples < 1:
+        raise UsageError("--points must be >= 2 (the path's two ends) and --max-examples >= 1")
+    two_seeds().checked_args(["--out", str(args.out / "seeds"), *train_args])  # before anything is written
     args.out.mkdir(parents=True, exist_ok=True)
     folder = seeds(args, train_args)
     a, b = folder / "a", folder / "b"
@@ -133,4 +144,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -17,11 +17,12 @@ import math
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
-from symfuse.checkpoint import load_hf_model, resolve_checkpoint
+from symfuse.cli.boundary import run_script
 from symfuse.data.locate import find_named_dataset
 from symfuse.device import resolve_device
+from symfuse.errors import DataError, UsageError
+from symfuse.evaluate.language import load_causal_lm, mean_next_token_loss
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,52 +42,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def read_texts(data: str, split: str, limit: int) -> list[str]:
     """The first ``limit`` non-empty ``text`` fields of ``<data>/<split>.jsonl``."""
     folder = Path(data) if Path(data).is_dir() else find_named_dataset(data)
-    if folder is None or not (folder / f"{split}.jsonl").is_file():
-        raise SystemExit(f"error: {data}: no {split}.jsonl found — give a dataset folder holding it")
+    file = None if folder is None else folder / f"{split}.jsonl"
+    if file is None or not file.is_file():
+        raise UsageError(f"{data}: no {split}.jsonl found — give a dataset folder holding it")
     texts = []
-    with open(folder / f"{split}.jsonl", encoding="utf-8") as fh:
-        for line in fh:
-            text = json.loads(line).get("text", "") if line.strip() else ""
-            if text:
+    with open(file, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            try:
+                record = json.loads(line) if line.strip() else {}
+            except ValueError as exc:
+                raise DataError(f"{file}:{number}: not valid JSON ({exc}) — fix the line") from exc
+            text = record.get("text") if isinstance(record, dict) else None
+            if isinstance(text, str) and text:
                 texts.append(text)
             if len(texts) == limit:
                 break
+    if not texts:
+        raise DataError(f'{file}: no record with a non-empty "text" string — give a split of texts')
     return texts
-
-
-@torch.no_grad()
-def perplexity(model: torch.nn.Module, ids: list[torch.Tensor]) -> tuple[float, int]:
-    """``exp`` of the mean next-token loss over every predicted token of ``ids``; the number of those tokens."""
-    total, count = 0.0, 0
-    for seq in ids:
-        if seq.numel() < 2:
-            continue
-        logits = model(seq[None]).logits[0, :-1].float()
-        total += torch.nn.functional.cross_entropy(logits, seq[1:], reduction="sum").item()
-        count += seq.numel() - 1
-    return math.exp(total / count), count
 
 
 def main(argv: list[str] | None = None) -> int:
     """Print each model's perplexity and continuation; return 0."""
     args = parse_args(argv)
+    if args.max_examples < 1 or args.max_length < 2 or args.new_tokens < 0:
+        raise UsageError("--max-examples must be >= 1, --max-length >= 2 and --new-tokens >= 0")
     device = resolve_device(args.device, "--device")
     texts = read_texts(args.data, args.split, args.max_examples)
     for name in args.models:
-        folder = resolve_checkpoint(name)
-        tok = AutoTokenizer.from_pretrained(str(folder))
-        model = load_hf_model(folder, dtype=torch.float32).to(device)
-        ids = [tok(t, return_tensors="pt", truncation=True, max_length=args.max_length)["input_ids"][0].to(device)
-               for t in texts]  # fmt: skip
-        ppl, tokens = perplexity(model, ids)
+        model, tok = load_causal_lm(name, device)  # a classifier or a bare encoder: one line naming it
+        loss, tokens = mean_next_token_loss(model, tok, texts, name, device, max_length=args.max_length)
         prompt = tok(args.prompt, return_tensors="pt").to(device)
-        out = model.generate(**prompt, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=args.new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)  # fmt: skip
         text = tok.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
-        print(
-            f"{name}: perplexity {ppl:.1f} on {tokens} tokens of {args.data}/{args.split}; {args.prompt!r} -> {text!r}"
-        )
+        print(f"{name}: perplexity {math.exp(loss):.1f} on {tokens} tokens of {args.data}/{args.split}; "
+              f"{args.prompt!r} -> {text!r}")  # fmt: skip
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

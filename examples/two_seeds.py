@@ -19,9 +19,11 @@ import torch
 import transformers as T
 
 from symfuse.checkpoint import resolve_checkpoint
+from symfuse.cli.boundary import run_script
 from symfuse.data import make_batches
 from symfuse.data.batches import load_tokenizer
 from symfuse.device import resolve_device
+from symfuse.errors import UsageError
 
 log = logging.getLogger("two_seeds")
 
@@ -40,6 +42,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     return p.parse_args(argv)
+
+
+def checked_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, each in its range (a usage error otherwise)."""
+    args = parse_args(argv)
+    small = min(args.steps, args.layers, args.d_model, args.heads, args.batch_size) < 1
+    if small or args.max_length < 2 or args.d_model % max(args.heads, 1) or not args.lr > 0:
+        raise UsageError("--steps, --layers, --d-model, --heads and --batch-size must be >= 1, --max-length >= 2, "
+                         "--lr > 0, and --d-model a multiple of --heads")  # fmt: skip
+    return args
 
 
 def train(seed: int, batches: list[dict], vocab: int, args: argparse.Namespace, device: torch.device) -> Any:
@@ -69,7 +81,7 @@ def train(seed: int, batches: list[dict], vocab: int, args: argparse.Namespace, 
 def main(argv: list[str] | None = None) -> int:
     """Train and save the two models; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = parse_args(argv)
+    args = checked_args(argv)
     if args.out.exists():
         raise SystemExit(f"error: {args.out}: already exists — choose another --out")
     device = resolve_device(args.device, "--device")
@@ -84,4 +96,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -176,3 +176,29 @@ def test_recipe_d_runs_as_written_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     ppl = [float(line.split("perplexity ")[1].split()[0]) for line in lines if "perplexity" in line]
     assert len(ppl) == 4 and all(math.isfinite(x) and x > 1 for x in ppl), lines
     assert abs(ppl[1] - ppl[0]) < 1e-3 * ppl[0] and abs(ppl[3] - ppl[0]) < 1e-3 * ppl[0], lines  # same function
+
+
+def test_the_example_scripts_say_what_is_wrong_in_one_line(tmp_path, monkeypatch, capsys):
+    """A missing model, a classifier or a bad data line were tracebacks in examples/perplexity.py (a classifier's
+    "For 1D input, 1D target must have size 1"); --points 1 divided by zero in different_init.py."""
+    from symfuse.cli.boundary import run_script
+    from tests.cli.helpers import toy_dataset
+
+    monkeypatch.chdir(tmp_path)
+    classifier = save_tiny_text_classifier(tmp_path / "clf")
+    toy_dataset(tmp_path / "texts")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "test.jsonl").write_text('{"text": "a"}\n{bad\n')
+    perplexity, different_init = load_example("perplexity").main, load_example("different_init").main
+    for main, args, status, words in [
+        (perplexity, ["missing"], 1, "error: missing: not a local folder"),
+        (perplexity, [str(classifier), "--data", "texts"], 1, "BertForSequenceClassification is not a causal"),
+        (perplexity, [str(classifier), "--data", "bad"], 1, "bad/test.jsonl:2: not valid JSON"),
+        (perplexity, [str(classifier), "--max-examples", "0"], 2, "--max-examples must be >= 1"),
+        (different_init, ["--points", "1"], 2, "--points must be >= 2"),
+        (different_init, ["--out", "d", "--heads", "3"], 2, "--d-model a multiple of --heads"),
+    ]:
+        assert run_script(main, [*args, "--device", "cpu"]) == status, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], (args, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "clf", "texts"]  # nothing written

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import typer
@@ -85,6 +85,23 @@ def report(exc: BaseException, verbose: bool) -> int:
         sys.stderr.write(redact("".join(traceback.format_exception(exc))))
     typer.echo(one_line(exc), err=True)
     return exit_status(exc) or DATA
+
+
+def run_script(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
+    """Run a script's ``main(argv)`` (the examples) behind the commands' boundary.
+
+    A failure is one line and its exit status, the traceback only with ``-v`` / ``--verbose`` (taken out of
+    ``argv``, default ``sys.argv[1:]``).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    verbose = any(a in VERBOSE_FLAGS for a in args)
+    try:
+        return main([a for a in args if a not in VERBOSE_FLAGS])
+    except KeyboardInterrupt:
+        typer.echo("error: interrupted", err=True)
+        return INTERRUPTED
+    except Exception as exc:
+        return report(exc, verbose)
 
 
 def split_verbose(args: Sequence[str]) -> tuple[bool, list[str]]:

@@ -99,6 +99,40 @@ def evaluate_language_model(
     """
     t0 = time.perf_counter()
     net, tok = load_causal_lm(model, device)
+    loss, count = mean_next_token_loss(net, tok, texts, model, device, batch_size, max_length, on_progress)
+    return {"primary": "perplexity", "perplexity": math.exp(loss), "loss": loss, "tokens": count, "n": len(texts),
+            "task": "language_modeling", "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def mean_next_token_loss(
+    net: torch.nn.Module,
+    tok: Any,
+    texts: Sequence[str],
+    model: str,
+    device: torch.device | str = "cpu",
+    batch_size: int = 8,
+    max_length: int = 128,
+    on_progress: Callable[[float], None] | None = None,
+) -> tuple[float, int]:
+    """``(mean next-token loss, predicted tokens)`` of a loaded causal LM (:func:`load_causal_lm`) on ``texts``.
+
+    Texts are cut at ``max_length`` tokens, or at the positions the model reads. The loss has a float perplexity
+    (``math.exp(loss)``).
+
+    Args:
+        net: The model (eval mode, on ``device``).
+        tok: Its tokenizer (right padding, a pad token).
+        texts: The texts scored.
+        model: The model's name in error messages.
+        device: Where ``net`` runs.
+        batch_size: Texts per forward pass at most (see :func:`next_token_nll`).
+        max_length: Tokens per text at most.
+        on_progress: Called with the fraction of texts done.
+
+    Raises:
+        ValueError: the texts hold no predicted token (every one is a single token after truncation).
+        NonFiniteError: the loss (or its perplexity) overflowed (:func:`symfuse.errors.overflowed`).
+    """
     max_length = readable_length(max_length, net.config, model)  # past its positions: an IndexError in the forward
     total, count = next_token_nll(net, tok, texts, device, batch_size, max_length, on_progress)
     if count == 0:
@@ -108,5 +142,4 @@ def evaluate_language_model(
         raise overflowed(model, "its next-token loss")
     if loss > _LOG_MAX:  # math.exp raised OverflowError
         raise overflowed(model, f"its perplexity (e to the mean next-token loss, {loss:.3g})")
-    return {"primary": "perplexity", "perplexity": math.exp(loss), "loss": loss, "tokens": count, "n": len(texts),
-            "task": "language_modeling", "seconds": time.perf_counter() - t0}  # fmt: skip
+    return loss, count
