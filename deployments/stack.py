@@ -409,8 +409,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="deploy every deployment as prefect.yaml says, "
                         "resetting edits made in the UI (default: only new or changed ones)")  # fmt: skip
     args = parser.parse_args(argv)
+    if problem := option_problem(args.port, args.gpus, args.home):
+        parser.error(problem)  # one line, exit 2
+    try:
+        return _run(args)
+    except (RuntimeError, OSError) as exc:  # a stack already running, a port taken, a failed step: one line
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def option_problem(port: int, gpus: str | None, home: str | None) -> str | None:
+    """Why the options cannot start a stack, or None (checked before anything starts).
+
+    A port past 65535 was a traceback and port 0 a hang; ``--gpus a`` started a worker for a GPU that is not there
+    (its tasks then ran on the CPU); ``--home`` naming a file was a traceback.
+    """
+    if not 0 < port < 65536:
+        return f"--port {port}: not a TCP port — give one from 1 to 65535"
+    if gpus is not None:
+        given = [g.strip() for g in gpus.split(",") if g.strip()]
+        bad = [g for g in given if not (g.isdigit() or g.startswith(("GPU-", "MIG-")))]
+        if bad or len(set(given)) < len(given):
+            what = f"{bad} are not GPU indices or UUIDs" if bad else "a GPU is named twice"
+            return f"--gpus {gpus}: {what} — give distinct indices such as 0,1 (nvidia-smi -L lists them)"
+        seen = detect_gpus()
+        missing = [g for g in given if g.isdigit() and g not in seen]
+        if missing:
+            return (f"--gpus {gpus}: GPU {', '.join(missing)} not visible here (visible: {', '.join(seen) or 'none'}) "
+                    "— name visible GPUs, or leave --gpus out (every visible GPU; none: one CPU worker)")  # fmt: skip
+    root = stack_home(home)
+    blocker = next((p for p in (root, *root.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        return f"--home {root}: {blocker} is a file — give a folder (created if missing)"
+    return None
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "start":
-        gpus = None if args.gpus is None else [g for g in args.gpus.split(",") if g]
+        gpus = None if args.gpus is None else [g.strip() for g in args.gpus.split(",") if g.strip()]
         info = start(args.port, gpus, args.home, workers=not args.no_workers, force=args.force)
         print(f"Prefect UI: {info['ui']}   API: {info['api_url']}")
         print("\n".join(info["deploy"]["lines"]))
