@@ -9,6 +9,7 @@ one model (the anchor, or the first), so they merge tensor by tensor.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -171,6 +172,7 @@ def match_many_residual_orthogonal(
     from symfuse.match.many import squared_distances_to_mean
     from symfuse.match.output_check import verify_outputs
     from symfuse.match.residual_orthogonal import write_state
+    from symfuse.symmetry.widen import untie
 
     readers = [CheckpointReader(m) for m in models]
     try:
@@ -181,6 +183,11 @@ def match_many_residual_orthogonal(
             anchor = min(range(len(readers)), key=sq.__getitem__)
         states = [{n: r.get(n).clone() for n in r.names()} for r in readers]
         spec, config = readers[0].spec, readers[0].config
+        mixed = len({bool(getattr(r.config, "tie_word_embeddings", False)) for r in readers}) > 1
+        if mixed:  # tied and untied LM heads (a residual disguise unties): every head its own tensor (KeyError before)
+            states = [untie(s, spec, r.config) for s, r in zip(states, readers, strict=True)]
+            config = copy.deepcopy(config)
+            config.tie_word_embeddings = False
         index = None if anchor == "barycenter" else int(anchor)
         result = align_universe(states, spec, config, kinds, index, rounds, tol, device=device)
         centre_in = folded_mean(states) if index is None else states[index]
@@ -189,7 +196,7 @@ def match_many_residual_orthogonal(
         for r, name, src, new in zip(readers, names, states, result.states, strict=True):
             dtype = next(t.dtype for t in src.values() if t.is_floating_point())
             new = {n: t.to(src[n].dtype if n in src else dtype).contiguous() for n, t in new.items()}
-            write_state(r, new, out / name, result.untied)
+            write_state(r, new, out / name, result.untied or mixed)
             diff = verify_outputs(out / name, r.path, "full", dtype)  # raises when not exact
             report = {"model": str(r.path), "out": name, "distance_before": sq_distance(src, centre_in) ** 0.5,
                       "distance_after": sq_distance(new, centre_out) ** 0.5, "max_abs_logit_diff": diff,

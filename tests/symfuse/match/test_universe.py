@@ -37,6 +37,17 @@ def test_three_disguises_of_one_model_are_aligned_together_exactly(tmp_path, anc
         assert sq_distance(s, states[0]) <= 1e-8 * sq_distance(states[0], {n: 0 * t for n, t in states[0].items()})
 
 
+def test_a_tied_model_and_its_untied_disguise_are_aligned_together(tmp_path):
+    """The disguise of a tied Llama is untied: match-many of the two was a KeyError on 'lm_head.weight'."""
+    base = save_tiny(tmp_path / "m0", "llama", seed=1, head="lm", pad_token_id=0, tie_word_embeddings=True)
+    models = [base, disguise_checkpoint(base, tmp_path / "m1", seed=3, kinds=["residual-orthogonal", *KINDS])]
+    proc = run_cli("match-many", *models, "--out", tmp_path / "o", "--anchor", str(base), "--max-iter", "3",
+                   "--symmetries", "residual-orthogonal," + ",".join(KINDS), "--device", "cpu")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "o" / "symfuse_many_report.json").read_text())
+    assert all(m["exact"] and m["max_abs_logit_diff"] <= 1e-4 for m in report["models"])
+
+
 def test_the_universe_mean_sits_nearer_every_model_than_one_anchor_does(tmp_path):
     folders = [save_tiny(tmp_path / f"m{i}", "llama", seed=i, head="lm", pad_token_id=0) for i in range(3)]
     states, spec, config = zip(*(_state(f) for f in folders), strict=True)
