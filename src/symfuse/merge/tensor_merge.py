@@ -137,13 +137,18 @@ class TensorMerge:
         if not deferred:
             check_finite_tensor(first, name, self.r0.file_of(name))
         merged = self._merge(name, first, rows, deferred)
-        finite = merger.output_finite(merged) or _all_finite(merged)
-        if merged is not first and merged.is_floating_point() and not finite:
+        cast = plan.out_dtype is not None and merged.is_floating_point() and merged.dtype != plan.out_dtype
+        if cast:  # cast here, where it is checked: the writer's cast wrote inf past float16's range (exit 0)
+            merged = merged.to(plan.out_dtype)
+        finite = (not cast and merger.output_finite(merged)) or _all_finite(merged)
+        if (merged is not first or cast) and merged.is_floating_point() and not finite:
             if deferred:
                 self._name_the_bad_input(name, first)
+            narrow = " (float16 holds |values| up to 65504: write float32 or bfloat16 with --out-dtype)"
             raise NonFiniteError(
-                f"{plan.out}: merged tensor {name!r} came out NaN / inf with {plan.strategy} (inputs were finite) — "
-                f"nothing was written; try {_overflow_fix(merger)}another strategy"
+                f"{plan.out}: merged tensor {name!r} came out NaN / inf with {plan.strategy} (inputs were finite)"
+                f"{narrow if merged.dtype == torch.float16 else ''} — nothing was written; try "
+                f"{_overflow_fix(merger)}another strategy"
             )
         self.done += first.numel()
         if self.on_progress is not None:

@@ -8,7 +8,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from symfuse.errors import MissingStats
+from symfuse.errors import MissingStats, NonFiniteError
 from symfuse.merge import MERGERS, merge_checkpoints, regmean_solve
 from symfuse.stats import collect_fisher, collect_gram, save_stats
 from tests.tiny import random_inputs, save_tiny, tiny_config, tiny_model
@@ -208,3 +208,20 @@ def test_models_of_different_dtypes_are_merged_in_the_first_s_and_said_so(tmp_pa
     with caplog.at_level("WARNING", logger="symfuse.merge.checkpoints"):
         merge_checkpoints("simple", [tmp_path / "bf", tmp_path / "bf"], tmp_path / "same")
     assert not [r for r in caplog.records if r.levelname == "WARNING"]  # one dtype: nothing to say
+
+
+def test_a_merge_past_the_range_of_its_output_dtype_is_refused(tmp_path):
+    """float32 inputs merged into float16 (--out-dtype / mergekit's dtype:) wrote inf for a value past 65504, exit 0."""
+    from safetensors.torch import save_file
+
+    a = _labelled(tmp_path / "a", ["anger", "joy"], 0)
+    b = _labelled(tmp_path / "b", ["anger", "joy"], 1)
+    weights = load_file(str(b / "model.safetensors"))
+    name = next(n for n in weights if n.endswith("query.weight"))
+    weights[name][0, 0] = 1e6
+    save_file(weights, str(b / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(NonFiniteError, match=rf"merged tensor '{name}' came out NaN / inf .*float16 holds"):
+        merge_checkpoints("simple", [a, b], tmp_path / "out", out_dtype="float16")
+    assert not (tmp_path / "out").exists()
+    out = merge_checkpoints("simple", [a, b], tmp_path / "bf16", out_dtype="bfloat16")  # in range there
+    assert torch.isfinite(_weights(out)[name]).all()
