@@ -371,7 +371,7 @@ def residual_orthogonal_step(request: AlignRequest, tmp: Path) -> Found:
     from symfuse.checkpoint import CheckpointReader
     from symfuse.device import resolve_device
     from symfuse.errors import UsageError
-    from symfuse.io import save_safetensors
+    from symfuse.io import check_finite_tensor, save_safetensors
     from symfuse.match.inputs import TRANSFORMS_FILE, check_compatible
     from symfuse.match.verify import is_exact
     from symfuse.symmetry.residual_orthogonal import unfold_into
@@ -386,8 +386,8 @@ def residual_orthogonal_step(request: AlignRequest, tmp: Path) -> Found:
         elif refine:
             raise UsageError("--refine: not yet for models of different widths — leave it out (the match stays exact)")
         spec, config = src.spec, src.config
-        s_state = {n: src.get(n).clone() for n in src.names()}
-        a_state = {n: anc.get(n).clone() for n in anc.names()}
+        s_state = {n: check_finite_tensor(src.get(n).clone(), n, src.path) for n in src.names()}
+        a_state = {n: check_finite_tensor(anc.get(n).clone(), n, anc.path) for n in anc.names()}  # norms too
         widened_from = None
         if widening:  # a narrower source: embedded exactly in the anchor's shapes first (symfuse.symmetry.widen)
             s_state, config, widened_from = widen_source(s_state, spec, config, anc.config)

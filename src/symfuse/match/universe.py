@@ -168,6 +168,7 @@ def match_many_residual_orthogonal(
         VerificationError: a written model does not compute its source's function (nothing is published).
     """
     from symfuse.checkpoint import CheckpointReader
+    from symfuse.io import check_finite_tensor
     from symfuse.match.inputs import REPORT_FILE, check_compatible
     from symfuse.match.many import squared_distances_to_mean
     from symfuse.match.output_check import verify_outputs
@@ -181,7 +182,7 @@ def match_many_residual_orthogonal(
         if anchor == "closest":
             sq = squared_distances_to_mean(readers)
             anchor = min(range(len(readers)), key=sq.__getitem__)
-        states = [{n: r.get(n).clone() for n in r.names()} for r in readers]
+        states = [{n: check_finite_tensor(r.get(n).clone(), n, r.path) for n in r.names()} for r in readers]
         spec, config = readers[0].spec, readers[0].config
         mixed = len({bool(getattr(r.config, "tie_word_embeddings", False)) for r in readers}) > 1
         if mixed:  # tied and untied LM heads (a residual disguise unties): every head its own tensor (KeyError before)

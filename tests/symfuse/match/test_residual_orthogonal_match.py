@@ -57,6 +57,24 @@ def test_cli_and_post_ln_refusal(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("error: bert: an orthogonal map of the residual stream")
 
 
+def test_a_norm_holding_nan_is_refused_naming_the_file_and_tensor(tmp_path):
+    """Only this driver read norms unchecked: linalg.svd's "failed to converge" (internal error) or a KeyError."""
+    from safetensors.torch import save_file
+
+    a = save_tiny(tmp_path / "a", "llama", seed=1, head="lm", pad_token_id=0)
+    b = save_tiny(tmp_path / "b", "llama", seed=2, head="lm", pad_token_id=0)
+    weights = load_file(str(b / "model.safetensors"))
+    weights["model.layers.0.input_layernorm.weight"][0] = float("nan")
+    save_file(weights, str(b / "model.safetensors"), metadata={"format": "pt"})
+    for command in ("match", "match-many"):
+        proc = run_cli(command, b, a, "--out", tmp_path / "m", "--symmetries", "residual-orthogonal", "--device", "cpu")
+        assert proc.returncode == 1 and not (tmp_path / "m").exists(), proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: {b}: tensor 'model.layers.0.input_layernorm.weight' holds 1 NaN / inf value(s) — the file is "
+            "corrupt or training diverged; use another checkpoint or re-export it"
+        )
+
+
 def _gpt2_classifier(folder, seed):
     import transformers as T
 
