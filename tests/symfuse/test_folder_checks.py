@@ -164,3 +164,16 @@ def test_missing_or_toy_tokenizer_is_refused(tiny, tmp_path):
     for check in (load_tokenizer, lambda f: validate_checkpoint(f, tokenizer=True)):
         with pytest.raises(TokenizerError, match=r"toy/tokenizer\.json: cannot be read as JSON \(Expecting"):
             check(folder)
+
+
+def test_an_untied_lm_head_must_be_stored(tmp_path):
+    """transformers drew a missing untied lm_head at random on each load; match "verified" its result against one."""
+    untied = save_tiny(tmp_path / "u", "llama", seed=1, head="lm", tie_word_embeddings=False)
+    weights = load_file(str(untied / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(untied / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight is missing while config\.json unties it"):
+        validate_checkpoint(untied)
+    tied = save_tiny(tmp_path / "t", "llama", seed=1, head="lm", tie_word_embeddings=True)  # stored once: fine
+    assert "lm_head.weight" not in load_file(str(tied / "model.safetensors"))
+    assert validate_checkpoint(tied) == tied

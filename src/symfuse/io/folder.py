@@ -219,6 +219,31 @@ def check_module_shapes(
                 )
     _check_layer_count(folder, spec, config, prefix, files)
     _check_head_outputs(folder, config, prefix, files, tensor_files)
+    _check_lm_head(folder, spec, config, prefix, files)
+
+
+_LM_CLASSES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")  # classes whose LM head is ``lm_head``
+
+
+def _check_lm_head(folder: Path, spec: Any, config: Any, prefix: str, files: dict[str, Path]) -> None:
+    """An LM head that ``config.json`` unties from the input embedding is stored.
+
+    transformers draws a missing one at random on every load: two loads of the folder differed by 0.5 in logits,
+    and ``match`` verified its "exact" result against one such draw.
+
+    Raises:
+        CheckpointError: ``tie_word_embeddings`` is false and ``lm_head.weight`` is not stored.
+    """
+    archs = getattr(config, "architectures", None) or []
+    if getattr(config, "tie_word_embeddings", True) or not any(a.endswith(_LM_CLASSES) for a in archs):
+        return
+    for head in spec.head_paths(prefix):
+        if head.path.endswith("lm_head") and head.path + ".weight" not in files:
+            raise CheckpointError(
+                f"{folder}: {head.path}.weight is missing while config.json unties it from the input embedding "
+                "(tie_word_embeddings: false), so every load would draw it at random — re-export the checkpoint, "
+                "or set tie_word_embeddings: true if its head is the embedding"
+            )
 
 
 def _check_layer_count(folder: Path, spec: Any, config: Any, prefix: str, files: dict[str, Path]) -> None:
