@@ -126,10 +126,8 @@ def match_many_cmd(
         with atomic_output_dir(out, overwrite=overwrite) as tmp:
             for m, name, ts in zip(models, names, result["transforms"], strict=True):
                 rep = assemble_matched(m, ts, tmp / name, anchor=anchor_model, symmetries=sym, logit_check=True)
-                per_model.append(
-                    {"model": m, "out": name}
-                    | {k: rep.get(k) for k in ("distance_before", "distance_after", "max_abs_logit_diff")}
-                )
+                keys = ("distance_before", "distance_after", "max_abs_logit_diff", "exact", "within_tolerance")
+                per_model.append({"model": m, "out": name} | {k: rep.get(k) for k in keys})  # ot-soft: exact false
             if anchor_model is None:  # barycenter: each model's distance to the mean, before and after alignment
                 _barycenter_distances(models, [tmp / n for n in names], per_model)
             report = {

@@ -41,7 +41,7 @@ def test_named_anchor_recovers_the_disguised_copy_and_keeps_functions(three, tmp
     report = json.loads((out / "symfuse_many_report.json").read_text())
     assert report["anchor"] == str(a) and [m["out"] for m in report["models"]] == ["a", "b", "c"]
     for m in report["models"]:
-        assert m["max_abs_logit_diff"] <= 1e-4, m  # every model keeps its function
+        assert m["max_abs_logit_diff"] <= 1e-4 and m["exact"] and m["within_tolerance"], m  # functions kept
     by = {m["out"]: m for m in report["models"]}
     assert by["b"]["distance_before"] > 1 and by["b"]["distance_after"] < 1e-4  # the disguise is undone
     assert by["c"]["distance_after"] < by["c"]["distance_before"]
@@ -119,3 +119,12 @@ def test_an_anchor_given_as_another_spelling_of_a_models_path_is_that_model(tmp_
     models = ["m/a", "m/b"]
     for spelt in ("./m/b", str(tmp_path / "m" / "b"), "m/b/", "m/../m/b", "b", "m/b"):
         assert anchor_index(spelt, models, ["a", "b"]) == 1, spelt
+
+
+def test_soft_ot_is_reported_not_exact_in_the_summary(three, tmp_path):
+    """The summary had no "exact" key: only each model's own report said a soft plan changes the function."""
+    a, b, _ = three
+    r = _run("match-many", a, b, "--anchor", "a", "--symmetries", "ot-soft", "--out", tmp_path / "soft")
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "soft" / "symfuse_many_report.json").read_text())["models"]
+    assert [(m["out"], m["exact"]) for m in rows] == [("a", True), ("b", False)]
