@@ -394,7 +394,7 @@ def _label_problems(
         p, checkpoint = probes.get(model), config.dataset(model).checkpoint
         if checkpoint is None or p is None or not p.complete or model in scored:  # scored there: reported above
             continue
-        problem = data_mismatch(head.labels or (), p.labels)
+        problem = data_mismatch(head.labels or (), p.labels, p.task == "regression")
         if problem:
             out.append(
                 f"checkpoint of {model} {checkpoint}: its head refit / RegMean++ statistics read {model}, which "

@@ -299,7 +299,8 @@ def _check_data_labels(models: list[str], data: list[str], label: str, config: P
 
     for model, d in zip(models, data, strict=False):
         head = head_labels(read_config_json(resolve_checkpoint(model)))
-        problem = data_mismatch(head, load_task_dataset(d).labels) if head else None
+        ds = load_task_dataset(d) if head else None
+        problem = data_mismatch(head, ds.labels, ds.task == "regression") if ds is not None else None
         if problem:
             where, allow = (
                 (f"{config}: ", f"put allow_label_mismatch: true in {config}")

@@ -90,12 +90,15 @@ def unnamed(names: Iterable[str]) -> bool:
     return all(UNNAMED.fullmatch(str(n)) for n in names)
 
 
-def data_mismatch(head: Sequence[str], data: Sequence[str]) -> str | None:
-    """Why data with classes ``data`` is not a head's own data, or None (it may be; regression: always None).
+def data_mismatch(head: Sequence[str], data: Sequence[str], regression: bool = False) -> str | None:
+    """Why data with classes ``data`` is not a head's own data, or None (it may be).
 
     A named head shares at least one class with its data (case-insensitively); a head without names (``LABEL_i``)
-    has as many outputs as its data has classes.
+    has as many outputs as its data has classes. Regression data (``regression``: a score per record, no class)
+    is no head of two or more classes' data (a head refit on STS-B scores changed a classifier, exit 0).
     """
+    if regression and len(head) > 1:
+        return f"holds regression scores, no classes, for a head of {len(head)} classes ({short_names(head)})"
     if not head or not data:
         return None
     if unnamed(head):

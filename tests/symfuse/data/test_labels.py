@@ -17,7 +17,10 @@ def test_data_of_a_head_shares_a_class_or_has_as_many_classes_as_unnamed_outputs
     )
     assert data_mismatch(["LABEL_0", "LABEL_1"], ["joy", "fear"]) is None
     assert data_mismatch(["LABEL_0", "LABEL_1"], ["a", "b", "c"]) == "has 3 classes for a head of 2 unnamed outputs"
-    assert data_mismatch(["LABEL_0"], []) is None  # regression
+    assert data_mismatch(["LABEL_0"], [], regression=True) is None  # regression data for a regression head
+    assert data_mismatch(["joy", "anger"], [], regression=True) == (  # a head refit read STS-B scores, exit 0
+        "holds regression scores, no classes, for a head of 2 classes (joy, anger)"
+    )
 
 
 def test_fisher_targets_need_every_class_of_the_data_in_the_head():

@@ -54,6 +54,17 @@ def test_data_of_another_label_set_is_refused_unless_allowed(tiny):  # noqa: F81
         f"--data: {data[1]} (for {folders[0]}) has 3 classes for a head of 2 unnamed outputs — give each " in res.output
     )
     assert "in model order, or add --allow-label-mismatch" in res.output
+    scores = d / "scores"  # regression data (a score per record) for a head of classes
+    scores.mkdir()
+    rows = "".join(json.dumps({"text": f"t {i}", "text_pair": "u", "label": i / 4}) + "\n" for i in range(4))
+    for split in ("train", "validation", "test"):
+        (scores / f"{split}.jsonl").write_text(rows)
+    (scores / "meta.json").write_text('{"task": "regression"}')
+    res = runner.invoke(app, [*map(str, [*swapped[:-4], "--data", scores, data[1], "--refit-heads"]), "--out",
+                              str(d / "scores-out")])  # fmt: skip
+    assert res.exit_code == 2 and "holds regression scores, no classes, for a head of 2 classes" in res.output, (
+        res.output
+    )
     _ok([*swapped, "--max-examples", "6", "--allow-label-mismatch", "--out", d / "swapped"])  # the user knows
     assert (d / "swapped" / "symfuse_report.json").is_file()
     cfg = d / "swapped.yaml"
