@@ -154,7 +154,8 @@ def translate(doc: dict[str, Any], path: str | os.PathLike) -> Translation:
             raise fail("base_model", "linear does not use a base model — remove it, or list it under models:")
     if len(entries) < 2 and task_vectors:
         raise fail("models", f"{len(entries)} model(s) to merge besides the base — give two or more")
-    values, labels = _resolve(entries, doc.get("parameters") or {}, fail, method is not None)
+    known = method.model_params | method.global_params if method else None
+    values, labels = _resolve(entries, doc.get("parameters") or {}, fail, method is not None, known)
     weights, w_label = values.pop("weight", None), labels.pop("weight", "models[0].parameters.weight")
     if method:
         params = _native(name, method, values, labels, weights, len(entries), fail)
@@ -333,10 +334,12 @@ def _resolve(
     global_params: Any,
     fail: Callable[[str, str], UsageError],
     scalars_only: bool,
+    known: set[str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """One value per parameter (``weight``: one per model) and the key each came from.
 
-    A model's own value wins over ``parameters``' (mergekit's precedence); per-model values must agree.
+    A model's own value wins over ``parameters``' (mergekit's precedence); per-model values must agree, those of a
+    name outside ``known`` (the method's parameters, when known) aside: that name is refused as unknown later.
     """
     if not isinstance(global_params, dict):
         raise fail("parameters", f"{global_params!r} — give a mapping {{name: value}}")
@@ -372,8 +375,11 @@ def _resolve(
             values["weight"], labels["weight"] = [float(w) for w in per_model], keys[0]
             continue
         odd = next((i for i, v in enumerate(per_model) if v != per_model[0]), None)
+        i = 0 if odd is None or keys[odd].startswith("parameters.") else odd
+        if odd is not None and known is not None and name not in known:  # a misspelt name: said by _native
+            values[name], labels[name] = per_model[i], keys[i]
+            continue
         if odd is not None:
-            i = odd if not keys[odd].startswith("parameters.") else 0
             raise fail(
                 keys[i],
                 f"{name} differs between models — symfuse applies one {name} to every model: give "

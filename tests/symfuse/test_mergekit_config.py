@@ -300,6 +300,10 @@ REFUSED = {
         two(merge_method="ties", parameters={"gamma": 0.1}),
         "parameters.gamma: not a parameter of mergekit's ties — remove it",
     ),
+    "misspelt-on-one-model": (  # was "densty differs between models — give them the same value"
+        two({"weight": 1.0, "densty": 0.5}, {"weight": 1.0}, merge_method="ties"),
+        "models[0].parameters.densty: not a parameter of mergekit's ties — remove it",
+    ),
     "per-model-lambda": (
         two({"lambda": 0.5}, {"lambda": 0.5}, merge_method="ties"),
         "models[0].parameters.lambda: mergekit reads lambda for the whole merge only",
