@@ -205,3 +205,19 @@ def test_cli_ot_matches_and_refuses_bad_input_in_one_line(tmp_path):
         assert r.exit_code == code, r.output
         assert text in r.output and len(r.output.strip().splitlines()) == 1, r.output
         assert not (tmp_path / "bad").exists()
+
+
+def test_a_sinkhorn_plan_that_stops_early_is_a_debug_line_not_pots_warning(monkeypatch, caplog):
+    """POT's "Sinkhorn did not converge ... increase numItermax or reg" reached the console of match / merge."""
+    import warnings
+
+    import symfuse.match.ot as symfuse_ot
+
+    monkeypatch.setattr(symfuse_ot, "SINKHORN_ITERS", 3)
+    cost = torch.rand(6, 6, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as seen, caplog.at_level("DEBUG", logger="symfuse.match.ot"):
+        warnings.simplefilter("always")
+        plan = symfuse_ot.transport_plan(cost, reg=0.01)
+    assert not [w for w in seen if "Sinkhorn" in str(w.message)], [str(w.message) for w in seen]
+    assert any("Sinkhorn stopped at 3 iterations" in r.getMessage() for r in caplog.records)
+    assert plan.shape == (6, 6) and torch.isfinite(plan).all()
