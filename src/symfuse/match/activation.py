@@ -236,12 +236,22 @@ def _load_model(path: Path) -> torch.nn.Module:
     return load_hf_model(path, dtype=torch.float32)
 
 
-def _state_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+def _state_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], skip: frozenset = frozenset()
+                    ) -> float:  # fmt: skip
+    """``||a - b||`` over the float tensors both hold with one shape, less the names in ``skip``."""
     total = 0.0
-    for k in a.keys() & b.keys():
+    for k in a.keys() & b.keys() - skip:
         if a[k].is_floating_point() and a[k].shape == b[k].shape:
             total += float(((a[k].double() - b[k].double()) ** 2).sum())
     return total**0.5
+
+
+def tied_names(state: Mapping[str, torch.Tensor]) -> frozenset:
+    """Names of a model's ``state_dict()`` that alias a tensor listed before them (a tied LM head: one tensor)."""
+    first: dict[tuple[int, tuple], str] = {}
+    for name, t in state.items():
+        first.setdefault((t.data_ptr(), tuple(t.shape)), name)
+    return frozenset(n for n, t in state.items() if first[(t.data_ptr(), tuple(t.shape))] != n)
 
 
 def _logit_diff_in_memory(a: torch.nn.Module, b: torch.nn.Module, seed: int = 0) -> float:
@@ -353,12 +363,13 @@ def activation_step(request: AlignRequest, tmp: Path) -> Found:
     write_model(matched_model(src_model, result), src_path, tmp)
     save_transforms(transforms, tmp / TRANSFORMS_FILE)
     anc_state = anc_model.state_dict()
+    tied = tied_names(src_model.state_dict()) | tied_names(anc_state)  # a tied head counted once
     extra = {"mode": "activation", "data": request.data, "max_examples": request.max_examples,
              "residual_strategy": strategy, "per_module": result.per_module}  # fmt: skip
     return Found(
         str(src_path), str(anc_path), spec.family, list(request.kinds),
         exact=all(is_exact(t) for t in transforms.values()),
-        distance_before=_state_distance(src_model.state_dict(), anc_state),
-        distance_after=_state_distance(result.state, anc_state), dtype=stored_dtype(src_path),
+        distance_before=_state_distance(src_model.state_dict(), anc_state, tied),
+        distance_after=_state_distance(result.state, anc_state, tied), dtype=stored_dtype(src_path),
         device=str(request.device), verify=whole_model_mode(request.verify), extra=extra,
     )  # fmt: skip

@@ -84,7 +84,7 @@ def _ot_batches(src_model: Any, src_path: Path, spec: Any, request: AlignRequest
 def ot_step(request: AlignRequest, tmp: Path) -> Found:
     """The ``ot`` driver's step (:data:`symfuse.match.publish.Step`): transport plans, the aligned source written."""
     from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
-    from symfuse.match.activation import _load_model, _state_distance
+    from symfuse.match.activation import _load_model, _state_distance, tied_names
     from symfuse.match.inputs import TRANSFORMS_FILE, check_compatible
     from symfuse.match.ot import kind_settings, ot_align
     from symfuse.match.written import stored_dtype, write_model
@@ -108,13 +108,14 @@ def ot_step(request: AlignRequest, tmp: Path) -> Found:
     write_model(matched.eval(), src_path, tmp)
     save_transforms(result.module_transforms(), tmp / TRANSFORMS_FILE)
     anc_state = anc_model.state_dict()
+    tied = tied_names(src_model.state_dict()) | tied_names(anc_state)  # a tied head counted once, as other drivers do
     extra = {
         "mode": f"ot-{mode}", "reg": reg, "residual_exact": result.residual_exact, "data": request.data,
         "max_examples": request.max_examples if mode == "acts" else None, "per_module": result.per_module,
     }  # fmt: skip
     return Found(
         str(src_path), str(anc_path), spec.family, [kind, *request.kinds], exact=result.exact,
-        distance_before=_state_distance(src_model.state_dict(), anc_state),
-        distance_after=_state_distance(result.state, anc_state), dtype=stored_dtype(src_path),
+        distance_before=_state_distance(src_model.state_dict(), anc_state, tied),
+        distance_after=_state_distance(result.state, anc_state, tied), dtype=stored_dtype(src_path),
         device=str(request.device), verify=whole_model_mode(request.verify), extra=extra,
     )  # fmt: skip

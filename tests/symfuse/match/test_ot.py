@@ -221,3 +221,13 @@ def test_a_sinkhorn_plan_that_stops_early_is_a_debug_line_not_pots_warning(monke
     assert not [w for w in seen if "Sinkhorn" in str(w.message)], [str(w.message) for w in seen]
     assert any("Sinkhorn stopped at 3 iterations" in r.getMessage() for r in caplog.records)
     assert plan.shape == (6, 6) and torch.isfinite(plan).all()
+
+
+def test_a_tied_head_counts_once_in_the_distances_as_in_the_weights_driver(tmp_path):
+    """OT counted a tied embedding twice (embedding and lm_head): 5.076 where the weights driver said 4.910."""
+    from symfuse.match import align_checkpoints
+
+    a, b = (save_tiny(tmp_path / n, "gpt2", seed=s, head="lm", pad_token_id=0) for n, s in (("a", 1), ("b", 2)))
+    weights = align_checkpoints(b, a, tmp_path / "w", ["rotation", "scaling"], device="cpu")
+    ot_report = align_checkpoints(b, a, tmp_path / "o", ["ot"], device="cpu")
+    assert ot_report["distance_before"] == pytest.approx(weights["distance_before"], rel=1e-6)
