@@ -242,7 +242,13 @@ def _read_pid(fd: int) -> str:
 def _lock(out: Path, lock: Path) -> int:
     """Take the exclusive lock on ``lock`` (retrying if its previous holder unlinked it meanwhile)."""
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:  # named: --out
+            raise UsageError(
+                f"{out}: cannot be written ({exc.strerror.lower() if exc.strerror else exc}: its lock file {lock.name} "
+                f"could not be created in {lock.parent}) — choose an output in a folder you can write"
+            ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:

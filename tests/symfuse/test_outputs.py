@@ -252,3 +252,11 @@ def test_another_thread_of_the_process_cannot_enter_a_claim(tmp_path):
         t.start()
         t.join()
     assert len(errors) == 1 and "another thread" in str(errors[0]) and not out.exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc, a folder that takes no new file")
+def test_an_output_in_a_folder_that_takes_no_file_is_named_not_its_lock():
+    """``--out /proc/x`` said "/proc/.x.lock: no such file or directory", naming a file the user never gave."""
+    words = r"^/proc/x: cannot be written \(no such file or directory: its lock file "
+    with pytest.raises(UsageError, match=words), atomic_output_dir("/proc/x"):
+        pass
