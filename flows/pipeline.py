@@ -17,7 +17,8 @@ from prefect import flow, unmapped
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.runtime import end_orphaned_task_runs, forward_library_logs, raise_failure, run_lock, staged
+from flows.failures import raise_failure
+from flows.runtime import end_orphaned_task_runs, forward_library_logs, run_lock, staged
 from flows.select import greedy_merges
 from symfuse.config import RunConfig
 from symfuse.logs import quiet_third_party

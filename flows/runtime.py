@@ -33,7 +33,6 @@ from prefect.logging import get_run_logger
 from prefect.logging.loggers import PrefectLogAdapter
 
 from symfuse.config import RunConfig
-from symfuse.errors import SymfuseError
 from tasks.devices import ensure_limit
 
 LIBRARY_LOGGERS = ("symfuse", "tasks")
@@ -101,7 +100,7 @@ def staged(config: RunConfig, stages: Mapping[Any, str]) -> SimpleNamespace:
 
     Returns:
         A namespace with one attribute per task, named after its function (``T.finetune``, ``T.merge`` ...), and
-        ``stages`` (``stages`` as given: :func:`raise_failure` names a timed-out task's setting from it).
+        ``stages`` (``stages`` as given: :func:`flows.failures.raise_failure` names a timed-out task's setting from it).
     """
     limits = config.timeouts.model_dump()
     unknown = sorted(set(stages.values()) - set(limits))
@@ -113,40 +112,6 @@ def staged(config: RunConfig, stages: Mapping[Any, str]) -> SimpleNamespace:
     )  # fmt: skip
     tasks = {task.fn.__name__: task.with_options(timeout_seconds=limits[stage]) for task, stage in stages.items()}
     return SimpleNamespace(**tasks, stages=dict(stages))
-
-
-class StageTimedOut(SymfuseError):
-    """A task ran past its stage's time limit (``RunConfig.timeouts.<stage>``) on every attempt."""
-
-
-def raise_failure(future: Any, config: RunConfig, stages: Mapping[Any, str]) -> None:
-    """Re-raise a failed task's exception; a time limit as one line naming the task run and its setting.
-
-    Prefect's own message, "Scope timed out after 60 second(s).", named neither the task nor the field to raise.
-
-    Args:
-        future: The failed task's future.
-        config: The run (its ``timeouts``).
-        stages: Task -> stage name, as given to :func:`staged`.
-    """
-    from prefect.task_engine import TaskRunTimeoutError
-
-    try:
-        future.result()
-    except TaskRunTimeoutError as exc:
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            run = client.read_task_run(future.task_run_id)
-        stage = next((s for t, s in stages.items() if t.task_key == run.task_key), None)
-        if stage is None:  # not a staged task: Prefect's words, with the task run's name
-            raise StageTimedOut(f"task run {run.name}: {exc}") from exc
-        field = f"timeouts.{stage}"
-        tries = "its attempt" if run.run_count <= 1 else f"each of its {run.run_count} attempts"
-        raise StageTimedOut(
-            f"task run {run.name} ran past its time limit ({field}: {getattr(config.timeouts, stage):g} s) on "
-            f"{tries} — raise {field} in the run config (null: no limit), or see what held it with -v"
-        ) from exc
 
 
 @contextlib.contextmanager

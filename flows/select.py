@@ -14,7 +14,7 @@ from typing import Any
 
 from prefect import unmapped
 
-from flows.runtime import raise_failure
+from flows.failures import raise_failure
 from symfuse.config import RunConfig
 from symfuse.merge import MERGERS
 from symfuse.merge.select import select_greedy

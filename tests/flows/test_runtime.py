@@ -76,7 +76,7 @@ def stuck(name: str) -> None:
 def test_a_task_past_its_time_limit_is_one_line_naming_the_task_and_the_setting(tmp_path):
     """The run ended with Prefect's "Scope timed out after 1 second(s).", naming neither the task nor the field."""
     from flows.cli import one_line
-    from flows.runtime import StageTimedOut, raise_failure
+    from flows.failures import StageTimedOut, raise_failure
 
     config = tiny_config(tmp_path, str(tmp_path), timeouts={"evaluate": 1})
 
