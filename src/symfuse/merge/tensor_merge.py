@@ -137,11 +137,14 @@ class TensorMerge:
         if not deferred:
             check_finite_tensor(first, name, self.r0.file_of(name))
         merged = self._merge(name, first, rows, deferred)
-        cast = plan.out_dtype is not None and merged.is_floating_point() and merged.dtype != plan.out_dtype
-        if cast:  # cast here, where it is checked: the writer's cast wrote inf past float16's range (exit 0)
+        finite = merger.output_finite(merged)  # known when the merger's last pass took the output's sum
+        if plan.out_dtype is not None and merged.is_floating_point() and merged.dtype != plan.out_dtype:
+            # cast here, where it is checked: the writer's cast wrote inf past float16's range (exit 0); a cast to a
+            # narrower range is checked again, a widening one keeps what the merger knew
+            finite = finite and torch.finfo(plan.out_dtype).max >= torch.finfo(merged.dtype).max
             merged = merged.to(plan.out_dtype)
-        finite = (not cast and merger.output_finite(merged)) or _all_finite(merged)
-        if (merged is not first or cast) and merged.is_floating_point() and not finite:
+        finite = finite or _all_finite(merged)
+        if merged is not first and merged.is_floating_point() and not finite:
             if deferred:
                 self._name_the_bad_input(name, first)
             narrow = " (float16 holds |values| up to 65504: write float32 or bfloat16 with --out-dtype)"
