@@ -69,6 +69,14 @@ UNNAMED = re.compile(r"LABEL_\d+")  # transformers' names for the classes of a h
 LM_HEADS = ("ForCausalLM", "LMHeadModel")  # how a causal LM's class name ends: LlamaForCausalLM, GPT2LMHeadModel
 
 
+def is_causal_lm(config: Any) -> bool:
+    """Whether a checkpoint's class is a causal language model (``GPT2LMHeadModel``, ``LlamaForCausalLM`` ...).
+
+    By how the class name ends: ``XLMRobertaForSequenceClassification`` holds "LM" and is a classifier.
+    """
+    return any(a.endswith(LM_HEADS) for a in getattr(config, "architectures", None) or ())
+
+
 def head_labels(config: Any) -> list[str] | None:
     """A checkpoint's classification head's class names, in output order (``id2label``); None: no such head.
 

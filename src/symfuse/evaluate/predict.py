@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from symfuse.data.batches import IGNORE_INDEX
-from symfuse.data.labels import LM_HEADS
 from symfuse.device import resolve_device
 
 log = logging.getLogger(__name__)
@@ -27,11 +26,6 @@ def head_problem_type(config: Any) -> str:
     if getattr(config, "problem_type", None):
         return config.problem_type
     return "regression" if config.num_labels == 1 else "single_label_classification"
-
-
-def is_causal_lm(config: Any) -> bool:
-    """Whether a checkpoint's class is a causal language model (``GPT2LMHeadModel``, ``LlamaForCausalLM`` ...)."""
-    return any(a.endswith(LM_HEADS) for a in getattr(config, "architectures", None) or ())
 
 
 def head_label_names(config: Any) -> list[str]:

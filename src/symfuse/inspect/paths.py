@@ -22,10 +22,11 @@ import torch.nn.functional as F
 
 from symfuse.data import iter_batches, load_task_dataset
 from symfuse.data.batches import encode_split, load_tokenizer, padding_id, readable_length
+from symfuse.data.labels import is_causal_lm
 from symfuse.data.text import is_language_modeling, text_split
 from symfuse.errors import CheckpointError
 from symfuse.evaluate.barrier import barrier_from_losses, head_space, interpolate_state, interpolation_losses
-from symfuse.evaluate.predict import forward_logits, head_problem_type, is_causal_lm, load_task_model, task_loss
+from symfuse.evaluate.predict import forward_logits, head_problem_type, load_task_model, task_loss
 
 CAUSAL_LM = "causal_lm"
 DEFAULT_LAMBDAS = (0.0, 0.25, 0.5, 0.75, 1.0)

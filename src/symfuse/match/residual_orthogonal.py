@@ -238,8 +238,8 @@ def _refine(r: ResidualAlignment, source: Path, spec: ArchSpec, group: str, batc
             device: torch.device) -> list[float]:  # fmt: skip
     """Refine ``r``'s stream map in place (``r.aligned``, ``r.rot``) on labelled batches; the losses."""
     from symfuse.checkpoint import load_hf_model
+    from symfuse.data.labels import is_causal_lm
     from symfuse.errors import UsageError
-    from symfuse.evaluate.predict import is_causal_lm
     from symfuse.match.refine import refine_stream_map
 
     if not batches:

@@ -15,7 +15,7 @@ from torch import nn
 
 from symfuse.checkpoint import load_hf_model, validate_checkpoint
 from symfuse.data.batches import load_tokenizer, name_padding, tracked_batches
-from symfuse.data.labels import LABEL_SPACE_KEY, LM_HEADS, head_targets, union_columns
+from symfuse.data.labels import LABEL_SPACE_KEY, head_targets, is_causal_lm, union_columns
 from symfuse.errors import DataError, overflowed
 from symfuse.io import fsync_dir, plain_mode
 from symfuse.stats.fisher import collect_fisher
@@ -60,7 +60,7 @@ def _check_fisher_head(config: Any, ds: Any, where: object, mode: str) -> None:
     A language model's next-token logits met per-example class ids deep in the pass (a shape error); single-label
     targets on a multi-label head, or multi-hot ones on a single-label head, are not the head's likelihood.
     """
-    if any(a.endswith(LM_HEADS) for a in getattr(config, "architectures", None) or ()):
+    if is_causal_lm(config):
         raise DataError(f"{where}: a causal language model has no task head to take the Fisher of on {ds.name} — "
                         "collect --kind gram, or the Fisher of a fine-tuned classifier")  # fmt: skip
     head_multi = getattr(config, "problem_type", None) == "multi_label_classification"
