@@ -362,14 +362,14 @@ def activation_step(request: AlignRequest, tmp: Path) -> Found:
         transforms[key] = ModuleTransform(key, (ResidualPermutation(r.perm.clone()),))
     write_model(matched_model(src_model, result), src_path, tmp)
     save_transforms(transforms, tmp / TRANSFORMS_FILE)
-    anc_state = anc_model.state_dict()
-    tied = tied_names(src_model.state_dict()) | tied_names(anc_state)  # a tied head counted once
+    src_state, anc_state = src_model.state_dict(), anc_model.state_dict()
+    tied = tied_names(src_state) | tied_names(anc_state)  # a tied head counted once
     extra = {"mode": "activation", "data": request.data, "max_examples": request.max_examples,
              "residual_strategy": strategy, "per_module": result.per_module}  # fmt: skip
     return Found(
         str(src_path), str(anc_path), spec.family, list(request.kinds),
         exact=all(is_exact(t) for t in transforms.values()),
-        distance_before=_state_distance(src_model.state_dict(), anc_state, tied),
+        distance_before=_state_distance(src_state, anc_state, tied),
         distance_after=_state_distance(result.state, anc_state, tied), dtype=stored_dtype(src_path),
         device=str(request.device), verify=whole_model_mode(request.verify), extra=extra,
     )  # fmt: skip

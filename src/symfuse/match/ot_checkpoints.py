@@ -107,15 +107,15 @@ def ot_step(request: AlignRequest, tmp: Path) -> Found:
     matched.load_state_dict(result.state)
     write_model(matched.eval(), src_path, tmp)
     save_transforms(result.module_transforms(), tmp / TRANSFORMS_FILE)
-    anc_state = anc_model.state_dict()
-    tied = tied_names(src_model.state_dict()) | tied_names(anc_state)  # a tied head counted once, as other drivers do
+    src_state, anc_state = src_model.state_dict(), anc_model.state_dict()
+    tied = tied_names(src_state) | tied_names(anc_state)  # a tied head counted once, as other drivers do
     extra = {
         "mode": f"ot-{mode}", "reg": reg, "residual_exact": result.residual_exact, "data": request.data,
         "max_examples": request.max_examples if mode == "acts" else None, "per_module": result.per_module,
     }  # fmt: skip
     return Found(
         str(src_path), str(anc_path), spec.family, [kind, *request.kinds], exact=result.exact,
-        distance_before=_state_distance(src_model.state_dict(), anc_state, tied),
+        distance_before=_state_distance(src_state, anc_state, tied),
         distance_after=_state_distance(result.state, anc_state, tied), dtype=stored_dtype(src_path),
         device=str(request.device), verify=whole_model_mode(request.verify), extra=extra,
     )  # fmt: skip

@@ -358,7 +358,8 @@ def _initial_map(src: Any, anc: Any, request: AlignRequest, group: str, dev: tor
     return activation_init(hidden, _hidden_states(anc.path, batches, dev), group), labelled
 
 
-def _tied(config: Any) -> bool:
+def tied_embeddings(config: Any) -> bool:
+    """Whether a config ties its LM head to the input embedding (stored once, as the embedding)."""
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
@@ -393,7 +394,7 @@ def residual_orthogonal_step(request: AlignRequest, tmp: Path) -> Found:
             s_state, config, widened_from = widen_source(s_state, spec, config, anc.config)
             a_state = untie(a_state, spec, anc.config)  # both heads their own tensors (config: untied)
             config.tie_word_embeddings = False
-        elif _tied(anc.config) and not _tied(config):  # an untied source (e.g. a residual disguise of the anchor)
+        elif tied_embeddings(anc.config) and not tied_embeddings(config):  # e.g. a residual disguise of the anchor
             a_state = untie(a_state, spec, anc.config)  # the anchor's head read as its own tensor: KeyError before
         group = check_supported(spec)
         dtype = next(t.dtype for t in s_state.values() if t.is_floating_point())

@@ -172,7 +172,7 @@ def match_many_residual_orthogonal(
     from symfuse.match.inputs import REPORT_FILE, check_compatible
     from symfuse.match.many import squared_distances_to_mean
     from symfuse.match.output_check import verify_outputs
-    from symfuse.match.residual_orthogonal import write_state
+    from symfuse.match.residual_orthogonal import tied_embeddings, write_state
     from symfuse.symmetry.widen import untie
 
     readers = [CheckpointReader(m) for m in models]
@@ -184,7 +184,7 @@ def match_many_residual_orthogonal(
             anchor = min(range(len(readers)), key=sq.__getitem__)
         states = [{n: check_finite_tensor(r.get(n).clone(), n, r.path) for n in r.names()} for r in readers]
         spec, config = readers[0].spec, readers[0].config
-        mixed = len({bool(getattr(r.config, "tie_word_embeddings", False)) for r in readers}) > 1
+        mixed = len({tied_embeddings(r.config) for r in readers}) > 1
         if mixed:  # tied and untied LM heads (a residual disguise unties): every head its own tensor (KeyError before)
             states = [untie(s, spec, r.config) for s, r in zip(states, readers, strict=True)]
             config = copy.deepcopy(config)
