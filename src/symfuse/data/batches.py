@@ -12,6 +12,7 @@ tokenizer makes them), all ``(batch, seq)`` padded to the longest sequence of th
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -29,11 +30,16 @@ IGNORE_INDEX = -100
 LOG_LINES = 10  # INFO lines per tracked pass
 
 
-def load_tokenizer(tokenizer: Any) -> Any:
+def load_tokenizer(tokenizer: Any, config: Any = None) -> Any:
     """A tokenizer object for a tokenizer, a checkpoint folder, ``"minilm"`` or a hub id.
 
     A folder whose model has one token type (``type_vocab_size: 1``) gets a tokenizer that writes no
     ``token_type_ids``.
+
+    Args:
+        tokenizer: A tokenizer (returned as it is), or where to load one from.
+        config: The folder's model config (an object or ``config.json``'s dict) when the caller holds it; None:
+            its ``config.json`` is read.
 
     Raises:
         TokenizerError: the folder has no tokenizer files, or they make a tokenizer of a few tokens only
@@ -49,7 +55,7 @@ def load_tokenizer(tokenizer: Any) -> Any:
     folder = resolve_checkpoint(tokenizer)
     check_tokenizer(folder)
     tok = check_vocab_size(AutoTokenizer.from_pretrained(str(folder)), folder)
-    segments = (_folder_config(folder) or {}).get("type_vocab_size")
+    segments = _config_value(config if config is not None else _folder_config(folder) or {}, "type_vocab_size")
     if isinstance(segments, int) and segments < 2 and "token_type_ids" in tok.model_input_names:
         # one token type (a BERT-like model so configured): a text pair's second segment, type 1, indexed past its
         # token-type embedding (IndexError). Segments are left out, as RoBERTa's tokenizer does.
@@ -255,10 +261,10 @@ def make_batches(
         from symfuse.data.dataset import load_task_dataset
 
         dataset = load_task_dataset(dataset)
-    tok = load_tokenizer(tokenizer)
     folder = isinstance(tokenizer, str | Path)
     if config is None and folder:  # a checkpoint folder: its model's config (None for "minilm", a hub id)
         config = _folder_config(tokenizer)
+    tok = load_tokenizer(tokenizer, config)
     if config is not None:  # the model's positions cap the length
         where = tokenizer if folder else getattr(config, "_name_or_path", None) or "the model"
         max_length = readable_length(max_length, config, where)
@@ -272,12 +278,17 @@ _OFFSET_POSITIONS = frozenset(
 )
 
 
+def _config_value(config: Any, key: str) -> Any:
+    """``key`` of a model config: a ``PretrainedConfig`` or ``config.json``'s dict (None when absent)."""
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
 def config_positions(config: Any) -> int | None:
     """The token positions a model reads, from its config (an object or ``config.json``'s dict), or None if unknown.
 
     ``max_position_embeddings`` / ``n_positions``, less the offset of RoBERTa-style position ids.
     """
-    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    get = functools.partial(_config_value, config)
     n = get("max_position_embeddings") or get("n_positions")
     if not isinstance(n, int) or n <= 0:
         return None

@@ -129,7 +129,7 @@ def collect_stats(
         raise ValueError(f"unknown Gram dtype {gram_dtype!r}; choose from {list(GRAM_DTYPES)}")
     folder = validate_checkpoint(model, finite=True, tokenizer=True)
     net = load_hf_model(folder, validate=False)
-    tok = load_tokenizer(folder)
+    tok = load_tokenizer(folder, net.config)
     name_padding(net, tok)  # the id the batches pad with (a decoder's classifier finds each row's end by it)
     ds = load_task_dataset(data)
     # refused before any pass: a union head without the data's classes, or classes the head does not have
