@@ -299,8 +299,10 @@ def _check_data_labels(models: list[str], data: list[str], label: str, config: P
 
     for model, d in zip(models, data, strict=False):
         head = head_labels(read_config_json(resolve_checkpoint(model)))
-        ds = load_task_dataset(d) if head else None
-        problem = data_mismatch(head, ds.labels, ds.task == "regression") if ds is not None else None
+        if not head:
+            continue
+        ds = load_task_dataset(d)
+        problem = data_mismatch(head, ds.labels, ds.task == "regression")
         if problem:
             where, allow = (
                 (f"{config}: ", f"put allow_label_mismatch: true in {config}")
