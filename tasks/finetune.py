@@ -8,7 +8,7 @@ from symfuse.data.holdout import HOLDOUT_FRACTION, HOLDOUT_SPLIT
 from symfuse.data.probe import content_fingerprint, split_names
 from symfuse.io import checkpoint_files
 from symfuse.scratch import linked_dir
-from symfuse.stats import model_fingerprint
+from symfuse.stats import files_fingerprint
 from symfuse.train import FinetuneConfig
 from symfuse.train import finetune as finetune_model
 from symfuse.train.finetune import HEAD_SEED_OFFSET
@@ -60,7 +60,7 @@ def finetune_keys(config: RunConfig, dataset: str) -> tuple[str, str]:
     held_out = "validation" not in (split_names(data) or ())  # the file names only: no record is read
     what = {"finetune": cfg, "data": data, "records": content_fingerprint(data),
             **({"selection": [HOLDOUT_SPLIT, HOLDOUT_FRACTION]} if held_out else {})}  # fmt: skip
-    return layout.model_key(config.run_id, dataset), content_key(what, {"base": model_fingerprint(base)})
+    return layout.model_key(config.run_id, dataset), content_key(what, {"base": files_fingerprint(base)})
 
 
 @symfuse_task("finetune", "finetune-{dataset}", gpu=True)
@@ -91,7 +91,7 @@ def bring_checkpoint(config: RunConfig, dataset: str) -> str:
     key, inside = layout.model_key(config.run_id, dataset), _inside(store, source)
     folder = None if inside else resolve_checkpoint(source)
     ck = content_key(
-        {"bring": dataset}, {"checkpoint": store.manifest(source) if inside else model_fingerprint(folder)}
+        {"bring": dataset}, {"checkpoint": store.manifest(source) if inside else files_fingerprint(folder)}
     )
     if (uri := reuse(store, key, ck, f"brought checkpoint {dataset}")) is not None:
         return uri

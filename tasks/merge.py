@@ -15,7 +15,7 @@ from symfuse.config import RunConfig
 from symfuse.data.probe import content_fingerprint
 from symfuse.errors import StatsMismatchError
 from symfuse.merge import MERGERS, REPORT, merge_checkpoints, merger_params
-from symfuse.stats import model_fingerprint
+from symfuse.stats import files_fingerprint
 from tasks.common import (
     Progress,
     content_key,
@@ -97,7 +97,7 @@ def merge(
     stats_uris = [u for name in models for u in stats.get(name, [])] if merger.required_stats else []
     inputs = {f"model.{n}": u for n, u in models.items()} | {f"stats{i}": u for i, u in enumerate(stats_uris)}
     base = resolve_checkpoint(config.base_model) if merger.needs_base else None
-    extra = {"base": model_fingerprint(base)} if base is not None else {}
+    extra = {"base": files_fingerprint(base)} if base is not None else {}
     card = {"base_model": config.base_model, "symmetries": config.symmetries if variant == "matched" else [],
             "extra": {"run_id": config.run_id, "variant": variant}}  # fmt: skip
     resolved = merger_params(strategy, params).model_dump(mode="json")  # defaults included: a new default re-merges

@@ -113,7 +113,7 @@ def test_a_dataset_without_validation_is_fine_tuned_on_held_out_train_records_an
     import json
 
     from symfuse.data.probe import content_fingerprint
-    from symfuse.stats import model_fingerprint
+    from symfuse.stats import files_fingerprint
     from symfuse.store.layout import content_key
     from tasks.finetune import finetune_keys, finetune_settings
     from tests.symfuse.train.helpers import no_validation_dataset
@@ -125,7 +125,7 @@ def test_a_dataset_without_validation_is_fine_tuned_on_held_out_train_records_an
     def key_before(name):
         data = cfg.dataset(name).data
         what = {"finetune": finetune_settings(cfg, name), "data": data, "records": content_fingerprint(data)}
-        return content_key(what, {"base": model_fingerprint(base)})
+        return content_key(what, {"base": files_fingerprint(base)})
 
     assert finetune_keys(cfg, "isear")[1] == key_before("isear") and finetune_keys(cfg, "nv")[1] != key_before("nv")
     report = json.loads((fetch(ArtifactStore(cfg.resolved_store_root()), finetune.fn(cfg, "nv")) /

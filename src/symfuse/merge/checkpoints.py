@@ -103,7 +103,7 @@ def _resolve_stats(
             raise MissingStats(
                 f"{len(files)} {kind} statistics file(s) for {k} models; give one stats folder (or file) per model"
             )
-    cache: dict[Path, str] = {}
+    cache: dict[Any, str] = {}  # fingerprints, hashed once per model
     if len(owners) == k:  # one folder (or file) per model: pair them in order
         for model, (where, files) in zip(models, owners, strict=True):
             check_stats_belong(model, files, where, cache)

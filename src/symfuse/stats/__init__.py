@@ -4,6 +4,7 @@ from symfuse.stats.collect import GRAM_DTYPES, collect_stats, load_model, model_
 from symfuse.stats.fisher import FisherStats, collect_fisher
 from symfuse.stats.gram import GramStats, collect_gram, linear_modules
 from symfuse.stats.io import STAT_KINDS, StatsFile, load_stats, save_stats
+from symfuse.stats.ownership import files_fingerprint
 from symfuse.stats.transform import transform_stats
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "collect_fisher",
     "collect_gram",
     "collect_stats",
+    "files_fingerprint",
     "linear_modules",
     "load_model",
     "load_stats",

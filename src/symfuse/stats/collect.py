@@ -21,7 +21,7 @@ from symfuse.io import fsync_dir, plain_mode
 from symfuse.stats.fisher import collect_fisher
 from symfuse.stats.gram import collect_gram
 from symfuse.stats.io import STAT_KINDS, StatsFile, save_stats
-from symfuse.stats.ownership import model_fingerprint
+from symfuse.stats.ownership import model_fingerprint, same_model
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def collect_stats(
         _collect_into(
             tmp, net, batches, kinds, common, ds, device, fisher_mode, seed, progress, on_progress, gram_dtype
         )
-        _move_in(tmp, out_dir, common["model_fingerprint"])
+        _move_in(tmp, out_dir, folder, common["model_fingerprint"])
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -226,7 +226,7 @@ def _finite(stats: dict[str, torch.Tensor], kind: str, model: str) -> dict[str, 
     return stats
 
 
-def _move_in(tmp: Path, out: Path, fingerprint: str) -> None:
+def _move_in(tmp: Path, out: Path, model: Path, fingerprint: str) -> None:
     """Put the finished files of ``tmp`` in place: rename the whole folder, or (``out`` exists) file by file.
 
     Nothing is moved until every kind is collected, so a failed run leaves the previous folder intact. Other
@@ -246,7 +246,7 @@ def _move_in(tmp: Path, out: Path, fingerprint: str) -> None:
                 other = StatsFile(f).meta.get("model_fingerprint")
             except Exception:  # unreadable: kept as it was, the merge reports it
                 other = None
-            if other and str(other) != fingerprint:
+            if other and not same_model(model, str(other), fingerprint):
                 log.warning("%s: belongs to another model (%s); recollect it with this model's statistics", f, other)
         for name in sorted(new):
             os.replace(tmp / name, out / name)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from symfuse.errors import MissingStats, NonFiniteError, StatsMismatchError
 from symfuse.match import disguise_checkpoint
 from symfuse.merge import merge_checkpoints
-from symfuse.stats import StatsFile, collect_stats, save_stats, transform_stats
+from symfuse.stats import StatsFile, collect_stats, load_stats, save_stats, transform_stats
 from tests.tiny import save_tiny_text_classifier
 
 QUERY = "bert.encoder.layer.0.attention.self.query"
@@ -270,3 +270,49 @@ def test_a_renamed_or_cut_stats_file_is_named_with_the_stats_fix(pair, tmp_path)
     with pytest.raises(StatsMismatchError, match=rf"^{cut}/gram.safetensors: .* — recollect it: symfuse stats MODEL"):
         merge_checkpoints("regmean", [a, b], tmp_path / "o", stats=[sa, cut])
     assert not (tmp_path / "o").exists()
+
+
+def _resharded(model, out, touch=None):
+    """``model``'s tensors in two shards with an index, its config re-saved by another writer (same function)."""
+    out = shutil.copytree(model, out)
+    (out / "model.safetensors").unlink()
+    state = load_file(model / "model.safetensors")
+    if touch:
+        state[touch] = state[touch].clone()
+        state[touch].view(-1)[0] += 1e-3
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: state[n] for n in part}, out / file, {"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((model / "config.json").read_text())
+    config = {"transformers_version": "9.9.9", **dict(reversed(list(config.items())))}
+    (out / "config.json").write_text(json.dumps(config, indent=4))
+    return out
+
+
+def test_stats_follow_the_model_across_a_reshard_and_refuse_a_changed_tensor(pair, tmp_path):
+    # the fingerprint hashes what the model computes with (config, tensors), not how its files are laid out
+    a, b, sa, sb, _ = pair
+    plain = merge_checkpoints("regmean", [a, b], tmp_path / "plain", stats=[sa, sb])
+    moved = merge_checkpoints("regmean", [_resharded(a, tmp_path / "A2"), b], tmp_path / "moved", stats=[sa, sb])
+    want, got = load_file(plain / "model.safetensors"), load_file(moved / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    touched = _resharded(a, tmp_path / "A3", touch=f"{QUERY}.weight")
+    with pytest.raises(StatsMismatchError, match="collected on another model"):
+        merge_checkpoints("regmean", [touched, b], tmp_path / "o", stats=[sa, sb])
+
+
+def test_stats_written_with_the_older_file_fingerprint_are_still_checked(pair, tmp_path):
+    from symfuse.stats import files_fingerprint
+
+    a, b, sa, sb, _ = pair
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in sa.iterdir():
+        tensors, meta = load_stats(f)
+        save_stats(tensors, old / f.name, {**meta, "model_fingerprint": files_fingerprint(a)})
+    merge_checkpoints("regmean", [a, b], tmp_path / "ok", stats=[old, sb])
+    with pytest.raises(StatsMismatchError, match="collected on another model"):
+        merge_checkpoints("regmean", [b, a], tmp_path / "o", stats=[old, sa])
