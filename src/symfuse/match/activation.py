@@ -34,7 +34,7 @@ from symfuse.arch import Geometry, ModuleRef, get_spec
 from symfuse.checkpoint import load_hf_model
 from symfuse.match.closed_form import assign_max
 from symfuse.match.publish import AlignRequest, Found, publish_alignment, whole_model_mode
-from symfuse.match.weights import match_module_weights, module_distance
+from symfuse.match.weights import match_module_weights, module_distance, state_sq_distance
 from symfuse.stats.activations import ActivationStats, collect_activation_stats, module_site
 from symfuse.symmetry.registry import SYMMETRY_KINDS, check_kinds, compatible_kinds, kind_names, kinds_for
 from symfuse.symmetry.residual import ResidualPermutation, permute_residual
@@ -236,16 +236,6 @@ def _load_model(path: Path) -> torch.nn.Module:
     return load_hf_model(path, dtype=torch.float32)
 
 
-def _state_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], skip: frozenset = frozenset()
-                    ) -> float:  # fmt: skip
-    """``||a - b||`` over the float tensors both hold with one shape, less the names in ``skip``."""
-    total = 0.0
-    for k in a.keys() & b.keys() - skip:
-        if a[k].is_floating_point() and a[k].shape == b[k].shape:
-            total += float(((a[k].double() - b[k].double()) ** 2).sum())
-    return total**0.5
-
-
 def tied_names(state: Mapping[str, torch.Tensor]) -> frozenset:
     """Names of a model's ``state_dict()`` that alias a tensor listed before them (a tied LM head: one tensor)."""
     first: dict[tuple[int, tuple], str] = {}
@@ -369,7 +359,7 @@ def activation_step(request: AlignRequest, tmp: Path) -> Found:
     return Found(
         str(src_path), str(anc_path), spec.family, list(request.kinds),
         exact=all(is_exact(t) for t in transforms.values()),
-        distance_before=_state_distance(src_state, anc_state, tied),
-        distance_after=_state_distance(result.state, anc_state, tied), dtype=stored_dtype(src_path),
+        distance_before=state_sq_distance(src_state, anc_state, tied) ** 0.5,
+        distance_after=state_sq_distance(result.state, anc_state, tied) ** 0.5, dtype=stored_dtype(src_path),
         device=str(request.device), verify=whole_model_mode(request.verify), extra=extra,
     )  # fmt: skip

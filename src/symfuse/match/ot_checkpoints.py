@@ -84,9 +84,10 @@ def _ot_batches(src_model: Any, src_path: Path, spec: Any, request: AlignRequest
 def ot_step(request: AlignRequest, tmp: Path) -> Found:
     """The ``ot`` driver's step (:data:`symfuse.match.publish.Step`): transport plans, the aligned source written."""
     from symfuse.checkpoint import CheckpointReader, resolve_checkpoint
-    from symfuse.match.activation import _load_model, _state_distance, tied_names
+    from symfuse.match.activation import _load_model, tied_names
     from symfuse.match.inputs import TRANSFORMS_FILE, check_compatible
     from symfuse.match.ot import kind_settings, ot_align
+    from symfuse.match.weights import state_sq_distance
     from symfuse.match.written import stored_dtype, write_model
     from symfuse.symmetry.transforms import save_transforms
 
@@ -115,7 +116,7 @@ def ot_step(request: AlignRequest, tmp: Path) -> Found:
     }  # fmt: skip
     return Found(
         str(src_path), str(anc_path), spec.family, [kind, *request.kinds], exact=result.exact,
-        distance_before=_state_distance(src_state, anc_state, tied),
-        distance_after=_state_distance(result.state, anc_state, tied), dtype=stored_dtype(src_path),
+        distance_before=state_sq_distance(src_state, anc_state, tied) ** 0.5,
+        distance_after=state_sq_distance(result.state, anc_state, tied) ** 0.5, dtype=stored_dtype(src_path),
         device=str(request.device), verify=whole_model_mode(request.verify), extra=extra,
     )  # fmt: skip

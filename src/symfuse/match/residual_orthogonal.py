@@ -29,7 +29,7 @@ import torch
 
 from symfuse.arch.spec import ArchSpec
 from symfuse.match.publish import AlignRequest, Found, publish_alignment, whole_model_mode
-from symfuse.match.weights import match_module_weights
+from symfuse.match.weights import match_module_weights, state_sq_distance
 from symfuse.stats.ownership import RESIDUAL_MAP_FILE
 from symfuse.symmetry.residual import residual_plan
 from symfuse.symmetry.residual_orthogonal import (
@@ -66,15 +66,6 @@ class ResidualAlignment:
     anchor: State
     untied: bool
     history: list[float] = field(default_factory=list)
-
-
-def sq_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
-    """``sum ||a - b||^2`` over the floating tensors both hold with one shape (float64; other label sets: out)."""
-    return sum(
-        float((a[n].double() - b[n].double()).square().sum())
-        for n in a.keys() & b.keys()
-        if a[n].is_floating_point() and a[n].shape == b[n].shape
-    )
 
 
 def stream_cross(src: Mapping[str, torch.Tensor], anc: Mapping[str, torch.Tensor], spec: ArchSpec, config: Any,
@@ -183,8 +174,8 @@ def align_residual_orthogonal(
         inner = _apply_modules(src, modules, spec, config, prefix)
         rot = procrustes_in_group(stream_cross(inner, anc, spec, config, prefix), group)
         modules = _match_modules(rotate_residual(src, spec, config, rot, prefix), anc, spec, config, prefix, kinds)
-        history.append(sq_distance(rotate_residual(_apply_modules(src, modules, spec, config, prefix), spec, config,
-                                                   rot, prefix), anc))  # fmt: skip
+        moved = rotate_residual(_apply_modules(src, modules, spec, config, prefix), spec, config, rot, prefix)
+        history.append(state_sq_distance(moved, anc))
         log.debug("residual-orthogonal round %d: squared distance %.6g", it + 1, history[-1])
         if len(history) > 1 and history[-2] - history[-1] <= tol * history[-2]:
             break
@@ -416,6 +407,7 @@ def residual_orthogonal_step(request: AlignRequest, tmp: Path) -> Found:
         return Found(
             str(src.path), str(anc.path), spec.family, ["residual-orthogonal", *kinds],
             exact=all(is_exact(t) for t in r.modules.values()),
-            distance_before=sq_distance(s_state, a_state) ** 0.5, distance_after=sq_distance(final, a_state) ** 0.5,
+            distance_before=state_sq_distance(s_state, a_state) ** 0.5,
+            distance_after=state_sq_distance(final, a_state) ** 0.5,
             dtype=dtype, device=str(dev), verify=whole_model_mode(request.verify), extra=extra,
         )  # fmt: skip

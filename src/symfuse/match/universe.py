@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from symfuse.arch.spec import ArchSpec
-from symfuse.match.residual_orthogonal import align_residual_orthogonal, sq_distance
+from symfuse.match.residual_orthogonal import align_residual_orthogonal
+from symfuse.match.weights import state_sq_distance
 from symfuse.symmetry.residual_orthogonal import check_supported, fold_norms, unfold_into
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,8 @@ def align_universe(
         for it in range(rounds):
             aligned = onto(mean)
             new = folded_mean(aligned)
-            move = sq_distance(new, mean) ** 0.5 / max(_norm(mean), 1e-30)
-            history.append({"mean_move": move, "spread": sum(sq_distance(a, new) for a in aligned)})
+            move = state_sq_distance(new, mean) ** 0.5 / max(_norm(mean), 1e-30)
+            history.append({"mean_move": move, "spread": sum(state_sq_distance(a, new) for a in aligned)})
             log.info("universe round %d: the mean moved %.3g, spread %.6g", it + 1, move, history[-1]["spread"])
             mean = new
             if move < tol:
@@ -199,8 +200,8 @@ def match_many_residual_orthogonal(
             new = {n: t.to(src[n].dtype if n in src else dtype).contiguous() for n, t in new.items()}
             write_state(r, new, out / name, result.untied or mixed)
             diff = verify_outputs(out / name, r.path, "full", dtype)  # raises when not exact
-            report = {"model": str(r.path), "out": name, "distance_before": sq_distance(src, centre_in) ** 0.5,
-                      "distance_after": sq_distance(new, centre_out) ** 0.5, "max_abs_logit_diff": diff,
+            report = {"model": str(r.path), "out": name, "distance_before": state_sq_distance(src, centre_in) ** 0.5,
+                      "distance_after": state_sq_distance(new, centre_out) ** 0.5, "max_abs_logit_diff": diff,
                       "exact": True, "symmetries": ["residual-orthogonal", *kinds]}  # fmt: skip
             (out / name / REPORT_FILE).write_text(json.dumps(report, indent=2))
             reports.append(report)

@@ -259,6 +259,17 @@ def sq_distance(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 22) -> float
     return total
 
 
+def state_sq_distance(
+    a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], skip: frozenset = frozenset()
+) -> float:
+    """``sum ||a - b||²`` over the floating tensors both hold with one shape, less the names in ``skip`` (float64)."""
+    return sum(
+        sq_distance(a[n], b[n])
+        for n in a.keys() & b.keys() - skip
+        if a[n].is_floating_point() and a[n].shape == b[n].shape
+    )
+
+
 def module_distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
     """Frobenius distance over the roles both share (float64 accumulation, chunked)."""
     return sum(sq_distance(a[r], b[r]) for r in a.keys() & b.keys()) ** 0.5

@@ -7,8 +7,8 @@ from safetensors.torch import load_file
 
 from symfuse.checkpoint import CheckpointReader
 from symfuse.match import disguise_checkpoint
-from symfuse.match.residual_orthogonal import sq_distance
 from symfuse.match.universe import align_universe, folded_mean
+from symfuse.match.weights import state_sq_distance as sq_distance
 from tests.cli.helpers import run_cli
 from tests.tiny import save_tiny
 
