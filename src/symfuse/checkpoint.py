@@ -25,7 +25,13 @@ import torch
 from safetensors import safe_open
 
 from symfuse.arch import ArchSpec, Geometry, ModuleRef, ModuleWeights, get_spec
-from symfuse.config_json import config_error, read_config_json, unknown_model_type, update_config_json
+from symfuse.config_json import (
+    check_head_labels,
+    config_error,
+    read_config_json,
+    unknown_model_type,
+    update_config_json,
+)
 from symfuse.errors import CheckpointError, NonFiniteError, SymfuseError, UnsupportedArchitecture
 from symfuse.gguf_in import GGUF_DTYPES, check_gguf, gguf_cache_key, is_gguf_path, write_gguf_folder
 from symfuse.io import (
@@ -243,6 +249,7 @@ class CheckpointReader:
         from transformers import AutoConfig
 
         self.path = resolve_checkpoint(path_or_id)
+        check_head_labels(self.path, read_config_json(self.path))
         try:
             self.config = AutoConfig.from_pretrained(str(self.path))
         except Exception as exc:

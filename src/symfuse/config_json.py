@@ -77,3 +77,46 @@ def config_error(folder: Path, exc: BaseException) -> CheckpointError:
         f"{Path(folder) / 'config.json'}: cannot be read ({type(exc).__name__}: {text}) — fix that field as the "
         f"{model_type} config of transformers wants it (save_pretrained writes a valid one)"
     )
+
+
+def head_labels_problem(raw: Mapping[str, Any]) -> str | None:
+    """What is wrong with a classifier's ``id2label`` in its ``config.json`` dict, or None.
+
+    transformers numbers a head's outputs by the keys of ``id2label``: they must be 0..n-1, one per output (a gap
+    crashed evaluation), and each output's name must be its own (matching by name, two outputs called ``anger``
+    could never both be a class). Placeholder names (``LABEL_<i>``) and configs without ``id2label`` pass.
+    """
+    id2label = raw.get("id2label")
+    if id2label is None or not any("Classification" in str(a) for a in raw.get("architectures") or []):
+        return None
+    if not isinstance(id2label, Mapping):
+        return f"id2label is a JSON {type(id2label).__name__}, not an object of output number -> class name"
+    try:
+        numbers = sorted(int(k) for k in id2label)
+    except (TypeError, ValueError):
+        bad = next(k for k in id2label if not str(k).lstrip("-").isdigit())
+        return f"id2label has the key {bad!r}, not an output number"
+    if numbers != list(range(len(numbers))):
+        shown = ", ".join(map(str, numbers[:12])) + (", ..." if len(numbers) > 12 else "")
+        return f"id2label numbers its outputs {shown}, not 0..{len(numbers) - 1}"
+    seen: dict[str, int] = {}
+    for key in sorted(id2label, key=int):
+        name = str(id2label[key]).strip().lower()
+        if name in seen:
+            return f"id2label names {name!r} twice (outputs {seen[name]} and {key})"
+        seen[name] = int(key)
+    return None
+
+
+def check_head_labels(folder: Path, raw: Mapping[str, Any]) -> None:
+    """Refuse a ``config.json`` whose ``id2label`` is malformed (see :func:`head_labels_problem`).
+
+    Raises:
+        CheckpointError: naming the file, what is wrong and the fix.
+    """
+    problem = head_labels_problem(raw)
+    if problem:
+        raise CheckpointError(
+            f"{Path(folder) / 'config.json'}: {problem} — number the outputs 0..n-1 and name each once, as "
+            "save_pretrained writes a head's id2label"
+        )

@@ -265,8 +265,10 @@ def _head_of(raw: dict, folder: Path) -> _Head:
     Raises:
         CheckpointError: no classification head (a bare body or a language model).
     """
+    from symfuse.config_json import check_head_labels
     from symfuse.errors import CheckpointError
 
+    check_head_labels(folder, raw)
     names = head_labels(raw)
     if names is None:
         archs = ", ".join(raw.get("architectures") or []) or "none"
@@ -415,12 +417,14 @@ def head_task_problem(folder: str | Path, source: str) -> str | None:
     """
     import json
 
+    from symfuse.config_json import head_labels_problem
+
     try:
         raw = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):  # the checkpoint checks name it
         return None
     data = probe_dataset(source)
-    if head_labels(raw) is None or not data.read or not data.task:
+    if head_labels_problem(raw) or head_labels(raw) is None or not data.read or not data.task:  # checkpoint checks
         return None
     head = _head_of(raw, Path(folder))
     if head.kind == _kind(data.task):

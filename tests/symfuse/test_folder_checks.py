@@ -3,6 +3,7 @@ weights (shapes, head classes, layer count) and its tokenizer against its model.
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -177,3 +178,35 @@ def test_an_untied_lm_head_must_be_stored(tmp_path):
     tied = save_tiny(tmp_path / "t", "llama", seed=1, head="lm", tie_word_embeddings=True)  # stored once: fine
     assert "lm_head.weight" not in load_file(str(tied / "model.safetensors"))
     assert validate_checkpoint(tied) == tied
+
+
+@pytest.mark.parametrize(
+    ("id2label", "says"),
+    [
+        ({"0": "anger", "1": "joy", "3": "fear"}, "numbers its outputs 0, 1, 3, not 0..2"),  # evaluate: KeyError 2
+        ({"-1": "anger", "0": "joy", "1": "fear"}, "numbers its outputs -1, 0, 1"),
+        ({"0": "anger", "a": "joy", "2": "fear"}, "has the key 'a'"),  # evaluate: "invalid literal for int()"
+        (["anger", "joy", "fear"], "is a JSON list"),
+        ({"0": "anger", "1": "Anger", "2": "fear"}, "names 'anger' twice (outputs 0 and 1)"),  # evaluate: exit 0
+    ],
+)
+def test_a_head_whose_id2label_misnumbers_or_renames_its_outputs_is_refused(tmp_path, id2label, says):
+    from tests.cli.helpers import run_cli, toy_dataset
+    from tests.tiny import save_tiny_text_classifier
+
+    folder = save_tiny_text_classifier(tmp_path / "m", num_labels=3)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "id2label": id2label}))
+    with pytest.raises(CheckpointError, match=re.escape(f"config.json: id2label {says}")):
+        CheckpointReader(folder)
+    data = toy_dataset(tmp_path / "d", ("anger", "joy", "fear"))
+    r = run_cli("evaluate", folder, "--data", data, "--out", tmp_path / "e.json")
+    assert r.returncode == 1 and f"{folder}/config.json: id2label" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_a_head_named_in_order_passes_its_id2label_check(tmp_path):
+    from tests.tiny import save_tiny_text_classifier
+
+    folder = save_tiny_text_classifier(tmp_path / "m", num_labels=3)
+    assert CheckpointReader(folder).config.num_labels == 3

@@ -293,12 +293,14 @@ def _check_data_labels(models: list[str], data: list[str], label: str, config: P
         UsageError: naming the dataset, its model and the fix (``--allow-label-mismatch`` or the file's key).
     """
     from symfuse.checkpoint import resolve_checkpoint
-    from symfuse.config_json import read_config_json
+    from symfuse.config_json import check_head_labels, read_config_json
     from symfuse.data import load_task_dataset
     from symfuse.data.labels import data_mismatch, head_labels
 
     for model, d in zip(models, data, strict=False):
-        head = head_labels(read_config_json(resolve_checkpoint(model)))
+        folder = resolve_checkpoint(model)
+        check_head_labels(folder, raw := read_config_json(folder))
+        head = head_labels(raw)
         if not head:
             continue
         ds = load_task_dataset(d)
