@@ -23,6 +23,7 @@ from symfuse.data.batches import encode_split, padding_id, readable_length
 from symfuse.data.dataset import TaskDataset
 from symfuse.data.labels import differ_in_classes, head_targets
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
+from symfuse.data.vocab import check_same_vocabulary
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, overflowed
 from symfuse.evaluate.evaluate import write_json_atomic
@@ -173,6 +174,7 @@ def loss_barrier(
     t0 = time.perf_counter()
     dev = resolve_device(device)
     check_same_tensors(a, b)
+    check_same_vocabulary([a, b], "the models along the path read the data as the first model's tokens")
     if is_language_modeling(str(data)):
         model_a, model_b, loss_fn, name = _lm_loss(a, b, str(data), split, max_examples, batch_size, max_length, seed,
                                                    dev)  # fmt: skip

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from symfuse.checkpoint import CheckpointReader
 from symfuse.data.labels import differ_in_classes
+from symfuse.data.vocab import check_same_vocabulary
 from symfuse.device import device_name, resolve_device
 from symfuse.errors import UsageError
 from symfuse.inspect.distances import MODULE_KINDS, has_residual_search, weight_figures
@@ -102,6 +103,8 @@ def inspect_models(
         raise UsageError("MODELS: inspect compares models with the first — give at least two checkpoint folders")
     if not {0.0, 1.0} <= {float(x) for x in lambdas}:
         raise UsageError("lambdas: the path needs both end models — include 0 and 1")
+    if data is not None:  # the paths read the data as the anchor's tokens
+        check_same_vocabulary(list(models), "the loss paths read the data as the anchor's tokens")
     t0 = time.perf_counter()
     dev = resolve_device(device)
     opts = {"lambdas": lambdas, "max_examples": max_examples, "split": split}

@@ -38,6 +38,7 @@ import torch
 
 from symfuse.checkpoint import CheckpointReader, write_checkpoint
 from symfuse.config_json import update_config_json
+from symfuse.data.vocab import check_same_vocabulary
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, MissingStats, StatsMismatchError
 from symfuse.io import BufferPool, check_finite, parallel_reads, tensor_difference
@@ -262,6 +263,7 @@ def plan_merge(
         for r in readers[1:]
     )
     _check_bodies(readers, separate)
+    check_same_vocabulary([r.path for r in readers], "a merged model reads text with the first model's tokenizer")
     if base_reader is not None:
         _check_base(base_reader, r0, heads)
     _warn_mixed_dtypes(readers, written)
