@@ -26,6 +26,8 @@ def read_config_json(folder: Path) -> dict[str, Any]:
     """
     file = Path(folder) / "config.json"
     fix = "fix or re-export it with save_pretrained"
+    if file.exists() and not file.is_file():  # a pipe or device: reading it would wait forever
+        raise CheckpointError(f"{file}: not a regular file — {fix}")
     try:
         data = json.loads(file.read_bytes().decode("utf-8"))
     except json.JSONDecodeError as exc:

@@ -415,13 +415,12 @@ def head_task_problem(folder: str | Path, source: str) -> str | None:
     failed deep inside the forward pass with a shape or dtype error. Only the kinds are compared: class names are
     mapped by the commands themselves. A model without a classification head, or a hub dataset, passes.
     """
-    import json
-
-    from symfuse.config_json import head_labels_problem
+    from symfuse.config_json import head_labels_problem, read_config_json
+    from symfuse.errors import CheckpointError
 
     try:
-        raw = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # the checkpoint checks name it
+        raw = read_config_json(Path(folder))
+    except CheckpointError:  # the checkpoint checks name it
         return None
     data = probe_dataset(source)
     if head_labels_problem(raw) or head_labels(raw) is None or not data.read or not data.task:  # checkpoint checks

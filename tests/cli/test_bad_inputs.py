@@ -157,6 +157,8 @@ CASES = [
     C("match-many-unknown-anchor", f"match-many {{A}} {{B}} {OUT} --anchor nosuch", 2, "nosuch"),
     C("match-many-model-twice", f"match-many {{A}} {{B}} {{A}}/ {OUT}", 2, "given twice (as {A} and {A}/) — give"),
     C("inspect-split-without-data", "inspect {A} {B} --split validation", 2, "--split: only read with --data"),
+    C("inspect-residual-iters-post-ln", "inspect {A} {B} --residual-iters 5", 2, "--residual-iters: bert models"),
+    C("inspect-out-not-png", "inspect {A} {B} --out {OUT}.pdf", 2, "draws a PNG image; name the file .png"),
     C(
         "match-many-activations-only-symmetry",
         f"match-many {{A}} {{B}} {OUT} --symmetries rotation,residual-permutation",
@@ -202,6 +204,18 @@ CASES = [
     C("stats-unknown-fisher-mode", f"stats {{A}} --data {{DATA}} {OUT} --fisher-mode nope", 2, "--fisher-mode"),
     C("stats-bad-device", f"stats {{A}} --data {{DATA}} {OUT} --device gpu", 2, "--device"),
     C("stats-bad-gram-dtype", f"stats {{A}} --data {{DATA}} {OUT} --gram-dtype float16", 2, "--gram-dtype"),
+    C(
+        "stats-fisher-mode-without-fisher",
+        f"stats {{A}} --data {{DATA}} {OUT} --fisher-mode sampled",
+        2,
+        "--fisher-mode: only read with --kind fisher",
+    ),  # ignored: Grams only, exit 0
+    C(
+        "stats-gram-dtype-without-gram",
+        f"stats {{A}} --data {{DATA}} {OUT} --kind fisher --gram-dtype float32",
+        2,
+        "--gram-dtype: only read with --kind gram",
+    ),
     C("stats-unknown-dataset", f"stats {{A}} --data nosuch_dataset {OUT}", 1, "nosuch_dataset", verbose=True),
     C("stats-missing-model", f"stats {{MISSING}} --data {{DATA}} {OUT}", 2, "missing"),
     C("stats-garbage-model", f"stats {{GARBAGE}} --data {{DATA}} {OUT}", 1, "garbage"),

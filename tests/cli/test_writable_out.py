@@ -48,3 +48,43 @@ def test_an_output_under_a_file_is_refused_before_the_work(tmp_path, monkeypatch
         f"error: --out: {out}: {tmp_path / 'afile'} is a file, not a folder — choose another --out"
     )
     assert (tmp_path / "afile").read_text() == "notes\n"
+
+
+def test_a_folder_that_permissions_allow_but_the_file_system_refuses_is_refused_before_the_work(tmp_path, monkeypatch):
+    """As root, --out /proc/x.json passed the permission check; evaluate ran, then named a hidden temporary file."""
+    import tempfile
+
+    model = save_tiny_text_classifier(tmp_path / "m", seed=1)
+    data = toy_dataset(tmp_path / "toy")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    real = tempfile.mkstemp
+
+    def mkstemp(*a, dir=None, **kw):
+        if str(dir) == str(odd):
+            raise FileNotFoundError(2, "No such file or directory")
+        return real(*a, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    import symfuse.evaluate
+
+    monkeypatch.setattr(symfuse.evaluate, "evaluate_model", lambda *a, **k: pytest.fail("evaluated first"))
+    res = CliRunner().invoke(app, ["evaluate", str(model), "--data", str(data), "--out", str(odd / "e.json")])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: --out: {odd / 'e.json'}: no file can be created in {odd} (No such file or directory) — choose "
+        "another --out"
+    )
+    assert not list(odd.iterdir())
+
+
+def test_a_config_json_that_is_a_pipe_is_refused_not_waited_on(tmp_path):
+    """evaluate blocked reading a named pipe for ever."""
+    from tests.cli.helpers import run_cli
+
+    model = save_tiny_text_classifier(tmp_path / "m", seed=1)
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    for args in (["evaluate", model, "--data", toy_dataset(tmp_path / "toy")], ["inspect", model, model]):
+        r = run_cli(*args, timeout=120)
+        assert r.returncode != 0 and f"{model / 'config.json'}: not a regular file" in r.stderr, r.stderr

@@ -241,6 +241,17 @@ def writable_file(option: str, value: Path | None) -> None:
         raise UsageError(
             f"{option}: {value}: its folder {folder} is not writable by this user — choose another {option}"
         )
+    import os
+    import tempfile
+
+    try:  # permissions may say yes where the file system says no (root in /proc, a read-only or squashed mount)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".symfuse-write-check-")
+    except OSError as exc:
+        raise UsageError(
+            f"{option}: {value}: no file can be created in {folder} ({exc.strerror}) — choose another {option}"
+        ) from exc
+    os.close(fd)
+    os.unlink(probe)
 
 
 def metrics_file(option: str, value: Path | None) -> None:

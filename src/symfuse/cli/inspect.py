@@ -14,6 +14,7 @@ from symfuse.errors import DataError, OutputExistsError, UsageError
 from symfuse.inspect.verdict import THRESHOLDS_HELP  # no torch: --help reads it
 
 MAX_EXAMPLES, SPLIT = 64, "test"  # what --data reads by default
+RESIDUAL_ITERS = 2  # rounds of the residual-orthogonal search (pre-norm families)
 
 
 @app.command("inspect")
@@ -35,13 +36,13 @@ def inspect_command(
     out: Annotated[Path | None, typer.Option("--out", help="Also draw the report as a PNG file.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out.")] = False,
     residual_iters: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--residual-iters",
             help="Rounds of the whole-model residual-orthogonal search (pre-norm families: gpt2, llama, qwen3, phi3, "
-            "vit; post-LN families have none); 0 skips it.",
+            f"vit; post-LN families have none); 0 skips it. Default {RESIDUAL_ITERS}.",
         ),
-    ] = 2,
+    ] = None,
     max_examples: Annotated[int, typer.Option("--max-examples", help="Examples read with --data.")] = MAX_EXAMPLES,
     split: Annotated[str, typer.Option("--split", help="Split read with --data.")] = SPLIT,
     device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
@@ -61,7 +62,7 @@ def inspect_command(
     if data is None and (split != SPLIT or max_examples != MAX_EXAMPLES):
         option = "--split" if split != SPLIT else "--max-examples"
         raise UsageError(f"{option}: only read with --data — give --data DATASET, or drop {option}")
-    _check_families(models)
+    _check_families(models, residual_iters)
     if out is not None:
         _check_png(out, overwrite)
     if data is not None and not checks.scored_dataset("--data", data, split):
@@ -71,7 +72,8 @@ def inspect_command(
     from symfuse.inspect import inspect_models
     from symfuse.inspect.render import format_report, plot_report
 
-    report = inspect_models(models, data, residual_iters=residual_iters, device=device, max_examples=max_examples,
+    iters = RESIDUAL_ITERS if residual_iters is None else residual_iters
+    report = inspect_models(models, data, residual_iters=iters, device=device, max_examples=max_examples,
                             split=split)  # fmt: skip
     if out is not None:
         report["figure"] = str(plot_report(report, out))
@@ -81,12 +83,21 @@ def inspect_command(
 inspect_command.__doc__ = (inspect_command.__doc__ or "").rstrip() + " " + THRESHOLDS_HELP
 
 
-def _check_families(models: list[str]) -> None:
-    """Models of another family than the anchor's are a bad input: one line, exit 1."""
+def _check_families(models: list[str], residual_iters: int | None) -> None:
+    """Models of another family than the anchor's are a bad input: one line, exit 1.
+
+    So is ``--residual-iters N`` for a family without the residual search (accepted and ignored, it read as done).
+    """
     from symfuse.checkpoint import CheckpointReader
+    from symfuse.inspect.distances import has_residual_search
 
     with CheckpointReader(models[0]) as anchor:
         family = anchor.spec.family
+        if residual_iters and not has_residual_search(anchor):
+            raise UsageError(
+                f"--residual-iters: {family} models have no residual-orthogonal search (post-LN: its norms are not "
+                "equivariant to a stream rotation) — drop --residual-iters"
+            )
     for m in models[1:]:
         with CheckpointReader(m) as reader:
             if reader.spec.family != family:
@@ -97,6 +108,8 @@ def _check_families(models: list[str]) -> None:
 
 
 def _check_png(out: Path, overwrite: bool) -> None:
+    if out.suffix.lower() not in (".png", ""):
+        raise UsageError(f"--out: {out} — inspect draws a PNG image; name the file .png")
     if out.is_dir():
         raise UsageError(f"--out: {out} is a folder — give the PNG file to write")
     if out.exists() and not overwrite:

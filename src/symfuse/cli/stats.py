@@ -10,6 +10,7 @@ import typer
 from symfuse.cli import app, checks
 from symfuse.cli.bars import terminal_bars
 from symfuse.config import DATASET_RESOLUTION
+from symfuse.errors import UsageError
 from symfuse.outputs import atomic_output_dir
 
 
@@ -46,6 +47,10 @@ def stats(
     from symfuse.stats.io import STAT_KINDS
 
     kinds = checks.names_list("--kind", kind, STAT_KINDS, "statistics kinds")
+    for option, value, default, needs in (("--fisher-mode", fisher_mode, "empirical", "fisher"),
+                                          ("--gram-dtype", gram_dtype, "float64", "gram")):  # fmt: skip
+        if value != default and needs not in kinds:  # accepted and ignored, the user would get other statistics
+            raise UsageError(f"{option}: only read with --kind {needs} — add {needs} to --kind, or drop {option}")
     checks.checkpoint(model, arch=False)
     with terminal_bars(), atomic_output_dir(out, overwrite=overwrite, inputs=[model, data]) as tmp:
         checks.dataset("--data", data, split)
