@@ -8,7 +8,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +18,11 @@ from symfuse.checkpoint import resolve_checkpoint
 from symfuse.data import iter_batches, load_task_dataset, tracked_batches
 from symfuse.data.batches import encode_split, padding_id, readable_length
 from symfuse.data.files import NER_SCHEME, not_a_ner_tag
-from symfuse.data.labels import read_label_space, same_names, short_names, unnamed
+from symfuse.data.labels import label_index, read_label_space, same_names, short_names, unnamed
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, overflowed
-from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model
+from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model, task_loss
 from symfuse.evaluate.scoring import check_shared_classes, score_logits
 from symfuse.io import plain_mode
 
@@ -124,6 +124,8 @@ def evaluate_model(
     metrics = score_logits(ds, head_labels, head_problem, logits, labels, in_domain=in_domain, scored=scored)
     if same_space or ds.problem_type == "regression":
         metrics["loss"] = loss
+    elif space is None and head_problem == ds.problem_type and (order := _by_name(head_labels, ds.labels)):
+        metrics["loss"] = _mean_loss([z[:, order] for z in logits], labels, ds.problem_type)  # same classes, renamed
     metrics.update(
         {
             "model": str(model),
@@ -201,3 +203,20 @@ def _evaluate_lm(
     metrics["metrics_file"] = str(out_file)
     log.info("%s on %s/%s: perplexity = %.4g (%d tokens)", path, name, split, metrics["perplexity"], metrics["tokens"])
     return metrics
+
+
+def _by_name(head: Sequence[str], data: Sequence[str]) -> list[int] | None:
+    """The head's output of each of the data's classes, when both name the same classes (in any order or case)."""
+    index = label_index(head)
+    if len(head) != len(data) or len(index) != len(head) or {c.casefold() for c in data} != index.keys():
+        return None
+    return [index[c.casefold()] for c in data]
+
+
+def _mean_loss(logits: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], problem: str) -> float:
+    """Mean task loss over batches of logits in the data's class order (as :func:`run_model` computes it)."""
+    total, count = 0.0, 0
+    for z, y in zip(logits, labels, strict=True):
+        loss, n = task_loss(z, y, problem)
+        total, count = total + float(loss), count + n
+    return total / count if count else float("nan")

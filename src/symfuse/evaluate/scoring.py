@@ -103,6 +103,13 @@ def score_logits(
         classes = check_shared_classes(dataset, head_labels)
     if scored and not in_domain:
         classes = shared_label_names(dataset.labels, scored, restrict=None)
+    elif not in_domain and (
+        left := [c for c in shared_label_names(dataset.labels, head_labels, None) if c not in classes]
+    ):
+        log.warning(
+            "%s: its classes are not the head's, so it is scored out of domain on the Ekman emotions both name; "
+            "left out though both name them: %s (their examples are not scored)", dataset.name, ", ".join(left)
+        )  # fmt: skip
     head_index = label_index(head_labels)
     h_idx = [head_index.get(c.casefold(), -1) for c in classes]
     g_idx = [dataset.labels.index(c) for c in classes]
