@@ -73,6 +73,28 @@ class _Claim:
 _CLAIMS: dict[Path, _Claim] = {}
 _TEMPS: set[Path] = set()
 _STATE = threading.RLock()
+_PUBLISHED: list[str] = []  # outputs this process finished: an interrupt after them leaves them whole
+
+
+def mark_published(where: str | os.PathLike) -> None:
+    """Record that the output ``where`` (a folder, file or store URI) is complete and in place."""
+    with _STATE:
+        _PUBLISHED.append(str(where))
+        del _PUBLISHED[:-8]  # a long-lived worker writes many; a command a few
+
+
+def clear_published() -> None:
+    """Forget the outputs recorded so far (a command starting in a process that ran others)."""
+    with _STATE:
+        _PUBLISHED.clear()
+
+
+def published() -> list[str]:
+    """The outputs this process has completed so far (:func:`mark_published`), in order."""
+    with _STATE:
+        return list(_PUBLISHED)
+
+
 _SAVED_HANDLERS: dict[int, object] = {}
 
 
@@ -437,6 +459,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False, inputs: S
             yield tmp
             _write_marker(tmp)
             _commit(tmp, claim)
+            mark_published(out)
         finally:
             with _STATE:
                 _TEMPS.discard(tmp)

@@ -151,3 +151,33 @@ def test_ctrl_c_while_the_command_starts_is_one_line(monkeypatch, capsys):
         assert info.value.code == 130
         err = capsys.readouterr().err
         assert err == "error: interrupted while the command was starting — nothing was written\n", err
+
+
+def test_an_interrupt_after_the_output_is_in_place_says_it_stays(tmp_path, monkeypatch):
+    """evaluate wrote its metrics, then a Ctrl-C said 'partial output was removed' over a whole file that stayed."""
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    import symfuse.cli.evaluate
+    from symfuse.cli import app
+    from tests.cli.helpers import toy_dataset
+    from tests.tiny import save_tiny_text_classifier
+
+    model = save_tiny_text_classifier(tmp_path / "m", seed=1)
+    out = tmp_path / "e.json"
+
+    class Late:  # json.dumps of the metrics, after the file is in place
+        @staticmethod
+        def dumps(*a, **k):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(symfuse.cli.evaluate, "json", Late)
+    data = str(toy_dataset(tmp_path / "d"))
+    res = CliRunner().invoke(app, ["evaluate", str(model), "--data", data, "--labels-from", data, "--out", str(out)])
+    assert res.exit_code == 130, res.stderr
+    assert (
+        res.stderr.strip().splitlines()[-1]
+        == f"error: interrupted after {out} was written whole (it stays); nothing partial is left"
+    )
+    assert _json.loads(out.read_text())["n"] == 8

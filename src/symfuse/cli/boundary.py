@@ -71,6 +71,10 @@ def _message(exc: BaseException) -> str:
 def one_line(exc: BaseException) -> str:
     """``error: ...`` for ``exc``: the first line of its message (internal errors name their type)."""
     if isinstance(exc, KeyboardInterrupt):
+        from symfuse.outputs import published
+
+        if done := published():  # the interrupt came after the output was in place: it is whole, and stays
+            return f"error: interrupted after {', '.join(done)} was written whole (it stays); nothing partial is left"
         return "error: interrupted — partial output was removed; run the command again"
     text = " ".join(redact(_message(exc)).split("\n", 1)[0].split())  # no credential on the console
     text = text.removeprefix("error: ")
@@ -179,7 +183,10 @@ class BoundaryGroup(TyperGroup):
         **extra: Any,
     ) -> Any:
         """Run the CLI; exit (or return, without ``standalone_mode``) with the status of :func:`exit_status`."""
+        from symfuse.outputs import clear_published
+
         verbose, argv = split_verbose(list(sys.argv[1:] if args is None else args))
+        clear_published()  # an interrupt names only what this command wrote
         try:
             words = [str(a) for a in argv]  # in-process callers pass paths too
             command = self.commands.get(next((a for a in words if not a.startswith("-")), ""))

@@ -71,10 +71,12 @@ def drop(
             f"{store.uri(key)} exists; pass --replace to publish a new version of it, or another --name"
         )
     from symfuse.io import checkpoint_files
+    from symfuse.outputs import mark_published
     from symfuse.scratch import linked_dir
 
     with linked_dir(checkpoint, checkpoint_files(checkpoint), "drop") as files:  # not checkpoint-*/, optimizer, ...
         uri = store.put_dir(key, files, "symfuse drop", meta={"dataset": dataset or name})
+    mark_published(uri)
     typer.echo(f"dropped {checkpoint} as {uri} (dataset {dataset or name}); the next watch-checkpoints tick of run "
                f"{run!r} emits it for a re-merge")  # fmt: skip
 

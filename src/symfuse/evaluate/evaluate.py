@@ -25,6 +25,7 @@ from symfuse.errors import CheckpointError, overflowed
 from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model, task_loss
 from symfuse.evaluate.scoring import check_shared_classes, score_logits
 from symfuse.io import plain_mode
+from symfuse.outputs import mark_published
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ def write_json_atomic(data: Any, file: Path) -> Path:
         json.dump(data, fh, indent=2)
     plain_mode(tmp)  # mkstemp made it 0600
     os.replace(tmp, file)
+    mark_published(file)
     return file
 
 
