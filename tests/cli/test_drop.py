@@ -7,7 +7,18 @@ import shutil
 from flows.watch import pending_checkpoints, warn_unmarked
 from symfuse.store import ArtifactStore, layout
 from tests.cli.helpers import run_cli
-from tests.tiny import nan_copy, save_tiny
+from tests.tiny import nan_copy
+from tests.tiny import save_tiny as _save_tiny
+
+
+def save_tiny(folder, family, **kw):
+    """A tiny checkpoint with a tokenizer (drop refuses one without: the run evaluates what it takes)."""
+    from symfuse.checkpoint import resolve_checkpoint
+
+    folder = _save_tiny(folder, family, **kw)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
+        shutil.copy2(resolve_checkpoint("minilm") / name, folder / name)
+    return folder
 
 
 def test_drop_stores_the_checkpoint_for_the_watcher(tmp_path):
@@ -131,7 +142,8 @@ def test_a_checkpoint_of_another_shape_than_the_run_s_models_is_refused(tmp_path
     store.put_dir(layout.model_key("r1", "meld"), run_model, "finetune")  # the run fine-tuned meld's model
     gpt = save_tiny(tmp_path / "gpt", "gpt2", seed=3)
     wide = save_tiny(tmp_path / "wide", "bert", seed=3, hidden_size=64)
-    for ckpt in (gpt, wide):
+    words = save_tiny(tmp_path / "words", "bert", seed=3, vocab_size=80)  # its embeddings could not be merged
+    for ckpt in (gpt, wide, words):
         res = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--store", root)
         assert res.returncode == 2, res.stderr  # exit 0 before: the watcher's re-merge failed later
         (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
@@ -141,3 +153,13 @@ def test_a_checkpoint_of_another_shape_than_the_run_s_models_is_refused(tmp_path
     same = run_cli("drop", save_tiny(tmp_path / "same", "bert", seed=3), "--run", "r1", "--dataset", "meld",
                    "--store", root)  # fmt: skip
     assert same.returncode == 0, same.stderr
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused(tmp_path):
+    """The run evaluates every model it takes: a drop without tokenizer files failed there, after 'dropped'."""
+    ckpt = _save_tiny(tmp_path / "ckpt", "bert", seed=3)
+    res = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--store", tmp_path / "store")
+    assert res.returncode == 1 and f"{ckpt}: no tokenizer files" in res.stderr, res.stderr
+    assert not (tmp_path / "store").exists() or not ArtifactStore(str(tmp_path / "store")).exists(
+        layout.incoming_key("r1", "meld")
+    )

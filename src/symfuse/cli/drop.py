@@ -64,7 +64,7 @@ def drop(
     _check_outside(store, checkpoint)
     from symfuse.checkpoint import validate_checkpoint
 
-    validate_checkpoint(checkpoint)  # config, headers, shapes, NaN / inf: before anything is uploaded
+    validate_checkpoint(checkpoint, tokenizer=True)  # config, shapes, NaN / inf, tokenizer: before any upload
     _check_fits_run(store, run, dataset, checkpoint)
     if store.exists(key) and not replace:
         raise OutputExistsError(
@@ -122,8 +122,8 @@ def _shape(config: dict | Path) -> tuple[Any, str]:
 
     cfg = AutoConfig.from_pretrained(str(config.parent)) if isinstance(config, Path) else AutoConfig.for_model(**config)
     spec = get_spec(cfg)
-    geometry = spec.geometry(cfg)
-    return (spec.family, geometry), f"a {spec.family} model ({describe(geometry)})"
+    geometry, vocab = spec.geometry(cfg), getattr(cfg, "vocab_size", None)  # the embeddings are merged too
+    return (spec.family, geometry, vocab), f"a {spec.family} model ({describe(geometry)}, vocabulary {vocab})"
 
 
 def _store(store_root: str | None, run: str) -> ArtifactStore:
