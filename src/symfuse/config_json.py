@@ -103,7 +103,7 @@ def head_labels_problem(raw: Mapping[str, Any]) -> str | None:
         return f"id2label numbers its outputs {shown}, not 0..{len(numbers) - 1}"
     seen: dict[str, int] = {}
     for key in sorted(id2label, key=int):
-        name = str(id2label[key]).strip().lower()
+        name = str(id2label[key]).strip().casefold()
         if name in seen:
             return f"id2label names {name!r} twice (outputs {seen[name]} and {key})"
         seen[name] = int(key)

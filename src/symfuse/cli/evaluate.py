@@ -54,6 +54,7 @@ def evaluate(
         model = _head_for(model, data)
         checks.head_reads("--data", data, model)
     from symfuse.evaluate import evaluate_model
+    from symfuse.outputs import mark_published
 
     metrics = evaluate_model(
         model,
@@ -66,6 +67,7 @@ def evaluate(
         max_length=max_length,
         out_file=out,
     )
+    mark_published(metrics["metrics_file"])  # whole and in place: an interrupt from here on does not remove it
     typer.echo(json.dumps(metrics, indent=2))
 
 

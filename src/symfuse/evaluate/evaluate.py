@@ -25,7 +25,6 @@ from symfuse.errors import CheckpointError, overflowed
 from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model, task_loss
 from symfuse.evaluate.scoring import check_shared_classes, score_logits
 from symfuse.io import plain_mode
-from symfuse.outputs import mark_published
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,6 @@ def write_json_atomic(data: Any, file: Path) -> Path:
         json.dump(data, fh, indent=2)
     plain_mode(tmp)  # mkstemp made it 0600
     os.replace(tmp, file)
-    mark_published(file)
     return file
 
 
@@ -209,10 +207,10 @@ def _evaluate_lm(
 
 def _by_name(head: Sequence[str], data: Sequence[str]) -> list[int] | None:
     """The head's output of each of the data's classes, when both name the same classes (in any order or case)."""
-    index = label_index(head)
-    if len(head) != len(data) or len(index) != len(head) or {c.casefold() for c in data} != index.keys():
+    on_head, on_data = label_index(head), label_index(data)
+    if not len(on_head) == len(head) == len(data) == len(on_data) or on_head.keys() != on_data.keys():
         return None
-    return [index[c.casefold()] for c in data]
+    return [on_head[k] for k in on_data]
 
 
 def _mean_loss(logits: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], problem: str) -> float:
