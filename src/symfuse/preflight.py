@@ -263,7 +263,8 @@ def _head_of(raw: dict, folder: Path) -> _Head:
     """A checkpoint's head from its ``config.json``: class names (``id2label``), token or sequence, or regression.
 
     Raises:
-        CheckpointError: no classification head (a bare body or a language model).
+        CheckpointError: no classification head (a bare body or a language model), or an ``id2label`` that
+            misnumbers or renames its outputs.
     """
     from symfuse.config_json import check_head_labels
     from symfuse.errors import CheckpointError
@@ -423,7 +424,8 @@ def head_task_problem(folder: str | Path, source: str) -> str | None:
     except CheckpointError:  # the checkpoint checks name it
         return None
     data = probe_dataset(source)
-    if head_labels_problem(raw) or head_labels(raw) is None or not data.read or not data.task:  # checkpoint checks
+    # a malformed id2label is named by the checkpoint checks, with the file
+    if head_labels_problem(raw) or head_labels(raw) is None or not data.read or not data.task:
         return None
     head = _head_of(raw, Path(folder))
     if head.kind == _kind(data.task):
