@@ -42,7 +42,12 @@ def test_json_is_one_mapping_with_verdict_reason_and_figures(models):
     kept = config.read_bytes()
     cmd = ["inspect", str(models["a"]), str(models["d"]), "--out", str(config), "--overwrite"]
     refused = CliRunner().invoke(app, cmd)
-    assert refused.exit_code == 2 and "not a PNG image" in refused.output and config.read_bytes() == kept
+    assert refused.exit_code == 2 and "name the file .png" in refused.output and config.read_bytes() == kept
+    notes = png.parent / "notes.png"  # named like a figure, but not one
+    notes.write_text("my notes\n")
+    cmd = ["inspect", str(models["a"]), str(models["d"]), "--out", str(notes), "--overwrite"]
+    refused = CliRunner().invoke(app, cmd)
+    assert refused.exit_code == 2 and "not a PNG image" in refused.output and notes.read_text() == "my notes\n"
 
 
 def test_the_table_ends_with_the_verdict(models):

@@ -89,15 +89,17 @@ def _check_families(models: list[str], residual_iters: int | None) -> None:
     So is ``--residual-iters N`` for a family without the residual search (accepted and ignored, it read as done).
     """
     from symfuse.checkpoint import CheckpointReader
-    from symfuse.inspect.distances import has_residual_search
 
     with CheckpointReader(models[0]) as anchor:
         family = anchor.spec.family
-        if residual_iters and not has_residual_search(anchor):
-            raise UsageError(
-                f"--residual-iters: {family} models have no residual-orthogonal search (post-LN: its norms are not "
-                "equivariant to a stream rotation) — drop --residual-iters"
-            )
+        if residual_iters:
+            from symfuse.inspect.distances import has_residual_search  # the maths: loaded only when asked
+
+            if not has_residual_search(anchor):
+                raise UsageError(
+                    f"--residual-iters: {family} models have no residual-orthogonal search (post-LN: its norms are "
+                    "not equivariant to a stream rotation) — drop --residual-iters"
+                )
     for m in models[1:]:
         with CheckpointReader(m) as reader:
             if reader.spec.family != family:
