@@ -32,10 +32,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from symfuse.errors import CheckpointError
-from symfuse.io import read_header
+from symfuse.io import read_header, save_safetensors
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -221,7 +220,11 @@ def _split(name: str, file: Path) -> tuple[str, str]:
             return name[len(PREFIX) : -len(suffix)], suffix
     if "lora_embedding" in name:
         raise CheckpointError(f"{file}: {name} is an embedding LoRA — not supported; adapt linear modules only")
-    raise CheckpointError(f"{file}: {name} is not a LoRA A / B / magnitude tensor — not supported; remove it")
+    raise CheckpointError(
+        f"{file}: {name} is not a LoRA A / B / magnitude tensor: the adapter holds more than LoRA / DoRA factors (a "
+        "LoRA variant such as KaSA or VeRA, or a saved copy of a base weight), and its update would be merged wrong "
+        "without it — merge plain LoRA or DoRA adapters"
+    )
 
 
 def read_adapter(folder: str | os.PathLike) -> LoraAdapter:
@@ -322,5 +325,5 @@ def write_adapter(
         tensors[f"{PREFIX}{key}{_B}"] = b.to(dtype).contiguous()
         if m is not None:
             tensors[f"{PREFIX}{key}{_M}"] = m.to(dtype).contiguous()
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, folder / WEIGHTS, {"format": "pt"})  # atomic, readable by all as every output
     (folder / CONFIG).write_text(json.dumps(dict(config), indent=2, sort_keys=True))

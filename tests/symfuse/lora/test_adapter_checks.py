@@ -215,3 +215,27 @@ def test_a_gpt2_dora_adapter_as_peft_saves_it_merges_as_peft_merges_it(tmp_path)
     assert len(changed) == 6 and worst < 1e-6  # c_attn and both c_proj of 2 layers: 1.6e-7
     merge_adapters([adapter], tmp_path / "ad2", "simple", base=base)  # as an adapter: PEFT applies it the same
     assert _worst(effective_weights(base, tmp_path / "ad2", auto), want, before)[0] < 1e-6
+
+
+def test_a_lora_variant_with_tensors_of_its_own_is_refused_without_advice_to_drop_them(adapter, tmp_path):
+    """A KaSA adapter ('lora_diag' beside A and B) was told to 'remove it'; without it the merge was wrong, exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    _, src = adapter
+    kasa = shutil.copytree(src, tmp_path / "kasa")
+    file = kasa / "adapter_model.safetensors"
+    tensors = load_file(str(file))
+    a_name = next(k for k in tensors if k.endswith("lora_A.weight"))
+    tensors[a_name.replace("lora_A.weight", "lora_diag")] = torch.ones(tensors[a_name].shape[0])
+    save_file(tensors, str(file))
+    with pytest.raises(CheckpointError, match=r"lora_diag is not a LoRA A / B / magnitude tensor") as err:
+        merge_adapters([kasa], tmp_path / "out", "simple")
+    assert "remove it" not in str(err.value) and "merge plain LoRA or DoRA adapters" in str(err.value)
+
+
+def test_the_merged_adapter_is_readable_by_others_as_every_output(adapter, tmp_path):
+    """adapter_model.safetensors was written 0600 where every other file of the folder is 0644."""
+    _, src = adapter
+    out = merge_adapters([src, src], tmp_path / "out", "simple")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert modes["adapter_model.safetensors"] == modes["adapter_config.json"] and modes["adapter_config.json"] & 0o044
