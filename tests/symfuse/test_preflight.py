@@ -422,6 +422,28 @@ def test_a_store_root_of_an_unknown_users_home_is_a_plain_path(tmp_path, monkeyp
     assert store_root_problem("~nosuchuser-probe/runs", "store_root", "fix") is None  # created under ./, as bash does
 
 
+def test_a_store_root_the_file_system_refuses_is_named_before_anything_trains(tmp_path, monkeypatch):
+    """store_root /sys/kernel/x passed as root; the fine-tunes ran, then failed with 'check the AWS_* credentials'."""
+    import tempfile
+
+    from symfuse.store.roots import store_root_problem
+
+    odd, real = tmp_path / "odd", tempfile.mkstemp
+    odd.mkdir()
+
+    def mkstemp(*a, dir=None, **kw):
+        if str(dir) == str(odd):
+            raise PermissionError(13, "Permission denied")
+        return real(*a, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    assert store_root_problem(str(odd / "runs"), "store_root", "fix") == (
+        f"store_root {odd / 'runs'}: no file can be created in {odd} (Permission denied) — fix"
+    )
+    assert store_root_problem(str(tmp_path / "runs"), "store_root", "fix") is None
+    assert not list(odd.iterdir())
+
+
 def test_a_hub_dataset_the_machine_cannot_read_offline_is_refused(monkeypatch):
     """``python -m flows`` turns hub access off; a hub dataset passed the pre-flight and failed in its fine-tune."""
     from datasets import config as datasets_config

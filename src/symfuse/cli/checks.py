@@ -232,7 +232,7 @@ def writable_file(option: str, value: Path | None) -> None:
     """
     if value is None:
         return
-    from symfuse.io.modes import can_create_in, nearest_existing
+    from symfuse.io.modes import can_create_in, creation_refused, nearest_existing
 
     folder = nearest_existing(Path(value).absolute().parent)
     if not folder.is_dir():  # found only when the file was written, after the work
@@ -241,17 +241,8 @@ def writable_file(option: str, value: Path | None) -> None:
         raise UsageError(
             f"{option}: {value}: its folder {folder} is not writable by this user — choose another {option}"
         )
-    import os
-    import tempfile
-
-    try:  # permissions may say yes where the file system says no (root in /proc, a read-only or squashed mount)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".symfuse-write-check-")
-    except OSError as exc:
-        raise UsageError(
-            f"{option}: {value}: no file can be created in {folder} ({exc.strerror}) — choose another {option}"
-        ) from exc
-    os.close(fd)
-    os.unlink(probe)
+    if why := creation_refused(folder):  # permissions may say yes where the file system says no
+        raise UsageError(f"{option}: {value}: no file can be created in {folder} ({why}) — choose another {option}")
 
 
 def metrics_file(option: str, value: Path | None) -> None:

@@ -63,6 +63,22 @@ def can_create_in(folder: str | os.PathLike) -> bool:
     return os.access(folder, os.W_OK | os.X_OK)
 
 
+def creation_refused(folder: str | os.PathLike) -> str | None:
+    """Why the file system refuses a new file in ``folder`` though permissions may allow it, or None.
+
+    Root in ``/proc`` or ``/sys``, a read-only or root-squashed mount: a temporary file is created and removed.
+    """
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".symfuse-write-check-")
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
 def not_readable(file: str | os.PathLike) -> CheckpointError:
     """The one-line error for a file this user may not read (``PermissionError``)."""
     return CheckpointError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from symfuse.io.modes import can_create_in, nearest_existing
+from symfuse.io.modes import can_create_in, creation_refused, nearest_existing
 from symfuse.store.urls import store_url_problem
 
 
@@ -34,6 +34,8 @@ def store_root_problem(root: str, label: str, fix: str) -> str | None:
         return f"{label} {root}: {what} — {fix}"
     if not can_create_in(probe):
         return f"{label} {root}: {probe} is not writable by this user — {fix}"
+    if why := creation_refused(probe):  # found after the fine-tunes, as "access denied; check the AWS_* credentials"
+        return f"{label} {root}: no file can be created in {probe} ({why}) — {fix}"
     return None
 
 
