@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -137,6 +138,11 @@ def gguf_checkpoint(file: str | os.PathLike, dtype: str = "float32") -> Path:
         check_gguf(file)  # raises: names the missing file
     folder = gguf_cache_dir() / gguf_cache_key(file, GGUF_DTYPES[dtype])
     with _GGUF_LOCK:
+        if folder.is_dir() and (why := _damaged(folder)):  # a cut copy failed every later command, "re-download it"
+            aside = folder.with_name(f"{folder.name}.damaged-{os.getpid()}-{int(time.time())}")
+            os.replace(folder, aside)
+            log.warning("GGUF %s: its converted copy %s is damaged (%s); moved to %s, converting again", file, folder,
+                        why, aside.name)  # fmt: skip
         if not folder.is_dir():
             check_gguf(file)  # header, architecture and tensor types before any work
             try:
@@ -147,6 +153,16 @@ def gguf_checkpoint(file: str | os.PathLike, dtype: str = "float32") -> Path:
             else:
                 log.info("converted GGUF %s to %s (%s); later reads reuse it", file, folder, dtype)
     return folder
+
+
+def _damaged(folder: Path) -> str | None:
+    """Why a converted GGUF folder of the cache cannot be read (its config or weight headers), or None."""
+    try:
+        read_config_json(folder)
+        open_weight_files(folder)
+    except CheckpointError as exc:
+        return str(exc).split(" — ")[0]
+    return None
 
 
 # transformers 5 builds models inside context managers (no_init_weights, no_tie_weights, ...) that swap

@@ -106,6 +106,21 @@ def test_resolve_checkpoint_converts_once_into_the_cache(tiny, tmp_path, monkeyp
     assert resolve_checkpoint(file) != folder
 
 
+def test_a_damaged_cached_copy_is_converted_again(tiny, tmp_path, monkeypatch, caplog):
+    """A cut model.safetensors in the cache failed every later command with 're-download or re-export the file'."""
+    monkeypatch.setenv("SYMFUSE_CACHE", str(tmp_path / "cache"))
+    file = write_gguf(tiny, tmp_path / "m.gguf", "F32")
+    folder = resolve_checkpoint(file)
+    want = _folder_logits(folder, IDS)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with caplog.at_level(logging.WARNING, logger="symfuse.checkpoint"):
+        assert resolve_checkpoint(file) == folder
+    assert any("is damaged" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(_folder_logits(folder, IDS), want, rtol=0, atol=0)
+    assert [p.name.split(".damaged-")[0] for p in folder.parent.iterdir() if ".damaged-" in p.name] == [folder.name]
+
+
 def test_a_process_losing_the_conversion_race_uses_the_winners_folder(tiny, tmp_path, monkeypatch, caplog):
     import symfuse.checkpoint as ck
 
