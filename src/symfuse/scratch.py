@@ -1,9 +1,12 @@
 """Scratch folders that name their owner, so the ones a killed process left behind are found and removed.
 
-A scratch folder is ``<tmp>/symfuse-scratch-<pid>-<process start, epoch s>-<purpose>-<random>``: the owner is in the
-name (nothing is written inside, so the whole folder can be uploaded as it is). A process killed with SIGKILL (an
-OOM kill, a crashed worker) never runs its cleanup; :func:`clean_stale_scratch` removes such folders once their
-owner is gone (the pid runs no more, or runs another process started at another time). It runs at the first scratch
+A scratch folder is ``<tmp>/symfuse-scratch-<pid>-<process start, epoch s>-h<host>-<purpose>-<random>``: the owner is
+in the name (nothing is written inside, so the whole folder can be uploaded as it is). ``<host>`` tags the machine and
+PID namespace the pid belongs to: a folder made in another container or on another machine sharing the folder is
+never judged by a pid of this one (its live scratch was removed). Folders named before the tag are judged as before.
+A process killed with SIGKILL (an OOM kill, a crashed worker) never runs its cleanup; :func:`clean_stale_scratch`
+removes such folders once their owner is gone (the pid runs no more, or runs another process started at another
+time). It runs at the first scratch
 folder of every process, at the start of every run (``clean-store``) and at ``deployments/stack.py start``.
 Folders of live processes and folders without this name are never touched.
 """
@@ -25,7 +28,7 @@ import psutil
 log = logging.getLogger(__name__)
 
 PREFIX = "symfuse-scratch-"
-_NAME = re.compile(rf"^{PREFIX}(\d+)-(\d+)-")
+_NAME = re.compile(rf"^{PREFIX}(\d+)-(\d+)-(?:h([0-9a-f]{{8}})-)?")
 _START_SLACK_S = 2  # psutil's start time of one process may differ by a rounding step between reads
 
 
@@ -37,6 +40,19 @@ def _start_time(pid: int) -> int | None:
         return None
     except psutil.AccessDenied:  # another user's process: it runs
         return -1
+
+
+@functools.cache
+def host_tag() -> str:
+    """8 hex digits naming this machine and PID namespace (pids mean something only inside one)."""
+    import hashlib
+    import socket
+
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc (macOS): the machine alone
+        namespace = 0
+    return hashlib.sha256(f"{socket.gethostname()}:{namespace}".encode()).hexdigest()[:8]
 
 
 def owner_alive(pid: int, started: int) -> bool:
@@ -56,7 +72,8 @@ def scratch_dir(purpose: str, root: str | os.PathLike | None = None) -> Iterator
     _clean_once(str(root) if root is not None else None)
     pid = os.getpid()
     started = _start_time(pid)
-    folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{pid}-{max(started or 0, 0)}-{purpose}-", dir=root))
+    prefix = f"{PREFIX}{pid}-{max(started or 0, 0)}-h{host_tag()}-{purpose}-"
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
     try:
         yield folder
     finally:
@@ -92,8 +109,8 @@ def clean_stale_scratch(root: str | os.PathLike | None = None) -> list[Path]:
             match = _NAME.match(entry.name)
             if not match or entry.is_symlink() or not entry.is_dir():
                 continue
-            if owner_alive(int(match.group(1)), int(match.group(2))):
-                continue
+            if match.group(3) not in (None, host_tag()) or owner_alive(int(match.group(1)), int(match.group(2))):
+                continue  # another machine's or container's pid, or a live owner
             shutil.rmtree(entry, ignore_errors=True)
             if not entry.exists():
                 removed.append(entry)

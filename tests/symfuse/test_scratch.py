@@ -55,3 +55,17 @@ def test_folders_of_a_sigkilled_process_are_removed_and_nothing_else(tmp_path):
     assert live.is_dir() and all(f.is_dir() for f in foreign)
     assert (tmp_path / f"{PREFIX}{proc.pid}-1-file").is_file()
     assert clean_stale_scratch(tmp_path / "absent") == []
+
+
+def test_a_folder_of_another_machine_or_container_is_never_judged_by_a_pid_of_this_one(tmp_path):
+    """Workers sharing a scratch volume from their own PID namespaces: pid 1's live folder was removed by another."""
+    from symfuse.scratch import host_tag
+
+    with scratch_dir("merge", root=tmp_path) as mine:
+        assert f"-h{host_tag()}-merge-" in mine.name
+    dead = 2**22 + 12345  # past pid_max: no process runs it here
+    other = tmp_path / f"{PREFIX}{dead}-1-h{'0' * 8 if host_tag() != '0' * 8 else '1' * 8}-merge-abc"
+    ours = tmp_path / f"{PREFIX}{dead}-1-h{host_tag()}-merge-def"
+    for folder in (other, ours):
+        folder.mkdir()
+    assert clean_stale_scratch(tmp_path) == [ours] and other.is_dir()
