@@ -321,9 +321,9 @@ def _probe(what: str, source: str, splits: dict[str, str], problems: list[str]) 
     try:
         probe = probe_dataset(source)
     except SymfuseError as exc:
-        text = _one_line(exc)  # names the source, or a file in it, first; else it is named here
-        label = what if text.startswith(source) or source == what.rsplit(" ", 1)[-1] else f"{what} ({source})"
-        problems.append(f"{label}: {_one_line(exc, source)}")
+        text = _one_line(exc, source)  # the source's name taken off the front; a file in it stays named
+        label = what if source == what.rsplit(" ", 1)[-1] or source in text else f"{what} ({source})"
+        problems.append(f"{label}: {text}")
         return None
     if not probe.read:  # a hub dataset: not read here, but it must be reachable
         if why := offline_hub_problem(source):

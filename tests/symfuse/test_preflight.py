@@ -456,3 +456,11 @@ def test_a_hub_dataset_the_machine_cannot_read_offline_is_refused(monkeypatch):
     assert problem.endswith("or set HF_DATASETS_OFFLINE=0 where the hub is reachable"), problem
     monkeypatch.setattr(datasets_config, "HF_HUB_OFFLINE", False)  # online: the run reads it (nothing asked here)
     assert check_run(config(datasets=datasets, strategies=["simple"])) == []
+
+
+def test_a_dataset_source_that_is_not_there_is_named_with_its_path(tmp_path):
+    """'training dataset mine: no such dataset folder or file' named neither the path nor the fix."""
+    missing = tmp_path / "no" / "such"
+    datasets = [{"name": "meld"}, {"name": "mine", "source": str(missing)}]
+    (problem,) = check_run(config(datasets=datasets, strategies=["simple"]))
+    assert problem.startswith(f"training dataset mine ({missing}): no such dataset folder or file — check the path")

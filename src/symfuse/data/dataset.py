@@ -174,7 +174,10 @@ def _resolve_local(source: str) -> tuple[str, dict[str, Path], dict[str, Any] | 
             raise DatasetError(f"{path}: unsupported file type (use .jsonl, .json or .csv)")
         return path.stem, dict.fromkeys(SPLITS, path), None
     if source.startswith((".", "/", "~")) or path.suffix in _EXTS:
-        raise DatasetError(f"{source}: no such dataset folder or file")
+        raise DatasetError(
+            f"{source}: no such dataset folder or file — check the path (a folder of train / validation / test files, "
+            "or one .jsonl / .json / .csv file)"
+        )
     return None
 
 
