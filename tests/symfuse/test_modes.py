@@ -70,7 +70,7 @@ def test_atomic_files_and_statistics_folders_get_plain_modes(tmp_path, mask):
     file = save_safetensors({"x": torch.zeros(2)}, tmp_path / "x.safetensors")
     assert _mode(file) == _open_mode(tmp_path) == 0o666 & ~mask
     tmp = tempfile.mkdtemp(dir=tmp_path)
-    _move_in(tmp_path / os.path.basename(tmp), tmp_path / "stats", "fingerprint")
+    _move_in(tmp_path / os.path.basename(tmp), tmp_path / "stats", tmp_path, "fingerprint")  # out is new: model unread
     assert _mode(tmp_path / "stats") == _mkdir_mode(tmp_path)
 
 
