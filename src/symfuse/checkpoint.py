@@ -15,7 +15,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -26,13 +25,7 @@ import torch
 from safetensors import safe_open
 
 from symfuse.arch import ArchSpec, Geometry, ModuleRef, ModuleWeights, get_spec
-from symfuse.config_json import (
-    check_head_labels,
-    config_error,
-    read_config_json,
-    unknown_model_type,
-    update_config_json,
-)
+from symfuse.config_json import config_error, read_config_json, unknown_model_type, update_config_json
 from symfuse.errors import CheckpointError, NonFiniteError, SymfuseError, UnsupportedArchitecture
 from symfuse.gguf_in import GGUF_DTYPES, check_gguf, gguf_cache_key, is_gguf_path, write_gguf_folder
 from symfuse.io import (
@@ -138,11 +131,14 @@ def gguf_checkpoint(file: str | os.PathLike, dtype: str = "float32") -> Path:
         check_gguf(file)  # raises: names the missing file
     folder = gguf_cache_dir() / gguf_cache_key(file, GGUF_DTYPES[dtype])
     with _GGUF_LOCK:
-        if folder.is_dir() and (why := _damaged(folder)):  # a cut copy failed every later command, "re-download it"
-            aside = folder.with_name(f"{folder.name}.damaged-{os.getpid()}-{int(time.time())}")
+        try:  # a cut copy failed every later command with "re-download or re-export the file"
+            if folder.is_dir():
+                read_config_json(folder)
+                open_weight_files(folder)
+        except CheckpointError as exc:
+            aside = folder.with_name(f"{folder.name}.damaged-{os.urandom(4).hex()}")
             os.replace(folder, aside)
-            log.warning("GGUF %s: its converted copy %s is damaged (%s); moved to %s, converting again", file, folder,
-                        why, aside.name)  # fmt: skip
+            log.warning("GGUF %s: its converted copy is damaged (%s); moved to %s, converting again", file, exc, aside)
         if not folder.is_dir():
             check_gguf(file)  # header, architecture and tensor types before any work
             try:
@@ -153,16 +149,6 @@ def gguf_checkpoint(file: str | os.PathLike, dtype: str = "float32") -> Path:
             else:
                 log.info("converted GGUF %s to %s (%s); later reads reuse it", file, folder, dtype)
     return folder
-
-
-def _damaged(folder: Path) -> str | None:
-    """Why a converted GGUF folder of the cache cannot be read (its config or weight headers), or None."""
-    try:
-        read_config_json(folder)
-        open_weight_files(folder)
-    except CheckpointError as exc:
-        return str(exc).split(" — ")[0]
-    return None
 
 
 # transformers 5 builds models inside context managers (no_init_weights, no_tie_weights, ...) that swap
@@ -263,6 +249,8 @@ class CheckpointReader:
 
     def __init__(self, path_or_id: str | os.PathLike):
         from transformers import AutoConfig
+
+        from symfuse.config_json import check_head_labels
 
         self.path = resolve_checkpoint(path_or_id)
         check_head_labels(self.path, read_config_json(self.path))
