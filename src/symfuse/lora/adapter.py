@@ -222,8 +222,8 @@ def _split(name: str, file: Path) -> tuple[str, str]:
         raise CheckpointError(f"{file}: {name} is an embedding LoRA — not supported; adapt linear modules only")
     raise CheckpointError(
         f"{file}: {name} is not a LoRA A / B / magnitude tensor: the adapter holds more than LoRA / DoRA factors (a "
-        "LoRA variant such as KaSA or VeRA, or a saved copy of a base weight), and its update would be merged wrong "
-        "without it — merge plain LoRA or DoRA adapters"
+        "LoRA variant such as KaSA or VeRA, or a saved copy of a base weight) that symfuse does not merge, and a "
+        "variant's update merged without its own tensors is wrong — merge plain LoRA or DoRA adapters"
     )
 
 
