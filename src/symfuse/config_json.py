@@ -94,19 +94,19 @@ def head_labels_problem(raw: Mapping[str, Any]) -> str | None:
     if not isinstance(id2label, Mapping):
         return f"id2label is a JSON {type(id2label).__name__}, not an object of output number -> class name"
     try:
-        numbers = sorted(int(k) for k in id2label)
+        keys = sorted(id2label, key=int)
     except (TypeError, ValueError):
         bad = next(k for k in id2label if not str(k).lstrip("-").isdigit())
         return f"id2label has the key {bad!r}, not an output number"
-    if numbers != list(range(len(numbers))):
+    if (numbers := [int(k) for k in keys]) != list(range(len(keys))):
         shown = ", ".join(map(str, numbers[:12])) + (", ..." if len(numbers) > 12 else "")
         return f"id2label numbers its outputs {shown}, not 0..{len(numbers) - 1}"
     seen: dict[str, int] = {}
-    for key in sorted(id2label, key=int):
+    for n, key in enumerate(keys):
         name = str(id2label[key]).strip().casefold()
         if name in seen:
-            return f"id2label names {name!r} twice (outputs {seen[name]} and {key})"
-        seen[name] = int(key)
+            return f"id2label names {name!r} twice (outputs {seen[name]} and {n})"
+        seen[name] = n
     return None
 
 
