@@ -14,6 +14,9 @@ the module's rank (its tensors' shape) and ``alpha`` from ``alpha_pattern`` (PEF
 ``lora_alpha``. A DoRA module's weight is ``m * (W + delta) / ||W + delta||`` with the norm of each output row
 (PEFT's ``get_weight_norm``: ``torch.linalg.norm(W + delta, dim=1)`` for ``nn.Linear``).
 
+PEFT also saves the base layer of an adapted ``lm_head`` / embedding (``<key>.base_layer.weight``, loaded over the
+base's weight): kept as :attr:`LoraAdapter.saved_base`, for the merge to check that it is the base's weight.
+
 What this reader cannot represent exactly is refused in one line naming the file or key: another PEFT type,
 ``lora_bias``, embedding / convolution LoRA, ``modules_to_save`` and other tensors that are not a LoRA pair; so is
 a module whose rank is not the config's ``r`` (or its ``rank_pattern`` entry), which PEFT could not load.
@@ -26,7 +29,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 _A, _B, _M = ".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector"
+_SAVED = (".base_layer.weight", ".base_layer.bias")  # PEFT's copy of an adapted lm_head / embedding's base layer
 # adapter_config.json keys that change what the stored tensors mean in ways this reader does not model
 _REFUSED = {
     "lora_bias": "lora_B carries a bias (lora_bias)",
@@ -95,12 +99,15 @@ class LoraAdapter:
         config: ``adapter_config.json`` as read.
         modules: ``{key: LoraModule}`` in storage order.
         dtype: The stored dtype of its LoRA tensors.
+        saved_base: ``{base tensor name: tensor}``: copies of base weights the adapter carries (PEFT saves an
+            adapted ``lm_head`` / embedding's base layer; loading the adapter puts it over the base's weight).
     """
 
     path: Path
     config: Mapping[str, Any]
     modules: Mapping[str, LoraModule]
     dtype: torch.dtype
+    saved_base: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def dora(self) -> bool:
@@ -137,9 +144,12 @@ def _read_config(folder: Path) -> dict[str, Any]:
         cfg = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{file}: unreadable ({exc}) — re-save the adapter with PEFT") from exc
-    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
-        kind = cfg.get("peft_type") if isinstance(cfg, dict) else None
-        raise CheckpointError(f"{file}: peft_type is {kind!r}, not LORA — only LoRA / DoRA adapters merge here")
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{file}: holds a JSON {_json_kind(cfg)}, not an object of settings — "
+                              "give the adapter_config.json PEFT saved")  # fmt: skip
+    if cfg.get("peft_type") != "LORA":
+        raise CheckpointError(f"{file}: peft_type is {cfg.get('peft_type')!r}, not LORA — only LoRA / DoRA adapters "
+                              "merge here")  # fmt: skip
     for key, what in _REFUSED.items():
         if cfg.get(key):
             raise CheckpointError(f"{file}: {key} is set: {what} — not supported; merge adapters without it")
@@ -172,6 +182,12 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 
 _NUMBER = ("finite number", "whole number")
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON name of a parsed value's kind (``[]`` is an array, ``"x"`` a string)."""
+    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _strings(value: Any) -> bool:
@@ -215,7 +231,7 @@ def _module_scale(cfg: Mapping[str, Any], key: str, rank: int) -> float:
 
 def _split(name: str, file: Path) -> tuple[str, str]:
     """``(module key, suffix)`` of a stored tensor name; anything but a LoRA pair / magnitude is refused."""
-    for suffix in (_A, _B, _M):
+    for suffix in (_A, _B, _M, *_SAVED):
         if name.endswith(suffix) and name.startswith(PREFIX):
             return name[len(PREFIX) : -len(suffix)], suffix
     if "lora_embedding" in name:
@@ -240,17 +256,25 @@ def read_adapter(folder: str | os.PathLike) -> LoraAdapter:
     if not file.is_file():
         raise CheckpointError(f"{folder}: no {WEIGHTS} — save the adapter with safetensors (PEFT's default)")
     parts: dict[str, dict[str, torch.Tensor]] = {}
+    saved: dict[str, torch.Tensor] = {}
     read_header(file)  # a cut or garbage file is one line naming it, not safetensors' own error
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
             key, suffix = _split(name, file)
-            parts.setdefault(key, {})[suffix] = f.get_tensor(name)
+            if suffix in _SAVED:
+                saved[key + suffix.removeprefix(".base_layer")] = f.get_tensor(name)
+            else:
+                parts.setdefault(key, {})[suffix] = f.get_tensor(name)
     if not parts:
         raise CheckpointError(f"{file}: holds no LoRA tensors — re-save the adapter")
     modules = {k: _module(cfg, k, p, file) for k, p in parts.items()}
     _check_layers(cfg, modules, folder / CONFIG)
     dtypes = {m.A.dtype for m in modules.values()} | {m.B.dtype for m in modules.values()}
-    return LoraAdapter(folder, cfg, modules, dtypes.pop() if len(dtypes) == 1 else torch.float32)
+    stray = next((n for n in saved if n.rsplit(".", 1)[0] not in modules), None)
+    if stray is not None:
+        raise CheckpointError(f"{file}: {PREFIX}{stray.rsplit('.', 1)[0]}.base_layer.* is a base layer copy of a "
+                              "module the adapter does not adapt — re-save the adapter with PEFT")  # fmt: skip
+    return LoraAdapter(folder, cfg, modules, dtypes.pop() if len(dtypes) == 1 else torch.float32, saved)
 
 
 _LAYER_LISTS = ["layers", "h", "block", "blocks", "layer"]  # PEFT's COMMON_LAYERS_PATTERN

@@ -40,7 +40,7 @@ from symfuse.checkpoint import CheckpointReader, resolve_checkpoint, write_check
 from symfuse.config_json import read_config_json
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, UsageError
-from symfuse.lora.adapter import LoraAdapter, LoraModule, read_adapter, write_adapter
+from symfuse.lora.adapter import PREFIX, WEIGHTS, LoraAdapter, LoraModule, read_adapter, write_adapter
 from symfuse.lora.bases import BASES, F64, combine, low_rank, merge_aligned, merge_full, merge_naive
 from symfuse.lora.report import adapter_config, write_report
 from symfuse.merge.base import Merger
@@ -221,12 +221,24 @@ class _Base:
     weights of a ``conv1d`` family (:meth:`transposed`). PEFT decides so per layer from the layer's type (it sets
     ``fan_in_fan_out`` for a ``Conv1D`` and clears it for an ``nn.Linear``, whatever the config says), so the
     config's one flag is not read here: a GPT-2 classifier's adapter of ``attn.c_proj`` and ``score`` holds both.
+
+    An ``lm_head`` the config ties to the input embedding is stored once, as the embedding: its update goes there,
+    and changes both, as PEFT's ``merge_and_unload`` changes the one shared weight.
     """
 
     def __init__(self, base: str | os.PathLike):
         self.reader = CheckpointReader(base)
         self.names = set(self.reader.names())
         self.conv1d = set(self.reader.tensor_owners()) if self.reader.spec.conv1d else set()
+        spec, config = self.reader.spec, self.reader.config
+        tied = bool(getattr(config, "tie_word_embeddings", False) and spec.embeddings)
+        self.embedding = f"{self.reader.prefix}{spec.embeddings[0]}.weight" if tied else None
+
+    def stored(self, name: str) -> str:
+        """The stored tensor that holds base tensor ``name`` (a tied ``lm_head.weight``: the input embedding)."""
+        if name not in self.names and self.embedding and name.rpartition(".")[0].endswith("lm_head"):
+            return self.embedding
+        return name
 
     def transposed(self, key: str) -> bool:
         """Whether module ``key``'s weight is stored ``(in, out)`` (a ``Conv1D``)."""
@@ -234,7 +246,7 @@ class _Base:
 
     def check(self, key: str, shape: tuple[int, int]) -> None:
         """Refuse a base without module ``key``'s weight of ``shape`` (``(out, in)``)."""
-        name = f"{key}.weight"
+        name = self.stored(f"{key}.weight")
         if name not in self.names:
             raise CheckpointError(
                 f"{self.reader.path}: has no {name}, which the adapters update — give the base model they were "
@@ -249,8 +261,38 @@ class _Base:
 
     def weight(self, key: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """``W`` of module ``key`` as ``(out, in)`` float64 on ``device``."""
-        w = self.reader.get(f"{key}.weight").to(device, F64)
+        w = self.reader.get(self.stored(f"{key}.weight")).to(device, F64)
         return w.T if self.transposed(key) else w
+
+
+def _check_saved_base(adapters: Sequence[LoraAdapter], bw: _Base | None) -> None:
+    """Each base-layer copy an adapter carries must be the base's tensor (as stored, in the copy's dtype).
+
+    PEFT loads such a copy over the base's weight, so a merge of updates to the base is PEFT's only where they are
+    equal; an equal copy is left out of the output (the base holds it).
+
+    Raises:
+        CheckpointError: a copy without ``--base`` to check it against, or one that differs from the base's tensor.
+    """
+    for ad in adapters:
+        for name, copy in ad.saved_base.items():
+            where = f"{ad.path / WEIGHTS}: holds {PREFIX}{_copy_name(name)}"
+            if bw is None:
+                raise UsageError(f"{where}, a copy of the base's {name} (PEFT saves one for an adapted "
+                                 "lm_head or embedding) — give the base with --base BASE to check that it is the "
+                                 "base's")  # fmt: skip
+            stored = bw.reader.get(bw.stored(name)) if bw.stored(name) in bw.names else None
+            if stored is None or stored.shape != copy.shape or not torch.equal(stored.to(copy.dtype), copy):
+                raise CheckpointError(f"{where}, which PEFT loads over the base's {name}, but it is not "
+                                      f"{bw.reader.path}'s (a resized or trained vocabulary?) — symfuse merges "
+                                      "updates of one base; merge adapters whose copy is the base's")  # fmt: skip
+            log.info("%s: its copy of the base's %s equals the base's; left out of the output", ad.path, name)
+
+
+def _copy_name(name: str) -> str:
+    """The base-layer copy's name of base tensor ``name`` (``lm_head.weight``: ``lm_head.base_layer.weight``)."""
+    key, _, leaf = name.rpartition(".")
+    return f"{key}.base_layer.{leaf}"
 
 
 def _row_norm(w: torch.Tensor) -> torch.Tensor:
@@ -326,6 +368,7 @@ def merge_adapters(
     for key in keys if bw is not None else ():
         m = next(ad.modules[key] for ad in ads if key in ad.modules)
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
+    _check_saved_base(ads, bw)
     job = _Job(ads, basis, merger, weights, bw, dev)
     if not into_base and len({ad.dtype for ad in ads}) > 1:
         stored = ", ".join(f"{ad.path} {str(ad.dtype).removeprefix('torch.')}" for ad in ads)
@@ -391,7 +434,7 @@ def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path) -> dict
 def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path) -> None:
     """The base checkpoint with ``W + D`` (DoRA: ``m (W + D) / ||W + D||``) for every adapted weight (streamed)."""
     assert job.bw is not None
-    bw, targets = job.bw, {f"{key}.weight": key for key in keys}
+    bw, targets = job.bw, {job.bw.stored(f"{key}.weight"): key for key in keys}
 
     def replace(name: str, stored: torch.Tensor) -> torch.Tensor:
         key = targets.get(name)

@@ -86,6 +86,15 @@ def test_a_config_value_peft_cannot_apply_is_refused_naming_it(adapter, change, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("text", "kind"), [('["LORA"]', "array"), ('"LORA"', "string"), ("null", "null")])
+def test_a_config_that_is_not_a_json_object_is_named_as_such(adapter, text, kind, tmp_path):
+    # a list was reported as "peft_type is None", which sent the user looking for a missing key
+    bad = shutil.copytree(adapter[1], tmp_path / "bad")
+    (bad / "adapter_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=rf"bad/adapter_config\.json: holds a JSON {kind}, not an object"):
+        merge_adapters([bad], tmp_path / "out", "simple", base=adapter[0], into_base=True)
+
+
 def test_an_adapter_of_some_layers_merges_as_peft_applies_it(adapter, tmp_path):
     base, _ = adapter
     made = make_adapter(base, tmp_path / "ad", seed=4, layers_to_transform=[1])

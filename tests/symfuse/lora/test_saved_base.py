@@ -1,0 +1,77 @@
+"""Adapters of an ``lm_head``: PEFT saves the head's base layer beside the factors, and ties it to the embedding."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file, save_file
+
+from symfuse.errors import CheckpointError, UsageError
+from symfuse.lora import merge_adapters
+from tests.symfuse.lora.helpers import effective_weights, make_adapter
+from tests.tiny import save_tiny
+
+COPY = "base_model.model.lm_head.base_layer.weight"
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def head_adapter(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("head")
+    base = save_tiny(d / "base", "llama", head="lm", tie_word_embeddings=request.param)
+    adapter = make_adapter(base, d / "ad", seed=5, targets=["q_proj", "lm_head"])
+    assert COPY in load_file(str(adapter / "adapter_model.safetensors"))  # what PEFT saves for an adapted lm_head
+    return base, adapter
+
+
+def _loaded(folder, adapter=None):
+    model = T.AutoModelForCausalLM.from_pretrained(str(folder))
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    return {k: v.detach().double() for k, v in model.state_dict().items()}
+
+
+def _worst(got, want):
+    return max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+def test_an_lm_head_adapter_goes_into_the_base_as_peft_merges_it(head_adapter, tmp_path):
+    # it was refused for its saved base-layer copy; a tied head was "not in the base" (stored as the embedding)
+    base, adapter = head_adapter
+    want = effective_weights(base, adapter)
+    assert not torch.equal(want["lm_head.weight"], effective_weights(base, None)["lm_head.weight"])
+    out = merge_adapters([adapter], tmp_path / "out", "simple", base=base, into_base=True)
+    assert _worst(_loaded(out), want) < 1e-6
+
+
+def test_an_lm_head_adapter_merges_into_an_adapter_peft_applies_the_same(head_adapter, tmp_path):
+    base, adapter = head_adapter
+    out = merge_adapters([adapter, adapter], tmp_path / "out", "simple", base=base)
+    assert COPY not in load_file(str(out / "adapter_model.safetensors"))  # the base holds it
+    assert _worst(_loaded(base, out), effective_weights(base, adapter)) < 1e-6
+
+
+def test_a_saved_copy_is_not_taken_unchecked_without_the_base(head_adapter, tmp_path):
+    _, adapter = head_adapter
+    text = r"ad/adapter_model\.safetensors: holds .*lm_head\.base_layer\.weight, a copy of the base's lm_head\.weight"
+    with pytest.raises(UsageError, match=text + r" .* give the base with --base BASE"):
+        merge_adapters([adapter], tmp_path / "out", "simple")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_saved_copy_other_than_the_base_weight_is_refused(head_adapter, tmp_path):
+    # PEFT loads the copy over the base's head (a trained or resized vocabulary): a merge onto the base is not PEFT's
+    base, adapter = head_adapter
+    other = shutil.copytree(adapter, tmp_path / "other")
+    file = other / "adapter_model.safetensors"
+    tensors = load_file(str(file))
+    tensors[COPY] = tensors[COPY] + 1e-3
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"other/adapter_model\.safetensors: holds .*, which PEFT loads over the "
+                                              r"base's lm_head\.weight, but it is not .*base's"):  # fmt: skip
+        merge_adapters([adapter, other], tmp_path / "out", "simple", base=base, into_base=True)
+    assert not (tmp_path / "out").exists()
