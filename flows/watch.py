@@ -110,17 +110,32 @@ def watch_checkpoints(config: RunConfig, prefix: str | None = None) -> list[str]
     return new
 
 
-def with_checkpoints(config: RunConfig, store: ArtifactStore, checkpoints: list[str]) -> RunConfig:
-    """``config`` whose datasets also bring each checkpoint (replacing the fine-tuned model of the same name)."""
+def with_checkpoints(config: RunConfig, store: ArtifactStore, checkpoints: list[str], warn: Any = None) -> RunConfig:
+    """``config`` whose datasets also bring each checkpoint.
+
+    A checkpoint dropped for a configured dataset (its manifest's ``meta.dataset``, else its name) replaces that
+    dataset's fine-tuned model, whatever its name; any other joins as a new model of its name, evaluated on its
+    dataset. Where two replace one model, the newer one (by its manifest's time) wins; one named as a configured
+    model but dropped for another dataset is left out; ``warn`` (a logger method) says either. ``symfuse drop``
+    refuses both.
+    """
     datasets = [d.model_copy() for d in config.datasets]
-    by_name = {d.name: d for d in datasets}
-    for uri in checkpoints:
+    by_name, replaced = {d.name: d for d in datasets}, {}
+    configured = set(by_name)
+    say = warn or (lambda *_: None)
+    for _, uri in sorted((store.manifest(uri).get("created", ""), uri) for uri in checkpoints):
         name = store.key(uri).rsplit("/", 1)[-1]
-        if name in by_name:
-            by_name[name].checkpoint = uri
+        dataset = store.manifest(uri).get("meta", {}).get("dataset") or name
+        if dataset in configured:
+            if dataset in replaced:
+                say("%s and %s both replace dataset %s's model: taking the newer, %s", replaced[dataset], uri,
+                    dataset, uri)  # fmt: skip
+            by_name[dataset].checkpoint = replaced[dataset] = uri
+        elif name in configured:
+            say("%s: named as the run's model %s but dropped for dataset %s — left out; drop it under another --name",
+                uri, name, dataset)  # fmt: skip
         else:
-            source = store.manifest(uri).get("meta", {}).get("dataset") or name
-            by_name[name] = DatasetConfig(name=name, source=source, checkpoint=uri)
+            by_name[name] = DatasetConfig(name=name, source=dataset, checkpoint=uri)
             datasets.append(by_name[name])
     return config.model_copy(update={"datasets": datasets})
 
@@ -144,4 +159,4 @@ def remerge(config: RunConfig, checkpoints: list[str]) -> dict[str, Any]:
         store = ArtifactStore(config.resolved_store_root())
         current = sorted({*checkpoints, *(store.uri(k) for k in store.list(layout.incoming_prefix(config.run_id)))})
         get_run_logger().info("re-merging with %d incoming checkpoint(s): %s", len(current), current)
-        return fusion_pipeline(with_checkpoints(config, store, current))
+        return fusion_pipeline(with_checkpoints(config, store, current, get_run_logger().warning))

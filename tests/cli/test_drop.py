@@ -89,7 +89,7 @@ def test_a_run_the_store_has_no_record_of_is_refused_while_a_new_store_takes_any
         "--run, or start the run first: python -m flows --config RUN.yaml --run-id r1x"
     ), res.stderr
     assert sorted(p.name for p in (root / "runs").iterdir()) == ["r1", "r2"]
-    assert run_cli("drop", ckpt, "--run", "r2", "--name", "n", "--store", root).returncode == 0
+    assert run_cli("drop", ckpt, "--run", "r2", "--name", "n", "--dataset", "meld", "--store", root).returncode == 0
 
 
 def test_a_store_root_that_is_a_file_is_refused_in_one_line(tmp_path):
@@ -163,3 +163,71 @@ def test_a_checkpoint_without_a_tokenizer_is_refused(tmp_path):
     assert not (tmp_path / "store").exists() or not ArtifactStore(str(tmp_path / "store")).exists(
         layout.incoming_key("r1", "meld")
     )
+
+
+def _run_with_models(tmp_path, *datasets):
+    """A store whose run r1 fine-tuned a bert model for each of ``datasets``."""
+    root = tmp_path / "store"
+    store = ArtifactStore(str(root))
+    model = save_tiny(tmp_path / "run-model", "bert", seed=1)
+    for name in datasets:
+        store.put_dir(layout.model_key("r1", name), model, "finetune")
+    return root, store
+
+
+def test_a_dataset_the_re_merge_could_not_find_is_refused_before_the_upload(tmp_path):
+    # exit 0 before: the watcher's re-merge then failed on a dataset of the folder's or --name's name
+    root, store = _run_with_models(tmp_path, "meld", "isear")
+    ckpt = save_tiny(tmp_path / "my-finetune", "bert", seed=3)
+    for args, given in (([], "the folder's name my-finetune (the dataset"), (["--name", "meld-seed3"], "--name meld-"),
+                        (["--dataset", "mled"], "--dataset mled: ")):  # fmt: skip
+        res = run_cli("drop", ckpt, "--run", "r1", "--store", root, *args)
+        assert res.returncode == 2, res.stderr
+        (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert line.startswith(f"error: {given}"), line
+        assert "run r1 has no model of that dataset (its datasets: isear, meld)" in line, line
+        assert "no dataset of that name" in line, line
+    assert store.folders(layout.incoming_prefix("r1")) == []
+    named = run_cli("drop", ckpt, "--run", "r1", "--name", "meld-seed3", "--dataset", "meld", "--store", root)
+    assert named.returncode == 0, named.stderr  # a run dataset: it replaces meld's model whatever its name
+    new = run_cli("drop", ckpt, "--run", "r1", "--dataset", "goemotions", "--store", root)  # one found here
+    assert new.returncode == 0, new.stderr
+
+
+def test_a_second_checkpoint_for_one_run_model_is_refused_and_a_model_s_name_kept_for_its_dataset(tmp_path):
+    root, store = _run_with_models(tmp_path, "meld")
+    ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
+    first = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--name", "meld-v1", "--store", root)
+    assert first.returncode == 0, first.stderr
+    twice = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--store", root)
+    assert twice.returncode == 2 and twice.stderr.strip() == (
+        f"error: --dataset meld: {store.uri(layout.incoming_key('r1', 'meld-v1'))} already replaces run r1's model "
+        "meld — publish a new version of it with --name meld-v1 --replace"
+    ), twice.stderr
+    clash = run_cli("drop", ckpt, "--run", "r1", "--name", "meld", "--dataset", "emotion", "--store", root)
+    assert clash.returncode == 2 and "--name meld: run r1's model of dataset meld, but --dataset is emotion" in (
+        clash.stderr
+    ), clash.stderr
+    again = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--name", "meld-v1", "--replace", "--store", root)
+    assert again.returncode == 0, again.stderr
+
+
+def test_the_re_merge_replaces_the_model_of_the_dataset_a_checkpoint_was_dropped_for(tmp_path):
+    from flows.watch import with_checkpoints
+    from symfuse.config import RunConfig
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    config = RunConfig(run_id="r1", store_root=str(tmp_path / "store"),
+                       datasets=[{"name": "meld"}, {"name": "isear", "source": str(tmp_path / "data")}])  # fmt: skip
+    ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
+    put = [store.put_dir(layout.incoming_key("r1", n), ckpt, "test", meta={"dataset": d})
+           for n, d in (("isear-v2", "isear"), ("extra", "emotion"), ("isear-v3", "isear"))]  # fmt: skip
+    warnings = []
+    got = with_checkpoints(config, store, put, lambda msg, *a: warnings.append(msg % a))
+    by_name = {d.name: d for d in got.datasets}
+    assert list(by_name) == ["meld", "isear", "extra"]  # isear-v2 was a new model evaluated on "isear" before
+    assert by_name["isear"].source == str(tmp_path / "data") and by_name["isear"].checkpoint == put[2]
+    assert by_name["extra"].source == "emotion" and by_name["extra"].checkpoint == put[1]
+    assert by_name["meld"].checkpoint is None
+    (line,) = warnings
+    assert f"{put[0]} and {put[2]} both replace dataset isear's model: taking the newer, {put[2]}" == line

@@ -30,8 +30,8 @@ def drop(
         str | None,
         typer.Option(
             "--dataset",
-            help="Dataset it was fine-tuned on (a configured dataset of that name: this checkpoint replaces its "
-            "model in the re-merge; another name: a new model evaluated on that dataset). Default: --name.",
+            help="Dataset it was fine-tuned on (one the run has a model of: this checkpoint replaces that model in "
+            "the re-merge; another: a new model evaluated on that dataset, which must be found here). Default: --name.",
         ),
     ] = None,
     name: Annotated[
@@ -53,6 +53,8 @@ def drop(
         raise UsageError(f"CHECKPOINT {checkpoint}: not a folder — give the folder save_pretrained wrote")
     from symfuse.store import layout
 
+    # how the dataset was given, for messages: the option, or the name it was taken from
+    flag = "--dataset" if dataset else "--name" if name else "the folder's name"
     name = name or dataset or checkpoint.resolve().name
     try:
         key = layout.incoming_key(run, name)
@@ -66,6 +68,7 @@ def drop(
 
     validate_checkpoint(checkpoint, tokenizer=True)  # config, shapes, NaN / inf, tokenizer: before any upload
     _check_fits_run(store, run, dataset, checkpoint)
+    _check_dataset(store, run, dataset or name, name, flag)
     if store.exists(key) and not replace:
         raise OutputExistsError(
             f"{store.uri(key)} exists; pass --replace to publish a new version of it, or another --name"
@@ -111,6 +114,48 @@ def _check_fits_run(store: ArtifactStore, run: str, dataset: str | None, checkpo
             f"CHECKPOINT {checkpoint}: {ours[1]} — run {run}'s model {name} is {theirs[1]}; the re-merge could not use "
             "it: drop a fine-tune of the run's base model"
         )
+
+
+def _check_dataset(store: ArtifactStore, run: str, dataset: str, name: str, flag: str) -> None:
+    """Refuse a dataset the re-merge could not evaluate on, or a second checkpoint replacing one run model.
+
+    A dataset the run has a model of: the checkpoint replaces that model, so no other incoming checkpoint may
+    already replace it under another name. Any other dataset brings a new model: the re-merge (hub access off, as
+    every flow runs) must find it locally, or as an explicit hub id (``owner/name``, ``hf:<id>``). A run with no
+    model yet is not checked (its datasets are not known here).
+    """
+    from symfuse.store import layout
+
+    models = store.folders(layout.models_prefix(run))
+    if not models:
+        return
+    given = f"{flag} {dataset}" + ("" if flag == "--dataset" else " (the dataset, as no --dataset was given)")
+    if name in models and dataset != name:
+        raise UsageError(f"--name {name}: run {run}'s model of dataset {name}, but --dataset is {dataset} — the "
+                         f"re-merge could not tell them apart; give another --name")  # fmt: skip
+    if dataset in models:
+        for other in store.folders(layout.incoming_prefix(run)):
+            key = layout.incoming_key(run, other)
+            if other != name and store.exists(key) and _declared(store, key, other) == dataset:
+                raise UsageError(
+                    f"{given}: {store.uri(key)} already replaces run {run}'s model {dataset} — publish a "
+                    f"new version of it with --name {other} --replace"
+                )
+        return
+    if "/" in dataset or dataset.startswith("hf:"):
+        return
+    from symfuse.data.locate import find_named_dataset, not_found_message
+
+    if find_named_dataset(dataset) is None:
+        raise UsageError(
+            f"{given}: run {run} has no model of that dataset (its datasets: {', '.join(models)}), and as a "
+            f"new dataset for the re-merge to evaluate on: {not_found_message(dataset)}"
+        )
+
+
+def _declared(store: ArtifactStore, key: str, name: str) -> str:
+    """The dataset an incoming checkpoint was dropped for (its name when its manifest names none)."""
+    return store.manifest(key).get("meta", {}).get("dataset") or name
 
 
 def _shape(config: dict | Path) -> tuple[Any, str]:
