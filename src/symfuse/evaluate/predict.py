@@ -48,6 +48,7 @@ def load_task_model(model: str | Path, device: str = "cpu") -> tuple[torch.nn.Mo
 
     from symfuse.checkpoint import load_hf_model, validate_checkpoint
     from symfuse.data.batches import load_tokenizer, name_padding
+    from symfuse.data.labels import is_causal_lm
     from symfuse.errors import CheckpointError
 
     path = validate_checkpoint(model, finite=True, tokenizer=True)
@@ -61,6 +62,12 @@ def load_task_model(model: str | Path, device: str = "cpu") -> tuple[torch.nn.Mo
     net, info = load_hf_model(path, cls, validate=False, output_loading_info=True)
     name_padding(net, tokenizer)  # a decoder's classifier without a pad id cannot score a batch of two rows
     missing = sorted(info.get("missing_keys") or [])
+    if missing and is_causal_lm(config):
+        arch = ", ".join(config.architectures)
+        raise CheckpointError(
+            f"{path}: a causal language model ({arch}) has no classification head for this data — evaluate it on "
+            "language-modelling data (e.g. tinyshakespeare), or a classifier fine-tuned from it"
+        )
     if missing:
         raise CheckpointError(
             f"{path}: no trained task head ({len(missing)} weights missing, e.g. {missing[:3]}); evaluate a fine-tuned "

@@ -158,8 +158,8 @@ def collect_stats(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     written = {kind: out_dir / f"{kind}.safetensors" for kind in kinds}
-    for kind, file in written.items():
-        log.info("wrote %s statistics %s", kind, file)
+    for kind, file in written.items():  # debug: a caller writing through a temporary folder names the final one
+        log.debug("wrote %s statistics %s", kind, file)
     del net
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return written

@@ -117,3 +117,20 @@ def test_bare_encoder_is_refused_for_evaluation():
 
     with pytest.raises(CheckpointError, match="no trained task head"):
         load_task_model("minilm")
+
+
+def test_a_causal_language_model_is_named_as_one_when_classification_data_needs_a_head(tmp_path):
+    """It was told 'no trained task head (score.weight missing)', as if a classifier had lost its weights."""
+    import shutil
+
+    from symfuse.checkpoint import resolve_checkpoint
+    from symfuse.errors import CheckpointError
+    from symfuse.evaluate import load_task_model
+    from tests.tiny import save_tiny
+
+    lm = save_tiny(tmp_path / "lm", "llama", head="lm", vocab_size=30522)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
+        shutil.copy2(resolve_checkpoint("minilm") / name, lm / name)
+    text = r"lm: a causal language model \(LlamaForCausalLM\) has no classification head for this data — evaluate it"
+    with pytest.raises(CheckpointError, match=text + " on language-modelling data"):
+        load_task_model(lm)
