@@ -15,8 +15,12 @@ def tensor_difference(a: Any, b: Any, skip: Callable[[Any, str], bool] = lambda 
         skip: ``skip(reader, name)`` leaves a tensor out of the comparison (heads kept per model).
 
     Returns:
-        ``"<b>: tensors differ from <a> (e.g. [...])"`` or ``"<b>: <name> has shape (...), <a> (...)"``, or None.
+        ``"<b>: a <family> model, <a> a <family> model"`` (readers with a ``spec``), ``"<b>: tensors differ from <a>
+        (e.g. [...])"`` or ``"<b>: <name> has shape (...), <a> (...)"``, or None.
     """
+    families = [getattr(getattr(r, "spec", None), "family", None) for r in (a, b)]
+    if None not in families and families[0] != families[1]:  # every tensor differs: say why, not which
+        return f"{b.path}: a {families[1]} model, {a.path} a {families[0]} model"
     body = [n for n in a.names() if not skip(a, n)]
     other = {n for n in b.names() if not skip(b, n)}
     if other != set(body):

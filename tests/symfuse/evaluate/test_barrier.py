@@ -134,3 +134,14 @@ def test_a_causal_language_model_is_named_as_one_when_classification_data_needs_
     text = r"lm: a causal language model \(LlamaForCausalLM\) has no classification head for this data — evaluate it"
     with pytest.raises(CheckpointError, match=text + " on language-modelling data"):
         load_task_model(lm)
+
+
+def test_models_of_two_families_are_named_by_their_families(tmp_path):
+    """A bert and a roberta classifier were refused with five tensor names of the one the other lacks."""
+    from symfuse.checkpoint import CheckpointReader
+    from symfuse.io import tensor_difference
+    from tests.tiny import save_tiny
+
+    bert, roberta = (save_tiny(tmp_path / f, f, head="seq") for f in ("bert", "roberta"))
+    with CheckpointReader(bert) as a, CheckpointReader(roberta) as b:
+        assert tensor_difference(a, b) == f"{roberta}: a roberta model, {bert} a bert model"
