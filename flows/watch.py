@@ -96,7 +96,10 @@ def watch_checkpoints(config: RunConfig, prefix: str | None = None) -> list[str]
     store = ArtifactStore(config.resolved_store_root())
     log = get_run_logger()
     warn_unmarked(store, config.run_id, prefix, log.warning)
-    new = pending_checkpoints(store, config.run_id, prefix)
+    incoming = [store.uri(k) for k in store.list(prefix or layout.incoming_prefix(config.run_id))]
+    taken = {d.checkpoint for d in with_checkpoints(config, store, incoming, log.warning).datasets}
+    # one a newer checkpoint replaces stays unmerged: emitted, it would bring a re-merge every 30 minutes
+    new = [uri for uri in pending_checkpoints(store, config.run_id, prefix) if uri in taken]
     if not new:
         log.info("no new checkpoints under %s", store.uri(prefix or layout.incoming_prefix(config.run_id)))
         return []
