@@ -18,7 +18,8 @@ PEFT also saves the base layer of an adapted ``lm_head`` / embedding (``<key>.ba
 base's weight): kept as :attr:`LoraAdapter.saved_base`, for the merge to check that it is the base's weight.
 
 What this reader cannot represent exactly is refused in one line naming the file or key: another PEFT type,
-``lora_bias``, embedding / convolution LoRA, ``modules_to_save`` and other tensors that are not a LoRA pair; so is
+``lora_bias``, embedding / convolution LoRA and other tensors that are not a LoRA pair (but the modules of
+``modules_to_save``, kept as :attr:`LoraAdapter.saved_modules`); so is
 a module whose rank is not the config's ``r`` (or its ``rank_pattern`` entry), which PEFT could not load.
 """
 
@@ -47,7 +48,6 @@ _SAVED = (".base_layer.weight", ".base_layer.bias")  # PEFT's copy of an adapted
 # adapter_config.json keys that change what the stored tensors mean in ways this reader does not model
 _REFUSED = {
     "lora_bias": "lora_B carries a bias (lora_bias)",
-    "modules_to_save": "it stores whole modules (modules_to_save)",
     "trainable_token_indices": "it stores trained token rows (trainable_token_indices)",
     "target_parameters": "it adapts nn.Parameters (target_parameters)",
     "layer_replication": "it replicates layers (layer_replication)",
@@ -101,6 +101,8 @@ class LoraAdapter:
         dtype: The stored dtype of its LoRA tensors.
         saved_base: ``{base tensor name: tensor}``: copies of base weights the adapter carries (PEFT saves an
             adapted ``lm_head`` / embedding's base layer; loading the adapter puts it over the base's weight).
+        saved_modules: ``{base tensor name: tensor}``: the modules it trained whole (``modules_to_save``: a
+            classifier), loaded over the base's (see :mod:`symfuse.lora.heads`).
     """
 
     path: Path
@@ -108,6 +110,7 @@ class LoraAdapter:
     modules: Mapping[str, LoraModule]
     dtype: torch.dtype
     saved_base: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    saved_modules: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def dora(self) -> bool:
@@ -169,6 +172,10 @@ def _read_config(folder: Path) -> dict[str, Any]:
     for key in ("r", "lora_alpha"):
         if not _positive(cfg.get(key), whole=key == "r"):
             raise CheckpointError(f"{file}: {key} is {cfg.get(key)!r} — it must be a positive {_NUMBER[key == 'r']}")
+    saves = cfg.get("modules_to_save")
+    if saves is not None and not _strings(saves):
+        raise CheckpointError(f"{file}: modules_to_save is {saves!r} — it must be a list of module names, as PEFT "
+                              "writes it")  # fmt: skip
     targets = cfg.get("target_modules")
     if targets is not None and not (isinstance(targets, str) or _strings(targets)):  # copied into the merged config
         raise CheckpointError(f"{file}: target_modules is {targets!r} — it must be a module-name pattern or a list "
@@ -257,9 +264,13 @@ def read_adapter(folder: str | os.PathLike) -> LoraAdapter:
         raise CheckpointError(f"{folder}: no {WEIGHTS} — save the adapter with safetensors (PEFT's default)")
     parts: dict[str, dict[str, torch.Tensor]] = {}
     saved: dict[str, torch.Tensor] = {}
+    whole: dict[str, torch.Tensor] = {}
     read_header(file)  # a cut or garbage file is one line naming it, not safetensors' own error
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            if _saved_module(cfg, name):
+                whole[name[len(PREFIX) :]] = _float(f.get_tensor(name), name, file)
+                continue
             key, suffix = _split(name, file)
             if suffix in _SAVED:
                 saved[key + suffix.removeprefix(".base_layer")] = f.get_tensor(name)
@@ -274,7 +285,24 @@ def read_adapter(folder: str | os.PathLike) -> LoraAdapter:
     if stray is not None:
         raise CheckpointError(f"{file}: {PREFIX}{stray.rsplit('.', 1)[0]}.base_layer.* is a base layer copy of a "
                               "module the adapter does not adapt — re-save the adapter with PEFT")  # fmt: skip
-    return LoraAdapter(folder, cfg, modules, dtypes.pop() if len(dtypes) == 1 else torch.float32, saved)
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    return LoraAdapter(folder, cfg, modules, dtype, saved, whole)
+
+
+def _saved_module(cfg: Mapping[str, Any], name: str) -> bool:
+    """Whether stored tensor ``name`` belongs to a module of ``modules_to_save`` (PEFT: a module path ending so)."""
+    if not name.startswith(PREFIX) or name.endswith((_A, _B, _M, *_SAVED)):
+        return False
+    parts = name[len(PREFIX) :].split(".")
+    paths = {".".join(parts[:j]) for j in range(1, len(parts))}
+    return any(p == m or p.endswith(f".{m}") for p in paths for m in cfg.get("modules_to_save") or ())
+
+
+def _float(t: torch.Tensor, name: str, file: Path) -> torch.Tensor:
+    """A saved module's tensor, checked: float and finite."""
+    if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"{file}: {name} (modules_to_save) is {t.dtype} or holds NaN / inf — re-train the head")
+    return t
 
 
 _LAYER_LISTS = ["layers", "h", "block", "blocks", "layer"]  # PEFT's COMMON_LAYERS_PATTERN
@@ -334,6 +362,7 @@ def write_adapter(
     config: Mapping[str, Any],
     factors: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     dtype: torch.dtype,
+    modules: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``folder`` (an empty temporary folder).
 
@@ -341,9 +370,10 @@ def write_adapter(
         folder: Where to write (the caller renames it into place).
         config: The adapter config to write.
         factors: ``{key: (B, A, magnitude or None)}``.
-        dtype: The stored dtype.
+        dtype: The stored dtype (of the factors).
+        modules: ``{base tensor name: tensor}`` of modules saved whole (``modules_to_save``), stored as given.
     """
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {f"{PREFIX}{n}": t.contiguous() for n, t in (modules or {}).items()}
     for key, (b, a, m) in factors.items():
         tensors[f"{PREFIX}{key}{_A}"] = a.to(dtype).contiguous()
         tensors[f"{PREFIX}{key}{_B}"] = b.to(dtype).contiguous()

@@ -42,6 +42,7 @@ from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, UsageError
 from symfuse.lora.adapter import PREFIX, WEIGHTS, LoraAdapter, LoraModule, read_adapter, write_adapter
 from symfuse.lora.bases import BASES, F64, combine, low_rank, merge_aligned, merge_full, merge_naive
+from symfuse.lora.heads import check_heads, head_folders
 from symfuse.lora.report import adapter_config, write_report
 from symfuse.merge.base import Merger
 from symfuse.merge.registry import MERGERS
@@ -369,17 +370,20 @@ def merge_adapters(
         m = next(ad.modules[key] for ad in ads if key in ad.modules)
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
     _check_saved_base(ads, bw)
+    heads = ads[0].saved_modules
+    check_heads(ads, {n: tuple(bw.reader.shape(n)) for n in heads if n in bw.names} if into_base and bw else None)
     job = _Job(ads, basis, merger, weights, bw, dev)
     if not into_base and len({ad.dtype for ad in ads}) > 1:
         stored = ", ".join(f"{ad.path} {str(ad.dtype).removeprefix('torch.')}" for ad in ads)
         log.warning("adapters stored in different dtypes (%s): the merged adapter is written in %s", stored, job.dtype)
+    folders = head_folders(ads)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         if into_base:
             errors: dict[str, float] = {}
-            _write_into_base(job, keys, tmp)
+            _write_into_base(job, keys, tmp, folders)
         else:
-            errors = _write_adapter(job, out_rank, keys, tmp)
-        write_report(tmp, strategy, merger, basis, ads, weights, base, into_base, out_rank, errors, start)
+            errors = _write_adapter(job, out_rank, keys, tmp, folders)
+        write_report(tmp, strategy, merger, basis, ads, weights, base, into_base, out_rank, errors, start, folders)
     log.info("merged %d adapter(s) with %s (%s basis) into %s", len(ads), strategy, basis, out)
     return Path(out)
 
@@ -418,8 +422,14 @@ class _Job:
         return left, core, norm + combine(self.merger, f"{key}.magnitude", dms, self.weights)
 
 
-def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path) -> dict[str, float]:
-    """The merged adapter (rank ``rank``, scale 1), one module at a time; returns each module's truncation error."""
+def _write_adapter(
+    job: _Job, rank: int, keys: Sequence[str], tmp: Path, folders: Mapping[str, str]
+) -> dict[str, float]:
+    """The merged adapter (rank ``rank``, scale 1), one module at a time; returns each module's truncation error.
+
+    With saved heads (``folders``, see :mod:`symfuse.lora.heads`): the first adapter's head, and a copy of the merged
+    adapter with each other adapter's head in its folder.
+    """
     factors, errors = {}, {}
     for key in keys:
         left, core, mag = job.module(key)
@@ -427,17 +437,25 @@ def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path) -> dict
         b, a = b.to(job.dtype), a.to(job.dtype)
         _finite((b.to(F64) @ a.to(F64)).to(b.dtype), key, job)  # the update PEFT adds (inf in b or a shows here)
         factors[key] = (b.cpu(), a.cpu(), mag.cpu() if mag is not None else None)
-    write_adapter(tmp, adapter_config(job.ads, rank, keys), factors, job.dtype)
+    config = adapter_config(job.ads, rank, keys)
+    for ad in job.ads if folders else job.ads[:1]:
+        (folder := tmp / folders.get(str(ad.path), ".")).mkdir(parents=True, exist_ok=True)
+        write_adapter(folder, config, factors, job.dtype, ad.saved_modules)
     return errors
 
 
-def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path) -> None:
-    """The base checkpoint with ``W + D`` (DoRA: ``m (W + D) / ||W + D||``) for every adapted weight (streamed)."""
+def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path, folders: Mapping[str, str]) -> None:
+    """The base checkpoint with ``W + D`` (DoRA: ``m (W + D) / ||W + D||``) for every adapted weight (streamed).
+
+    With saved heads: the first adapter's head, and in each other adapter's folder the merged model with its head.
+    """
     assert job.bw is not None
-    bw, targets = job.bw, {job.bw.stored(f"{key}.weight"): key for key in keys}
+    bw, targets, head = job.bw, {job.bw.stored(f"{key}.weight"): key for key in keys}, job.ads[0].saved_modules
 
     def replace(name: str, stored: torch.Tensor) -> torch.Tensor:
         key = targets.get(name)
+        if name in head:
+            return head[name].to(stored.dtype)
         if key is None:
             return stored
         left, core, mag = job.module(key)
@@ -447,6 +465,12 @@ def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path) -> None:
         return _finite((w.T if bw.transposed(key) else w).to("cpu", stored.dtype), key, job).contiguous()
 
     write_checkpoint(bw.reader, tmp, replace=replace, overwrite=True)
+    if len(folders) > 1:
+        with CheckpointReader(tmp) as merged:
+            for ad in job.ads[1:]:
+                dtypes = {n: merged.dtype(n) for n in ad.saved_modules}
+                own = {n: t.to(dtypes[n]) for n, t in ad.saved_modules.items()}
+                write_checkpoint(merged, tmp / folders[str(ad.path)], replace=own)
 
 
 def _finite(t: torch.Tensor, key: str, job: _Job) -> torch.Tensor:

@@ -48,8 +48,12 @@ def write_report(
     rank: int,
     errors: Mapping[str, float],
     start: float,
+    heads: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Write ``symfuse_report.json``: inputs, strategy, basis, output kind and rank, truncation errors, seconds."""
+    """Write ``symfuse_report.json``: inputs, strategy, basis, output kind and rank, truncation errors, seconds.
+
+    ``heads``: where each adapter's saved head went (adapter path -> folder, ``.`` the output itself).
+    """
     report = {
         "strategy": strategy,
         "params": merger.params.model_dump(by_alias=True),
@@ -64,6 +68,7 @@ def write_report(
             "max_relative_error": max(errors.values(), default=0.0),
             "modules": dict(errors),
         },
+        "heads": dict(heads or {}),
         "seconds": round(time.perf_counter() - start, 3),
     }
     (tmp / REPORT).write_text(json.dumps(report, indent=2))

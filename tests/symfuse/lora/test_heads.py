@@ -1,0 +1,109 @@
+"""SEQ_CLS adapters: PEFT trains the classifier whole (modules_to_save); merges keep one head per adapter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers as T
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from safetensors.torch import load_file, save_file
+
+from symfuse.errors import CheckpointError
+from symfuse.lora import merge_adapters
+from tests.symfuse.lora.helpers import edited_copy
+from tests.tiny import save_tiny, tiny_config
+
+AUTO = T.AutoModelForSequenceClassification
+HEAD = ("classifier.weight", "classifier.bias")
+
+
+def _adapter(base, out, seed):
+    """A PEFT SEQ_CLS adapter of ``base`` with random factors and a random trained classifier."""
+    model = AUTO.from_pretrained(str(base))
+    torch.manual_seed(seed)
+    cfg = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=["query", "value"],
+                     init_lora_weights=False)  # fmt: skip
+    peft = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+    peft.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def seq_cls(tmp_path_factory):
+    d = tmp_path_factory.mktemp("seqcls")
+    base = save_tiny(d / "base", "bert", head="seq", num_labels=3)
+    return base, _adapter(base, d / "a", 1), _adapter(base, d / "b", 2)
+
+
+def _weights(folder, adapter=None):
+    model = AUTO.from_pretrained(str(folder))
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    return {k: v.detach().double() for k, v in model.state_dict().items()}
+
+
+def _worst(got, want):
+    return max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+def _headless(adapter, out):
+    """``adapter`` without its saved classifier (what its LoRA factors alone update)."""
+    shutil.copytree(adapter, out)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps(cfg | {"modules_to_save": None}))
+    file = out / "adapter_model.safetensors"
+    save_file({k: v for k, v in load_file(str(file)).items() if "lora_" in k}, str(file), metadata={"format": "pt"})
+    return out
+
+
+def test_one_seq_cls_adapter_goes_into_the_base_as_peft_merges_it(seq_cls, tmp_path):
+    # it was refused: "modules_to_save is set: it stores whole modules"
+    base, a, _ = seq_cls
+    out = merge_adapters([a], tmp_path / "out", "simple", base=base, into_base=True)
+    want = _weights(base, a)
+    assert not torch.equal(want[HEAD[0]], _weights(base)[HEAD[0]])
+    assert _worst(_weights(out), want) < 1e-6
+
+
+def test_two_seq_cls_adapters_give_one_merged_body_and_each_its_own_head(seq_cls, tmp_path):
+    base, a, b = seq_cls
+    out = merge_adapters([a, b], tmp_path / "out", "ties", base=base, into_base=True, density=0.5)
+    first, second = _weights(out), _weights(out / "heads" / "b")
+    body = _weights(merge_adapters([_headless(a, tmp_path / "ha"), _headless(b, tmp_path / "hb")], tmp_path / "body",
+                                   "ties", base=base, into_base=True, density=0.5))  # fmt: skip
+    for name in HEAD:  # each adapter's head as PEFT loads it, over the merged body the adapters' factors make
+        assert torch.equal(first[name], _weights(base, a)[name]) and torch.equal(second[name], _weights(base, b)[name])
+    for k in body:
+        if k not in HEAD:
+            assert torch.equal(first[k], body[k]) and torch.equal(second[k], body[k]), k
+    report = json.loads((out / "symfuse_report.json").read_text())
+    assert report["heads"] == {str(a): ".", str(b): "heads/b"}
+
+
+def test_merged_seq_cls_adapters_load_in_peft_as_the_merged_models(seq_cls, tmp_path):
+    base, a, b = seq_cls
+    models = merge_adapters([a, b], tmp_path / "models", "simple", base=base, into_base=True)
+    adapter = merge_adapters([a, b], tmp_path / "adapter", "simple")
+    assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == ["classifier", "score"]
+    assert _worst(_weights(base, adapter), _weights(models)) < 1e-6
+    assert _worst(_weights(base, adapter / "heads" / "b"), _weights(models / "heads" / "b")) < 1e-6
+
+
+def test_adapters_of_other_heads_or_a_base_without_the_head_are_refused(seq_cls, tmp_path):
+    _, a, _ = seq_cls
+    with pytest.raises(CheckpointError, match=r"ha: saves the modules none, .*/a classifier\.bias, classifier\.weight"):
+        merge_adapters([a, _headless(a, tmp_path / "ha")], tmp_path / "out", "simple")
+    five = tmp_path / "five"  # a classifier of 5 classes
+    T.BertForSequenceClassification(tiny_config("bert", num_labels=5)).save_pretrained(five)
+    moved = edited_copy(a, tmp_path / "moved", base_model_name_or_path=str(five))
+    text = r"moved: saves classifier\.\w+ \(3.*\) \(modules_to_save\), and the base holds it as \(5"
+    with pytest.raises(CheckpointError, match=text):
+        merge_adapters([moved], tmp_path / "out", "simple", base=five, into_base=True)
+    assert not (tmp_path / "out").exists()
