@@ -63,6 +63,7 @@ def merge_lora(
     Writes a PEFT adapter folder (plain LoRA, or DoRA for DoRA inputs; rank --rank, scale 1) with
     symfuse_report.json (strategy, basis, rank, each module's truncation error), or with --into-base the base
     checkpoint with the merged update applied. One adapter with weight 1 and a linear strategy gives back its update.
+    Classifier adapters (modules_to_save) keep their heads: the first in OUT, each other in OUT/heads/<name>/.
     """
     if out is not None and out_arg is not None:
         raise UsageError(f"OUT: given twice ({out_arg} and --out {out}) — give the output folder once")
@@ -82,6 +83,8 @@ def merge_lora(
     err = report["truncation"]["max_relative_error"]
     typer.echo(f"{path} ({strategy}, {basis} basis, {report['output']}, truncation error {err:.2e}, "
                f"{report['seconds']} s)")  # fmt: skip
+    for adapter, folder in list(report["heads"].items())[1:]:  # the first adapter's head is in the output itself
+        typer.echo(f"  with {adapter}'s head: {path / folder}")
 
 
 def _check(

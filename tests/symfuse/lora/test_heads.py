@@ -107,3 +107,18 @@ def test_adapters_of_other_heads_or_a_base_without_the_head_are_refused(seq_cls,
     with pytest.raises(CheckpointError, match=text):
         merge_adapters([moved], tmp_path / "out", "simple", base=five, into_base=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_command_names_where_each_other_head_went(seq_cls, tmp_path):
+    from typer.testing import CliRunner
+
+    from symfuse.cli import app
+    from symfuse.cli import commands as _commands  # noqa: F401  (registers the commands)
+
+    _, a, b = seq_cls
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["merge-lora", "--adapters", str(a), str(b), "--strategy", "simple", "--out",
+                                   str(out)], terminal_width=200)  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert f"with {b}'s head: {out / 'heads' / 'b'}" in res.output
+    assert (out / "heads" / "b" / "adapter_model.safetensors").is_file()
