@@ -83,8 +83,8 @@ def merge_lora(
     err = report["truncation"]["max_relative_error"]
     typer.echo(f"{path} ({strategy}, {basis} basis, {report['output']}, truncation error {err:.2e}, "
                f"{report['seconds']} s)")  # fmt: skip
-    for adapter, folder in list(report["heads"].items())[1:]:  # the first adapter's head is in the output itself
-        typer.echo(f"  with {adapter}'s head: {path / folder}")
+    for head in report["heads"][1:]:  # the first adapter's head is in the output itself
+        typer.echo(f"  with {head['adapter']}'s head: {path / head['folder']}")
 
 
 def _check(

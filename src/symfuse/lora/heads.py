@@ -15,16 +15,19 @@ from symfuse.errors import CheckpointError
 from symfuse.lora.adapter import LoraAdapter
 
 
-def head_folders(adapters: Sequence[LoraAdapter]) -> dict[str, str]:
-    """Each adapter's head folder (``.`` for the first, else ``heads/<its folder name>``) by its path; {}: no heads."""
+def head_folders(adapters: Sequence[LoraAdapter]) -> list[str]:
+    """Each adapter's head folder, in order: ``.`` for the first, else ``heads/<its folder name>`` (made unique).
+
+    Empty when the adapters save no head.
+    """
     if not adapters[0].saved_modules:
-        return {}
-    folders: dict[str, str] = {}
-    for i, ad in enumerate(adapters):
+        return []
+    folders = ["."]
+    for i, ad in enumerate(adapters[1:], 1):
         name = ad.path.name or f"adapter{i}"
-        while f"heads/{name}" in folders.values():
+        while f"heads/{name}" in folders:
             name = f"{name}-{i}"
-        folders[str(ad.path)] = "." if i == 0 else f"heads/{name}"
+        folders.append(f"heads/{name}")
     return folders
 
 

@@ -422,9 +422,7 @@ class _Job:
         return left, core, norm + combine(self.merger, f"{key}.magnitude", dms, self.weights)
 
 
-def _write_adapter(
-    job: _Job, rank: int, keys: Sequence[str], tmp: Path, folders: Mapping[str, str]
-) -> dict[str, float]:
+def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path, folders: Sequence[str]) -> dict[str, float]:
     """The merged adapter (rank ``rank``, scale 1), one module at a time; returns each module's truncation error.
 
     With saved heads (``folders``, see :mod:`symfuse.lora.heads`): the first adapter's head, and a copy of the merged
@@ -438,13 +436,13 @@ def _write_adapter(
         _finite((b.to(F64) @ a.to(F64)).to(b.dtype), key, job)  # the update PEFT adds (inf in b or a shows here)
         factors[key] = (b.cpu(), a.cpu(), mag.cpu() if mag is not None else None)
     config = adapter_config(job.ads, rank, keys)
-    for ad in job.ads if folders else job.ads[:1]:
-        (folder := tmp / folders.get(str(ad.path), ".")).mkdir(parents=True, exist_ok=True)
+    for ad, rel in zip(job.ads, folders or ["."], strict=False):
+        (folder := tmp / rel).mkdir(parents=True, exist_ok=True)
         write_adapter(folder, config, factors, job.dtype, ad.saved_modules)
     return errors
 
 
-def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path, folders: Mapping[str, str]) -> None:
+def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path, folders: Sequence[str]) -> None:
     """The base checkpoint with ``W + D`` (DoRA: ``m (W + D) / ||W + D||``) for every adapted weight (streamed).
 
     With saved heads: the first adapter's head, and in each other adapter's folder the merged model with its head.
@@ -467,10 +465,9 @@ def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path, folders: Mapping
     write_checkpoint(bw.reader, tmp, replace=replace, overwrite=True)
     if len(folders) > 1:
         with CheckpointReader(tmp) as merged:
-            for ad in job.ads[1:]:
-                dtypes = {n: merged.dtype(n) for n in ad.saved_modules}
-                own = {n: t.to(dtypes[n]) for n, t in ad.saved_modules.items()}
-                write_checkpoint(merged, tmp / folders[str(ad.path)], replace=own)
+            for ad, rel in zip(job.ads[1:], folders[1:], strict=True):
+                own = {n: t.to(merged.dtype(n)) for n, t in ad.saved_modules.items()}
+                write_checkpoint(merged, tmp / rel, replace=own)
 
 
 def _finite(t: torch.Tensor, key: str, job: _Job) -> torch.Tensor:

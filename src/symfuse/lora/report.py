@@ -48,11 +48,11 @@ def write_report(
     rank: int,
     errors: Mapping[str, float],
     start: float,
-    heads: Mapping[str, str] | None = None,
+    heads: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Write ``symfuse_report.json``: inputs, strategy, basis, output kind and rank, truncation errors, seconds.
 
-    ``heads``: where each adapter's saved head went (adapter path -> folder, ``.`` the output itself).
+    ``heads``: where each adapter's saved head went, in order (``.``: the output itself); none: no saved heads.
     """
     report = {
         "strategy": strategy,
@@ -68,7 +68,7 @@ def write_report(
             "max_relative_error": max(errors.values(), default=0.0),
             "modules": dict(errors),
         },
-        "heads": dict(heads or {}),
+        "heads": [{"adapter": str(ad.path), "folder": rel} for ad, rel in zip(ads, heads, strict=False)],
         "seconds": round(time.perf_counter() - start, 3),
     }
     (tmp / REPORT).write_text(json.dumps(report, indent=2))

@@ -84,7 +84,9 @@ def test_two_seq_cls_adapters_give_one_merged_body_and_each_its_own_head(seq_cls
         if k not in HEAD:
             assert torch.equal(first[k], body[k]) and torch.equal(second[k], body[k]), k
     report = json.loads((out / "symfuse_report.json").read_text())
-    assert report["heads"] == {str(a): ".", str(b): "heads/b"}
+    assert report["heads"] == [{"adapter": str(a), "folder": "."}, {"adapter": str(b), "folder": "heads/b"}]
+    twice = merge_adapters([a, a], tmp_path / "twice", "simple", base=base, into_base=True)  # one folder given twice
+    assert torch.equal(_weights(twice)[HEAD[0]], first[HEAD[0]]) and (twice / "heads" / "a").is_dir()
 
 
 def test_merged_seq_cls_adapters_load_in_peft_as_the_merged_models(seq_cls, tmp_path):
