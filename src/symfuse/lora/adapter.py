@@ -18,7 +18,7 @@ PEFT also saves the base layer of an adapted ``lm_head`` / embedding (``<key>.ba
 base's weight): kept as :attr:`LoraAdapter.saved_base`, for the merge to check that it is the base's weight.
 
 What this reader cannot represent exactly is refused in one line naming the file or key: another PEFT type,
-``lora_bias``, embedding / convolution LoRA and other tensors that are not a LoRA pair (but the modules of
+``lora_bias``, convolution LoRA, DoRA embeddings and other tensors that are not a LoRA pair (but the modules of
 ``modules_to_save``, kept as :attr:`LoraAdapter.saved_modules`); so is
 a module whose rank is not the config's ``r`` (or its ``rank_pattern`` entry), which PEFT could not load.
 """
@@ -44,6 +44,7 @@ CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 _A, _B, _M = ".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector"
+_EMBEDDING = {".lora_embedding_A": _A, ".lora_embedding_B": _B}  # an nn.Embedding's factors, as A and B
 _SAVED = (".base_layer.weight", ".base_layer.bias")  # PEFT's copy of an adapted lm_head / embedding's base layer
 # adapter_config.json keys that change what the stored tensors mean in ways this reader does not model
 _REFUSED = {
@@ -72,6 +73,8 @@ class LoraModule:
         B: ``lora_B`` ``(out, r)`` as stored.
         scale: ``alpha / r`` (``alpha / sqrt(r)`` with rslora).
         magnitude: DoRA's ``(out,)`` magnitude, else None.
+        embedding: An ``nn.Embedding``'s LoRA (``lora_embedding_A`` ``(r, vocab)``, ``lora_embedding_B``
+            ``(dim, r)``): ``B A`` is the transpose of the stored ``(vocab, dim)`` weight's update, as a ``Conv1D``'s.
     """
 
     key: str
@@ -79,6 +82,7 @@ class LoraModule:
     B: torch.Tensor
     scale: float
     magnitude: torch.Tensor | None = None
+    embedding: bool = False
 
     @property
     def rank(self) -> int:
@@ -238,11 +242,9 @@ def _module_scale(cfg: Mapping[str, Any], key: str, rank: int) -> float:
 
 def _split(name: str, file: Path) -> tuple[str, str]:
     """``(module key, suffix)`` of a stored tensor name; anything but a LoRA pair / magnitude is refused."""
-    for suffix in (_A, _B, _M, *_SAVED):
+    for suffix in (_A, _B, _M, *_SAVED, *_EMBEDDING):
         if name.endswith(suffix) and name.startswith(PREFIX):
             return name[len(PREFIX) : -len(suffix)], suffix
-    if "lora_embedding" in name:
-        raise CheckpointError(f"{file}: {name} is an embedding LoRA — not supported; adapt linear modules only")
     raise CheckpointError(
         f"{file}: {name} is not a LoRA A / B / magnitude tensor: the adapter holds more than LoRA / DoRA factors (a "
         "LoRA variant such as KaSA or VeRA, or a saved copy of a base weight) that symfuse does not merge, and a "
@@ -265,6 +267,7 @@ def read_adapter(folder: str | os.PathLike) -> LoraAdapter:
     parts: dict[str, dict[str, torch.Tensor]] = {}
     saved: dict[str, torch.Tensor] = {}
     whole: dict[str, torch.Tensor] = {}
+    embeddings: set[str] = set()
     read_header(file)  # a cut or garbage file is one line naming it, not safetensors' own error
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
@@ -275,10 +278,11 @@ def read_adapter(folder: str | os.PathLike) -> LoraAdapter:
             if suffix in _SAVED:
                 saved[key + suffix.removeprefix(".base_layer")] = f.get_tensor(name)
             else:
-                parts.setdefault(key, {})[suffix] = f.get_tensor(name)
+                parts.setdefault(key, {})[_EMBEDDING.get(suffix, suffix)] = f.get_tensor(name)
+                embeddings.update([key] if suffix in _EMBEDDING else [])
     if not parts:
         raise CheckpointError(f"{file}: holds no LoRA tensors — re-save the adapter")
-    modules = {k: _module(cfg, k, p, file) for k, p in parts.items()}
+    modules = {k: _module(cfg, k, p, file, k in embeddings) for k, p in parts.items()}
     _check_layers(cfg, modules, folder / CONFIG)
     dtypes = {m.A.dtype for m in modules.values()} | {m.B.dtype for m in modules.values()}
     stray = next((n for n in saved if n.rsplit(".", 1)[0] not in modules), None)
@@ -330,9 +334,12 @@ def _check_layers(cfg: Mapping[str, Any], keys: Iterable[str], file: Path) -> No
             )
 
 
-def _module(cfg: Mapping[str, Any], key: str, p: dict[str, torch.Tensor], file: Path) -> LoraModule:
+def _module(cfg: Mapping[str, Any], key: str, p: dict[str, torch.Tensor], file: Path, embedding: bool) -> LoraModule:
     """One module's checked tensors."""
     a, b, m = p.get(_A), p.get(_B), p.get(_M)
+    if embedding and m is not None:
+        raise CheckpointError(f"{file}: {key} is a DoRA embedding — not supported; merge DoRA adapters of linear "
+                              "modules, or plain LoRA embeddings")  # fmt: skip
     if a is None or b is None:
         missing = _A if a is None else _B
         raise CheckpointError(f"{file}: {PREFIX}{key}{missing} is missing — re-save the adapter")
@@ -354,7 +361,7 @@ def _module(cfg: Mapping[str, Any], key: str, p: dict[str, torch.Tensor], file: 
                                   "re-save the adapter (quantised adapters do not merge here)")  # fmt: skip
         if t is not None and not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"{file}: {key}.{name} holds NaN / inf — the adapter is broken; re-train it")
-    return LoraModule(key, a, b, _module_scale(cfg, key, int(a.shape[0])), m)
+    return LoraModule(key, a, b, _module_scale(cfg, key, int(a.shape[0])), m, embedding)
 
 
 def write_adapter(
@@ -363,6 +370,7 @@ def write_adapter(
     factors: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     dtype: torch.dtype,
     modules: Mapping[str, torch.Tensor] | None = None,
+    embeddings: Iterable[str] = (),
 ) -> None:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``folder`` (an empty temporary folder).
 
@@ -372,11 +380,14 @@ def write_adapter(
         factors: ``{key: (B, A, magnitude or None)}``.
         dtype: The stored dtype (of the factors).
         modules: ``{base tensor name: tensor}`` of modules saved whole (``modules_to_save``), stored as given.
+        embeddings: The keys of ``factors`` that are embeddings (stored as ``lora_embedding_A`` / ``_B``).
     """
+    embeddings = set(embeddings)
     tensors: dict[str, torch.Tensor] = {f"{PREFIX}{n}": t.contiguous() for n, t in (modules or {}).items()}
     for key, (b, a, m) in factors.items():
-        tensors[f"{PREFIX}{key}{_A}"] = a.to(dtype).contiguous()
-        tensors[f"{PREFIX}{key}{_B}"] = b.to(dtype).contiguous()
+        a_name, b_name = (".lora_embedding_A", ".lora_embedding_B") if key in embeddings else (_A, _B)
+        tensors[f"{PREFIX}{key}{a_name}"] = a.to(dtype).contiguous()
+        tensors[f"{PREFIX}{key}{b_name}"] = b.to(dtype).contiguous()
         if m is not None:
             tensors[f"{PREFIX}{key}{_M}"] = m.to(dtype).contiguous()
     save_safetensors(tensors, folder / WEIGHTS, {"format": "pt"})  # atomic, readable by all as every output

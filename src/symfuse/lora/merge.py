@@ -234,6 +234,7 @@ class _Base:
         spec, config = self.reader.spec, self.reader.config
         tied = bool(getattr(config, "tie_word_embeddings", False) and spec.embeddings)
         self.embedding = f"{self.reader.prefix}{spec.embeddings[0]}.weight" if tied else None
+        self.embeddings: set[str] = set()  # adapted embeddings (stored (vocab, dim), transposed as a Conv1D)
 
     def stored(self, name: str) -> str:
         """The stored tensor that holds base tensor ``name`` (a tied ``lm_head.weight``: the input embedding)."""
@@ -242,8 +243,8 @@ class _Base:
         return name
 
     def transposed(self, key: str) -> bool:
-        """Whether module ``key``'s weight is stored ``(in, out)`` (a ``Conv1D``)."""
-        return f"{key}.weight" in self.conv1d
+        """Whether module ``key``'s weight is stored ``(in, out)`` (a ``Conv1D``, an embedding)."""
+        return f"{key}.weight" in self.conv1d or key in self.embeddings
 
     def check(self, key: str, shape: tuple[int, int]) -> None:
         """Refuse a base without module ``key``'s weight of ``shape`` (``(out, in)``)."""
@@ -288,6 +289,11 @@ def _check_saved_base(adapters: Sequence[LoraAdapter], bw: _Base | None) -> None
                                       f"{bw.reader.path}'s (a resized or trained vocabulary?) — symfuse merges "
                                       "updates of one base; merge adapters whose copy is the base's")  # fmt: skip
             log.info("%s: its copy of the base's %s equals the base's; left out of the output", ad.path, name)
+
+
+def _embeddings(adapters: Sequence[LoraAdapter]) -> set[str]:
+    """The adapted modules that are embeddings."""
+    return {k for ad in adapters for k, m in ad.modules.items() if m.embedding}
 
 
 def _copy_name(name: str) -> str:
@@ -366,6 +372,8 @@ def merge_adapters(
                          f"(min(out, in) of the largest weight) — give at most {widest}")  # fmt: skip
     out_rank = rank or (ads[0].modules[keys[0]].rank if basis == "naive" else max(sums))
     bw = _Base(base) if base is not None else None
+    if bw is not None:
+        bw.embeddings = _embeddings(ads)
     for key in keys if bw is not None else ():
         m = next(ad.modules[key] for ad in ads if key in ad.modules)
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
@@ -438,7 +446,7 @@ def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path, folders
     config = adapter_config(job.ads, rank, keys)
     for ad, rel in zip(job.ads, folders or ["."], strict=False):
         (folder := tmp / rel).mkdir(parents=True, exist_ok=True)
-        write_adapter(folder, config, factors, job.dtype, ad.saved_modules)
+        write_adapter(folder, config, factors, job.dtype, ad.saved_modules, _embeddings(job.ads))
     return errors
 
 

@@ -1,4 +1,4 @@
-"""Adapters of an ``lm_head``: PEFT saves the head's base layer beside the factors, and ties it to the embedding."""
+"""Adapters of an ``lm_head`` or the embedding: PEFT saves the layer's base weight beside the factors; ties."""
 
 from __future__ import annotations
 
@@ -75,3 +75,32 @@ def test_a_saved_copy_other_than_the_base_weight_is_refused(head_adapter, tmp_pa
                                               r"base's lm_head\.weight, but it is not .*base's"):  # fmt: skip
         merge_adapters([adapter, other], tmp_path / "out", "simple", base=base, into_base=True)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def embedding_adapters(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("emb")
+    base = save_tiny(d / "base", "llama", head="lm", tie_word_embeddings=request.param)
+    made = [make_adapter(base, d / f"ad{i}", seed=i, targets=["q_proj", "embed_tokens"]) for i in (1, 2)]
+    assert any("lora_embedding_A" in k for k in load_file(str(made[0] / "adapter_model.safetensors")))
+    return base, made
+
+
+def test_an_embedding_adapter_merges_as_peft_merges_it(embedding_adapters, tmp_path):
+    # it was refused ("an embedding LoRA — not supported"); PEFT adds (B A)^T to the (vocab, dim) weight
+    base, (a, b) = embedding_adapters
+    one = merge_adapters([a], tmp_path / "one", "simple", base=base, into_base=True)
+    assert _worst(_loaded(one), effective_weights(base, a)) < 1e-6
+    model = merge_adapters([a, b], tmp_path / "model", "ties", base=base, into_base=True, density=0.5)
+    adapter = merge_adapters([a, b], tmp_path / "adapter", "ties", base=base, density=0.5)
+    stored = load_file(str(adapter / "adapter_model.safetensors"))
+    assert "base_model.model.model.embed_tokens.lora_embedding_A" in stored
+    assert _worst(_loaded(base, adapter), _loaded(model)) < 1e-6
+    assert not torch.equal(_loaded(model)["model.embed_tokens.weight"], _loaded(base)["model.embed_tokens.weight"])
+
+
+def test_a_dora_embedding_is_refused(tmp_path):
+    base = save_tiny(tmp_path / "base", "llama", head="lm")
+    dora = make_adapter(base, tmp_path / "dora", seed=1, targets=["q_proj", "embed_tokens"], use_dora=True)
+    with pytest.raises(CheckpointError, match=r"model\.embed_tokens is a DoRA embedding — not supported"):
+        merge_adapters([dora], tmp_path / "out", "simple", base=base, into_base=True)
