@@ -98,7 +98,7 @@ def watch_checkpoints(config: RunConfig, prefix: str | None = None) -> list[str]
     warn_unmarked(store, config.run_id, prefix, log.warning)
     incoming = [store.uri(k) for k in store.list(prefix or layout.incoming_prefix(config.run_id))]
     taken = {d.checkpoint for d in with_checkpoints(config, store, incoming, log.warning).datasets}
-    # one a newer checkpoint replaces stays unmerged: emitted, it would bring a re-merge every 30 minutes
+    # one left out stays unmerged: emitted, it would bring a re-merge every 30 minutes
     new = [uri for uri in pending_checkpoints(store, config.run_id, prefix) if uri in taken]
     if not new:
         log.info("no new checkpoints under %s", store.uri(prefix or layout.incoming_prefix(config.run_id)))
@@ -116,29 +116,27 @@ def watch_checkpoints(config: RunConfig, prefix: str | None = None) -> list[str]
 def with_checkpoints(config: RunConfig, store: ArtifactStore, checkpoints: list[str], warn: Any = None) -> RunConfig:
     """``config`` whose datasets also bring each checkpoint.
 
-    A checkpoint dropped for a configured dataset (its manifest's ``meta.dataset``, else its name) replaces that
-    dataset's fine-tuned model, whatever its name; any other joins as a new model of its name, evaluated on its
-    dataset. Where two replace one model, the newer one (by its manifest's time) wins; one named as a configured
-    model but dropped for another dataset is left out; ``warn`` (a logger method) says either. ``symfuse drop``
-    refuses both.
+    A checkpoint named as a configured dataset replaces that dataset's fine-tuned model; any other joins as a new
+    model of its name, evaluated on the dataset it was dropped for (its manifest's ``meta.dataset``, else its name)
+    as the run evaluates that dataset (a configured one's source and settings). One named as a configured dataset but
+    dropped for another is left out, and ``warn`` (a logger method) says so (``symfuse drop`` refuses it).
     """
     datasets = [d.model_copy() for d in config.datasets]
-    by_name, replaced = {d.name: d for d in datasets}, {}
-    configured = set(by_name)
-    say = warn or (lambda *_: None)
-    for _, uri in sorted((store.manifest(uri).get("created", ""), uri) for uri in checkpoints):
+    by_name = {d.name: d for d in datasets}
+    configured = dict(by_name)
+    for uri in sorted(checkpoints):
         name = store.key(uri).rsplit("/", 1)[-1]
         dataset = store.manifest(uri).get("meta", {}).get("dataset") or name
-        if dataset in configured:
-            if dataset in replaced:
-                say("%s and %s both replace dataset %s's model: taking the newer, %s", replaced[dataset], uri,
-                    dataset, uri)  # fmt: skip
-            by_name[dataset].checkpoint = replaced[dataset] = uri
+        if name in configured and dataset != name:
+            if warn is not None:
+                warn("%s: named as the run's model %s but dropped for dataset %s — left out; drop it under another "
+                     "--name", uri, name, dataset)  # fmt: skip
         elif name in configured:
-            say("%s: named as the run's model %s but dropped for dataset %s — left out; drop it under another --name",
-                uri, name, dataset)  # fmt: skip
+            by_name[name].checkpoint = uri
         else:
-            by_name[name] = DatasetConfig(name=name, source=dataset, checkpoint=uri)
+            like = configured.get(dataset)
+            new = like.model_copy(update={"name": name, "source": like.data, "checkpoint": uri}) if like else None
+            by_name[name] = new or DatasetConfig(name=name, source=dataset, checkpoint=uri)
             datasets.append(by_name[name])
     return config.model_copy(update={"datasets": datasets})
 

@@ -189,45 +189,43 @@ def test_a_dataset_the_re_merge_could_not_find_is_refused_before_the_upload(tmp_
         assert "no dataset of that name" in line, line
     assert store.folders(layout.incoming_prefix("r1")) == []
     named = run_cli("drop", ckpt, "--run", "r1", "--name", "meld-seed3", "--dataset", "meld", "--store", root)
-    assert named.returncode == 0, named.stderr  # a run dataset: it replaces meld's model whatever its name
+    assert named.returncode == 0, named.stderr  # a run dataset: a model of meld besides the run's
     new = run_cli("drop", ckpt, "--run", "r1", "--dataset", "goemotions", "--store", root)  # one found here
     assert new.returncode == 0, new.stderr
 
 
-def test_a_second_checkpoint_for_one_run_model_is_refused_and_a_model_s_name_kept_for_its_dataset(tmp_path):
+def test_a_run_model_s_name_for_another_dataset_is_refused_and_more_models_of_one_dataset_taken(tmp_path):
     root, store = _run_with_models(tmp_path, "meld")
     ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
-    first = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--name", "meld-v1", "--store", root)
-    assert first.returncode == 0, first.stderr
-    twice = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--store", root)
-    assert twice.returncode == 2 and twice.stderr.strip() == (
-        f"error: --dataset meld: {store.uri(layout.incoming_key('r1', 'meld-v1'))} already replaces run r1's model "
-        "meld — publish a new version of it with --name meld-v1 --replace"
-    ), twice.stderr
-    clash = run_cli("drop", ckpt, "--run", "r1", "--name", "meld", "--dataset", "emotion", "--store", root)
-    assert clash.returncode == 2 and "--name meld: run r1's model of dataset meld, but --dataset is emotion" in (
-        clash.stderr
+    clash = run_cli("drop", ckpt, "--run", "r1", "--name", "meld", "--dataset", "goemotions", "--store", root)
+    assert clash.returncode == 2 and clash.stderr.strip() == (
+        "error: --name meld: it replaces run r1's model of dataset meld, but --dataset is goemotions — give another "
+        "--name for a model of goemotions"
     ), clash.stderr
-    again = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--name", "meld-v1", "--replace", "--store", root)
-    assert again.returncode == 0, again.stderr
+    for name in ("meld-v1", "meld-v2"):  # models of meld besides the run's own (a soup of fine-tunes)
+        res = run_cli("drop", ckpt, "--run", "r1", "--dataset", "meld", "--name", name, "--store", root)
+        assert res.returncode == 0, res.stderr
+    assert store.folders(layout.incoming_prefix("r1")) == ["meld-v1", "meld-v2"]
 
 
-def test_the_re_merge_replaces_the_model_of_the_dataset_a_checkpoint_was_dropped_for(tmp_path):
+def test_the_re_merge_evaluates_a_new_model_on_its_dataset_as_the_run_does(tmp_path):
     from flows.watch import with_checkpoints
     from symfuse.config import RunConfig
 
     store = ArtifactStore(str(tmp_path / "store"))
     config = RunConfig(run_id="r1", store_root=str(tmp_path / "store"),
-                       datasets=[{"name": "meld"}, {"name": "isear", "source": str(tmp_path / "data")}])  # fmt: skip
+                       datasets=[{"name": "meld"}, {"name": "isear", "source": str(tmp_path / "data"),
+                                                    "max_eval_examples": 50}])  # fmt: skip
     ckpt = save_tiny(tmp_path / "ckpt", "bert", seed=3)
-    put = [store.put_dir(layout.incoming_key("r1", n), ckpt, "test", meta={"dataset": d})
-           for n, d in (("isear-v2", "isear"), ("extra", "emotion"), ("isear-v3", "isear"))]  # fmt: skip
+    dropped = (("isear-v2", "isear"), ("extra", "goemotions"), ("meld", "meld"), ("isear", "meld"))
+    put = {n: store.put_dir(layout.incoming_key("r1", n), ckpt, "test", meta={"dataset": d}) for n, d in dropped}
     warnings = []
-    got = with_checkpoints(config, store, put, lambda msg, *a: warnings.append(msg % a))
+    got = with_checkpoints(config, store, list(put.values()), lambda msg, *a: warnings.append(msg % a))
     by_name = {d.name: d for d in got.datasets}
-    assert list(by_name) == ["meld", "isear", "extra"]  # isear-v2 was a new model evaluated on "isear" before
-    assert by_name["isear"].source == str(tmp_path / "data") and by_name["isear"].checkpoint == put[2]
-    assert by_name["extra"].source == "emotion" and by_name["extra"].checkpoint == put[1]
-    assert by_name["meld"].checkpoint is None
+    assert list(by_name) == ["meld", "isear", "extra", "isear-v2"]
+    # it was evaluated on a bare name "isear" (not the run's isear folder), with none of its settings
+    assert by_name["isear-v2"].source == str(tmp_path / "data") and by_name["isear-v2"].max_eval_examples == 50
+    assert by_name["isear-v2"].checkpoint == put["isear-v2"] and by_name["extra"].source == "goemotions"
+    assert by_name["meld"].checkpoint == put["meld"] and by_name["isear"].checkpoint is None
     (line,) = warnings
-    assert f"{put[0]} and {put[2]} both replace dataset isear's model: taking the newer, {put[2]}" == line
+    assert line.startswith(f"{put['isear']}: named as the run's model isear but dropped for dataset meld — left out")

@@ -47,22 +47,23 @@ def test_watch_then_remerge(first_run, monkeypatch):
     assert result["report"] and watch_checkpoints(config) == []  # merged now: no new event
 
 
-def test_a_checkpoint_a_newer_one_replaces_is_named_and_not_emitted(tmp_path, monkeypatch):
-    """Left out of every re-merge, it stayed pending: each tick would emit it, a re-merge every 30 minutes."""
+def test_a_checkpoint_left_out_of_the_re_merge_is_named_and_not_emitted(tmp_path, monkeypatch):
+    """Named as a run model but dropped for another dataset, it stayed pending: a re-merge every 30 minutes."""
     store = ArtifactStore(str(tmp_path / "store"))
-    config = RunConfig(run_id="r1", store_root=str(tmp_path / "store"), datasets=[{"name": "isear"}])
+    config = RunConfig(run_id="r1", store_root=str(tmp_path / "store"), datasets=[{"name": "isear"}, {"name": "meld"}])
     folder = tmp_path / "ckpt"
     folder.mkdir()
     uris = []
-    for name in ("isear-v2", "isear-v3"):
+    for name, dataset in (("isear", "meld"), ("meld", "meld")):
         (folder / "config.json").write_text(f'{{"name": "{name}"}}')  # another content each
-        uris.append(store.put_dir(layout.incoming_key("r1", name), folder, "test", meta={"dataset": "isear"}))
+        uris.append(store.put_dir(layout.incoming_key("r1", name), folder, "test", meta={"dataset": dataset}))
     events, warnings = [], []
     monkeypatch.setattr(flows.watch, "emit_event", lambda **kw: events.append(kw))
     monkeypatch.setattr(flows.watch, "get_run_logger", lambda: _Logger(warnings))
     assert watch_checkpoints(config) == [uris[1]]
     assert events[0]["payload"]["checkpoints"] == [uris[1]]
-    assert warnings == [f"{uris[0]} and {uris[1]} both replace dataset isear's model: taking the newer, {uris[1]}"]
+    (line,) = warnings
+    assert line.startswith(f"{uris[0]}: named as the run's model isear but dropped for dataset meld — left out")
 
 
 class _Logger:

@@ -30,12 +30,17 @@ def drop(
         str | None,
         typer.Option(
             "--dataset",
-            help="Dataset it was fine-tuned on (one the run has a model of: this checkpoint replaces that model in "
-            "the re-merge; another: a new model evaluated on that dataset, which must be found here). Default: --name.",
+            help="Dataset it was fine-tuned on, which the re-merge evaluates it on: one of the run's datasets, or "
+            "one found here. Default: --name.",
         ),
     ] = None,
     name: Annotated[
-        str | None, typer.Option("--name", help="Its name in incoming/ (default: --dataset, else the folder's name).")
+        str | None,
+        typer.Option(
+            "--name",
+            help="Its model name in the run and in incoming/: the name of one of the run's models replaces that "
+            "model, another adds a model (default: --dataset, else the folder's name).",
+        ),
     ] = None,
     store_root: Annotated[
         str | None, typer.Option("--store", help="Store root (default $SYMFUSE_STORE, else ./symfuse-runs).")
@@ -117,45 +122,31 @@ def _check_fits_run(store: ArtifactStore, run: str, dataset: str | None, checkpo
 
 
 def _check_dataset(store: ArtifactStore, run: str, dataset: str, name: str, flag: str) -> None:
-    """Refuse a dataset the re-merge could not evaluate on, or a second checkpoint replacing one run model.
+    """Refuse a dataset the re-merge could not evaluate on, or a run model's name for another dataset.
 
-    A dataset the run has a model of: the checkpoint replaces that model, so no other incoming checkpoint may
-    already replace it under another name. Any other dataset brings a new model: the re-merge (hub access off, as
-    every flow runs) must find it locally, or as an explicit hub id (``owner/name``, ``hf:<id>``). A run with no
-    model yet is not checked (its datasets are not known here).
+    A checkpoint named as one of the run's models replaces it, so it must be of that model's dataset. Any other
+    name brings a new model, evaluated on its dataset: one the run has a model of, else one the re-merge (hub access
+    off, as every flow runs) finds locally, or an explicit hub id (``owner/name``, ``hf:<id>``). A run with no model
+    yet is not checked (its datasets are not known here).
     """
     from symfuse.store import layout
 
     models = store.folders(layout.models_prefix(run))
     if not models:
         return
-    given = f"{flag} {dataset}" + ("" if flag == "--dataset" else " (the dataset, as no --dataset was given)")
     if name in models and dataset != name:
-        raise UsageError(f"--name {name}: run {run}'s model of dataset {name}, but --dataset is {dataset} — the "
-                         f"re-merge could not tell them apart; give another --name")  # fmt: skip
-    if dataset in models:
-        for other in store.folders(layout.incoming_prefix(run)):
-            key = layout.incoming_key(run, other)
-            if other != name and store.exists(key) and _declared(store, key, other) == dataset:
-                raise UsageError(
-                    f"{given}: {store.uri(key)} already replaces run {run}'s model {dataset} — publish a "
-                    f"new version of it with --name {other} --replace"
-                )
-        return
-    if "/" in dataset or dataset.startswith("hf:"):
+        raise UsageError(f"--name {name}: it replaces run {run}'s model of dataset {name}, but --dataset is "
+                         f"{dataset} — give another --name for a model of {dataset}")  # fmt: skip
+    if dataset in models or "/" in dataset or dataset.startswith("hf:"):
         return
     from symfuse.data.locate import find_named_dataset, not_found_message
 
     if find_named_dataset(dataset) is None:
+        given = f"{flag} {dataset}" + ("" if flag == "--dataset" else " (the dataset, as no --dataset was given)")
         raise UsageError(
             f"{given}: run {run} has no model of that dataset (its datasets: {', '.join(models)}), and as a "
             f"new dataset for the re-merge to evaluate on: {not_found_message(dataset)}"
         )
-
-
-def _declared(store: ArtifactStore, key: str, name: str) -> str:
-    """The dataset an incoming checkpoint was dropped for (its name when its manifest names none)."""
-    return store.manifest(key).get("meta", {}).get("dataset") or name
 
 
 def _shape(config: dict | Path) -> tuple[Any, str]:
