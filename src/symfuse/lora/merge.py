@@ -249,6 +249,12 @@ class _Base:
     def check(self, key: str, shape: tuple[int, int]) -> None:
         """Refuse a base without module ``key``'s weight of ``shape`` (``(out, in)``)."""
         name = self.stored(f"{key}.weight")
+        if name not in self.names and name.partition(".")[2] in self.names:  # a bare body, the adapter's task model
+            raise CheckpointError(
+                f"{self.reader.path}: stores the bare model ({name.partition('.')[2]}), the adapters its task model "
+                f"({name}) — save the base as the model they were trained on (e.g. AutoModelForSequenceClassification"
+                ".from_pretrained(BASE, num_labels=N).save_pretrained(DIR)) and give --base DIR"
+            )
         if name not in self.names:
             raise CheckpointError(
                 f"{self.reader.path}: has no {name}, which the adapters update — give the base model they were "

@@ -124,3 +124,15 @@ def test_the_command_names_where_each_other_head_went(seq_cls, tmp_path):
     assert res.exit_code == 0, res.output
     assert f"with {b}'s head: {out / 'heads' / 'b'}" in res.output
     assert (out / "heads" / "b" / "adapter_model.safetensors").is_file()
+
+
+def test_a_bare_base_is_told_to_be_saved_as_the_task_model(seq_cls, tmp_path):
+    """A base saved as BertModel ('encoder...') was told it lacked 'bert.encoder...' and to give the right base."""
+    _, a, _ = seq_cls
+    bare = tmp_path / "bare"
+    T.BertModel(tiny_config("bert")).save_pretrained(bare)
+    moved = edited_copy(a, tmp_path / "moved", base_model_name_or_path=str(bare))
+    with pytest.raises(CheckpointError, match=r"bare: stores the bare model \(encoder\.layer\.\d.*\), the adapters its "
+                                              r"task model \(bert\.encoder\.layer\..*save the base as the model they "
+                                              r"were trained on"):  # fmt: skip
+        merge_adapters([moved], tmp_path / "out", "simple", base=bare, into_base=True)
