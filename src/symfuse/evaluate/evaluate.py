@@ -22,7 +22,7 @@ from symfuse.data.labels import label_index, read_label_space, same_names, short
 from symfuse.data.text import is_language_modeling, text_dataset_name, text_split
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, overflowed
-from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, run_model, task_loss
+from symfuse.evaluate.predict import head_label_names, head_problem_type, load_task_model, mean_loss, run_model
 from symfuse.evaluate.scoring import check_shared_classes, score_logits
 from symfuse.io import plain_mode
 
@@ -125,7 +125,7 @@ def evaluate_model(
     if same_space or ds.problem_type == "regression":
         metrics["loss"] = loss
     elif space is None and head_problem == ds.problem_type and (order := _by_name(head_labels, ds.labels)):
-        metrics["loss"] = _mean_loss([z[:, order] for z in logits], labels, ds.problem_type)  # same classes, renamed
+        metrics["loss"] = mean_loss([z[:, order] for z in logits], labels, ds.problem_type)  # same classes, renamed
     metrics.update(
         {
             "model": str(model),
@@ -211,12 +211,3 @@ def _by_name(head: Sequence[str], data: Sequence[str]) -> list[int] | None:
     if not len(on_head) == len(head) == len(data) == len(on_data) or on_head.keys() != on_data.keys():
         return None
     return [on_head[k] for k in on_data]
-
-
-def _mean_loss(logits: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], problem: str) -> float:
-    """Mean task loss over batches of logits in the data's class order (as :func:`run_model` computes it)."""
-    total, count = 0.0, 0
-    for z, y in zip(logits, labels, strict=True):
-        loss, n = task_loss(z, y, problem)
-        total, count = total + float(loss), count + n
-    return total / count if count else float("nan")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,18 +127,23 @@ def run_model(
     dev = torch.device(device) if isinstance(device, str) else device
     was_training = model.training
     model.eval()
-    all_logits, all_labels, total, count = [], [], 0.0, 0
+    all_logits, all_labels = [], []
     try:
         for batch in batches:
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp and dev.type == "cuda"):
                 logits = forward_logits(model, batch, dev)
-            logits = logits.float().cpu()
-            if problem_type is not None:
-                loss, n = task_loss(logits, batch["labels"], problem_type)
-                total += float(loss)
-                count += n
-            all_logits.append(logits)
+            all_logits.append(logits.float().cpu())
             all_labels.append(batch["labels"])
     finally:
         model.train(was_training)
-    return all_logits, all_labels, total / count if count else float("nan")
+    loss = mean_loss(all_logits, all_labels, problem_type) if problem_type is not None else float("nan")
+    return all_logits, all_labels, loss
+
+
+def mean_loss(logits: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], problem_type: str) -> float:
+    """Mean task loss over batches of logits and their labels (see :func:`task_loss`); NaN for no terms."""
+    total, count = 0.0, 0
+    for z, y in zip(logits, labels, strict=True):
+        loss, n = task_loss(z, y, problem_type)
+        total, count = total + float(loss), count + n
+    return total / count if count else float("nan")
