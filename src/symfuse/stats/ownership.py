@@ -88,7 +88,7 @@ def _config_bytes(config: Path) -> bytes:
 
 def same_model(model: str | os.PathLike, recorded: str, fingerprint: str) -> bool:
     """Whether ``recorded`` is the fingerprint of ``model``, whose :func:`model_fingerprint` is ``fingerprint``."""
-    return recorded == (fingerprint if recorded.startswith(_SCHEME) else files_fingerprint(model))
+    return recorded == recorded_fingerprint(model, recorded, {(Path(model).resolve(), False): fingerprint})
 
 
 def recorded_fingerprint(model: str | os.PathLike, recorded: str, cache: dict[Any, str] | None = None) -> str:
