@@ -14,6 +14,7 @@ copy of a model keeps its fingerprint. Statistics written before (``files_finger
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -56,10 +57,11 @@ def model_fingerprint(folder: str | os.PathLike) -> str:
     folder = Path(folder)
     mapping, files = open_weight_files(folder)
     h = hashlib.sha256(_config_bytes(folder / "config.json"))
-    for name in sorted(mapping):
-        info = files[mapping[name]].info(name)
-        h.update(json.dumps([name, str(info.dtype), list(info.shape)]).encode())
-        with open(mapping[name], "rb") as fh:
+    with contextlib.ExitStack() as stack:
+        handles = {path: stack.enter_context(open(path, "rb")) for path in set(mapping.values())}  # one open a file
+        for name in sorted(mapping):
+            info, fh = files[mapping[name]].info(name), handles[mapping[name]]
+            h.update(json.dumps([name, str(info.dtype), list(info.shape)]).encode())
             fh.seek(info.begin)
             left = info.nbytes
             while left and (chunk := fh.read(min(left, _READ_BYTES))):
