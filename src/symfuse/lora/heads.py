@@ -1,18 +1,38 @@
-"""Task heads an adapter saves whole (PEFT's ``modules_to_save``: ``classifier`` / ``score`` of a SEQ_CLS adapter).
+"""What an adapter saves besides its factors: task heads and copies of base layers.
+
+Task heads: the modules PEFT trains whole (``modules_to_save``: ``classifier`` / ``score`` of a SEQ_CLS adapter).
 
 PEFT trains such a module in full and loads the saved tensors over the base's module; they are no LoRA update and
 do not merge (PEFT's ``add_weighted_adapter`` refuses them). The rule of full-model merges applies: the output holds
 the merged body with the FIRST adapter's head, and ``heads/<name_i>/`` the same merged body with adapter ``i``'s head,
 ``name_i`` its folder's name (made unique). A merge into the base needs the base to hold each head tensor in the same
-shape (the classifier the adapters were trained on, saved with its head).
+shape (the classifier the adapters were trained on, saved with its head). A bare base (an encoder saved without
+the head) is first built as that classifier, as PEFT's users load it: :func:`task_base`.
+
+Copies of base layers: PEFT saves an adapted ``lm_head`` / embedding's base layer, loaded over the base's weight
+(:func:`check_saved_base`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
+import shutil
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-from symfuse.errors import CheckpointError
-from symfuse.lora.adapter import LoraAdapter
+import torch
+
+from symfuse.errors import CheckpointError, UsageError
+from symfuse.io import SIDE_FILES, open_weight_files
+from symfuse.lora.adapter import PREFIX, WEIGHTS, LoraAdapter
+from symfuse.scratch import scratch_dir
+
+log = logging.getLogger(__name__)
+
+_TASK_MODELS = {"SEQ_CLS": "AutoModelForSequenceClassification", "TOKEN_CLS": "AutoModelForTokenClassification"}
 
 
 def head_folders(adapters: Sequence[LoraAdapter]) -> list[str]:
@@ -59,3 +79,83 @@ def check_heads(adapters: Sequence[LoraAdapter], base_shapes: Mapping[str, tuple
 
 def _names(ad: LoraAdapter) -> str:
     return ", ".join(sorted(ad.saved_modules)) or "none"
+
+
+def task_base(base: Path, adapters: Sequence[LoraAdapter], stack: contextlib.ExitStack) -> Path | None:
+    """``base`` saved as the classifier the adapters were trained on, in a scratch folder; None when not needed.
+
+    PEFT trains a classifier adapter on ``AutoModelFor<task>.from_pretrained(base, num_labels=N)``: a base stored
+    without the adapters' head (a bare encoder) is built so (the number of classes read from the saved head, the
+    random head then replaced by an adapter's). PEFT's adapters name no classes: they are ``LABEL_i``, with a warning.
+    None also when the task type names no classifier, or no class count fits the saved head (the head check says why).
+    """
+    heads = adapters[0].saved_modules
+    task = _TASK_MODELS.get(str(adapters[0].config.get("task_type")))
+    if not heads or task is None or set(heads) & set(open_weight_files(base)[0]):
+        return None
+    import transformers
+
+    cls, config = getattr(transformers, task), transformers.AutoConfig.from_pretrained(str(base))
+    n = next((n for n in _class_counts(heads) if _fits(cls, config, n, heads)), None)
+    if n is None:
+        return None
+    folder = stack.enter_context(scratch_dir("lora-base"))
+    model = cls.from_pretrained(str(base), num_labels=n)
+    model.save_pretrained(folder)
+    for side in SIDE_FILES:  # the tokenizer travels with the output
+        if (base / side).is_file():
+            shutil.copy2(base / side, folder / side)
+    log.warning("%s: a bare model; merged into it built as %s with %d classes, unnamed (LABEL_0 ...) as PEFT's "
+                "adapters name none — name them in the output's config.json (id2label, label2id)", base,
+                type(model).__name__, n)  # fmt: skip
+    return folder
+
+
+def _class_counts(heads: Mapping[str, torch.Tensor]) -> list[int]:
+    """Candidate class counts: the rows of the head's 2-D weights (its output layer's first)."""
+    weights = sorted((not n.endswith(("classifier.weight", "out_proj.weight", "score.weight")), t.shape[0])
+                     for n, t in heads.items() if t.dim() == 2)  # fmt: skip
+    return list(dict.fromkeys(rows for _, rows in weights))
+
+
+def _fits(cls: type, config: object, n: int, heads: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``cls`` with ``n`` classes holds every head tensor in its shape (built on the meta device)."""
+    config = copy.deepcopy(config)
+    config.num_labels = n  # transformers' setter names the classes LABEL_0 ...
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in cls.from_config(config).state_dict().items()}
+    return all(shapes.get(name) == tuple(t.shape) for name, t in heads.items())
+
+
+def check_saved_base(adapters: Sequence[LoraAdapter], bw: Any) -> None:
+    """Each base-layer copy an adapter carries must be the base's tensor (as stored, in the copy's dtype).
+
+    PEFT loads such a copy over the base's weight, so a merge of updates to the base is PEFT's only where they are
+    equal; an equal copy is left out of the output (the base holds it).
+
+    Args:
+        adapters: The adapters.
+        bw: The base's weights (``lora.merge._Base``: ``reader``, ``names``, ``stored(name)``), None: no base.
+
+    Raises:
+        CheckpointError: a copy without ``--base`` to check it against, or one that differs from the base's tensor.
+    """
+    for ad in adapters:
+        for name, saved in ad.saved_base.items():
+            where = f"{ad.path / WEIGHTS}: holds {PREFIX}{_copy_name(name)}"
+            if bw is None:
+                raise UsageError(f"{where}, a copy of the base's {name} (PEFT saves one for an adapted "
+                                 "lm_head or embedding) — give the base with --base BASE to check that it is the "
+                                 "base's")  # fmt: skip
+            stored = bw.reader.get(bw.stored(name)) if bw.stored(name) in bw.names else None
+            if stored is None or stored.shape != saved.shape or not torch.equal(stored.to(saved.dtype), saved):
+                raise CheckpointError(f"{where}, which PEFT loads over the base's {name}, but it is not "
+                                      f"{bw.reader.path}'s (a resized or trained vocabulary?) — symfuse merges "
+                                      "updates of one base; merge adapters whose copy is the base's")  # fmt: skip
+            log.info("%s: its copy of the base's %s equals the base's; left out of the output", ad.path, name)
+
+
+def _copy_name(name: str) -> str:
+    """The base-layer copy's name of base tensor ``name`` (``lm_head.weight``: ``lm_head.base_layer.weight``)."""
+    key, _, leaf = name.rpartition(".")
+    return f"{key}.base_layer.{leaf}"

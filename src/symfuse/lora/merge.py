@@ -26,6 +26,7 @@ so one adapter with weight 1 (a strategy that returns a single input unchanged) 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -40,9 +41,9 @@ from symfuse.checkpoint import CheckpointReader, resolve_checkpoint, write_check
 from symfuse.config_json import read_config_json
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, UsageError
-from symfuse.lora.adapter import PREFIX, WEIGHTS, LoraAdapter, LoraModule, read_adapter, write_adapter
+from symfuse.lora.adapter import LoraAdapter, LoraModule, read_adapter, write_adapter
 from symfuse.lora.bases import BASES, F64, combine, low_rank, merge_aligned, merge_full, merge_naive
-from symfuse.lora.heads import check_heads, head_folders
+from symfuse.lora.heads import check_heads, check_saved_base, head_folders, task_base
 from symfuse.lora.report import adapter_config, write_report
 from symfuse.merge.base import Merger
 from symfuse.merge.registry import MERGERS
@@ -273,39 +274,9 @@ class _Base:
         return w.T if self.transposed(key) else w
 
 
-def _check_saved_base(adapters: Sequence[LoraAdapter], bw: _Base | None) -> None:
-    """Each base-layer copy an adapter carries must be the base's tensor (as stored, in the copy's dtype).
-
-    PEFT loads such a copy over the base's weight, so a merge of updates to the base is PEFT's only where they are
-    equal; an equal copy is left out of the output (the base holds it).
-
-    Raises:
-        CheckpointError: a copy without ``--base`` to check it against, or one that differs from the base's tensor.
-    """
-    for ad in adapters:
-        for name, copy in ad.saved_base.items():
-            where = f"{ad.path / WEIGHTS}: holds {PREFIX}{_copy_name(name)}"
-            if bw is None:
-                raise UsageError(f"{where}, a copy of the base's {name} (PEFT saves one for an adapted "
-                                 "lm_head or embedding) — give the base with --base BASE to check that it is the "
-                                 "base's")  # fmt: skip
-            stored = bw.reader.get(bw.stored(name)) if bw.stored(name) in bw.names else None
-            if stored is None or stored.shape != copy.shape or not torch.equal(stored.to(copy.dtype), copy):
-                raise CheckpointError(f"{where}, which PEFT loads over the base's {name}, but it is not "
-                                      f"{bw.reader.path}'s (a resized or trained vocabulary?) — symfuse merges "
-                                      "updates of one base; merge adapters whose copy is the base's")  # fmt: skip
-            log.info("%s: its copy of the base's %s equals the base's; left out of the output", ad.path, name)
-
-
 def _embeddings(adapters: Sequence[LoraAdapter]) -> set[str]:
     """The adapted modules that are embeddings."""
     return {k for ad in adapters for k, m in ad.modules.items() if m.embedding}
-
-
-def _copy_name(name: str) -> str:
-    """The base-layer copy's name of base tensor ``name`` (``lm_head.weight``: ``lm_head.base_layer.weight``)."""
-    key, _, leaf = name.rpartition(".")
-    return f"{key}.base_layer.{leaf}"
 
 
 def _row_norm(w: torch.Tensor) -> torch.Tensor:
@@ -347,6 +318,15 @@ def merge_adapters(
             the adapters name, a base without the adapted weights.
         UsageError: a strategy that needs statistics, a missing ``base``, a bad ``basis`` / ``rank``.
     """
+    with contextlib.ExitStack() as scratch:  # a bare base's classifier, built for the merge (heads.task_base)
+        return _merge(adapters, out, strategy, basis, rank, base, into_base, overwrite, device, scratch, **params)
+
+
+def _merge(
+    adapters: Sequence[str | os.PathLike], out: str | os.PathLike, strategy: str, basis: str, rank: int | None,
+    base: str | os.PathLike | None, into_base: bool, overwrite: bool, device: str | torch.device,
+    scratch: contextlib.ExitStack, **params: Any,
+) -> Path:  # fmt: skip
     start = time.perf_counter()
     dev = resolve_device(device)
     if basis not in BASES:
@@ -377,13 +357,14 @@ def merge_adapters(
         raise UsageError(f"--rank: {rank} is above {widest}, the largest rank an update of these modules can have "
                          f"(min(out, in) of the largest weight) — give at most {widest}")  # fmt: skip
     out_rank = rank or (ads[0].modules[keys[0]].rank if basis == "naive" else max(sums))
-    bw = _Base(base) if base is not None else None
+    built = task_base(resolve_checkpoint(base), ads, scratch) if into_base and base is not None else None
+    bw = _Base(built or base) if base is not None else None
     if bw is not None:
         bw.embeddings = _embeddings(ads)
     for key in keys if bw is not None else ():
         m = next(ad.modules[key] for ad in ads if key in ad.modules)
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
-    _check_saved_base(ads, bw)
+    check_saved_base(ads, bw)
     heads = ads[0].saved_modules
     check_heads(ads, {n: tuple(bw.reader.shape(n)) for n in heads if n in bw.names} if into_base and bw else None)
     job = _Job(ads, basis, merger, weights, bw, dev)

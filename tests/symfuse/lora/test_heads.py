@@ -126,13 +126,29 @@ def test_the_command_names_where_each_other_head_went(seq_cls, tmp_path):
     assert (out / "heads" / "b" / "adapter_model.safetensors").is_file()
 
 
-def test_a_bare_base_is_told_to_be_saved_as_the_task_model(seq_cls, tmp_path):
-    """A base saved as BertModel ('encoder...') was told it lacked 'bert.encoder...' and to give the right base."""
+def test_a_bare_base_is_built_as_the_classifier_peft_trained_on(seq_cls, tmp_path, caplog):
+    """A base saved as BertModel ('encoder...', no head) was refused: PEFT users load it as a classifier."""
     _, a, _ = seq_cls
     bare = tmp_path / "bare"
     T.BertModel(tiny_config("bert")).save_pretrained(bare)
     moved = edited_copy(a, tmp_path / "moved", base_model_name_or_path=str(bare))
-    with pytest.raises(CheckpointError, match=r"bare: stores the bare model \(encoder\.layer\.\d.*\), the adapters its "
-                                              r"task model \(bert\.encoder\.layer\..*save the base as the model they "
-                                              r"were trained on"):  # fmt: skip
-        merge_adapters([moved], tmp_path / "out", "simple", base=bare, into_base=True)
+    out = merge_adapters([moved], tmp_path / "out", "simple", base=bare, into_base=True)
+    peft = PeftModel.from_pretrained(AUTO.from_pretrained(str(bare), num_labels=3), str(moved)).merge_and_unload()
+    assert _worst(_weights(out), {k: v.detach().double() for k, v in peft.state_dict().items()}) < 1e-6
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForSequenceClassification"]
+    assert "merged into it built as BertForSequenceClassification with 3 classes, unnamed" in caplog.text
+
+
+def test_a_bare_base_of_a_causal_lm_adapter_is_told_to_be_saved_as_the_task_model(tmp_path):
+    """A LlamaModel base ('layers...') was told it lacked 'model.layers...' and to give the right base."""
+    from tests.symfuse.lora.helpers import make_adapter, tiny_base
+
+    base = tiny_base(tmp_path / "base")
+    bare = tmp_path / "bare"
+    T.LlamaModel(tiny_config("llama")).save_pretrained(bare)
+    adapter = edited_copy(make_adapter(base, tmp_path / "made", seed=1), tmp_path / "ad",
+                          base_model_name_or_path=str(bare))  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"bare: stores the bare model \(layers\.\d.*\), the adapters its task "
+                                              r"model \(model\.layers\..*save the base as the model they were "
+                                              r"trained on"):  # fmt: skip
+        merge_adapters([adapter], tmp_path / "out", "simple", base=bare, into_base=True)
