@@ -443,19 +443,26 @@ def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path, folders: Sequenc
     With saved heads: the first adapter's head, and in each other adapter's folder the merged model with its head.
     """
     assert job.bw is not None
-    bw, targets, head = job.bw, {job.bw.stored(f"{key}.weight"): key for key in keys}, job.ads[0].saved_modules
+    bw, head, targets = job.bw, job.ads[0].saved_modules, {}
+    for key in keys:  # a tied head and its embedding are one stored tensor: both updates go there
+        targets.setdefault(bw.stored(f"{key}.weight"), []).append(key)
 
     def replace(name: str, stored: torch.Tensor) -> torch.Tensor:
-        key = targets.get(name)
         if name in head:
             return head[name].to(stored.dtype)
-        if key is None:
+        w = stored.to(job.device, F64)  # as stored; each update oriented so
+        for key in targets.get(name, ()):
+            left, core, mag = job.module(key)
+            d = left @ core if left is not None else core
+            if mag is not None:  # DoRA: the only update of its tensor (DoRA embeddings are refused)
+                full = w.T + d if bw.transposed(key) else w + d
+                full = (mag / _row_norm(full))[:, None] * full
+                w = full.T if bw.transposed(key) else full
+            else:
+                w = w + (d.T if bw.transposed(key) else d)
+        if name not in targets:
             return stored
-        left, core, mag = job.module(key)
-        w = bw.weight(key, job.device) + (left @ core if left is not None else core)
-        if mag is not None:
-            w = (mag / _row_norm(w))[:, None] * w
-        return _finite((w.T if bw.transposed(key) else w).to("cpu", stored.dtype), key, job).contiguous()
+        return _finite(w.to("cpu", stored.dtype), ", ".join(targets[name]), job).contiguous()
 
     write_checkpoint(bw.reader, tmp, replace=replace, overwrite=True)
     if len(folders) > 1:

@@ -104,3 +104,15 @@ def test_a_dora_embedding_is_refused(tmp_path):
     dora = make_adapter(base, tmp_path / "dora", seed=1, targets=["q_proj", "embed_tokens"], use_dora=True)
     with pytest.raises(CheckpointError, match=r"model\.embed_tokens is a DoRA embedding — not supported"):
         merge_adapters([dora], tmp_path / "out", "simple", base=base, into_base=True)
+
+
+def test_a_tied_head_and_its_embedding_both_adapted_take_both_updates(tmp_path):
+    """One stored tensor, two adapted modules: the second update written replaced the first (1.6 off PEFT's)."""
+    base = save_tiny(tmp_path / "base", "llama", head="lm", tie_word_embeddings=True)
+    both = make_adapter(base, tmp_path / "both", seed=1, targets=["embed_tokens", "lm_head"])
+    one = merge_adapters([both], tmp_path / "one", "simple", base=base, into_base=True)
+    assert _worst(_loaded(one), effective_weights(base, both)) < 1e-6
+    emb, head = (make_adapter(base, tmp_path / t, seed=2, targets=[t]) for t in ("embed_tokens", "lm_head"))
+    model = merge_adapters([emb, head], tmp_path / "model", "task-arithmetic", base=base, into_base=True, lam=1.0)
+    adapter = merge_adapters([emb, head], tmp_path / "adapter", "task-arithmetic", base=base, lam=1.0)
+    assert _worst(_loaded(model), _loaded(base, adapter)) < 1e-6
