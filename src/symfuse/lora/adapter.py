@@ -299,7 +299,7 @@ def _saved_module(cfg: Mapping[str, Any], name: str) -> bool:
         return False
     parts = name[len(PREFIX) :].split(".")
     paths = {".".join(parts[:j]) for j in range(1, len(parts))}
-    return any(p == m or p.endswith(f".{m}") for p in paths for m in cfg.get("modules_to_save") or ())
+    return any(p.endswith(m) for p in paths for m in cfg.get("modules_to_save") or ())  # "pre_classifier" too
 
 
 def _float(t: torch.Tensor, name: str, file: Path) -> torch.Tensor:

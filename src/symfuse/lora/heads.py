@@ -52,20 +52,33 @@ def head_folders(adapters: Sequence[LoraAdapter]) -> list[str]:
 
 
 def check_heads(adapters: Sequence[LoraAdapter], base_shapes: Mapping[str, tuple[int, ...]] | None) -> None:
-    """Every adapter saves the same head tensors; with a base (``{name: shape}``), it holds each in that shape.
+    """Every adapter saves the same whole head; into a base (``{name: shape}`` of its tensors), exactly its head.
+
+    PEFT loads an adapter onto a model only with every tensor of the modules ``modules_to_save`` matches there (a
+    module path ending with an entry); a head saved in part would leave the rest the base's random one.
 
     Raises:
-        CheckpointError: adapters of different heads, or a base without a head tensor of the adapter's shape.
+        CheckpointError: adapters of different heads, a head tensor saved without its weight, a head tensor the base
+            lacks or holds in another shape, or one of the base's head tensors the adapter does not save.
     """
     first = adapters[0]
-    for ad in adapters[1:]:
+    for ad in adapters:
         if set(ad.saved_modules) != set(first.saved_modules):
             raise CheckpointError(
                 f"{ad.path}: saves the modules {_names(ad)}, {first.path} {_names(first)} (modules_to_save) — merge "
                 "adapters of one task type"
             )
+        lone = next((n for n in ad.saved_modules if n.endswith(".bias") and f"{n[:-5]}.weight" not in ad.saved_modules),
+                    None)  # fmt: skip
+        if lone is not None:
+            raise CheckpointError(f"{ad.path / WEIGHTS}: saves {lone} without {lone[:-5]}.weight (modules_to_save) — "
+                                  "PEFT cannot load it; re-save the adapter with its whole head")  # fmt: skip
     if base_shapes is None:
+        if not first.saved_modules and (entries := first.config.get("modules_to_save")):
+            log.warning("%s: modules_to_save (%s) but no head tensors saved — PEFT cannot load it (nor the output) "
+                        "onto a model that has such modules", first.path, ", ".join(entries))  # fmt: skip
         return
+    wanted = [n for n in base_shapes if _under(n, first.config.get("modules_to_save") or ())]
     for ad in adapters:
         for name, t in ad.saved_modules.items():
             if base_shapes.get(name) != tuple(t.shape):
@@ -75,6 +88,18 @@ def check_heads(adapters: Sequence[LoraAdapter], base_shapes: Mapping[str, tuple
                     "base as the model the adapter was trained on, with its head (save_pretrained of "
                     "AutoModelForSequenceClassification.from_pretrained(base, num_labels=N))"
                 )
+        if missing := [n for n in wanted if n not in ad.saved_modules]:
+            raise CheckpointError(
+                f"{ad.path / WEIGHTS}: its modules_to_save ({', '.join(first.config['modules_to_save'])}) match the "
+                f"base's {', '.join(missing[:3])}, which it does not save — PEFT cannot load it there; re-save the "
+                "adapter with its head"
+            )
+
+
+def _under(name: str, entries: Sequence[str]) -> bool:
+    """Whether tensor ``name`` lies in a module PEFT's ``modules_to_save`` matches (a module path ending so)."""
+    parts = name.split(".")[:-1]
+    return any(".".join(parts[:j]).endswith(e) for j in range(1, len(parts) + 1) for e in entries)
 
 
 def _names(ad: LoraAdapter) -> str:

@@ -365,8 +365,7 @@ def _merge(
         m = next(ad.modules[key] for ad in ads if key in ad.modules)
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
     check_saved_base(ads, bw)
-    heads = ads[0].saved_modules
-    check_heads(ads, {n: tuple(bw.reader.shape(n)) for n in heads if n in bw.names} if into_base and bw else None)
+    check_heads(ads, {n: tuple(bw.reader.shape(n)) for n in bw.names} if into_base and bw else None)
     job = _Job(ads, basis, merger, weights, bw, dev)
     if not into_base and len({ad.dtype for ad in ads}) > 1:
         stored = ", ".join(f"{ad.path} {str(ad.dtype).removeprefix('torch.')}" for ad in ads)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -20,11 +21,11 @@ AUTO = T.AutoModelForSequenceClassification
 HEAD = ("classifier.weight", "classifier.bias")
 
 
-def _adapter(base, out, seed):
+def _adapter(base, out, seed, targets=("query", "value")):
     """A PEFT SEQ_CLS adapter of ``base`` with random factors and a random trained classifier."""
     model = AUTO.from_pretrained(str(base))
     torch.manual_seed(seed)
-    cfg = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=["query", "value"],
+    cfg = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=list(targets),
                      init_lora_weights=False)  # fmt: skip
     peft = get_peft_model(model, cfg)
     with torch.no_grad():
@@ -152,3 +153,27 @@ def test_a_bare_base_of_a_causal_lm_adapter_is_told_to_be_saved_as_the_task_mode
                                               r"model \(model\.layers\..*save the base as the model they were "
                                               r"trained on"):  # fmt: skip
         merge_adapters([adapter], tmp_path / "out", "simple", base=bare, into_base=True)
+
+
+@pytest.mark.parametrize("kept", [(), ("classifier.bias",)], ids=["no-head", "bias-only"])
+def test_a_head_saved_in_part_or_not_at_all_is_refused(seq_cls, kept, tmp_path):
+    """PEFT cannot load such an adapter; the merge kept the base's random head (or half of it), exit 0."""
+    base, a, _ = seq_cls
+    cut = shutil.copytree(a, tmp_path / "cut")
+    file = cut / "adapter_model.safetensors"
+    tensors = load_file(str(file))
+    save_file({k: v for k, v in tensors.items() if "lora_" in k or k.endswith(kept or ("-",))}, str(file))
+    text = "saves classifier.bias without classifier.weight" if kept else "match the base's classifier.bias"
+    with pytest.raises(CheckpointError, match=re.escape(text)):
+        merge_adapters([cut], tmp_path / "out", "simple", base=base, into_base=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_module_whose_name_ends_with_an_entry_is_a_saved_head_as_peft_matches_it(tmp_path):
+    """DistilBERT's pre_classifier matches modules_to_save 'classifier' in PEFT (a suffix); it was refused."""
+    base = tmp_path / "base"
+    T.DistilBertForSequenceClassification(tiny_config("distilbert")).save_pretrained(base)
+    _adapter(base, tmp_path / "ad", seed=3, targets=("q_lin", "v_lin"))
+    assert any("pre_classifier" in k for k in load_file(str(tmp_path / "ad" / "adapter_model.safetensors")))
+    out = merge_adapters([tmp_path / "ad"], tmp_path / "out", "simple", base=base, into_base=True)
+    assert _worst(_weights(out), _weights(base, tmp_path / "ad")) < 1e-6
