@@ -215,10 +215,17 @@ def head_reads(option: str, value: str, model: str | Path) -> None:
         raise UsageError(f"{option} {value}: {problem}")
 
 
-def dataset(option: str, value: str, split: str | None = None) -> None:
-    """Load the dataset once (cached): a bad name or file, or a missing ``split``, fails before any model loads."""
-    from symfuse.data import load_task_dataset
+def dataset(option: str, value: str, split: str | None = None, texts: bool = False) -> None:
+    """Load the dataset once (cached): a bad name or file, or a missing ``split``, fails before any model loads.
 
+    ``texts``: the command reads the texts only (activations), so a language-modelling dataset is taken too.
+    """
+    from symfuse.data import load_task_dataset
+    from symfuse.data.text import is_language_modeling, text_split
+
+    if texts and is_language_modeling(value):
+        text_split(value, split or "train", max_examples=1)
+        return
     ds = load_task_dataset(value)
     if split is not None:
         ds.split(split)

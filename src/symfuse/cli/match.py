@@ -90,7 +90,7 @@ def match(
     checks.checkpoint(source)
     checks.checkpoint(anchor)
     if data is not None and data != RANDOM_PIXELS:  # pixel families' seeded random images are no dataset
-        checks.dataset("--data", data)
+        checks.dataset("--data", data, texts=not refine)  # activations read texts; --refine the labels too
         if refine:  # its task loss runs the heads on the data: a task they cannot score failed in torch
             checks.head_reads("--data", data, source)
     device = checks.device("--device", device)

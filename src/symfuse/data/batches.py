@@ -250,17 +250,23 @@ def make_batches(
             checkpoint folder's ``config.json`` when ``tokenizer`` is a folder.
 
     Returns:
-        Batches ``{"input_ids", "attention_mask", ["token_type_ids"], "labels"}`` (see the module docstring).
+        Batches ``{"input_ids", "attention_mask", ["token_type_ids"], "labels"}`` (see the module docstring); of a
+        language-modelling source (:mod:`symfuse.data.text`), batches of its texts without ``labels``.
 
     Example:
         >>> ds = load_task_dataset("dair_emotion")                          # doctest: +SKIP
         >>> for batch in make_batches(ds, "minilm", "train", 16, 64, 256):  # doctest: +SKIP
         ...     model(**{k: v for k, v in batch.items() if k != "labels"})
     """
+    texts = None
     if isinstance(dataset, str):
         from symfuse.data.dataset import load_task_dataset
+        from symfuse.data.text import is_language_modeling, text_split
 
-        dataset = load_task_dataset(dataset)
+        if is_language_modeling(dataset):  # texts, no labels: the inputs of activation statistics
+            texts = text_split(dataset, split, max_examples, seed)
+        else:
+            dataset = load_task_dataset(dataset)
     folder = isinstance(tokenizer, str | Path)
     if config is None and folder:  # a checkpoint folder: its model's config (None for "minilm", a hub id)
         config = _folder_config(tokenizer)
@@ -268,7 +274,10 @@ def make_batches(
     if config is not None:  # the model's positions cap the length
         where = tokenizer if folder else getattr(config, "_name_or_path", None) or "the model"
         max_length = readable_length(max_length, config, where)
-    feats = encode_split(dataset, tok, split, max_length, max_examples, seed, space)
+    if texts is not None:
+        feats = [dict(tok(t, truncation=True, max_length=max_length)) for t in texts]
+    else:
+        feats = encode_split(dataset, tok, split, max_length, max_examples, seed, space)
     return list(iter_batches(feats, batch_size, padding_id(tok, config), shuffle=shuffle, seed=seed))
 
 

@@ -53,8 +53,8 @@ SPLITS = ("train", "validation", "test")
 TASKS = ("classification", "pair_classification", "regression", "ner")
 LM_ONLY_EVALUATE = (
     "{source}: a language-modelling dataset (text, no labels) — `symfuse evaluate`, `barrier` and `inspect --data` "
-    "read it, scoring causal LMs by next-token loss; fine-tuning, statistics and merges need a classification or "
-    "NER dataset"
+    "read it, scoring causal LMs by next-token loss, and `match --data` its texts; fine-tuning, statistics, merges "
+    "and `match --refine` need a classification or NER dataset"
 )
 _EXTS = (".jsonl", ".json", ".csv")
 _SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "val", "dev"), "test": ("test",)}

@@ -200,3 +200,29 @@ def test_t5_residual_permutation_recovered_from_a_text_dataset(tmp_path):
     )
     assert report["distance_before"] > 1 and report["distance_after"] <= 1e-6 * report["distance_before"], report
     assert report["max_abs_logit_diff"] <= 1e-4
+
+
+def test_a_decoder_residual_permutation_recovered_from_a_language_modelling_dataset(tmp_path):
+    """A causal LM's natural data has texts only: `match --data tinyshakespeare` was refused as 'no labels'."""
+    import json
+
+    from symfuse.match import disguise_checkpoint
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "to", "be", "or", "not", "that", "is", "question"]
+    vocab += [f"w{i}" for i in range(256 - len(vocab))]
+    src = tmp_path / "src"
+    tiny_model("llama", seed=1, head="lm", vocab_size=len(vocab), pad_token_id=0).save_pretrained(src)
+    (src / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+    disguise_checkpoint(src, tmp_path / "d", seed=3, kinds=("residual-permutation",))
+    lm = tmp_path / "lm"
+    lm.mkdir()
+    (lm / "meta.json").write_text(json.dumps({"task": "language_modeling"}))
+    words = vocab[5:]
+    lines = [" ".join(words[(7 * i + 3 * j) % len(words)] for j in range(12)) for i in range(64)]
+    (lm / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    report = match_activation_checkpoints(
+        tmp_path / "d", src, tmp_path / "out", str(lm), symmetries=("residual-permutation",)
+    )
+    assert report["distance_before"] > 1 and report["distance_after"] <= 1e-6 * report["distance_before"], report
+    assert report["max_abs_logit_diff"] <= 1e-4
