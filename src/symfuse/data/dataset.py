@@ -281,8 +281,14 @@ def check_records(
         DatasetError: the first bad record, naming the file and line.
     """
     seen: set[str] = set()
+    first: tuple[int, Any] | None = None  # a single label's line and value: one file's labels are of one JSON kind
     for lineno, rec in records:
         problem = _check_record(rec, task, multi_label, known)
+        if not problem and task in ("classification", "pair_classification") and not multi_label:
+            first = first or (lineno, rec["label"])
+            if isinstance(rec["label"], str) != isinstance(first[1], str):  # the loader read '"x"' for x
+                problem = (f"label {json.dumps(rec['label'])} and line {first[0]}'s {json.dumps(first[1])} are of "
+                           "two JSON kinds (a number, a string) — write every label as a string")  # fmt: skip
         if problem:
             raise DatasetError(f"{file}:{lineno}: bad {task} record: {problem} — fix or remove that line")
         if task == "ner":

@@ -47,6 +47,10 @@ def test_bad_record_names_file_and_line(tmp_path):
     with pytest.raises(DatasetError, match=r'train\.jsonl:1: .*label true is a JSON boolean — write the class as a '
                                            r'string \("true"\)'):  # fmt: skip
         load_task_dataset(str(tmp_path / "b"))
+    mixed = [{"text": "a", "label": "x"}, {"text": "b", "label": 1}]  # the loader read '"x"': KeyError in training
+    _write(tmp_path / "m", "train", mixed, None)
+    with pytest.raises(DatasetError, match=r'train\.jsonl:2: .*label 1 and line 1\'s "x" are of two JSON kinds'):
+        load_task_dataset(str(tmp_path / "m"))
     _write(tmp_path / "two", "train", [good, good], meta)  # train.jsonl was read, train.csv ignored without a word
     (tmp_path / "two" / "train.csv").write_text("text,label\nok,anger\n")
     with pytest.raises(DatasetError, match=r"two: train\.jsonl and train\.csv are both the train split — keep one"):
