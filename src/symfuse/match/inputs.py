@@ -42,12 +42,14 @@ def check_compatible(src: CheckpointReader, anc: CheckpointReader) -> None:
             "matching needs two models of one family"
         )
     if src.geometry != anc.geometry:
-        from symfuse.symmetry.widen import describe, widths_differ_only
+        from symfuse.symmetry.widen import GROUPS, describe, exact_group, widths_differ_only
 
         hint = ""
-        if widths_differ_only(src.geometry, anc.geometry):
+        if widths_differ_only(src.geometry, anc.geometry) and exact_group(src.spec) in GROUPS:
             hint = (" — models of different widths align only with --symmetries residual-orthogonal (the narrower "
                     "one, given first, is widened exactly)")  # fmt: skip
+        elif widths_differ_only(src.geometry, anc.geometry):  # post-LN: its norms cannot be folded to widen
+            hint = f" — {src.spec.family} is post-LN, and models of different widths align only in pre-norm families"
         raise CheckpointError(
             f"{src.path} and {anc.path} have different shapes: {describe(src.geometry)} vs {describe(anc.geometry)}"
             + hint

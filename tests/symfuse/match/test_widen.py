@@ -64,6 +64,17 @@ def test_cli_match_narrow_into_wide(tmp_path):
     assert "align only with --symmetries residual-orthogonal" in proc.stderr.strip().splitlines()[-1]
 
 
+def test_a_post_ln_pair_of_two_widths_is_not_sent_to_a_widening_it_refuses(tmp_path):
+    """bert of FFN 64 vs 48 was told to use residual-orthogonal, which then said only pre-norm families widen."""
+    a = save_tiny(tmp_path / "a", "bert", 0, head="seq")
+    wide = save_tiny(tmp_path / "w", "bert", 1, head="seq", intermediate_size=64)
+    proc = run_cli("match", wide, a, "--out", tmp_path / "m", "--device", "cpu")
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "have different shapes" in line, proc.stderr
+    assert "bert is post-LN, and models of different widths align only in pre-norm families" in line
+    assert "residual-orthogonal" not in line
+
+
 @pytest.mark.parametrize(
     ("family", "narrow_cfg", "wide_cfg", "swap", "says"),
     [
