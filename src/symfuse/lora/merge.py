@@ -224,24 +224,26 @@ class _Base:
     ``fan_in_fan_out`` for a ``Conv1D`` and clears it for an ``nn.Linear``, whatever the config says), so the
     config's one flag is not read here: a GPT-2 classifier's adapter of ``attn.c_proj`` and ``score`` holds both.
 
-    An ``lm_head`` the config ties to the input embedding is stored once, as the embedding: its update goes there,
-    and changes both, as PEFT's ``merge_and_unload`` changes the one shared weight.
+    An output layer the config ties to the input embedding (``lm_head``, a masked LM's decoder) is stored once, as
+    the embedding: its update goes there, and changes both, as PEFT's ``merge_and_unload`` changes the one shared
+    weight.
     """
 
     def __init__(self, base: str | os.PathLike):
         self.reader = CheckpointReader(base)
         self.names = set(self.reader.names())
         self.conv1d = set(self.reader.tensor_owners()) if self.reader.spec.conv1d else set()
-        spec, config = self.reader.spec, self.reader.config
+        spec, config, prefix = self.reader.spec, self.reader.config, self.reader.prefix
         tied = bool(getattr(config, "tie_word_embeddings", False) and spec.embeddings)
-        self.embedding = f"{self.reader.prefix}{spec.embeddings[0]}.weight" if tied else None
+        self.embedding = f"{prefix}{spec.embeddings[0]}.weight" if tied else None
+        # output layers stored as the embedding: lm_head, a masked LM's decoder (cls.predictions / lm_head.decoder)
+        outputs = {f"{h.path}.weight" for h in spec.head_paths(prefix) if h.kind == "in"}
+        self.tied = outputs - self.names if tied else set()
         self.embeddings: set[str] = set()  # adapted embeddings (stored (vocab, dim), transposed as a Conv1D)
 
     def stored(self, name: str) -> str:
         """The stored tensor that holds base tensor ``name`` (a tied ``lm_head.weight``: the input embedding)."""
-        if name not in self.names and self.embedding and name.rpartition(".")[0].endswith("lm_head"):
-            return self.embedding
-        return name
+        return self.embedding if name in self.tied and self.embedding else name
 
     def transposed(self, key: str) -> bool:
         """Whether module ``key``'s weight is stored ``(in, out)`` (a ``Conv1D``, an embedding)."""

@@ -116,3 +116,14 @@ def test_a_tied_head_and_its_embedding_both_adapted_take_both_updates(tmp_path):
     model = merge_adapters([emb, head], tmp_path / "model", "task-arithmetic", base=base, into_base=True, lam=1.0)
     adapter = merge_adapters([emb, head], tmp_path / "adapter", "task-arithmetic", base=base, lam=1.0)
     assert _worst(_loaded(model), _loaded(base, adapter)) < 1e-6
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_a_masked_lm_decoder_tied_to_the_embedding_takes_its_update_there(family, tmp_path):
+    """cls.predictions.decoder / lm_head.decoder are stored as the embedding: 'has no ...decoder.weight', refused."""
+    auto = T.AutoModelForMaskedLM
+    base = save_tiny(tmp_path / "base", family, head="mlm")
+    adapter = make_adapter(base, tmp_path / "ad", seed=1, targets=["word_embeddings", "decoder"], auto=auto)
+    out = merge_adapters([adapter], tmp_path / "out", "simple", base=base, into_base=True)
+    got = {k: v.detach().double() for k, v in auto.from_pretrained(str(out)).state_dict().items()}
+    assert _worst(got, effective_weights(base, adapter, auto)) < 1e-6
