@@ -97,6 +97,9 @@ def finetune(
         names = checks.names_list("--union-of", union_of, [s.strip() for s in union_of.split(",")], "datasets")
         for name in names:
             checks.dataset("--union-of", name)
+            if (task := load_task_dataset(name).task) not in ("classification", "pair_classification"):
+                raise UsageError(f"--union-of: {name} is a {task} dataset — union labels are the classes of "
+                                 "classification datasets; drop it")  # fmt: skip
         space = union_label_names(load_task_dataset(n).labels for n in names)
     cfg = FinetuneConfig(
         epochs=epochs,

@@ -86,6 +86,12 @@ def test_finetune_union_labels_writes_the_union_head(tmp_path):
     res = runner.invoke(app, [*common, "--union-of", f"{data},meld"])
     assert res.exit_code != 0 and "--union-of: give it exactly with --labels union" in res.output
     assert not (tmp_path / "ft").exists()
+    ner = tmp_path / "ner"  # its BIO tags became sentence classes of the head, exit 0
+    ner.mkdir()
+    (ner / "train.jsonl").write_text(json.dumps({"tokens": ["i", "feel"], "tags": ["B-x", "O"]}) + "\n")
+    res = runner.invoke(app, [*common, "--labels", "union", "--union-of", f"{data},{ner}"])
+    assert res.exit_code != 0 and f"--union-of: {ner} is a ner dataset — union labels are the classes" in res.output
+    assert not (tmp_path / "ft").exists()
     res = runner.invoke(app, [*common, "--labels", "union", "--union-of", f"{data},meld", "--max-length", "16"])
     assert res.exit_code == 0, res.output
     space = json.loads((tmp_path / "ft" / "config.json").read_text())["symfuse_label_space"]
