@@ -77,8 +77,14 @@ _PUBLISHED: list[str] = []  # outputs this process finished: an interrupt after 
 
 
 def mark_published(where: str | os.PathLike) -> None:
-    """Record that the output ``where`` (a folder, file or store URI) is complete and in place."""
+    """Record that the output ``where`` (a folder, file or store URI) is complete and in place.
+
+    One inside an output still being written (:func:`atomic_output_dir`'s temporary folder) is not: it is in place
+    only when that output is, and goes with it if that one is interrupted.
+    """
     with _STATE:
+        if "://" not in str(where) and any(t in Path(where).absolute().parents for t in _TEMPS):
+            return
         _PUBLISHED.append(str(where))
         del _PUBLISHED[:-8]  # a long-lived worker writes many; a command a few
 

@@ -260,3 +260,19 @@ def test_an_output_in_a_folder_that_takes_no_file_is_named_not_its_lock():
     words = r"^/proc/x: cannot be written \(no such file or directory: its lock file "
     with pytest.raises(UsageError, match=words), atomic_output_dir("/proc/x"):
         pass
+
+
+def test_an_output_inside_one_still_being_written_is_not_published_until_that_one_is(tmp_path):
+    """match-many's per-model folders lie in its staging folder: an interrupt said one 'stays', and it was removed."""
+    from symfuse.outputs import clear_published, published
+
+    clear_published()
+    with pytest.raises(KeyboardInterrupt), atomic_output_dir(tmp_path / "all") as tmp:
+        with atomic_output_dir(tmp / "one") as inner:
+            (inner / "x").write_text("x")
+        assert (tmp / "one" / "x").is_file() and published() == []
+        raise KeyboardInterrupt
+    assert published() == [] and not (tmp_path / "all").exists()
+    with atomic_output_dir(tmp_path / "all") as tmp, atomic_output_dir(tmp / "one") as inner:
+        (inner / "x").write_text("x")
+    assert published() == [str(tmp_path / "all")]
