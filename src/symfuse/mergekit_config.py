@@ -152,6 +152,9 @@ def translate(doc: dict[str, Any], path: str | os.PathLike) -> Translation:
             base = None
         elif name == "linear":
             raise fail("base_model", "linear does not use a base model — remove it, or list it under models:")
+        elif name == "slerp":  # mergekit's slerp starts at its base_model (t = 0): one of the two models
+            raise fail("base_model", f"{base} is not one of models: — slerp runs from its base_model (t = 0) to the "
+                                     "other model; give one of the two models")  # fmt: skip
     if len(entries) < 2 and task_vectors:
         raise fail("models", f"{len(entries)} model(s) to merge besides the base — give two or more")
     known = method.model_params | method.global_params if method else None
@@ -348,8 +351,9 @@ def _resolve(
     ]:
         if isinstance(value, dict) or (isinstance(value, list) and (scalars_only or key.endswith(".weight"))):
             raise fail(key, "per-layer values (gradients / filters) are not supported yet — give one number")
-        if isinstance(value, list) and not all(isinstance(x, (int, float)) for x in value):
-            raise fail(key, "per-layer values (gradients / filters) are not supported yet — give one number")
+        if isinstance(value, list) and not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
+            bad = next(x for x in value if not isinstance(x, (int, float)) or isinstance(x, bool))
+            raise fail(key, f"{bad!r} in a gradient is not a number — give numbers (a gradient) or one number")
     values: dict[str, Any] = dict(global_params)
     labels = {k: f"parameters.{k}" for k in global_params}
     missing = object()

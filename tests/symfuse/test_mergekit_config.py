@@ -313,6 +313,13 @@ REFUSED = {
         "base_model: missing — mergekit's ties works on task vectors",
     ),
     "linear-base": (two(merge_method="linear"), "base_model: linear does not use a base model"),
+    # slerp starts at its base_model: another model was told "--base: --strategy slerp does not use a base model"
+    "slerp-base-not-a-model": (two(merge_method="slerp", parameters={"t": 0.3}), "base is not one of models: — slerp"),
+    # a gradient with a word in it was told gradients are not supported, which they are for slerp
+    "gradient-word": (
+        two(merge_method="slerp", base_model="a", parameters={"t": [0, "x"]}),
+        "parameters.t: 'x' in a gradient is not a number",
+    ),
     "modules": (two(merge_method="ties", modules={"text": {}}), "modules: per-module merges are not supported yet"),
     "unknown-key": (two(merge_method="ties", strategy="ties"), "strategy: not a mergekit key symfuse reads"),
     "one-model": ({"models": ["base", "a"], "merge_method": "ties", "base_model": "base"}, "models: 1 model(s)"),
