@@ -66,7 +66,7 @@ def check_heads(adapters: Sequence[LoraAdapter], base_shapes: Mapping[str, tuple
         if set(ad.saved_modules) != set(first.saved_modules):
             raise CheckpointError(
                 f"{ad.path}: saves the modules {_names(ad)}, {first.path} {_names(first)} (modules_to_save) — merge "
-                "adapters of one task type"
+                "adapters that save the same modules (one task type, one modules_to_save)"
             )
         lone = next((n for n in ad.saved_modules if n.endswith(".bias") and f"{n[:-5]}.weight" not in ad.saved_modules),
                     None)  # fmt: skip
