@@ -368,6 +368,10 @@ def _merge(
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
     check_saved_base(ads, bw)
     check_heads(ads, {n: tuple(bw.reader.shape(n)) for n in bw.names} if into_base and bw else None)
+    if into_base and bw and bw.tied and bw.embedding in ads[0].saved_modules:  # PEFT's wrapper unties them
+        log.warning("%s: trains the embedding whole, which the base ties to its output layer: the merged model ties "
+                    "them, so that layer becomes the trained embedding too (the adapter on the base keeps it)",
+                    ads[0].path)  # fmt: skip
     job = _Job(ads, basis, merger, weights, bw, dev)
     if not into_base and len({ad.dtype for ad in ads}) > 1:
         stored = ", ".join(f"{ad.path} {str(ad.dtype).removeprefix('torch.')}" for ad in ads)

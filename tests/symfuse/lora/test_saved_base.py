@@ -127,3 +127,10 @@ def test_a_masked_lm_decoder_tied_to_the_embedding_takes_its_update_there(family
     out = merge_adapters([adapter], tmp_path / "out", "simple", base=base, into_base=True)
     got = {k: v.detach().double() for k, v in auto.from_pretrained(str(out)).state_dict().items()}
     assert _worst(got, effective_weights(base, adapter, auto)) < 1e-6
+
+
+def test_a_whole_trained_embedding_of_a_tied_base_is_said_to_become_the_output_layer_too(tmp_path, caplog):
+    base = save_tiny(tmp_path / "base", "llama", head="lm", tie_word_embeddings=True)
+    adapter = make_adapter(base, tmp_path / "ad", seed=1, targets=["q_proj"], modules_to_save=["embed_tokens"])
+    merge_adapters([adapter], tmp_path / "out", "simple", base=base, into_base=True)
+    assert "trains the embedding whole, which the base ties to its output layer" in caplog.text
