@@ -9,13 +9,11 @@ Sources accepted by :func:`load_task_dataset`, tried in this order:
    directory; ``$SYMFUSE_SHARED_DATASETS`` replaces that location, an empty value skips it);
 4. ... in the demo data bundled with the package (``symfuse/data/demo/``: seeded subsets of crowdflower, goemotions,
    meld and goemotions_ekman, with their sources and licences in ``SOURCES.md``);
-5. a hub dataset id ``owner/name`` or ``hf:<id>`` (needs network). A bare name found nowhere above fails at once
-   with one line naming what to provide (the hub is never asked for a bare name).
+5. a hub dataset id ``owner/name`` or ``hf:<id>`` (needs network); a bare name found nowhere above fails at once.
 
 Every local file is checked line by line before it is read (JSON by ``datasets.load_dataset("json", ...)``, CSV
-from the checked records as strings), so a bad record fails with one :class:`DatasetError` naming file and line.
-
-Record formats (see ``shared/datasets/README.md``): ``{"text", "label"}`` (single- or multi-label, a list for
+from the checked records as strings): a bad record fails with one :class:`DatasetError` naming file and line. Record
+formats (see ``shared/datasets/README.md``): ``{"text", "label"}`` (single- or multi-label, a list for
 multi-label), ``{"text", "text_pair", "label"}`` (pairs; float label = regression), ``{"tokens", "tags"}`` (NER, BIO).
 """
 
@@ -287,8 +285,8 @@ def check_records(
         if not problem and task in ("classification", "pair_classification") and not multi_label:
             first = first or (lineno, rec["label"])
             if isinstance(rec["label"], str) != isinstance(first[1], str):  # the loader read '"x"' for x
-                problem = (f"label {json.dumps(rec['label'])} and line {first[0]}'s {json.dumps(first[1])} are of "
-                           "two JSON kinds (a number, a string) — write every label as a string")  # fmt: skip
+                problem = f"label {json.dumps(rec['label'])} and line {first[0]}'s {json.dumps(first[1])} are of two "
+                problem += "JSON kinds (a number, a string) — write every label as a string"
         if problem:
             raise DatasetError(f"{file}:{lineno}: bad {task} record: {problem} — fix or remove that line")
         if task == "ner":

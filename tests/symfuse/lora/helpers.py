@@ -53,6 +53,11 @@ def effective_weights(base: Path, adapter: Path | None, auto: type = T.AutoModel
     return {k: v.detach().to(torch.float64) for k, v in model.state_dict().items()}
 
 
+def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference over ``want``'s tensors."""
+    return max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
 def rebased(adapter: Path, out: Path, seed: int = 0) -> Path:
     """A copy of ``adapter`` with every ``(B, A)`` replaced by ``(B M, M^-1 A)`` (same update, other basis)."""
     import shutil

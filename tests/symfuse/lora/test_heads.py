@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from symfuse.errors import CheckpointError
 from symfuse.lora import merge_adapters
-from tests.symfuse.lora.helpers import edited_copy
+from tests.symfuse.lora.helpers import edited_copy, effective_weights, worst
 from tests.tiny import save_tiny, tiny_config
 
 AUTO = T.AutoModelForSequenceClassification
@@ -44,14 +44,7 @@ def seq_cls(tmp_path_factory):
 
 
 def _weights(folder, adapter=None):
-    model = AUTO.from_pretrained(str(folder))
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    return {k: v.detach().double() for k, v in model.state_dict().items()}
-
-
-def _worst(got, want):
-    return max(float((got[k] - want[k]).abs().max()) for k in want)
+    return effective_weights(folder, adapter, AUTO)
 
 
 def _headless(adapter, out):
@@ -70,7 +63,7 @@ def test_one_seq_cls_adapter_goes_into_the_base_as_peft_merges_it(seq_cls, tmp_p
     out = merge_adapters([a], tmp_path / "out", "simple", base=base, into_base=True)
     want = _weights(base, a)
     assert not torch.equal(want[HEAD[0]], _weights(base)[HEAD[0]])
-    assert _worst(_weights(out), want) < 1e-6
+    assert worst(_weights(out), want) < 1e-6
 
 
 def test_two_seq_cls_adapters_give_one_merged_body_and_each_its_own_head(seq_cls, tmp_path):
@@ -95,8 +88,8 @@ def test_merged_seq_cls_adapters_load_in_peft_as_the_merged_models(seq_cls, tmp_
     models = merge_adapters([a, b], tmp_path / "models", "simple", base=base, into_base=True)
     adapter = merge_adapters([a, b], tmp_path / "adapter", "simple")
     assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == ["classifier", "score"]
-    assert _worst(_weights(base, adapter), _weights(models)) < 1e-6
-    assert _worst(_weights(base, adapter / "heads" / "b"), _weights(models / "heads" / "b")) < 1e-6
+    assert worst(_weights(base, adapter), _weights(models)) < 1e-6
+    assert worst(_weights(base, adapter / "heads" / "b"), _weights(models / "heads" / "b")) < 1e-6
 
 
 def test_adapters_of_other_heads_or_a_base_without_the_head_are_refused(seq_cls, tmp_path):
@@ -135,7 +128,7 @@ def test_a_bare_base_is_built_as_the_classifier_peft_trained_on(seq_cls, tmp_pat
     moved = edited_copy(a, tmp_path / "moved", base_model_name_or_path=str(bare))
     out = merge_adapters([moved], tmp_path / "out", "simple", base=bare, into_base=True)
     peft = PeftModel.from_pretrained(AUTO.from_pretrained(str(bare), num_labels=3), str(moved)).merge_and_unload()
-    assert _worst(_weights(out), {k: v.detach().double() for k, v in peft.state_dict().items()}) < 1e-6
+    assert worst(_weights(out), {k: v.detach().double() for k, v in peft.state_dict().items()}) < 1e-6
     assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForSequenceClassification"]
     assert "merged into it built as BertForSequenceClassification with 3 classes, unnamed" in caplog.text
 
@@ -176,4 +169,4 @@ def test_a_module_whose_name_ends_with_an_entry_is_a_saved_head_as_peft_matches_
     _adapter(base, tmp_path / "ad", seed=3, targets=("q_lin", "v_lin"))
     assert any("pre_classifier" in k for k in load_file(str(tmp_path / "ad" / "adapter_model.safetensors")))
     out = merge_adapters([tmp_path / "ad"], tmp_path / "out", "simple", base=base, into_base=True)
-    assert _worst(_weights(out), _weights(base, tmp_path / "ad")) < 1e-6
+    assert worst(_weights(out), _weights(base, tmp_path / "ad")) < 1e-6

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from symfuse.errors import CheckpointError, UsageError
 from symfuse.lora import merge_adapters
-from tests.symfuse.lora.helpers import effective_weights, make_adapter
+from tests.symfuse.lora.helpers import effective_weights, make_adapter, worst
 from tests.tiny import save_tiny
 
 COPY = "base_model.model.lm_head.base_layer.weight"
@@ -27,16 +27,7 @@ def head_adapter(request, tmp_path_factory):
 
 
 def _loaded(folder, adapter=None):
-    model = T.AutoModelForCausalLM.from_pretrained(str(folder))
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    return {k: v.detach().double() for k, v in model.state_dict().items()}
-
-
-def _worst(got, want):
-    return max(float((got[k] - want[k]).abs().max()) for k in want)
+    return effective_weights(folder, adapter)
 
 
 def test_an_lm_head_adapter_goes_into_the_base_as_peft_merges_it(head_adapter, tmp_path):
@@ -45,14 +36,14 @@ def test_an_lm_head_adapter_goes_into_the_base_as_peft_merges_it(head_adapter, t
     want = effective_weights(base, adapter)
     assert not torch.equal(want["lm_head.weight"], effective_weights(base, None)["lm_head.weight"])
     out = merge_adapters([adapter], tmp_path / "out", "simple", base=base, into_base=True)
-    assert _worst(_loaded(out), want) < 1e-6
+    assert worst(_loaded(out), want) < 1e-6
 
 
 def test_an_lm_head_adapter_merges_into_an_adapter_peft_applies_the_same(head_adapter, tmp_path):
     base, adapter = head_adapter
     out = merge_adapters([adapter, adapter], tmp_path / "out", "simple", base=base)
     assert COPY not in load_file(str(out / "adapter_model.safetensors"))  # the base holds it
-    assert _worst(_loaded(base, out), effective_weights(base, adapter)) < 1e-6
+    assert worst(_loaded(base, out), effective_weights(base, adapter)) < 1e-6
 
 
 def test_a_saved_copy_is_not_taken_unchecked_without_the_base(head_adapter, tmp_path):
@@ -90,12 +81,12 @@ def test_an_embedding_adapter_merges_as_peft_merges_it(embedding_adapters, tmp_p
     # it was refused ("an embedding LoRA — not supported"); PEFT adds (B A)^T to the (vocab, dim) weight
     base, (a, b) = embedding_adapters
     one = merge_adapters([a], tmp_path / "one", "simple", base=base, into_base=True)
-    assert _worst(_loaded(one), effective_weights(base, a)) < 1e-6
+    assert worst(_loaded(one), effective_weights(base, a)) < 1e-6
     model = merge_adapters([a, b], tmp_path / "model", "ties", base=base, into_base=True, density=0.5)
     adapter = merge_adapters([a, b], tmp_path / "adapter", "ties", base=base, density=0.5)
     stored = load_file(str(adapter / "adapter_model.safetensors"))
     assert "base_model.model.model.embed_tokens.lora_embedding_A" in stored
-    assert _worst(_loaded(base, adapter), _loaded(model)) < 1e-6
+    assert worst(_loaded(base, adapter), _loaded(model)) < 1e-6
     assert not torch.equal(_loaded(model)["model.embed_tokens.weight"], _loaded(base)["model.embed_tokens.weight"])
 
 
@@ -111,11 +102,11 @@ def test_a_tied_head_and_its_embedding_both_adapted_take_both_updates(tmp_path):
     base = save_tiny(tmp_path / "base", "llama", head="lm", tie_word_embeddings=True)
     both = make_adapter(base, tmp_path / "both", seed=1, targets=["embed_tokens", "lm_head"])
     one = merge_adapters([both], tmp_path / "one", "simple", base=base, into_base=True)
-    assert _worst(_loaded(one), effective_weights(base, both)) < 1e-6
+    assert worst(_loaded(one), effective_weights(base, both)) < 1e-6
     emb, head = (make_adapter(base, tmp_path / t, seed=2, targets=[t]) for t in ("embed_tokens", "lm_head"))
     model = merge_adapters([emb, head], tmp_path / "model", "task-arithmetic", base=base, into_base=True, lam=1.0)
     adapter = merge_adapters([emb, head], tmp_path / "adapter", "task-arithmetic", base=base, lam=1.0)
-    assert _worst(_loaded(model), _loaded(base, adapter)) < 1e-6
+    assert worst(_loaded(model), _loaded(base, adapter)) < 1e-6
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta"])
@@ -126,7 +117,7 @@ def test_a_masked_lm_decoder_tied_to_the_embedding_takes_its_update_there(family
     adapter = make_adapter(base, tmp_path / "ad", seed=1, targets=["word_embeddings", "decoder"], auto=auto)
     out = merge_adapters([adapter], tmp_path / "out", "simple", base=base, into_base=True)
     got = {k: v.detach().double() for k, v in auto.from_pretrained(str(out)).state_dict().items()}
-    assert _worst(got, effective_weights(base, adapter, auto)) < 1e-6
+    assert worst(got, effective_weights(base, adapter, auto)) < 1e-6
 
 
 def test_a_whole_trained_embedding_of_a_tied_base_is_said_to_become_the_output_layer_too(tmp_path, caplog):
