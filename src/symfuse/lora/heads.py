@@ -106,12 +106,13 @@ def _names(ad: LoraAdapter) -> str:
     return ", ".join(sorted(ad.saved_modules)) or "none"
 
 
-def task_base(base: Path, adapters: Sequence[LoraAdapter], stack: contextlib.ExitStack) -> Path | None:
+def task_base(base: Path, adapters: Sequence[LoraAdapter], stack: contextlib.ExitStack, model: bool) -> Path | None:
     """``base`` saved as the classifier the adapters were trained on, in a scratch folder; None when not needed.
 
     PEFT trains a classifier adapter on ``AutoModelFor<task>.from_pretrained(base, num_labels=N)``: a base stored
     without the adapters' head (a bare encoder) is built so (the number of classes read from the saved head, the
-    random head then replaced by an adapter's). PEFT's adapters name no classes: they are ``LABEL_i``, with a warning.
+    random head then replaced by an adapter's). PEFT's adapters name no classes: they are ``LABEL_i``, with a warning
+    when the output is that ``model``.
     None also when the task type names no classifier, or no class count fits the saved head (the head check says why).
     """
     heads = adapters[0].saved_modules
@@ -125,14 +126,18 @@ def task_base(base: Path, adapters: Sequence[LoraAdapter], stack: contextlib.Exi
     if n is None:
         return None
     folder = stack.enter_context(scratch_dir("lora-base"))
-    model = cls.from_pretrained(str(base), num_labels=n)
-    model.save_pretrained(folder)
+    built = cls.from_pretrained(str(base), num_labels=n)
+    built.save_pretrained(folder)
     for side in SIDE_FILES:  # the tokenizer travels with the output
         if (base / side).is_file():
             shutil.copy2(base / side, folder / side)
-    log.warning("%s: a bare model; merged into it built as %s with %d classes, unnamed (LABEL_0 ...) as PEFT's "
-                "adapters name none — name them in the output's config.json (id2label, label2id)", base,
-                type(model).__name__, n)  # fmt: skip
+    what = (base, ", ".join(sorted(heads)), type(built).__name__, n)
+    if model:
+        log.warning("%s: holds no %s (the adapters' head); merged into it built as %s with %d classes, unnamed "
+                    "(LABEL_0 ...) as PEFT's adapters name none — name them in the output's config.json (id2label, "
+                    "label2id)", *what)  # fmt: skip
+    else:
+        log.info("%s: holds no %s (the adapters' head); read as %s with %d classes", *what)
     return folder
 
 

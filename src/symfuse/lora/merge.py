@@ -263,10 +263,10 @@ class _Base:
                 f"{self.reader.path}: has no {name}, which the adapters update — give the base model they were "
                 "trained on"
             )
-        have = tuple(self.reader.shape(name))
-        if (have[::-1] if self.transposed(key) else have) != shape:
+        have, stored = tuple(self.reader.shape(name)), shape[::-1] if self.transposed(key) else shape
+        if have != stored:
             raise CheckpointError(
-                f"{self.reader.path}: {name} is {have}, the adapters update a {shape} weight — give the base model "
+                f"{self.reader.path}: {name} is {have}, the adapters update a {stored} weight — give the base model "
                 "they were trained on"
             )
 
@@ -359,7 +359,7 @@ def _merge(
         raise UsageError(f"--rank: {rank} is above {widest}, the largest rank an update of these modules can have "
                          f"(min(out, in) of the largest weight) — give at most {widest}")  # fmt: skip
     out_rank = rank or (ads[0].modules[keys[0]].rank if basis == "naive" else max(sums))
-    built = task_base(resolve_checkpoint(base), ads, scratch) if into_base and base is not None else None
+    built = task_base(resolve_checkpoint(base), ads, scratch, into_base) if base is not None else None
     bw = _Base(built or base) if base is not None else None
     if bw is not None:
         bw.embeddings = _embeddings(ads)

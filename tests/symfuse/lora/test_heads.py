@@ -131,6 +131,10 @@ def test_a_bare_base_is_built_as_the_classifier_peft_trained_on(seq_cls, tmp_pat
     assert worst(_weights(out), {k: v.detach().double() for k, v in peft.state_dict().items()}) < 1e-6
     assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForSequenceClassification"]
     assert "merged into it built as BertForSequenceClassification with 3 classes, unnamed" in caplog.text
+    # the adapter output takes the same base (it was refused: "stores the bare model"), and PEFT loads it alike
+    adapter = merge_adapters([moved], tmp_path / "ad", "simple", base=bare)
+    again = PeftModel.from_pretrained(AUTO.from_pretrained(str(bare), num_labels=3), str(adapter)).merge_and_unload()
+    assert worst({k: v.detach().double() for k, v in again.state_dict().items()}, _weights(out)) < 1e-6
 
 
 def test_a_bare_base_of_a_causal_lm_adapter_is_told_to_be_saved_as_the_task_model(tmp_path):
