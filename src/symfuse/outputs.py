@@ -195,7 +195,24 @@ def check_output(out: str | os.PathLike, overwrite: bool = False, inputs: Sequen
             if not parent.is_dir():
                 raise UsageError(f"{out}: {parent} is a file, not a folder — choose another --out")
             break
+    _check_name_length(out, path)
     return path
+
+
+def _check_name_length(out: str | os.PathLike, path: Path) -> None:
+    """Refuse a name whose temporary siblings (``.NAME.tmp-PID-XXXXXXXX``, ``.old-``) the file system cannot hold.
+
+    It was found when the work ended and the output was written, naming the hidden temporary folder.
+    """
+    parent = next(p for p in path.parents if p.exists())
+    try:
+        limit = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    extra = len(f"..tmp-{'0' * 7}-{'0' * 8}")  # and .old- when it replaces one; a pid has up to 7 digits
+    if (n := len(path.name.encode())) + extra > limit:
+        raise UsageError(f"{out}: a name of {n} bytes — the folder written beside it first adds {extra}, and "
+                         f"{parent} takes names of {limit}: give a name of at most {limit - extra}")  # fmt: skip
 
 
 def _check_replaceable(out: str | os.PathLike, path: Path, inputs: Sequence[object]) -> None:
