@@ -169,6 +169,9 @@ def validate_checkpoint(path_or_id: str | os.PathLike, finite: bool = True, toke
         TokenizerError: no tokenizer files.
     """
     with CheckpointReader(path_or_id) as reader:
+        if tokenizer and "tokens" not in reader.spec.inputs:  # it was told to add a tokenizer, then failed later
+            raise CheckpointError(f"{reader.path}: a {reader.spec.family} model reads {', '.join(reader.spec.inputs)}, "
+                                  "not text — symfuse reads text data only (it has no image datasets)")  # fmt: skip
         if tokenizer:
             check_tokenizer(reader.path)
         if finite:

@@ -85,3 +85,15 @@ def test_a_model_folder_with_a_stray_adapter_config_is_refused(tmp_path):
         resolve_checkpoint(folder)
     with pytest.raises(OSError, match="adapter_model"):  # what transformers makes of it
         transformers.AutoModel.from_pretrained(str(folder))
+
+
+def test_a_model_that_reads_pixels_is_named_so_where_text_is_read(tmp_path):
+    """finetune of a ViT said to copy a tokenizer in; with one, transformers failed naming no file."""
+    from symfuse.checkpoint import validate_checkpoint
+    from symfuse.errors import CheckpointError
+    from tests.tiny import save_tiny
+
+    vit = save_tiny(tmp_path / "vit", "vit", head="seq")
+    with pytest.raises(CheckpointError, match=r"vit: a vit model reads pixels, not text — symfuse reads text data"):
+        validate_checkpoint(vit, tokenizer=True)
+    assert validate_checkpoint(vit) == vit.resolve()
