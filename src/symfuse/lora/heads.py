@@ -1,13 +1,13 @@
 """What an adapter saves besides its factors: task heads and copies of base layers.
 
 Task heads: the modules PEFT trains whole (``modules_to_save``: ``classifier`` / ``score`` of a SEQ_CLS adapter).
-
-PEFT trains such a module in full and loads the saved tensors over the base's module; they are no LoRA update and
-do not merge (PEFT's ``add_weighted_adapter`` refuses them). The rule of full-model merges applies: the output holds
-the merged body with the FIRST adapter's head, and ``heads/<name_i>/`` the same merged body with adapter ``i``'s head,
-``name_i`` its folder's name (made unique). A merge into the base needs the base to hold each head tensor in the same
-shape (the classifier the adapters were trained on, saved with its head). A bare base (an encoder saved without
-the head) is first built as that classifier, as PEFT's users load it: :func:`task_base`.
+PEFT loads the saved tensors over the base's module; they are no LoRA update and do not merge (PEFT's
+``add_weighted_adapter`` refuses them). The rule of full-model merges applies: the output holds the merged body with
+the FIRST adapter's head, and ``heads/<name_i>/`` the same merged body with adapter ``i``'s head, ``name_i`` its
+folder's name (made unique). A merge into the base needs the base to hold each head tensor in the same shape (the
+classifier the adapters were trained on, saved with its head). A bare base (an encoder saved without the head) is
+first built as that classifier, as PEFT's users load it: :func:`task_base`. A body layer saved whole (any other
+module of ``modules_to_save``) is merged as full models' tensors are: :func:`merged_body`.
 
 Copies of base layers: PEFT saves an adapted ``lm_head`` / embedding's base layer, loaded over the base's weight
 (:func:`check_saved_base`).
@@ -28,11 +28,31 @@ import torch
 from symfuse.errors import CheckpointError, UsageError
 from symfuse.io import SIDE_FILES, open_weight_files
 from symfuse.lora.adapter import PREFIX, WEIGHTS, LoraAdapter
+from symfuse.lora.bases import combine
 from symfuse.scratch import scratch_dir
 
 log = logging.getLogger(__name__)
 
 _TASK_MODELS = {"SEQ_CLS": "AutoModelForSequenceClassification", "TOKEN_CLS": "AutoModelForTokenClassification"}
+_HEADS = ("classifier", "score")  # the task heads PEFT saves for SEQ_CLS / TOKEN_CLS (its modules_to_save)
+
+
+def is_head(name: str) -> bool:
+    """Whether saved tensor ``name`` is a task head's (a module ending classifier / score), not a body layer's."""
+    return any(part.endswith(_HEADS) for part in name.split(".")[:-1])
+
+
+def own_head(adapter: LoraAdapter) -> dict[str, torch.Tensor]:
+    """The task head an adapter saves whole (kept per adapter, never merged)."""
+    return {n: t for n, t in adapter.saved_modules.items() if is_head(n)}
+
+
+def merged_body(adapters: Sequence[LoraAdapter], name: str, w: torch.Tensor, merger: Any, weights: Any) -> torch.Tensor:
+    """A body layer the adapters train whole (``modules_to_save``), merged as a full model's: ``W + merge(W_i - W)``."""
+    w = w.to(torch.float64)
+    return w + combine(
+        merger, name, [ad.saved_modules[name].to(w.device, torch.float64) - w for ad in adapters], weights
+    )
 
 
 def head_folders(adapters: Sequence[LoraAdapter]) -> list[str]:
@@ -40,7 +60,7 @@ def head_folders(adapters: Sequence[LoraAdapter]) -> list[str]:
 
     Empty when the adapters save no head.
     """
-    if not adapters[0].saved_modules:
+    if not own_head(adapters[0]):
         return []
     folders = ["."]
     for i, ad in enumerate(adapters[1:], 1):
@@ -78,7 +98,7 @@ def check_heads(adapters: Sequence[LoraAdapter], base_shapes: Mapping[str, tuple
             log.warning("%s: modules_to_save (%s) but no head tensors saved — PEFT cannot load it (nor the output) "
                         "onto a model that has such modules", first.path, ", ".join(entries))  # fmt: skip
         return
-    wanted = [n for n in base_shapes if _under(n, first.config.get("modules_to_save") or ())]
+    wanted = sorted(n for n in base_shapes if _under(n, first.config.get("modules_to_save") or ()))
     for ad in adapters:
         for name, t in ad.saved_modules.items():
             if base_shapes.get(name) != tuple(t.shape):

@@ -43,7 +43,7 @@ from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, UsageError
 from symfuse.lora.adapter import LoraAdapter, LoraModule, read_adapter, write_adapter
 from symfuse.lora.bases import BASES, F64, combine, low_rank, merge_aligned, merge_full, merge_naive
-from symfuse.lora.heads import check_heads, check_saved_base, head_folders, task_base
+from symfuse.lora.heads import check_heads, check_saved_base, head_folders, is_head, merged_body, own_head, task_base
 from symfuse.lora.report import adapter_config, write_report
 from symfuse.merge.base import Merger
 from symfuse.merge.registry import MERGERS
@@ -368,6 +368,9 @@ def _merge(
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
     check_saved_base(ads, bw)
     check_heads(ads, {n: tuple(bw.reader.shape(n)) for n in bw.names} if into_base and bw else None)
+    if (body := [n for n in ads[0].saved_modules if not is_head(n)]) and bw is None:
+        raise UsageError(f"--base: missing — {ads[0].path} trains {body[0]} whole (modules_to_save), a body layer that "
+                         "merges as a task vector of the base's; give the base with --base BASE")  # fmt: skip
     if into_base and bw and bw.tied and bw.embedding in ads[0].saved_modules:  # PEFT's wrapper unties them
         log.warning("%s: trains the embedding whole, which the base ties to its output layer: the merged model ties "
                     "them, so that layer becomes the trained embedding too (the adapter on the base keeps it)",
@@ -407,6 +410,13 @@ class _Job:
             out = torch.promote_types(out, ad.dtype)
         return out
 
+    def bodies(self) -> dict[str, torch.Tensor]:
+        """The body layers the adapters train whole, merged (in the stored dtype of the first's copy)."""
+        saved = {n: t for n, t in self.ads[0].saved_modules.items() if not is_head(n)}
+        get = self.bw.reader.get if self.bw is not None else None
+        return {n: merged_body(self.ads, n, get(self.bw.stored(n)), self.merger, self.weights).to(t.dtype)
+                for n, t in saved.items()} if get else {}  # fmt: skip
+
     def module(self, key: str) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """``(left, core, m)``: the merged update ``left @ core`` (``left`` None: the identity), DoRA's ``m``."""
         bs, as_ = _factors(self.ads, key, self.basis, self.device)
@@ -435,10 +445,10 @@ def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path, folders
         b, a = b.to(job.dtype), a.to(job.dtype)
         _finite((b.to(F64) @ a.to(F64)).to(b.dtype), key, job)  # the update PEFT adds (inf in b or a shows here)
         factors[key] = (b.cpu(), a.cpu(), mag.cpu() if mag is not None else None)
-    config = adapter_config(job.ads, rank, keys)
+    config, bodies = adapter_config(job.ads, rank, keys), job.bodies()
     for ad, rel in zip(job.ads, folders or ["."], strict=False):
         (folder := tmp / rel).mkdir(parents=True, exist_ok=True)
-        write_adapter(folder, config, factors, job.dtype, ad.saved_modules, _embeddings(job.ads))
+        write_adapter(folder, config, factors, job.dtype, {**bodies, **own_head(ad)}, _embeddings(job.ads))
     return errors
 
 
@@ -448,13 +458,13 @@ def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path, folders: Sequenc
     With saved heads: the first adapter's head, and in each other adapter's folder the merged model with its head.
     """
     assert job.bw is not None
-    bw, head, targets = job.bw, job.ads[0].saved_modules, {}
+    bw, head, bodies, targets = job.bw, own_head(job.ads[0]), job.bodies(), {}
     for key in keys:  # a tied head and its embedding are one stored tensor: both updates go there
         targets.setdefault(bw.stored(f"{key}.weight"), []).append(key)
 
     def replace(name: str, stored: torch.Tensor) -> torch.Tensor:
-        if name in head:
-            return head[name].to(stored.dtype)
+        if name in head or name in bodies:
+            return {**bodies, **head}[name].to(stored.dtype)
         w = stored.to(job.device, F64)  # as stored; each update oriented so
         for key in targets.get(name, ()):
             left, core, mag = job.module(key)
@@ -473,7 +483,7 @@ def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path, folders: Sequenc
     if len(folders) > 1:
         with CheckpointReader(tmp) as merged:
             for ad, rel in zip(job.ads[1:], folders[1:], strict=True):
-                own = {n: t.to(merged.dtype(n)) for n, t in ad.saved_modules.items()}
+                own = {n: t.to(merged.dtype(n)) for n, t in own_head(ad).items()}
                 write_checkpoint(merged, tmp / rel, replace=own)
 
 

@@ -12,7 +12,7 @@ import transformers as T
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from safetensors.torch import load_file, save_file
 
-from symfuse.errors import CheckpointError
+from symfuse.errors import CheckpointError, UsageError
 from symfuse.lora import merge_adapters
 from tests.symfuse.lora.helpers import edited_copy, effective_weights, worst
 from tests.tiny import save_tiny, tiny_config
@@ -21,12 +21,12 @@ AUTO = T.AutoModelForSequenceClassification
 HEAD = ("classifier.weight", "classifier.bias")
 
 
-def _adapter(base, out, seed, targets=("query", "value")):
+def _adapter(base, out, seed, targets=("query", "value"), **kw):
     """A PEFT SEQ_CLS adapter of ``base`` with random factors and a random trained classifier."""
     model = AUTO.from_pretrained(str(base))
     torch.manual_seed(seed)
     cfg = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=list(targets),
-                     init_lora_weights=False)  # fmt: skip
+                     init_lora_weights=False, **kw)  # fmt: skip
     peft = get_peft_model(model, cfg)
     with torch.no_grad():
         for name, p in peft.named_parameters():
@@ -174,3 +174,19 @@ def test_a_module_whose_name_ends_with_an_entry_is_a_saved_head_as_peft_matches_
     assert any("pre_classifier" in k for k in load_file(str(tmp_path / "ad" / "adapter_model.safetensors")))
     out = merge_adapters([tmp_path / "ad"], tmp_path / "out", "simple", base=base, into_base=True)
     assert worst(_weights(out), _weights(base, tmp_path / "ad")) < 1e-6
+
+
+def test_body_layers_trained_whole_merge_as_full_models_do_and_heads_stay_apart(seq_cls, tmp_path):
+    """modules_to_save inside the layers: the output took the first adapter's copies whole, and said nothing."""
+    base = seq_cls[0]
+    a, b = (_adapter(base, tmp_path / n, s, modules_to_save=["intermediate.dense"]) for n, s in (("a", 4), ("b", 5)))
+    name = "bert.encoder.layer.0.intermediate.dense.weight"
+    copies = [load_file(str(x / "adapter_model.safetensors"))[f"base_model.model.{name}"] for x in (a, b)]
+    model = merge_adapters([a, b], tmp_path / "model", "simple", base=base, into_base=True)
+    first, second = _weights(model), _weights(model / "heads" / "b")
+    assert torch.allclose(first[name], (copies[0].double() + copies[1].double()) / 2, atol=1e-6)  # W + mean(W_i - W)
+    assert torch.equal(first[name], second[name]) and not torch.equal(first[HEAD[0]], second[HEAD[0]])
+    adapter = merge_adapters([a, b], tmp_path / "adapter", "simple", base=base)
+    assert worst(_weights(base, adapter), first) < 1e-6
+    with pytest.raises(UsageError, match=r"--base: missing — .*trains bert\.encoder\.layer\.\d\.intermediate"):
+        merge_adapters([a, b], tmp_path / "nobase", "simple")
