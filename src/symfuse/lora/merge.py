@@ -367,7 +367,7 @@ def _merge(
         m = next(ad.modules[key] for ad in ads if key in ad.modules)
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
     check_saved_base(ads, bw)
-    check_heads(ads, {n: tuple(bw.reader.shape(n)) for n in bw.names} if into_base and bw else None)
+    check_heads(ads, {n: tuple(bw.reader.shape(n)) for n in bw.names} if bw else None)
     if (body := [n for n in ads[0].saved_modules if not is_head(n)]) and bw is None:
         raise UsageError(f"--base: missing — {ads[0].path} trains {body[0]} whole (modules_to_save), a body layer that "
                          "merges as a task vector of the base's; give the base with --base BASE")  # fmt: skip
