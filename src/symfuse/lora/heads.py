@@ -103,11 +103,9 @@ def check_heads(adapters: Sequence[LoraAdapter], base_shapes: Mapping[str, tuple
         for name, t in ad.saved_modules.items():
             if base_shapes.get(name) != tuple(t.shape):
                 have = f"holds it as {base_shapes[name]}" if name in base_shapes else "has no such tensor"
-                raise CheckpointError(
-                    f"{ad.path}: saves {name} {tuple(t.shape)} (modules_to_save), and the base {have} — give the "
-                    "base as the model the adapter was trained on, with its head (save_pretrained of "
-                    "AutoModelForSequenceClassification.from_pretrained(base, num_labels=N))"
-                )
+                how = " (AutoModelForSequenceClassification.from_pretrained(base, num_labels=N))" * is_head(name)
+                raise CheckpointError(f"{ad.path}: saves {name} {tuple(t.shape)} (modules_to_save), and the base "
+                                      f"{have} — give the base the adapter was trained on{how}")  # fmt: skip
         if missing := [n for n in wanted if n not in ad.saved_modules]:
             raise CheckpointError(
                 f"{ad.path / WEIGHTS}: its modules_to_save ({', '.join(first.config['modules_to_save'])}) match the "
@@ -209,3 +207,17 @@ def _copy_name(name: str) -> str:
     """The base-layer copy's name of base tensor ``name`` (``lm_head.weight``: ``lm_head.base_layer.weight``)."""
     key, _, leaf = name.rpartition(".")
     return f"{key}.base_layer.{leaf}"
+
+
+def tied_weights(config: Any, names: set[str]) -> dict[str, str]:
+    """``{tensor: the stored tensor it is tied to}`` (transformers' ``_tied_weights_keys`` of the config's class).
+
+    An output layer tied to the input embedding (``lm_head``, a masked LM's decoder, T5's ``embed_tokens`` and
+    ``shared``) is stored once: its update goes there, and changes both, as PEFT's ``merge_and_unload`` changes the
+    one shared weight.
+    """
+    import transformers
+
+    archs = getattr(config, "architectures", None) or [] if getattr(config, "tie_word_embeddings", False) else []
+    keys = getattr(getattr(transformers, archs[0], None), "_tied_weights_keys", None) if archs else None
+    return {t: s for t, s in keys.items() if t not in names and s in names} if isinstance(keys, dict) else {}

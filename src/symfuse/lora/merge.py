@@ -41,9 +41,9 @@ from symfuse.checkpoint import CheckpointReader, resolve_checkpoint, write_check
 from symfuse.config_json import read_config_json
 from symfuse.device import resolve_device
 from symfuse.errors import CheckpointError, UsageError
+from symfuse.lora import heads
 from symfuse.lora.adapter import LoraAdapter, LoraModule, read_adapter, write_adapter
 from symfuse.lora.bases import BASES, F64, combine, low_rank, merge_aligned, merge_full, merge_naive
-from symfuse.lora.heads import check_heads, check_saved_base, head_folders, is_head, merged_body, own_head, task_base
 from symfuse.lora.report import adapter_config, write_report
 from symfuse.merge.base import Merger
 from symfuse.merge.registry import MERGERS
@@ -224,26 +224,19 @@ class _Base:
     ``fan_in_fan_out`` for a ``Conv1D`` and clears it for an ``nn.Linear``, whatever the config says), so the
     config's one flag is not read here: a GPT-2 classifier's adapter of ``attn.c_proj`` and ``score`` holds both.
 
-    An output layer the config ties to the input embedding (``lm_head``, a masked LM's decoder) is stored once, as
-    the embedding: its update goes there, and changes both, as PEFT's ``merge_and_unload`` changes the one shared
-    weight.
+    A layer tied to another is stored once (:func:`~symfuse.lora.heads.tied_weights`): :meth:`stored` names it.
     """
 
     def __init__(self, base: str | os.PathLike):
         self.reader = CheckpointReader(base)
         self.names = set(self.reader.names())
         self.conv1d = set(self.reader.tensor_owners()) if self.reader.spec.conv1d else set()
-        spec, config, prefix = self.reader.spec, self.reader.config, self.reader.prefix
-        tied = bool(getattr(config, "tie_word_embeddings", False) and spec.embeddings)
-        self.embedding = f"{prefix}{spec.embeddings[0]}.weight" if tied else None
-        # output layers stored as the embedding: lm_head, a masked LM's decoder (cls.predictions / lm_head.decoder)
-        outputs = {f"{h.path}.weight" for h in spec.head_paths(prefix) if h.kind == "in"}
-        self.tied = outputs - self.names if tied else set()
+        self.ties = heads.tied_weights(self.reader.config, self.names)
         self.embeddings: set[str] = set()  # adapted embeddings (stored (vocab, dim), transposed as a Conv1D)
 
     def stored(self, name: str) -> str:
         """The stored tensor that holds base tensor ``name`` (a tied ``lm_head.weight``: the input embedding)."""
-        return self.embedding if name in self.tied and self.embedding else name
+        return self.ties.get(name, name)
 
     def transposed(self, key: str) -> bool:
         """Whether module ``key``'s weight is stored ``(in, out)`` (a ``Conv1D``, an embedding)."""
@@ -359,27 +352,28 @@ def _merge(
         raise UsageError(f"--rank: {rank} is above {widest}, the largest rank an update of these modules can have "
                          f"(min(out, in) of the largest weight) — give at most {widest}")  # fmt: skip
     out_rank = rank or (ads[0].modules[keys[0]].rank if basis == "naive" else max(sums))
-    built = task_base(resolve_checkpoint(base), ads, scratch, into_base) if base is not None else None
+    built = heads.task_base(resolve_checkpoint(base), ads, scratch, into_base) if base is not None else None
     bw = _Base(built or base) if base is not None else None
     if bw is not None:
         bw.embeddings = _embeddings(ads)
     for key in keys if bw is not None else ():
         m = next(ad.modules[key] for ad in ads if key in ad.modules)
         bw.check(key, (int(m.B.shape[0]), int(m.A.shape[1])))
-    check_saved_base(ads, bw)
-    check_heads(ads, {n: tuple(bw.reader.shape(n)) for n in bw.names} if bw else None)
-    if (body := [n for n in ads[0].saved_modules if not is_head(n)]) and bw is None:
+    heads.check_saved_base(ads, bw)
+    heads.check_heads(ads, {n: tuple(bw.reader.shape(bw.stored(n))) for n in bw.names | set(bw.ties)} if bw else None)
+    if (body := [n for n in ads[0].saved_modules if not heads.is_head(n)]) and bw is None:
         raise UsageError(f"--base: missing — {ads[0].path} trains {body[0]} whole (modules_to_save), a body layer that "
                          "merges as a task vector of the base's; give the base with --base BASE")  # fmt: skip
-    if into_base and bw and bw.tied and bw.embedding in ads[0].saved_modules:  # PEFT's wrapper unties them
-        log.warning("%s: trains the embedding whole, which the base ties to its output layer: the merged model ties "
-                    "them, so that layer becomes the trained embedding too (the adapter on the base keeps it)",
-                    ads[0].path)  # fmt: skip
+    tied = [n for n in ads[0].saved_modules if bw and (n in bw.ties or n in bw.ties.values())]
+    if into_base and tied:  # PEFT's wrapper unties them on the base
+        log.warning("%s: trains %s whole, which the base ties to another layer: the merged model keeps them tied, so "
+                    "that layer becomes the trained one too (the adapter on the base keeps it)", ads[0].path,
+                    tied[0])  # fmt: skip
     job = _Job(ads, basis, merger, weights, bw, dev)
     if not into_base and len({ad.dtype for ad in ads}) > 1:
         stored = ", ".join(f"{ad.path} {str(ad.dtype).removeprefix('torch.')}" for ad in ads)
         log.warning("adapters stored in different dtypes (%s): the merged adapter is written in %s", stored, job.dtype)
-    folders = head_folders(ads)
+    folders = heads.head_folders(ads)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         if into_base:
             errors: dict[str, float] = {}
@@ -412,9 +406,9 @@ class _Job:
 
     def bodies(self) -> dict[str, torch.Tensor]:
         """The body layers the adapters train whole, merged (in the stored dtype of the first's copy)."""
-        saved = {n: t for n, t in self.ads[0].saved_modules.items() if not is_head(n)}
+        saved = {n: t for n, t in self.ads[0].saved_modules.items() if not heads.is_head(n)}
         get = self.bw.reader.get if self.bw is not None else None
-        return {n: merged_body(self.ads, n, get(self.bw.stored(n)), self.merger, self.weights).to(t.dtype)
+        return {n: heads.merged_body(self.ads, n, get(self.bw.stored(n)), self.merger, self.weights).to(t.dtype)
                 for n, t in saved.items()} if get else {}  # fmt: skip
 
     def module(self, key: str) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
@@ -448,7 +442,7 @@ def _write_adapter(job: _Job, rank: int, keys: Sequence[str], tmp: Path, folders
     config, bodies = adapter_config(job.ads, rank, keys), job.bodies()
     for ad, rel in zip(job.ads, folders or ["."], strict=False):
         (folder := tmp / rel).mkdir(parents=True, exist_ok=True)
-        write_adapter(folder, config, factors, job.dtype, {**bodies, **own_head(ad)}, _embeddings(job.ads))
+        write_adapter(folder, config, factors, job.dtype, {**bodies, **heads.own_head(ad)}, _embeddings(job.ads))
     return errors
 
 
@@ -458,7 +452,8 @@ def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path, folders: Sequenc
     With saved heads: the first adapter's head, and in each other adapter's folder the merged model with its head.
     """
     assert job.bw is not None
-    bw, head, bodies, targets = job.bw, own_head(job.ads[0]), job.bodies(), {}
+    bw, head, targets = job.bw, heads.own_head(job.ads[0]), {}
+    bodies = {bw.stored(n): t for n, t in job.bodies().items()}  # a tied layer's goes where it is stored
     for key in keys:  # a tied head and its embedding are one stored tensor: both updates go there
         targets.setdefault(bw.stored(f"{key}.weight"), []).append(key)
 
@@ -483,7 +478,7 @@ def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path, folders: Sequenc
     if len(folders) > 1:
         with CheckpointReader(tmp) as merged:
             for ad, rel in zip(job.ads[1:], folders[1:], strict=True):
-                own = {n: t.to(merged.dtype(n)) for n, t in own_head(ad).items()}
+                own = {n: t.to(merged.dtype(n)) for n, t in heads.own_head(ad).items()}
                 write_checkpoint(merged, tmp / rel, replace=own)
 
 

@@ -109,12 +109,15 @@ def test_a_tied_head_and_its_embedding_both_adapted_take_both_updates(tmp_path):
     assert worst(_loaded(model), _loaded(base, adapter)) < 1e-6
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta"])
-def test_a_masked_lm_decoder_tied_to_the_embedding_takes_its_update_there(family, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "output"), [("bert", "decoder"), ("roberta", "decoder"), ("electra", "generator_lm_head"),
+                           ("albert", "decoder")],
+)  # fmt: skip
+def test_a_masked_lm_decoder_tied_to_the_embedding_takes_its_update_there(family, output, tmp_path):
     """cls.predictions.decoder / lm_head.decoder are stored as the embedding: 'has no ...decoder.weight', refused."""
     auto = T.AutoModelForMaskedLM
     base = save_tiny(tmp_path / "base", family, head="mlm")
-    adapter = make_adapter(base, tmp_path / "ad", seed=1, targets=["word_embeddings", "decoder"], auto=auto)
+    adapter = make_adapter(base, tmp_path / "ad", seed=1, targets=["word_embeddings", output], auto=auto)
     out = merge_adapters([adapter], tmp_path / "out", "simple", base=base, into_base=True)
     got = {k: v.detach().double() for k, v in auto.from_pretrained(str(out)).state_dict().items()}
     assert worst(got, effective_weights(base, adapter, auto)) < 1e-6
@@ -124,4 +127,13 @@ def test_a_whole_trained_embedding_of_a_tied_base_is_said_to_become_the_output_l
     base = save_tiny(tmp_path / "base", "llama", head="lm", tie_word_embeddings=True)
     adapter = make_adapter(base, tmp_path / "ad", seed=1, targets=["q_proj"], modules_to_save=["embed_tokens"])
     merge_adapters([adapter], tmp_path / "out", "simple", base=base, into_base=True)
-    assert "trains the embedding whole, which the base ties to its output layer" in caplog.text
+    assert "trains model.embed_tokens.weight whole, which the base ties to another layer" in caplog.text
+
+
+def test_t5_embeddings_tied_to_shared_take_both_updates(tmp_path):
+    """encoder / decoder.embed_tokens are stored as shared.weight: 'has no decoder.embed_tokens.weight', refused."""
+    auto = T.AutoModelForSeq2SeqLM
+    base = save_tiny(tmp_path / "base", "t5", head="lm")
+    adapter = make_adapter(base, tmp_path / "ad", seed=1, targets=["embed_tokens", "q"], auto=auto)
+    out = merge_adapters([adapter], tmp_path / "out", "simple", base=base, into_base=True)
+    assert worst(effective_weights(out, None, auto), effective_weights(base, adapter, auto)) < 1e-6
