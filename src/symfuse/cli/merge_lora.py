@@ -53,7 +53,9 @@ def merge_lora(
         typer.Option("--param", metavar="NAME=VALUE", help="Any parameter of the strategy (repeat for several)."),
     ] = None,
     lam: Annotated[float | None, typer.Option("--lam", help="Task-vector scale.")] = None,
-    density: Annotated[float | None, typer.Option("--density", help="TIES: fraction kept, in (0, 1] (DARE: --param drop=P).")] = None,
+    density: Annotated[
+        float | None, typer.Option("--density", help="TIES: fraction kept, in (0, 1] (DARE: --param drop=P).")
+    ] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Output folder (new unless --overwrite).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
     device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
