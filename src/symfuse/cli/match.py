@@ -50,7 +50,9 @@ def match(
             "ViT and CLIP: 'random-pixels'). " + DATASET_RESOLUTION,
         ),
     ] = None,
-    max_examples: Annotated[int, typer.Option("--max-examples", help="Examples for the statistics.")] = 512,
+    max_examples: Annotated[
+        int | None, typer.Option("--max-examples", help="Examples of --data for the statistics [512].")
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
     verify: Annotated[
         str,
@@ -78,6 +80,9 @@ def match(
     correlations on the dataset's texts; rotation and scaling are then fitted on the weights.
     """
     checks.at_least("--workers", workers, 1)
+    if max_examples is not None and data is None:  # accepted and ignored before
+        raise UsageError("--max-examples: limits --data's examples — add --data DATASET, or drop it")
+    max_examples = 512 if max_examples is None else max_examples
     checks.at_least("--max-examples", max_examples, 1)
     checks.at_least("--refine", refine, 0)
     checks.at_most("--refine", refine, MAX_REFINE, "100")  # 10^12 steps ran on without end

@@ -11,7 +11,7 @@ import typer
 
 from symfuse.cli import app, checks
 from symfuse.errors import UsageError
-from symfuse.outputs import atomic_output_dir, claim_output
+from symfuse.outputs import MARKER, atomic_output_dir, claim_output
 from symfuse.symmetry.registry import kind_names  # no torch: names are checked before it loads
 
 REPORT = "symfuse_many_report.json"
@@ -23,7 +23,8 @@ def output_names(models: list[str]) -> list[str]:
     Names that differ only in case clash too: they are one folder on a case-insensitive file system (macOS, Windows).
     """
     base = [Path(m.rstrip("/")).name or f"model{i}" for i, m in enumerate(models)]
-    if len({b.casefold() for b in base}) == len(base):
+    reserved = {REPORT, MARKER}  # files written into OUT beside the models' folders
+    if len({b.casefold() for b in base}) == len(base) and not reserved & set(base):
         return base
     return [f"{i}-{b}" for i, b in enumerate(base)]
 
@@ -78,9 +79,12 @@ def match_many_cmd(
         typer.Option("--symmetries", help=f"Comma-separated: {', '.join(kind_names('weights'))}."),
     ] = "rotation,scaling,ffn-permutation",
     max_iter: Annotated[
-        int, typer.Option("--max-iter", help="Barycenter iterations per module (residual-orthogonal: rounds) at most.")
-    ] = 20,
-    tol: Annotated[float, typer.Option("--tol", help="Barycenter tolerance (relative move of the mean).")] = 1e-7,
+        int | None,
+        typer.Option("--max-iter", help="Barycenter iterations per module (residual-orthogonal: rounds) at most [20]."),
+    ] = None,
+    tol: Annotated[
+        float | None, typer.Option("--tol", help="Barycenter tolerance (relative move of the mean) [1e-7].")
+    ] = None,
     device: Annotated[str, typer.Option("--device", help=checks.DEVICE_HELP)] = "auto",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out (at the end).")] = False,
 ) -> None:
@@ -96,10 +100,14 @@ def match_many_cmd(
         raise UsageError(f"M1 M2: {len(models)} model(s) given — give two or more models to align")
     if out is None:
         raise UsageError("--out: missing — give the output folder with --out DIR")
-    checks.at_least("--max-iter", max_iter, 1)
-    checks.positive("--tol", tol)
     names = output_names(models)
     index = anchor_index(anchor, models, names)
+    given = [o for o, v in (("--max-iter", max_iter), ("--tol", tol)) if v is not None]
+    if given and index != "barycenter" and "residual-orthogonal" not in symmetries:  # accepted and ignored before
+        raise UsageError(f"{' / '.join(given)}: read only with --anchor barycenter or residual-orthogonal — drop it")
+    max_iter, tol = 20 if max_iter is None else max_iter, 1e-7 if tol is None else tol
+    checks.at_least("--max-iter", max_iter, 1)
+    checks.positive("--tol", tol)
     from_data = [n for n in symmetries.split(",") if n.strip() in set(kind_names()) - set(kind_names("weights"))]
     if from_data:  # registered, but found from activations only
         raise UsageError(

@@ -125,8 +125,8 @@ class TaskDataset:
             DatasetError: if the split is absent.
         """
         if name not in self.splits:
-            raise DatasetError(f"{self.source}: no split {name!r} (available: {sorted(self.splits)}) — read one of "
-                               "those (--split), or add the split's file")  # fmt: skip
+            raise DatasetError(f"{self.source}: no split {name!r} (available: {sorted(self.splits)}) — add "
+                               f"{name}.jsonl there, or read one of those where the command takes --split")  # fmt: skip
         return self.splits[name]
 
 

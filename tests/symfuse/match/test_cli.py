@@ -71,3 +71,17 @@ def test_errors_are_one_line_and_out_is_not_created(case, tmp_path):
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
     assert torch.isfinite(load_file(src / "model.safetensors")[next(iter(load_file(src / "model.safetensors")))]).all()
+
+
+def test_max_examples_without_data_is_refused(tmp_path):
+    """It limits --data's examples: without --data it was accepted and changed nothing."""
+    from typer.testing import CliRunner
+
+    import symfuse.cli.commands  # noqa: F401  (registers the commands)
+    from symfuse.cli import app
+    from tests.tiny import save_tiny
+
+    a, b = (save_tiny(tmp_path / n, "bert", seed=s, head="seq") for n, s in (("a", 1), ("b", 2)))
+    r = CliRunner().invoke(app, ["match", str(b), str(a), "--max-examples", "5", "--out", str(tmp_path / "m")])
+    assert r.exit_code == 2 and "--max-examples: limits --data's examples — add --data DATASET" in r.output
+    assert not (tmp_path / "m").exists()

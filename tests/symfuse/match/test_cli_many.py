@@ -128,3 +128,23 @@ def test_soft_ot_is_reported_not_exact_in_the_summary(three, tmp_path):
     assert r.exit_code == 0, r.output
     rows = json.loads((tmp_path / "soft" / "symfuse_many_report.json").read_text())["models"]
     assert [(m["out"], m["exact"]) for m in rows] == [("a", True), ("b", False)]
+
+
+def test_a_model_folder_named_like_the_report_gets_its_own_output(three, tmp_path):
+    """Its folder collided with the report written into OUT: an error after the work, naming a hidden path."""
+    import shutil
+
+    a, b, _ = three
+    clash = shutil.copytree(b, tmp_path / "x" / "symfuse_many_report.json")
+    r = _run("match-many", a, clash, "--anchor", a, "--symmetries", SYM, "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "1-symfuse_many_report.json" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "out" / "symfuse_many_report.json").read_text())["models"]
+
+
+def test_barycenter_options_without_a_barycenter_are_refused(three, tmp_path):
+    """--max-iter / --tol were accepted and ignored with a named or the closest anchor (the report said 1 iteration)."""
+    a, b, _ = three
+    r = _run("match-many", a, b, "--max-iter", 50, "--tol", 0.9, "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "--max-iter / --tol: read only with --anchor barycenter" in r.output
+    assert not (tmp_path / "out").exists()
