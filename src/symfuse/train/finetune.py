@@ -153,6 +153,8 @@ def _build_model(base: Path, data: TaskDataset, cfg: FinetuneConfig) -> torch.nn
     model, info = load_hf_model(base, cls, validate=False, config=config, ignore_mismatched_sizes=True,
                                 output_loading_info=True)  # fmt: skip
     new = set(info.get("missing_keys") or ()) | {m[0] for m in info.get("mismatched_keys") or ()}
+    if not new and cfg.head_seed is not None:  # the base's head fits the data: kept, so the seed draws nothing
+        log.warning("--head-seed %s: %s already has a head over the data's classes, which is kept", cfg.head_seed, base)
     model = _init_head(model, new, cfg.seed + HEAD_SEED_OFFSET if cfg.head_seed is None else cfg.head_seed)
     if cfg.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)  # no gradient, no optimizer state (_param_groups)

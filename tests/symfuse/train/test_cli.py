@@ -97,3 +97,19 @@ def test_finetune_union_labels_writes_the_union_head(tmp_path):
     space = json.loads((tmp_path / "ft" / "config.json").read_text())["symfuse_label_space"]
     assert space["labels"] == ["anger", "joy", "disgust", "fear", "neutral", "sadness", "surprise"]
     assert space["learned"] == [True, True, False, False, False, False, False]
+
+
+def test_a_head_seed_for_a_head_that_is_kept_is_said_to_draw_nothing(tmp_path, caplog):
+    """The base already holds a head over the data's classes: --head-seed changed nothing, without a word."""
+    from tests.cli.helpers import toy_dataset
+
+    data = str(toy_dataset(tmp_path / "toy"))
+    common = ["--data", data, "--epochs", "1", "--max-length", "16"]
+    first = CliRunner().invoke(app, ["finetune", str(save_tiny_base(tmp_path / "base")), *common, "--out",
+                                     str(tmp_path / "ft")])  # fmt: skip
+    assert first.exit_code == 0, first.output
+    again = CliRunner().invoke(app, ["finetune", str(tmp_path / "ft"), *common, "--head-seed", "3", "--out",
+                                     str(tmp_path / "ft2")])  # fmt: skip
+    assert again.exit_code == 0, again.output
+    assert "--head-seed 3: " in caplog.text
+    assert "already has a head over the data's classes, which is kept" in caplog.text
