@@ -334,13 +334,16 @@ def _initial_map(src: Any, anc: Any, request: AlignRequest, group: str, dev: tor
     if request.data is None:
         return None, []
     from symfuse.data import load_task_dataset, make_batches
+    from symfuse.data.text import is_language_modeling
     from symfuse.evaluate.barrier import head_space
     from symfuse.symmetry.widen import widening_map
 
-    ds = load_task_dataset(request.data)
-    # the refinement's loss is the task's along the path: both heads one label space, the data's classes in it
-    space = head_space(src.config, anc.config, ds, (src.path, anc.path)) if request.refine else None
-    labelled = make_batches(ds, src.path, "train", 16, 128, request.max_examples, space=space)
+    if is_language_modeling(request.data) and not request.refine:  # texts only: the map reads hidden states
+        labelled = make_batches(request.data, src.path, "train", 16, 128, request.max_examples)
+    else:  # the refinement's loss is the task's along the path: both heads one label space, the data's classes in it
+        ds = load_task_dataset(request.data)
+        space = head_space(src.config, anc.config, ds, (src.path, anc.path)) if request.refine else None
+        labelled = make_batches(ds, src.path, "train", 16, 128, request.max_examples, space=space)
     batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in labelled]
     hidden = _hidden_states(src.path, batches, dev)
     if widened_from is not None:

@@ -226,3 +226,7 @@ def test_a_decoder_residual_permutation_recovered_from_a_language_modelling_data
     )
     assert report["distance_before"] > 1 and report["distance_after"] <= 1e-6 * report["distance_before"], report
     assert report["max_abs_logit_diff"] <= 1e-4
+    from symfuse.match.align import align_checkpoints  # the stream map started from the texts' hidden states
+
+    ortho = align_checkpoints(tmp_path / "d", src, tmp_path / "ro", ["residual-orthogonal"], str(lm))
+    assert ortho["exact"] and ortho["distance_after"] <= 1e-6 * ortho["distance_before"], ortho
