@@ -460,6 +460,8 @@ def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path, folders: Sequenc
     def replace(name: str, stored: torch.Tensor) -> torch.Tensor:
         if name in head or name in bodies:
             return {**bodies, **head}[name].to(stored.dtype)
+        if name not in targets:
+            return stored
         w = stored.to(job.device, F64)  # as stored; each update oriented so
         for key in targets.get(name, ()):
             left, core, mag = job.module(key)
@@ -470,8 +472,6 @@ def _write_into_base(job: _Job, keys: Sequence[str], tmp: Path, folders: Sequenc
                 w = full.T if bw.transposed(key) else full
             else:
                 w = w + (d.T if bw.transposed(key) else d)
-        if name not in targets:
-            return stored
         return _finite(w.to("cpu", stored.dtype), ", ".join(targets[name]), job).contiguous()
 
     write_checkpoint(bw.reader, tmp, replace=replace, overwrite=True)
