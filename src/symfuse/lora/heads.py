@@ -218,6 +218,6 @@ def tied_weights(config: Any, names: set[str]) -> dict[str, str]:
     """
     import transformers
 
-    archs = getattr(config, "architectures", None) or [] if getattr(config, "tie_word_embeddings", False) else []
+    archs = (getattr(config, "architectures", None) or []) if getattr(config, "tie_word_embeddings", False) else []
     keys = getattr(getattr(transformers, archs[0], None), "_tied_weights_keys", None) if archs else None
     return {t: s for t, s in keys.items() if t not in names and s in names} if isinstance(keys, dict) else {}
