@@ -200,7 +200,7 @@ def check_output(out: str | os.PathLike, overwrite: bool = False, inputs: Sequen
 
 
 def _check_name_length(out: str | os.PathLike, path: Path) -> None:
-    """Refuse a name whose temporary siblings (``.NAME.tmp-PID-XXXXXXXX``, ``.old-``) the file system cannot hold.
+    """Refuse a name whose temporary siblings (``.NAME.tmp-PID-XXXXXXXX`` and theirs) the file system cannot hold.
 
     It was found when the work ended and the output was written, naming the hidden temporary folder.
     """
@@ -209,7 +209,9 @@ def _check_name_length(out: str | os.PathLike, path: Path) -> None:
         limit = os.pathconf(parent, "PC_NAME_MAX")
     except (OSError, ValueError):
         limit = 255
-    extra = len(f"..tmp-{'0' * 7}-{'0' * 8}")  # and .old- when it replaces one; a pid has up to 7 digits
+    # .NAME.tmp-PID-XXXXXXXX (a pid has up to 7 digits; .old- when it replaces one), and a library writer's own
+    # staging sibling of that folder, .<it>.tmp-XXXXXXXX (disguise)
+    extra = len(f"..tmp-{'0' * 7}-{'0' * 8}") + len(f"..tmp-{'0' * 8}")
     if (n := len(path.name.encode())) + extra > limit:
         raise UsageError(f"{out}: a name of {n} bytes — the folder written beside it first adds {extra}, and "
                          f"{parent} takes names of {limit}: give a name of at most {limit - extra}")  # fmt: skip

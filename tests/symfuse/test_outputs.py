@@ -280,7 +280,7 @@ def test_an_output_inside_one_still_being_written_is_not_published_until_that_on
 
 def test_a_name_too_long_for_its_temporary_sibling_is_refused_before_the_work(tmp_path):
     """240 characters passed (the lock's name fits), and the output failed after a whole fine-tune."""
-    longest = 255 - len("..tmp-0000000-00000000")
+    longest = 255 - len("..tmp-0000000-00000000") - len("..tmp-00000000")
     with pytest.raises(UsageError, match=rf"a name of 240 bytes — .* give a name of at most {longest}"):
         check_output(tmp_path / ("y" * 240))
     with atomic_output_dir(tmp_path / ("y" * longest)) as tmp:
