@@ -29,6 +29,15 @@ def output_names(models: list[str]) -> list[str]:
     return [f"{i}-{b}" for i, b in enumerate(base)]
 
 
+def _iteration_options(max_iter: int | None, tol: float | None) -> tuple[int, float, list[str]]:
+    """``--max-iter`` and ``--tol`` checked (20 and 1e-7 when not given), and the options given."""
+    given = [o for o, v in (("--max-iter", max_iter), ("--tol", tol)) if v is not None]
+    max_iter, tol = 20 if max_iter is None else max_iter, 1e-7 if tol is None else tol
+    checks.at_least("--max-iter", max_iter, 1)
+    checks.positive("--tol", tol)
+    return max_iter, tol, given
+
+
 def anchor_index(anchor: str, models: list[str], names: list[str]) -> str | int:
     """``closest`` / ``barycenter`` as given; a model (as written, its output name or folder name) as its index.
 
@@ -102,12 +111,9 @@ def match_many_cmd(
         raise UsageError("--out: missing — give the output folder with --out DIR")
     names = output_names(models)
     index = anchor_index(anchor, models, names)
-    given = [o for o, v in (("--max-iter", max_iter), ("--tol", tol)) if v is not None]
+    max_iter, tol, given = _iteration_options(max_iter, tol)
     if given and index != "barycenter" and "residual-orthogonal" not in symmetries:  # accepted and ignored before
         raise UsageError(f"{' / '.join(given)}: read only with --anchor barycenter or residual-orthogonal — drop it")
-    max_iter, tol = 20 if max_iter is None else max_iter, 1e-7 if tol is None else tol
-    checks.at_least("--max-iter", max_iter, 1)
-    checks.positive("--tol", tol)
     from_data = [n for n in symmetries.split(",") if n.strip() in set(kind_names()) - set(kind_names("weights"))]
     if from_data:  # registered, but found from activations only
         raise UsageError(
