@@ -94,6 +94,9 @@ def match(
     plan_alignment(names, data, refine)  # one line for what does not combine, before any model is read
     checks.checkpoint(source)
     checks.checkpoint(anchor)
+    from symfuse.data.vocab import check_same_vocabulary  # loads torch: after the options are checked
+
+    check_same_vocabulary([anchor, source], "matching pairs the models' embedding rows and feeds both the same ids")
     if data is not None and data != RANDOM_PIXELS:  # pixel families' seeded random images are no dataset
         checks.dataset("--data", data, texts=not refine)  # activations read texts; --refine the labels too
         if refine:  # its task loss runs the heads on the data: a task they cannot score failed in torch

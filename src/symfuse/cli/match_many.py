@@ -127,6 +127,9 @@ def match_many_cmd(
     checks.distinct("M1 M2", models, "model", weighted=False)
     for m in models:
         checks.checkpoint(m)
+    from symfuse.data.vocab import check_same_vocabulary  # loads torch: after the options are checked
+
+    check_same_vocabulary(models, "matching pairs the models' embedding rows")
     device = checks.device("--device", device)
     if "residual-orthogonal" in sym:  # one stream map per model: the models are aligned as wholes
         _whole_models(models, out, names, index, sym, max_iter, tol, device, overwrite)

@@ -57,3 +57,12 @@ def test_a_model_reading_other_token_ids_is_refused_by_barrier_inspect_and_merge
     with pytest.raises(TokenizerError, match="a merged model reads text with the first model's tokenizer"):
         merge_checkpoints("simple", [a, shuffled], tmp_path / "merged")
     assert not (tmp_path / "merged").exists()
+
+
+def test_models_reading_other_token_ids_are_refused_by_match_and_match_many(models, tmp_path):
+    """Matching pairs embedding rows by id and feeds both models one tokenizer's ids: it ran without a word."""
+    a, _, shuffled, _ = models
+    for cmd in (["match", shuffled, a], ["match-many", a, shuffled]):
+        r = run_cli(*cmd, "--out", tmp_path / cmd[0], "--device", "cpu")
+        assert r.returncode == 1 and f"{shuffled}: its tokenizer is not {a}'s" in r.stderr, r.stderr
+        assert "matching pairs the models' embedding rows" in r.stderr and not (tmp_path / cmd[0]).exists()
