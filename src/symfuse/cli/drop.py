@@ -72,8 +72,9 @@ def drop(
     from symfuse.checkpoint import validate_checkpoint
 
     validate_checkpoint(checkpoint, tokenizer=True)  # config, shapes, NaN / inf, tokenizer: before any upload
-    _check_fits_run(store, run, dataset, checkpoint)
-    _check_dataset(store, run, dataset or name, name, flag)
+    models = store.folders(layout.models_prefix(run))  # the run's models (one listing: a store round trip)
+    _check_fits_run(store, run, models, dataset, checkpoint)
+    _check_dataset(run, models, dataset or name, name, flag)
     if store.exists(key) and not replace:
         raise OutputExistsError(
             f"{store.uri(key)} exists; pass --replace to publish a new version of it, or another --name"
@@ -100,8 +101,10 @@ def _check_outside(store: ArtifactStore, checkpoint: Path) -> None:
                          "itself — keep the store outside the checkpoint folder")  # fmt: skip
 
 
-def _check_fits_run(store: ArtifactStore, run: str, dataset: str | None, checkpoint: Path) -> None:
+def _check_fits_run(store: ArtifactStore, run: str, names: list[str], dataset: str | None, checkpoint: Path) -> None:
     """Refuse a checkpoint whose family or shapes differ from the run's model (of ``dataset``, else its first one).
+
+    ``names``: the run's models (the folders under its ``models/``).
 
     The watcher's re-merge would fail on it, long after the drop said it was taken. A run with no model yet passes.
     """
@@ -109,7 +112,6 @@ def _check_fits_run(store: ArtifactStore, run: str, dataset: str | None, checkpo
 
     from symfuse.store import layout
 
-    names = store.folders(layout.models_prefix(run))
     name = dataset if dataset in names else (names[0] if names else None)
     if name is None or not store.exists(key := layout.model_key(run, name)):
         return
@@ -121,7 +123,7 @@ def _check_fits_run(store: ArtifactStore, run: str, dataset: str | None, checkpo
         )
 
 
-def _check_dataset(store: ArtifactStore, run: str, dataset: str, name: str, flag: str) -> None:
+def _check_dataset(run: str, models: list[str], dataset: str, name: str, flag: str) -> None:
     """Refuse a dataset the re-merge could not evaluate on, or a run model's name for another dataset.
 
     A checkpoint named as one of the run's models replaces it, so it must be of that model's dataset. Any other
@@ -129,9 +131,6 @@ def _check_dataset(store: ArtifactStore, run: str, dataset: str, name: str, flag
     off, as every flow runs) finds locally, or an explicit hub id (``owner/name``, ``hf:<id>``). A run with no model
     yet is not checked (its datasets are not known here).
     """
-    from symfuse.store import layout
-
-    models = store.folders(layout.models_prefix(run))
     if not models:
         return
     if name in models and dataset != name:
