@@ -96,10 +96,9 @@ def watch_checkpoints(config: RunConfig, prefix: str | None = None) -> list[str]
     store = ArtifactStore(config.resolved_store_root())
     log = get_run_logger()
     warn_unmarked(store, config.run_id, prefix, log.warning)
-    incoming = [store.uri(k) for k in store.list(prefix or layout.incoming_prefix(config.run_id))]
-    taken = {d.checkpoint for d in with_checkpoints(config, store, incoming, log.warning).datasets}
-    # one left out stays unmerged: emitted, it would bring a re-merge every 30 minutes
-    new = [uri for uri in pending_checkpoints(store, config.run_id, prefix) if uri in taken]
+    pending = pending_checkpoints(store, config.run_id, prefix)
+    taken = {d.checkpoint for d in with_checkpoints(config, store, pending, log.warning).datasets}
+    new = [uri for uri in pending if uri in taken]  # one left out stays pending: emitted, a re-merge every 30 min
     if not new:
         log.info("no new checkpoints under %s", store.uri(prefix or layout.incoming_prefix(config.run_id)))
         return []
